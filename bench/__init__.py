@@ -1,0 +1,1 @@
+"""Benchmarks (GPU). Entry point for `megakernel bench`: `bench.megakernel_bench.run(out_dir, quick)`."""

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One GPU session on the H200 (run from the repo root; the lead runs it):
+#   bash bench/gpu_session.sh            # writes logs + JSON under $OUT (default /tmp/out)
+# In order: GPU tests, compute-sanitizer memcheck + racecheck on a small megakernel case (if the
+# tool exists), the benchmarks; then a summary table. Budget: < 9 minutes in all.
+set -u
+cd "$(dirname "$0")/.."
+source .device/prelude.sh
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+START=$(date +%s)
+{
+  echo "commit $GIT_COMMIT"; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv
+  python -c "import torch, cutlass; print('torch', torch.__version__, 'cutlass-dsl', getattr(cutlass, '__version__', '?'))"
+} > "$OUT/env.txt" 2>&1
+
+echo "== GPU tests"
+timeout 240 python -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider --durations=8 > "$OUT/gpu_tests.log" 2>&1
+TESTS_RC=$?
+tail -n 30 "$OUT/gpu_tests.log"
+
+SAN="not run (compute-sanitizer not found)"
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  echo "== compute-sanitizer"
+  : > "$OUT/sanitizer.log"
+  SAN=""
+  for tool in memcheck racecheck; do
+    echo "---- $tool" >> "$OUT/sanitizer.log"
+    timeout 100 compute-sanitizer --tool $tool --error-exitcode 3 python bench/sanitize_case.py >> "$OUT/sanitizer.log" 2>&1
+    rc=$?
+    SAN="$SAN $tool=rc$rc"
+    tail -n 4 "$OUT/sanitizer.log"
+  done
+fi
+
+echo "== benchmarks"
+REMAIN=$(( 520 - ($(date +%s) - START) ))
+QUICK=""
+if [ $REMAIN -lt 200 ]; then QUICK="--quick"; fi
+timeout $(( REMAIN > 60 ? REMAIN : 60 )) python -m bench.megakernel_bench --out "$OUT" $QUICK > "$OUT/bench.log" 2>&1
+BENCH_RC=$?
+if [ -f "$OUT/timeline_mlp_stack.json" ]; then
+  python -m bench.timeline "$OUT/timeline_mlp_stack.json" -o "$OUT/timeline_mlp_stack.png" >> "$OUT/bench.log" 2>&1 \
+    || echo "(timeline PNG not rendered here: render it on CPU with python -m bench.timeline)"
+fi
+
+echo
+echo "================ summary ($(( $(date +%s) - START )) s) ================"
+echo "gpu tests: rc=$TESTS_RC  $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/gpu_tests.log" | tail -n 1)"
+echo "sanitizer:$SAN"
+echo "bench: rc=$BENCH_RC"
+sed -n '/^copy bandwidth/,$p' "$OUT/bench.log" || tail -n 20 "$OUT/bench.log"
+[ $BENCH_RC -eq 0 ] || tail -n 20 "$OUT/bench.log"
+ls -la "$OUT"

@@ -1,0 +1,295 @@
+"""Benchmarks of the megakernel slice on the GPU: the GEMV block alone and the one-launch MLP stack,
+each beside the same work in PyTorch under a CUDA graph and the bytes / bandwidth floor, with
+the copy bandwidth measured in the same run.
+
+    python -m bench.megakernel_bench --out bench/results/h200 [--quick]
+    from bench.megakernel_bench import run; run(out_dir, quick=False)   # the `megakernel bench` entry
+
+Every timing replays a CUDA graph of many calls that rotate through enough weight copies to
+exceed the L2 (so no call reads weights the previous one left in cache), and takes the median
+of several replays. JSON: commit, command, GPU name, copy bandwidth, one record per case with
+us, GB/s, fraction of the floor and speed-up over the graphed PyTorch. `--timeline` also writes the
+per-instruction timing record of one megakernel launch (JSON; render with bench/timeline.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+L2_FLUSH_BYTES = 256 << 20     # working set per timed graph: several times the H200's 60 MB L2
+
+
+def _commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
+                                       cwd=os.path.dirname(__file__)).decode().strip()
+    except Exception:
+        return "unknown"
+
+
+def graph_time_us(calls, replays: int = 5) -> float:
+    """Median time per call (us) of `calls` (a list of zero-arg callables) captured in one CUDA
+    graph; falls back to timed eager calls if capture fails (reported by the caller via 'mode')."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls[:2]:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(calls))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def eager_time_us(calls, replays: int = 5) -> float:
+    for c in calls[:2]:
+        c()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for c in calls:
+            c()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(calls))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def timed(calls):
+    try:
+        return graph_time_us(calls), "cuda_graph"
+    except Exception as exc:  # capture unsupported: say so, time eagerly
+        print(f"  (graph capture failed: {type(exc).__name__}: {exc}; timing eager launches)")
+        torch.cuda.synchronize()
+        return eager_time_us(calls), "eager"
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy: (bytes read + bytes written) / time, GB/s."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us, _ = timed([lambda: b.copy_(a)] * 10)
+    return 2 * nbytes / (us * 1e3)
+
+
+def _stream():
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+# ----------------------------------------------------------------------------------- GEMV
+def bench_gemv(n, k, m, wd, copy_bw):
+    from sdk.blocks._cute import standalone
+    from sdk.blocks.gemv import GemvBlock, GemvConfig
+    from sdk.megakernel.mlp_stack import quantize_fp8
+    block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype=wd))
+    fn = standalone(block)
+    wbytes = block.weight_bytes()
+    copies = max(2, -(-L2_FLUSH_BYTES // wbytes))
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    tables, copies_w = [], []
+    for _ in range(copies):
+        w = (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+        if wd == "fp8_e4m3":
+            q, sc = quantize_fp8(w)
+            ptrs = [q.data_ptr(), sc.data_ptr(), x.data_ptr(), y.data_ptr()]
+            copies_w.append((w, q, sc))
+        else:
+            ptrs = [w.data_ptr(), x.data_ptr(), y.data_ptr()]
+            copies_w.append((w, None, None))
+        tables.append(torch.tensor(ptrs, dtype=torch.int64, device="cuda"))
+    # correctness of the timed configuration (last copy), output poisoned first
+    y.fill_(float("nan"))
+    fn(tables[-1].data_ptr(), _stream())
+    torch.cuda.synchronize()
+    w, q, sc = copies_w[-1]
+    ref_w = q.float() * sc.repeat_interleave(128, 0).repeat_interleave(128, 1) if q is not None else w.float()
+    ref = x.float() @ ref_w.T
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    us, mode = timed([lambda t=t: fn(t.data_ptr(), _stream()) for t in tables] * 4)
+    torch_us, _ = timed([lambda w=cw[0]: torch.matmul(x, w.t(), out=y) for cw in copies_w] * 4)
+    floor_us = wbytes / (copy_bw * 1e3)
+    return {"case": f"gemv n={n} k={k} m={m} {wd}", "kind": "gemv", "n": n, "k": k, "m": m,
+            "weight_dtype": wd, "weight_bytes": wbytes, "us": us, "gbs": wbytes / (us * 1e3),
+            "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
+            "torch_note": "torch bf16 matmul of the same shape" if wd != "bf16" else "torch bf16 matmul",
+            "speedup_vs_torch_graph": torch_us / us, "timing_mode": mode, "rel_err": err}
+
+
+# ----------------------------------------------------------------------------------- MLP stack
+def torch_stack_calls(cfg, weights, x):
+    """The same stack as unfused PyTorch bf16 ops (what the graph baseline runs)."""
+    import torch.nn.functional as F
+    L = cfg.layers
+
+    def deq(name):
+        w = weights[name + ".weight"]
+        if w.dtype == torch.float8_e4m3fn:   # baseline on dequantized bf16 copies (same shapes)
+            s = weights[name + ".weight_scale"]
+            return (w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(torch.bfloat16)
+        return w
+
+    W = [(weights[f"layers.{l}.norm.weight"], deq(f"layers.{l}.gate"), deq(f"layers.{l}.up"),
+          deq(f"layers.{l}.down")) for l in range(L)]
+    fw = weights["final_norm.weight"]
+    out = torch.empty_like(x)
+
+    def step():
+        r = x
+        for nw, wg, wu, wdn in W:
+            h = F.rms_norm(r, (cfg.hidden,), nw, cfg.eps)
+            r = r + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wdn)
+        out.copy_(F.rms_norm(r, (cfg.hidden,), fw, cfg.eps))
+    return step, out
+
+
+def bench_stack(cfg, copy_bw, timeline_path=None):
+    from sdk.megakernel.mlp_stack import build_program, make_weights, reference, weight_bytes
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.megakernel.runtime import MegakernelRuntime
+    prog = build_program(cfg)
+    tensors = PyVM.alloc(prog, device="cuda")
+    weights = make_weights(cfg, seed=1, device="cuda")
+    tensors.update(weights)
+    t0 = time.time()
+    rt = MegakernelRuntime(prog, tensors)
+    compile_s = time.time() - t0
+    x = torch.randn(cfg.batch, cfg.hidden, device="cuda").to(torch.bfloat16)
+    tensors["x"].copy_(x)
+    tensors["out"].fill_(float("nan"))
+    rt.run()
+    ref = reference(cfg, weights, x)
+    err = ((tensors["out"].float() - ref).norm() / ref.norm()).item()
+    wbytes = weight_bytes(prog)
+    reps = max(4, -(-L2_FLUSH_BYTES // wbytes))
+    us, mode = timed([lambda: rt.launch()] * reps)
+    rt.check()
+    step, _ = torch_stack_calls(cfg, weights, x)
+    torch_us, _ = timed([step] * reps)
+    floor_us = wbytes / (copy_bw * 1e3)
+    rec = {"case": f"mlp_stack L={cfg.layers} I={cfg.intermediate} B={cfg.batch} {cfg.weight_dtype}",
+           "kind": "mlp_stack", "hidden": cfg.hidden, "intermediate": cfg.intermediate,
+           "layers": cfg.layers, "batch": cfg.batch, "weight_dtype": cfg.weight_dtype,
+           "weight_bytes": wbytes, "us": us, "us_per_layer": us / cfg.layers, "gbs": wbytes / (us * 1e3),
+           "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
+           "speedup_vs_torch_graph": torch_us / us, "timing_mode": mode, "rel_err": err,
+           "launches_per_step": 1, "instructions": len(prog.instructions), "max_per_sm": rt.max_len,
+           "sched_est_us": rt.schedule.est_ns / 1e3, "compile_s": compile_s}
+    if timeline_path:
+        rt_t = MegakernelRuntime(prog, tensors, timing=True)
+        rt_t.run()
+        rt_t.run()
+        rec_t = rt_t.timing_record()
+        rec_t.update({"case": rec["case"], "us": us})
+        with open(timeline_path, "w") as f:
+            json.dump(rec_t, f)
+        rec["timeline"] = os.path.basename(timeline_path)
+    del rt, tensors, weights
+    torch.cuda.empty_cache()
+    return rec
+
+
+def stack_cases(quick: bool):
+    from sdk.megakernel.mlp_stack import MLPStackConfig
+    cases = [MLPStackConfig(intermediate=2048, layers=8, batch=1)]
+    if not quick:
+        cases += [MLPStackConfig(intermediate=4096, layers=8, batch=1),
+                  MLPStackConfig(intermediate=12288, layers=4, batch=1),
+                  MLPStackConfig(intermediate=18432, layers=4, batch=1),
+                  MLPStackConfig(intermediate=2048, layers=16, batch=1),
+                  MLPStackConfig(intermediate=2048, layers=8, batch=8),
+                  MLPStackConfig(intermediate=2048, layers=8, batch=1, weight_dtype="fp8_e4m3"),
+                  MLPStackConfig(intermediate=18432, layers=4, batch=1, weight_dtype="fp8_e4m3")]
+    return cases
+
+
+def gemv_cases(quick: bool):
+    cases = [(7168, 2048, 1, "bf16"), (18432, 7168, 1, "bf16")]
+    if not quick:
+        cases += [(4096, 7168, 1, "bf16"), (7168, 18432, 1, "bf16"), (18432, 7168, 1, "fp8_e4m3"),
+                  (18432, 7168, 8, "bf16")]
+    return cases
+
+
+def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
+    """Run all benchmarks; write `megakernel_bench.json` (and a timeline) into out_dir."""
+    os.makedirs(out_dir, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    copy_bw = copy_bandwidth_gbs()
+    print(f"GPU {props.name}, {props.multi_processor_count} SMs; copy bandwidth {copy_bw:.0f} GB/s")
+    results = []
+    for n, k, m, wd in gemv_cases(quick):
+        try:
+            r = bench_gemv(n, k, m, wd, copy_bw)
+        except Exception as exc:
+            r = {"case": f"gemv n={n} k={k} m={m} {wd}", "error": f"{type(exc).__name__}: {exc}"}
+        print(_line(r))
+        results.append(r)
+    for i, cfg in enumerate(stack_cases(quick)):
+        tl = os.path.join(out_dir, "timeline_mlp_stack.json") if (timeline and i == 0) else None
+        try:
+            r = bench_stack(cfg, copy_bw, tl)
+        except Exception as exc:
+            r = {"case": f"mlp_stack L={cfg.layers} I={cfg.intermediate} B={cfg.batch} {cfg.weight_dtype}",
+                 "error": f"{type(exc).__name__}: {exc}"}
+        print(_line(r))
+        results.append(r)
+    report = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "gpu": props.name, "sms": props.multi_processor_count, "copy_bw_gbs": copy_bw,
+              "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
+    with open(os.path.join(out_dir, "megakernel_bench.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def _line(r) -> str:
+    if "error" in r:
+        return f"{r['case']:<44} ERROR {r['error'][:200]}"
+    return (f"{r['case']:<44} {r['us']:9.1f} us {r['gbs']:7.0f} GB/s  floor {r['fraction_of_floor']*100:5.1f}%  "
+            f"torch-graph {r['torch_graph_us']:9.1f} us  x{r['speedup_vs_torch_graph']:.2f}  err {r['rel_err']:.1e}")
+
+
+def summary(report) -> str:
+    lines = [f"copy bandwidth {report['copy_bw_gbs']:.0f} GB/s on {report['gpu']}"]
+    lines += [_line(r) for r in report["results"]]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/h200"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-timeline", action="store_true")
+    a = ap.parse_args(argv)
+    rep = run(a.out, quick=a.quick, timeline=not a.no_timeline)
+    print("\n" + summary(rep))
+
+
+if __name__ == "__main__":
+    main()

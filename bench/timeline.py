@@ -1,0 +1,51 @@
+"""Render a megakernel timing record (JSON from `megakernel_bench --timeline`) as a PNG timeline:
+one row per SM, time on x, one bar per instruction coloured by opcode. Runs on CPU.
+
+    python -m bench.timeline bench/results/h200/timeline_mlp_stack.json -o timeline.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def render(record: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    names = record["opcode_names"]
+    cmap = plt.get_cmap("tab10")
+    nsm = max(record["sm"]) + 1
+    fig, ax = plt.subplots(figsize=(14, max(4, nsm * 0.06)))
+    by_op: dict = {}
+    for sm, s, e, op in zip(record["sm"], record["start_ns"], record["end_ns"], record["opcode"]):
+        by_op.setdefault(op, []).append((sm, s / 1e3, max(e - s, 1) / 1e3))
+    for op, bars in by_op.items():
+        for sm, s, w in bars:
+            ax.broken_barh([(s, w)], (sm - 0.4, 0.8), facecolors=cmap(op % 10), linewidth=0)
+    ax.set_xlabel("time (us) from the first instruction's start")
+    ax.set_ylabel("SM")
+    ax.set_ylim(-1, nsm)
+    ax.set_title(f"{record.get('case', '')}: {record.get('us', 0):.1f} us per launch (timed without the record)")
+    ax.legend(handles=[Patch(color=cmap(i % 10), label=f"{i}: {n}") for i, n in enumerate(names)],
+              loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("record")
+    ap.add_argument("-o", "--out", default=None)
+    a = ap.parse_args(argv)
+    with open(a.record) as f:
+        rec = json.load(f)
+    out = a.out or a.record.rsplit(".", 1)[0] + ".png"
+    render(rec, out)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

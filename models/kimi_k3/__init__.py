@@ -1,0 +1,32 @@
+"""Kimi K3: KDA + NoPE MLA hybrid with a large MoE, following transformers 5.24 `kimi_linear`
+(see docs/models/kimi_k3.md for the architecture, sources and assumptions)."""
+from sdk import ModelEntry, Sharding, hookimpl
+
+from . import config as _config
+from . import weights as _weights
+
+ENTRY = ModelEntry(
+    name="kimi_k3",
+    hf_model_type="kimi_linear",
+    summary="Kimi K3: KDA + NoPE MLA hybrid, 896-expert top-16 MoE (transformers kimi_linear + K3's sigmoid KDA gate)",
+    spec_from_config=_config.spec_from_config,
+    configs={"tiny": _config.tiny, "full": _config.full},
+    hf_config=_config.hf_config,
+    hf_causal_lm="transformers.KimiLinearForCausalLM",
+    load_weights=_weights.load_weights,
+    shardings={
+        "tp8": Sharding(tp=8, ep=1, note="MLA/KDA 12 heads per rank; MoE tensor-parallel, expert "
+                                         "intermediate 3072/8 = 384 per rank [MODEL-FACTS F8, F10]"),
+        "ep8": Sharding(tp=8, ep=8, note="attention TP8 (12 heads per rank); 112 experts per rank "
+                                         "(the W4A8 EP8 path [MODEL-FACTS F17])"),
+        "tp12": Sharding(tp=12, ep=1, note="GB200/GB300 NVL72: 8 MLA heads per rank; MoE tensor-parallel; "
+                                           "latent up rows 7168 = 8*640 + 4*512 [MODEL-FACTS F4, F14]"),
+        "ep16": Sharding(tp=16, ep=16, note="assumed, not stated for Kimi K3: 6 heads and 56 experts per rank"),
+    },
+    doc="docs/models/kimi_k3.md",
+)
+
+
+@hookimpl
+def register_models(register):
+    register(ENTRY)

@@ -1,0 +1,15 @@
+"""Device blocks of the megakernel: one module, one class each (the contract: `base.Block`).
+
+Registered through the `register_blocks` hook (the SDK's own in `sdk/builtin_plugin.py`); the
+module list here is what `builtin_blocks()` returns. Nothing here imports CuTe DSL.
+"""
+from .base import NUM_THREADS, Block, Cost, OperandSpec
+
+
+def builtin_blocks() -> list[type]:
+    from .gemv import GemvBlock
+    from .rmsnorm import RMSNormBlock
+    return [RMSNormBlock, GemvBlock]
+
+
+__all__ = ["Block", "Cost", "OperandSpec", "NUM_THREADS", "builtin_blocks"]

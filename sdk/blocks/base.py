@@ -1,0 +1,136 @@
+"""The block contract: what every device block in `sdk/blocks/` provides.
+
+A block is one module with one class (a subclass of `Block`) and four faces:
+
+1. a static config (a frozen dataclass, `Block.Config`): shapes, dtypes, quantization, threads;
+2. `reference(**inputs)`: plain torch, fp32 math over the whole op - the block's definition;
+3. `device_tile()`: the CuTe DSL device function for ONE unit of work (a tile), with the signature
+   `tile(ptrs: list[Int64], tile: Int32, scratch: smem Float32 tensor)`; the same function is
+   called from the block's own standalone kernel (`standalone_kernel()`, for unit tests and
+   benchmarks) and from the megakernel's dispatch loop (it inlines into the one kernel);
+4. `cost()`: bytes moved and flops per tile (the scheduler and the roofline report read it).
+
+Besides, `emulate_tile(tensors, tile)` is the torch twin of the device tile that the PyVM runs:
+same tile boundaries, same storage dtypes, fp32 math.
+
+Operands are device pointers (int64) in an operand table; their order is `operands()`, their
+shapes and dtypes are static (`operand_specs()`), so a kernel never takes per-layer arguments.
+
+Nothing here imports CuTe DSL: `device_tile()` imports it when called (`import sdk` and the PyVM
+work without `nvidia-cutlass-dsl`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import UnsupportedConfigError
+
+# Threads per CTA of every block and of the megakernel: 8 warps. One value for the whole kernel
+# since all blocks inline into the same persistent CTA.
+NUM_THREADS = 256
+
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "int32": torch.int32,
+}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Per tile: bytes that must come from / go to global memory, and flops."""
+    bytes: int
+    flops: int
+
+    def ns(self, bandwidth_gbs: float = 4260.0, per_sm_share: int = 132) -> float:
+        """Time of one tile on one SM when all SMs stream at the measured copy bandwidth."""
+        return self.bytes / (bandwidth_gbs / per_sm_share)
+
+
+@dataclass(frozen=True)
+class OperandSpec:
+    name: str
+    shape: tuple
+    dtype: str          # key of DTYPES
+    output: bool = False
+    optional: bool = False   # may be left unbound (a null pointer the tile never reads)
+
+
+class Block:
+    """Base class of device blocks. Subclasses set `name` and `Config` and implement the faces."""
+
+    name: ClassVar[str] = ""
+    Config: ClassVar[type] = object
+
+    def __init__(self, config):
+        if not isinstance(config, self.Config):
+            raise TypeError(f"{type(self).__name__} takes a {self.Config.__name__}, got {type(config).__name__}")
+        self.config = config
+        self.check()
+        self._device_tile = None
+
+    # -- identity: blocks with equal static config compile to the same code ---------------------
+    def key(self) -> tuple:
+        return (type(self).__name__, dataclasses.astuple(self.config))
+
+    def __eq__(self, other):
+        return isinstance(other, Block) and self.key() == other.key()
+
+    def __hash__(self):
+        return hash(self.key())
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.config})"
+
+    # -- the contract -------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise UnsupportedConfigError for a config the device code does not implement."""
+
+    def operand_specs(self) -> list[OperandSpec]:
+        raise NotImplementedError
+
+    def operands(self) -> list[str]:
+        return [o.name for o in self.operand_specs()]
+
+    def num_tiles(self) -> int:
+        raise NotImplementedError
+
+    def cost(self) -> Cost:
+        raise NotImplementedError
+
+    def reference(self, **inputs) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def emulate_tile(self, tensors: dict[str, torch.Tensor], tile: int) -> None:
+        raise NotImplementedError
+
+    def device_tile(self):
+        """The CuTe DSL device function of one tile (built once per block instance)."""
+        if self._device_tile is None:
+            self._device_tile = self._build_device_tile()
+        return self._device_tile
+
+    def _build_device_tile(self):
+        raise NotImplementedError
+
+    # -- helpers ------------------------------------------------------------------------------
+    def alloc_operands(self, device="cpu", fill=None) -> dict[str, torch.Tensor]:
+        """Zero (or `fill`) tensors of every operand's static shape and dtype."""
+        out = {}
+        for spec in self.operand_specs():
+            if spec.optional:
+                continue
+            t = torch.zeros(spec.shape, dtype=DTYPES[spec.dtype], device=device)
+            if fill is not None and spec.output:
+                t.fill_(fill)
+            out[spec.name] = t
+        return out
+
+    @staticmethod
+    def unsupported(msg: str):
+        raise UnsupportedConfigError(msg)

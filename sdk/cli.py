@@ -1,0 +1,172 @@
+"""`megakernel` command line: models, plan, run, compile-check, bench, demo."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from . import plugins
+from .errors import SdkError
+
+
+def cmd_models(args) -> int:
+    models = plugins.models()
+    print(f"plugins loaded: {', '.join(plugins.loaded_plugins()) or '(none)'}")
+    for name, e in sorted(models.items()):
+        print(f"  {name:20s} [{e.plugin}] follows transformers '{e.hf_model_type}': {e.summary}")
+        print(f"  {'':20s} configs: {', '.join(sorted(e.configs))}; shardings: "
+              f"{', '.join(f'{k}(tp={s.tp},ep={s.ep})' for k, s in e.shardings.items()) or '-'}")
+    for err in plugins.plugin_errors():
+        print(f"  ! {err}")
+    return 0
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if b >= div:
+            return f"{b / div:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def cmd_plan(args) -> int:
+    from .graph import plan
+    from .spec import QuantSpec
+    entry = plugins.get_model(args.model)
+    spec = entry.spec(args.config)
+    quant = entry.native_quant if args.weights == "native" else QuantSpec(experts=args.weights, dense=args.weights)
+    p = plan(spec, tp=args.tp, ep=args.ep, batch=args.batch, ctx=args.ctx, gpu=args.gpu, quant=quant or spec.quant)
+    q = quant or spec.quant
+    print(f"{args.model} ({args.config}) per GPU at tp={p.tp} ep={p.ep}, batch {p.batch}, context {p.ctx}, "
+          f"{p.gpu} at {p.bandwidth_tbs} TB/s; weights: experts {q.experts}, dense {q.dense}; KV {q.kv_cache}")
+    print(f"{'layer':>5} {'kind':<12} {'weights':>11} {'KV/state':>11} {'floor µs':>9}  ops")
+    for l in p.layers:
+        print(f"{l.index:>5} {l.kind:<12} {_fmt_bytes(l.weight_bytes):>11} {_fmt_bytes(l.kv_bytes):>11} "
+              f"{p.floor_us(l):>9.2f}  {', '.join(o.name for o in l.ops) if args.ops else len(l.ops)}")
+    print(f"{'head':>5} {'lm_head':<12} {_fmt_bytes(p.head.weight_bytes):>11} {'':>11} {p.floor_us(p.head):>9.2f}")
+    print(f"step: {_fmt_bytes(p.total_bytes)} per GPU -> floor {p.step_floor_us:.1f} µs, "
+          f"{p.tokens_per_s:,.0f} tok/s at batch {p.batch} (activations and all-reduce not counted)")
+    return 0
+
+
+def cmd_run(args) -> int:
+    import torch
+    from .api import build_megakernel
+    from .reference.model import random_weights
+    config = "tiny" if args.tiny else args.config
+    mk = build_megakernel(args.model, config=config, backend=args.backend, max_seq_len=args.prompt + args.tokens)
+    mk.load_weights(random_weights(mk.spec, seed=args.seed))
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, mk.spec.vocab_size, (args.batch, args.prompt), generator=g)
+    t0 = time.perf_counter()
+    out = mk.generate(ids, args.tokens)
+    dt = time.perf_counter() - t0
+    print(f"{args.model} ({config}, random weights, backend {args.backend}): {mk.spec.num_layers} layers "
+          f"[{', '.join(sorted(set(mk.spec.layer_kinds())))}]")
+    print(f"  batch {args.batch}, prompt {args.prompt}, {args.tokens} new tokens in {dt:.2f} s: "
+          f"{args.batch * args.tokens / dt:.1f} tok/s")
+    print(f"  first row: {out[0, args.prompt:].tolist()}")
+    return 0
+
+
+def cmd_compile_check(args) -> int:
+    try:
+        import cutlass  # noqa: F401  (CuTe DSL: the `cute` extra)
+    except ImportError:
+        print("compile-check needs CuTe DSL: pip install -e '.[cute]'")
+        return 1
+    from .compile import compile_check, failures
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    report = compile_check(archs)
+    for arch, cases in report.items():
+        print(f"compile-check {arch}:")
+        for case, result in cases.items():
+            print(f"  {'ok ' if not isinstance(result, str) else 'ERR'} {case}"
+                  f"{f'  {result:.2f} s' if not isinstance(result, str) else '  ' + result}")
+    bad = failures(report)
+    print(f"compile-check: {sum(len(c) for c in report.values()) - len(bad)} compiled, {len(bad)} failed")
+    return 1 if bad else 0
+
+
+def cmd_bench(args) -> int:
+    try:
+        from bench.megakernel_bench import main as bench_main
+    except ImportError:
+        print("megakernel bench runs from the source tree (the bench/ folder) on a CUDA GPU")
+        return 1
+    bench_main(args.rest)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The main job on any machine: list models, run each tiny model, print plans, compile-check."""
+    rc = cmd_models(args)
+    for name in sorted(plugins.models()):
+        print()
+        rc |= cmd_run(argparse.Namespace(model=name, tiny=True, config="tiny", backend="reference", batch=2,
+                                         prompt=8, tokens=16, seed=0))
+    for name in sorted(plugins.models()):
+        e = plugins.get_model(name)
+        shard = next(iter(e.shardings.values()), None)
+        print()
+        rc |= cmd_plan(argparse.Namespace(model=name, config="full", tp=shard.tp if shard else 1,
+                                          ep=shard.ep if shard else 1, batch=1, ctx=32768, gpu="h200",
+                                          weights="native", ops=False))
+    if not args.skip_compile:
+        print()
+        rc |= cmd_compile_check(argparse.Namespace(arch="sm_90a,sm_100a,sm_103a"))
+    return rc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megakernel", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("models", help="list plugins and models").set_defaults(fn=cmd_models)
+
+    pl = sub.add_parser("plan", help="per-layer bytes and the bandwidth floor per GPU")
+    pl.add_argument("model")
+    pl.add_argument("--config", default="full")
+    pl.add_argument("--tp", type=int, default=1)
+    pl.add_argument("--ep", type=int, default=1)
+    pl.add_argument("--batch", type=int, default=1)
+    pl.add_argument("--ctx", type=int, default=4096)
+    pl.add_argument("--gpu", default="h200", choices=["h200", "b200", "gb300"])
+    pl.add_argument("--weights", default="native", help="native | bf16 | fp8_block128 | mxfp4 | nvfp4")
+    pl.add_argument("--ops", action="store_true", help="list the ops of each layer")
+    pl.set_defaults(fn=cmd_plan)
+
+    r = sub.add_parser("run", help="a random-weight model end to end")
+    r.add_argument("model")
+    r.add_argument("--tiny", action="store_true")
+    r.add_argument("--config", default="tiny")
+    r.add_argument("--backend", default="reference")
+    r.add_argument("--batch", type=int, default=2)
+    r.add_argument("--prompt", type=int, default=8)
+    r.add_argument("--tokens", type=int, default=16)
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(fn=cmd_run)
+
+    c = sub.add_parser("compile-check", help="compile every block and the megakernel without a GPU")
+    c.add_argument("--arch", default="sm_90a,sm_100a,sm_103a")
+    c.set_defaults(fn=cmd_compile_check)
+
+    b = sub.add_parser("bench", help="GPU benchmarks (writes bench/results/<gpu>/*.json)")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=cmd_bench)
+
+    d = sub.add_parser("demo", help="the main job: tiny models, plans, compile-checks")
+    d.add_argument("--skip-compile", action="store_true")
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except SdkError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

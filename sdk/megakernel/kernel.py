@@ -1,0 +1,143 @@
+"""The persistent megakernel in CuTe DSL (imports cutlass: import only where device code is built).
+
+One launch per decode step: grid = number of SMs, one CTA (NUM_THREADS threads) per SM, each
+walking its own instruction list (see `isa.py`):
+
+    epoch = counters[EXIT] // num_ctas + 1
+    for each instruction of this CTA:
+        thread 0: for each dependency, bounded spin on an acquire load until
+                  counter >= epoch * expected (globaltimer-bounded; on expiry claim the error word)
+        barrier (makes thread 0's acquire cover the whole CTA's following reads)
+        dispatch on the opcode to the block's device tile (all blocks inline into this kernel)
+        barrier; thread 0: release atomic +1 on the signal counter
+    thread 0: release atomic +1 on counters[EXIT]
+
+No grid-wide barrier, no counter reset. A CTA leaves early (after the error word is set) instead
+of hanging. Optional timing record: globaltimer at start and end of every instruction, int64
+[num_sms, max_len, 2].
+
+Supported: any list of blocks following the contract in `sdk/blocks/base.py`. Not yet: the
+shared-memory page pool that prefetches the next instruction's weights while waiting.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.memory import SmemAllocator
+
+from ..blocks._cute import gmem_tensor
+from ..blocks.base import NUM_THREADS
+from . import isa
+
+OPTAB_EXTENT = 1 << 24        # static extent of the operand table view (never bounds-checked)
+
+
+def build(blocks, num_sms: int, max_len: int, timing: bool):
+    """The `@cute.jit` host function launching the megakernel for these opcode variants."""
+    tiles = [b.device_tile() for b in blocks]
+    nops = [len(b.operands()) for b in blocks]
+    S, L, W = num_sms, max_len, isa.WORDS
+
+    @cute.jit
+    def wait_counter(cbase, ctr: Int32, target: Int32, ebase, timeout_ns: Int64, sm: Int32,
+                     idx: Int32, op: Int32, epoch: Int32) -> Int32:
+        """Thread 0 only. 1 when counter >= target, 0 on timeout or when another CTA failed."""
+        status = Int32(1)
+        v = cute.arch.load(cbase + ctr, Int32, sem="acquire", scope="gpu")
+        if v < target:
+            t0 = cute.arch.globaltimer()
+            while v < target and status == 1:
+                v = cute.arch.load(cbase + ctr, Int32, sem="acquire", scope="gpu")
+                if v < target:
+                    if cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu") != 0:
+                        status = Int32(0)
+                    if cute.arch.globaltimer() - t0 > timeout_ns:
+                        status = Int32(0)
+                        old = cute.arch.atomic_cas(ebase, cmp=Int32(0), val=Int32(isa.ERR_TIMEOUT),
+                                                   sem="relaxed", scope="gpu")
+                        if old == 0:
+                            for j, val in ((1, ctr), (2, idx), (3, sm), (4, v), (5, target), (6, op), (7, epoch)):
+                                cute.arch.store(ebase + j, Int32(val), sem="relaxed", scope="gpu")
+        return status
+
+    @cute.kernel
+    def kernel(pI: Int64, pN: Int64, pC: Int64, pE: Int64, pT: Int64, pTim: Int64, timeout_ns: Int64):
+        smem = SmemAllocator()
+        scratch = smem.allocate_tensor(Float32, cute.make_layout(64), byte_alignment=16)
+        flags = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        tid, _, _ = cute.arch.thread_idx()
+        sm, _, _ = cute.arch.block_idx()
+        mI = gmem_tensor(pI, Int32, (S, L, W), 16)
+        mN = gmem_tensor(pN, Int32, (S,), 4)
+        mOps = gmem_tensor(pT, Int64, (OPTAB_EXTENT,), 8)
+        mTim = gmem_tensor(pTim, Int64, (S, L, 2), 8)
+        cbase = cute.make_ptr(Int32, pC, cute.AddressSpace.gmem, assumed_align=4)
+        ebase = cute.make_ptr(Int32, pE, cute.AddressSpace.gmem, assumed_align=4)
+
+        if tid == 0:
+            flags[1] = cute.arch.load(cbase, Int32, sem="acquire", scope="gpu") // S + 1
+        cute.arch.sync_threads()
+        epoch = flags[1]
+        n = mN[sm]
+        i = Int32(0)
+        ok = Int32(1)
+        while i < n and ok != 0:
+            op = mI[sm, i, isa.OPCODE]
+            base = mI[sm, i, isa.OPERANDS]
+            t = mI[sm, i, isa.TILE]
+            if tid == 0:
+                st = Int32(1)
+                for (cw, ew) in ((isa.WAIT0, isa.EXPECT0), (isa.WAIT1, isa.EXPECT1)):
+                    c = mI[sm, i, cw]
+                    if c >= 0 and st == 1:
+                        st = wait_counter(cbase, c, mI[sm, i, ew] * epoch, ebase, timeout_ns, sm, i, op, epoch)
+                flags[0] = st
+                if cutlass.const_expr(timing):
+                    mTim[sm, i, 0] = cute.arch.globaltimer()
+            cute.arch.sync_threads()
+            ok = flags[0]
+            if ok != 0:
+                for k in cutlass.range_constexpr(len(tiles)):
+                    if op == k:
+                        ptrs = [mOps[base + j] for j in range(nops[k])]
+                        tiles[k](ptrs, t, scratch)
+                cute.arch.sync_threads()
+                if tid == 0:
+                    sig = mI[sm, i, isa.SIGNAL]
+                    if sig >= 0:
+                        cute.arch.atomic_add(cbase + sig, Int32(1), sem="release", scope="gpu")
+                    if cutlass.const_expr(timing):
+                        mTim[sm, i, 1] = cute.arch.globaltimer()
+            i = i + 1
+        cute.arch.sync_threads()
+        if tid == 0:
+            cute.arch.atomic_add(cbase, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def host(pI: Int64, pN: Int64, pC: Int64, pE: Int64, pT: Int64, pTim: Int64, timeout_ns: Int64,
+             stream: "cuda.CUstream"):
+        kernel(pI, pN, pC, pE, pT, pTim, timeout_ns).launch(
+            grid=(S, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream)
+
+    import cuda.bindings.driver as cuda
+    host.__annotations__["stream"] = cuda.CUstream
+    return host
+
+
+_cache: dict = {}
+
+
+def compile_megakernel(blocks, num_sms: int, max_len: int, timing: bool = False, arch: str | None = None):
+    """Compiled megakernel `fn(pI, pN, pC, pE, pT, pTim, timeout_ns, stream)`, cached in-process on
+    (block static configs, num_sms, max_len, timing, arch)."""
+    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch)
+    if key not in _cache:
+        import cuda.bindings.driver as cuda
+        host = build(blocks, num_sms, max_len, timing)
+        args = (Int64(0),) * 6 + (Int64(1), cuda.CUstream(0))
+        if arch:
+            _cache[key] = cute.compile(host, *args, options=f"--gpu-arch {arch}")
+        else:
+            _cache[key] = cute.compile(host, *args)
+    return _cache[key]

@@ -1,0 +1,152 @@
+"""The first vertical slice: a stack of dense SwiGLU MLP layers with RMSNorm and residual,
+decoded in ONE megakernel launch per step.
+
+    r = x
+    for each layer l:  h = rmsnorm(r) * norm_l;  r = r + down_l(silu(gate_l(h)) * up_l(h))
+    out = rmsnorm(r) * final_norm
+
+Ops per layer (op-level dependencies through counters):
+    norm_l  (RMSNorm + residual add of the previous down output; M tiles, one per token)
+    gateup_l (GEMV with fused SwiGLU; waits norm_l)
+    down_l  (GEMV, fp32 out; waits gateup_l)
+and a final norm (waits down_{L-1}). Buffers: x (bf16 input), resid and delta (fp32 residual
+stream and sublayer output), normed and act (bf16), out (bf16).
+
+Weights bf16, or fp8-e4m3 with 128x128 fp32 block scales (made here by quantizing random bf16
+weights the way the DeepSeek/Kimi checkpoints are: scale = amax / 448 per block).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..blocks.gemv import GemvBlock, GemvConfig
+from ..blocks.rmsnorm import RMSNormBlock, RMSNormConfig
+from .program import Program
+
+FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class MLPStackConfig:
+    hidden: int = 7168
+    intermediate: int = 2048
+    layers: int = 4
+    batch: int = 1
+    weight_dtype: str = "bf16"          # "bf16" | "fp8_e4m3"
+    eps: float = 1e-6
+    swiglu_limit: float | None = None
+    gateup_rows: int = 8                # rows (of gate, and of up) per gate/up tile
+    down_rows: int = 8                  # rows per down tile
+
+
+def _names(l):
+    p = f"layers.{l}."
+    return p + "norm", p + "gate", p + "up", p + "down"
+
+
+def build_program(cfg: MLPStackConfig) -> Program:
+    d, i, m, wd = cfg.hidden, cfg.intermediate, cfg.batch, cfg.weight_dtype
+    prog = Program()
+    prog.buffer("x", (m, d), "bf16", "input")
+    prog.buffer("resid", (m, d), "fp32")
+    prog.buffer("delta", (m, d), "fp32")
+    prog.buffer("normed", (m, d), "bf16")
+    prog.buffer("act", (m, i), "bf16")
+    prog.buffer("out", (m, d), "bf16", "output")
+    first_norm = RMSNormBlock(RMSNormConfig(d=d, m=m, eps=cfg.eps, residual_in=False))
+    norm = RMSNormBlock(RMSNormConfig(d=d, m=m, eps=cfg.eps, residual_in=True))
+    gateup = GemvBlock(GemvConfig(n=i, k=d, m=m, rows_per_tile=cfg.gateup_rows, weight_dtype=wd,
+                                  swiglu=True, swiglu_limit=cfg.swiglu_limit))
+    down = GemvBlock(GemvConfig(n=d, k=i, m=m, rows_per_tile=cfg.down_rows, weight_dtype=wd, out_dtype="fp32"))
+    fp8 = wd == "fp8_e4m3"
+    prev = None
+    for l in range(cfg.layers):
+        nn, gn, un, dn = _names(l)
+        prog.buffer(nn + ".weight", (d,), "bf16", "weight")
+        for name, shape in ((gn, (i, d)), (un, (i, d)), (dn, (d, i))):
+            prog.buffer(name + ".weight", shape, wd, "weight")
+            if fp8:
+                prog.buffer(name + ".weight_scale", (shape[0] // 128, shape[1] // 128), "fp32", "weight")
+        if prev is None:
+            n_op = prog.op(first_norm, {"src": "x", "weight": nn + ".weight", "resid_out": "resid",
+                                        "out": "normed"}, label=f"{nn}")
+        else:
+            n_op = prog.op(norm, {"src": "resid", "delta": "delta", "weight": nn + ".weight",
+                                  "resid_out": "resid", "out": "normed"}, waits=[prev], label=nn)
+        gb = {"w_gate": gn + ".weight", "w_up": un + ".weight", "x": "normed", "y": "act"}
+        db = {"w": dn + ".weight", "x": "act", "y": "delta"}
+        if fp8:
+            gb.update({"w_gate_scale": gn + ".weight_scale", "w_up_scale": un + ".weight_scale"})
+            db["w_scale"] = dn + ".weight_scale"
+        g_op = prog.op(gateup, gb, waits=[n_op], label=f"layers.{l}.gateup")
+        prev = prog.op(down, db, waits=[g_op], label=dn)
+    prog.buffer("final_norm.weight", (d,), "bf16", "weight")
+    prog.op(norm, {"src": "resid", "delta": "delta", "weight": "final_norm.weight", "resid_out": "resid",
+                   "out": "out"}, waits=[prev], label="final_norm")
+    return prog
+
+
+def quantize_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise e4m3 quantization: w ~= q * scale[n // block, k // block]."""
+    n, k = w.shape
+    blocks = w.float().reshape(n // block, block, k // block, block)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).reshape(n, k).to(torch.float8_e4m3fn)
+    return q, scale.float()
+
+
+def make_weights(cfg: MLPStackConfig, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
+    """Random weights (generated on `device`), scaled so activations stay O(1) through the stack."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    d, i = cfg.hidden, cfg.intermediate
+    out = {}
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * std).to(torch.bfloat16)
+
+    def norm_weight():
+        return (1.0 + 0.1 * torch.randn(d, generator=g, device=device)).to(torch.bfloat16)
+
+    for l in range(cfg.layers):
+        nn, gn, un, dn = _names(l)
+        out[nn + ".weight"] = norm_weight()
+        for name, shape, fan_in in ((gn, (i, d), d), (un, (i, d), d), (dn, (d, i), i)):
+            w = rnd(*shape, std=fan_in ** -0.5)
+            if cfg.weight_dtype == "fp8_e4m3":
+                out[name + ".weight"], out[name + ".weight_scale"] = quantize_fp8(w)
+            else:
+                out[name + ".weight"] = w
+    out["final_norm.weight"] = norm_weight()
+    return out
+
+
+def _dequant(weights, name):
+    w = weights[name + ".weight"].float()
+    s = weights.get(name + ".weight_scale")
+    if s is not None:
+        w = w * s.float().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return w
+
+
+def reference(cfg: MLPStackConfig, weights: dict, x: torch.Tensor) -> torch.Tensor:
+    """The stack in fp32 torch (the definition the megakernel and the PyVM are checked against)."""
+    def rms(r, w):
+        return r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + cfg.eps) * w.float()
+
+    r = x.float()
+    for l in range(cfg.layers):
+        nn, gn, un, dn = _names(l)
+        h = rms(r, weights[nn + ".weight"])
+        g, u = h @ _dequant(weights, gn).T, h @ _dequant(weights, un).T
+        if cfg.swiglu_limit is not None:
+            g = g.clamp(max=cfg.swiglu_limit)
+            u = u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
+        r = r + (torch.nn.functional.silu(g) * u) @ _dequant(weights, dn).T
+    return rms(r, weights["final_norm.weight"])
+
+
+def weight_bytes(prog: Program) -> int:
+    return prog.bytes_by_role("weight")

@@ -1,0 +1,159 @@
+"""A megakernel program: buffers, an operand table, counters and instructions (before placement).
+
+    prog = Program()
+    prog.buffer("x", (m, d), "bf16", role="input")
+    ...
+    done = prog.op(block, {"src": "x", ...}, waits=[previous], label="layer0.norm")
+
+`op()` adds one instruction per tile of `block`, all reading the same operand-table entries, all
+waiting for the given ops' counters (every tile of them: op-level dependencies), all signalling
+one new counter whose expected count is the block's number of tiles. Opcodes come from the
+program's `OpcodeTable`: one per distinct (block class, static config), in order of first use.
+
+Placement on SMs is `sdk.schedule`; encoding into int32 words is `encode()` here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..blocks.base import Block
+from ..errors import UnsupportedConfigError
+from . import isa
+
+
+class OpcodeTable:
+    """Assigns opcodes to block variants (equal static config = same opcode), never by hand."""
+
+    def __init__(self):
+        self.blocks: list[Block] = []
+        self._index: dict[tuple, int] = {}
+
+    def opcode(self, block: Block) -> int:
+        k = block.key()
+        if k not in self._index:
+            self._index[k] = len(self.blocks)
+            self.blocks.append(block)
+        return self._index[k]
+
+    def __len__(self):
+        return len(self.blocks)
+
+
+@dataclass
+class Buffer:
+    name: str
+    shape: tuple
+    dtype: str
+    role: str            # "weight" | "input" | "output" | "scratch"
+
+
+@dataclass
+class Instruction:
+    opcode: int
+    block: Block
+    operands: int                      # first operand-table index
+    tile: int
+    waits: tuple                       # ((counter, expected), ...)
+    signal: int                        # counter id or NO_COUNTER
+    phase: int                         # topological level of the op (placement order)
+    label: str
+    op_index: int                      # which op of the program
+
+
+@dataclass
+class Op:
+    label: str
+    block: Block
+    bindings: dict
+    counter: int
+    phase: int
+    instructions: list = field(default_factory=list)
+
+
+class Program:
+    def __init__(self):
+        self.buffers: dict[str, Buffer] = {}
+        self.optab: list[str | None] = []          # buffer name per operand slot (None: null)
+        self.counter_names: list[str] = ["<exit>"]  # id 0 is isa.EXIT_COUNTER
+        self.expected: list[int] = [0]
+        self.opcodes = OpcodeTable()
+        self.ops: list[Op] = []
+        self.instructions: list[Instruction] = []
+
+    def buffer(self, name, shape, dtype, role="scratch") -> str:
+        if name in self.buffers:
+            raise ValueError(f"buffer {name!r} defined twice")
+        self.buffers[name] = Buffer(name, tuple(shape), dtype, role)
+        return name
+
+    def op(self, block: Block, bindings: dict, waits=(), label: str = "") -> int:
+        """Add `block` over all its tiles; returns the op's index (pass it in later ops' waits)."""
+        specs = block.operand_specs()
+        names = {s.name for s in specs}
+        extra = set(bindings) - names
+        if extra:
+            raise ValueError(f"{label}: {type(block).__name__} has no operand(s) {sorted(extra)}")
+        base = len(self.optab)
+        for s in specs:
+            buf = bindings.get(s.name)
+            if buf is not None:
+                b = self.buffers[buf]
+                if tuple(b.shape) != tuple(s.shape) or b.dtype != s.dtype:
+                    raise UnsupportedConfigError(
+                        f"{label}: operand {s.name} wants {s.dtype}{list(s.shape)}, buffer {buf!r} "
+                        f"is {b.dtype}{list(b.shape)}")
+            elif not s.optional:
+                raise ValueError(f"{label}: operand {s.name!r} not bound")
+            self.optab.append(buf)
+        waits = list(waits)
+        if len(waits) > isa.MAX_WAITS:
+            raise UnsupportedConfigError(f"{label}: at most {isa.MAX_WAITS} dependencies per op")
+        phase = 1 + max((self.ops[w].phase for w in waits), default=-1)
+        counter = len(self.counter_names)
+        self.counter_names.append(label or f"op{len(self.ops)}")
+        self.expected.append(block.num_tiles())
+        wait_words = tuple((self.ops[w].counter, self.expected[self.ops[w].counter]) for w in waits)
+        opcode = self.opcodes.opcode(block)
+        op = Op(label, block, dict(bindings), counter, phase)
+        for t in range(block.num_tiles()):
+            ins = Instruction(opcode, block, base, t, wait_words, counter, phase,
+                              f"{label}[{t}]", len(self.ops))
+            op.instructions.append(len(self.instructions))
+            self.instructions.append(ins)
+        self.ops.append(op)
+        return len(self.ops) - 1
+
+    @property
+    def num_counters(self) -> int:
+        return len(self.counter_names)
+
+    def bytes_by_role(self, role: str) -> int:
+        import torch
+        from ..blocks.base import DTYPES
+        total = 0
+        for b in self.buffers.values():
+            if b.role == role:
+                total += int(np.prod(b.shape)) * torch.empty((), dtype=DTYPES[b.dtype]).element_size()
+        return total
+
+
+def encode(program: Program, per_sm: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Instruction words [num_sms, max_len, WORDS] (int32) and list lengths [num_sms]."""
+    num_sms = len(per_sm)
+    max_len = max(1, max(len(lst) for lst in per_sm))
+    words = np.zeros((num_sms, max_len, isa.WORDS), dtype=np.int32)
+    words[:, :, [isa.WAIT0, isa.WAIT1, isa.SIGNAL]] = isa.NO_COUNTER
+    lengths = np.array([len(lst) for lst in per_sm], dtype=np.int32)
+    for s, lst in enumerate(per_sm):
+        for j, i in enumerate(lst):
+            ins = program.instructions[i]
+            w = words[s, j]
+            w[isa.OPCODE] = ins.opcode
+            w[isa.OPERANDS] = ins.operands
+            w[isa.TILE] = ins.tile
+            for (c, e), (wc, we) in zip(ins.waits, ((isa.WAIT0, isa.EXPECT0), (isa.WAIT1, isa.EXPECT1))):
+                w[wc], w[we] = c, e
+            w[isa.SIGNAL] = ins.signal
+    return words, lengths

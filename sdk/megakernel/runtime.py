@@ -1,0 +1,109 @@
+"""Running a megakernel program on the GPU: buffers, operand table, counters, launch, error word.
+
+    rt = MegakernelRuntime(program, tensors, num_sms=132)   # tensors: name -> cuda tensor
+    rt.run()            # one launch (one decode step), synchronize, raise on the error word
+    rt.launch(stream)   # launch only (benchmarks, CUDA-graph capture); rt.check() later
+
+Everything the kernel reads is uploaded once: instruction words, list lengths, the operand table
+of raw device pointers (so the tensors must stay alive and in place: the runtime keeps them).
+The call itself passes eight scalars, no tensor conversion (`from_dlpack` costs ~12.5 us a call).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..blocks.base import DTYPES
+from ..errors import KernelTimeoutError
+from ..schedule import schedule, validate
+from . import isa
+from .program import encode
+
+
+class MegakernelRuntime:
+    def __init__(self, program, tensors: dict[str, torch.Tensor], *, num_sms: int | None = None,
+                 timing: bool = False, timeout_s: float = 2.0, device="cuda"):
+        self.program = program
+        self.device = torch.device(device)
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.num_sms = num_sms
+        for name, b in program.buffers.items():
+            t = tensors.get(name)
+            if t is None:
+                raise ValueError(f"no tensor for buffer {name!r}")
+            if tuple(t.shape) != b.shape or t.dtype != DTYPES[b.dtype] or not t.is_contiguous() \
+                    or t.device.type != "cuda" or t.data_ptr() % 16:
+                raise ValueError(f"buffer {name!r}: want contiguous 16-byte aligned cuda {b.dtype}{list(b.shape)}, "
+                                 f"got {t.dtype}{list(t.shape)} on {t.device}")
+        self.tensors = tensors
+        self.schedule = schedule(program, num_sms)
+        validate(program, self.schedule.per_sm)
+        words, lengths = encode(program, self.schedule.per_sm)
+        self.words_host, self.lengths_host = words, lengths
+        dev = self.device
+        self.words = torch.from_numpy(words).to(dev)
+        self.lengths = torch.from_numpy(lengths).to(dev)
+        self.counters = torch.zeros(program.num_counters, dtype=torch.int32, device=dev)
+        self.error = torch.zeros(isa.ERROR_WORDS, dtype=torch.int32, device=dev)
+        ptrs = [0 if n is None else tensors[n].data_ptr() for n in program.optab]
+        self.optab = torch.tensor(ptrs + [0], dtype=torch.int64, device=dev)
+        self.timing = timing
+        self.max_len = words.shape[1]
+        self.timing_buf = torch.zeros((num_sms, self.max_len, 2) if timing else (1,), dtype=torch.int64, device=dev)
+        self.timeout_ns = int(timeout_s * 1e9)
+        from .kernel import compile_megakernel
+        self.fn = compile_megakernel(program.opcodes.blocks, num_sms, self.max_len, timing)
+        self._args = [t.data_ptr() for t in (self.words, self.lengths, self.counters, self.error,
+                                               self.optab, self.timing_buf)]
+
+    def launch(self, stream: torch.cuda.Stream | None = None) -> None:
+        import cuda.bindings.driver as cuda
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        self.fn(*self._args, self.timeout_ns, cuda.CUstream(s.cuda_stream))
+
+    def check(self) -> None:
+        """Raise KernelTimeoutError if a launch set the error word (then reset the counters)."""
+        err = self.error.cpu().tolist()
+        if err[0] == 0:
+            return
+        f = dict(zip(isa.ERROR_FIELDS, err))
+        c = f["counter"]
+        cname = self.program.counter_names[c] if 0 <= c < self.program.num_counters else "?"
+        ins = ""
+        sm, idx = f["sm"], f["instruction"]
+        if 0 <= sm < self.num_sms and 0 <= idx < len(self.schedule.per_sm[sm]):
+            ins = self.program.instructions[self.schedule.per_sm[sm][idx]].label
+        self.reset()
+        raise KernelTimeoutError(
+            f"megakernel wait timed out after {self.timeout_ns / 1e9:g} s: SM {sm}, instruction #{idx} "
+            f"{ins!r} (opcode {f['opcode']}) waited for counter {c} ({cname}) >= {f['target']}, saw "
+            f"{f['seen']} (epoch {f['epoch']}); the dependency never arrived")
+
+    def run(self) -> None:
+        self.launch()
+        torch.cuda.synchronize(self.device)
+        self.check()
+
+    def reset(self) -> None:
+        """Zero counters and the error word (after an error, or to restart the epochs)."""
+        self.counters.zero_()
+        self.error.zero_()
+        torch.cuda.synchronize(self.device)
+
+    def timing_record(self) -> dict:
+        """Per-SM instruction timings of the last launch: start/end ns relative to the earliest
+        start, with the opcode and label of each instruction (for the timeline plot)."""
+        if not self.timing:
+            raise ValueError("built with timing=False")
+        tim = self.timing_buf.cpu().numpy()
+        t0 = min(int(tim[s, 0, 0]) for s in range(self.num_sms) if self.lengths_host[s] > 0)
+        rows = []
+        for s, lst in enumerate(self.schedule.per_sm):
+            for j, i in enumerate(lst):
+                ins = self.program.instructions[i]
+                rows.append((s, int(tim[s, j, 0]) - t0, int(tim[s, j, 1]) - t0, ins.opcode, ins.label))
+        names = [type(b).__name__ + ("+swiglu" if getattr(b.config, "swiglu", False) else "")
+                 for b in self.program.opcodes.blocks]
+        return {"sm": [r[0] for r in rows], "start_ns": [r[1] for r in rows], "end_ns": [r[2] for r in rows],
+                "opcode": [r[3] for r in rows], "label": [r[4] for r in rows], "opcode_names": names}

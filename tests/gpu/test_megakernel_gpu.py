@@ -1,0 +1,154 @@
+"""GPU tests (the H200): every block standalone and the one-launch MLP stack against the torch
+fp32 reference, fresh random inputs, outputs poisoned with NaN before each run; the bounded wait
+turning an unsatisfiable dependency into KernelTimeoutError. Run: `pytest -m gpu tests/gpu`."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+BF16_TOL = 1e-2     # relative Frobenius error vs the fp32 reference (the issue's bound)
+
+
+def _need_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        pytest.skip("CuTe DSL (nvidia-cutlass-dsl) not importable")
+
+
+def rel_err(got, ref):
+    got, ref = got.float(), ref.float()
+    assert torch.isfinite(got).all(), "non-finite values in the output (poison not overwritten?)"
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def run_standalone(block, tensors):
+    from sdk.blocks._cute import standalone
+    fn = standalone(block)
+    ptrs = [0 if tensors.get(n) is None else tensors[n].data_ptr() for n in block.operands()]
+    optab = torch.tensor(ptrs, dtype=torch.int64, device="cuda")
+    import cuda.bindings.driver as cuda
+    fn(optab.data_ptr(), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    torch.cuda.synchronize()
+
+
+def gemv_inputs(block, gen_seed):
+    from sdk.megakernel.mlp_stack import quantize_fp8
+    c = block.config
+    g = torch.Generator(device="cuda").manual_seed(gen_seed)
+    t = {"x": torch.randn(c.m, c.k, device="cuda", generator=g).to(torch.bfloat16)}
+    names = ("w_gate", "w_up") if c.swiglu else ("w",)
+    for n in names:
+        w = (torch.randn(c.n, c.k, device="cuda", generator=g) * c.k ** -0.5).to(torch.bfloat16)
+        if c.weight_dtype == "fp8_e4m3":
+            t[n], t[n + "_scale"] = quantize_fp8(w)
+        else:
+            t[n] = w
+    dt = torch.bfloat16 if c.out_dtype == "bf16" else torch.float32
+    t["y"] = torch.full((c.m, c.n), float("nan"), dtype=dt, device="cuda")
+    return t
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_gemv_block(m, wd, swiglu):
+    _need_gpu()
+    from sdk.blocks.gemv import GemvBlock, GemvConfig
+    block = GemvBlock(GemvConfig(n=1024, k=2048, m=m, weight_dtype=wd, swiglu=swiglu,
+                                 swiglu_limit=3.0 if swiglu else None))
+    t = gemv_inputs(block, 100 + m)
+    run_standalone(block, t)
+    ref = block.reference(**t)["y"]
+    assert rel_err(t["y"], ref) <= BF16_TOL
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("residual_in", [False, True])
+def test_rmsnorm_block(m, residual_in):
+    _need_gpu()
+    from sdk.blocks.rmsnorm import RMSNormBlock, RMSNormConfig
+    block = RMSNormBlock(RMSNormConfig(d=7168, m=m, residual_in=residual_in))
+    src_dt = torch.float32 if residual_in else torch.bfloat16
+    t = {"src": torch.randn(m, 7168, device="cuda").to(src_dt),
+         "delta": torch.randn(m, 7168, device="cuda") if residual_in else None,
+         "weight": (1 + 0.1 * torch.randn(7168, device="cuda")).to(torch.bfloat16),
+         "resid_out": torch.full((m, 7168), float("nan"), device="cuda"),
+         "out": torch.full((m, 7168), float("nan"), dtype=torch.bfloat16, device="cuda")}
+    ref = block.reference(**{k: v for k, v in t.items() if v is not None})
+    run_standalone(block, t)
+    assert rel_err(t["resid_out"], ref["resid_out"]) <= 1e-6
+    assert rel_err(t["out"], ref["out"]) <= BF16_TOL
+
+
+def _stack_runtime(cfg, seed=0, **kw):
+    from sdk.megakernel.mlp_stack import build_program, make_weights
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.megakernel.runtime import MegakernelRuntime
+    prog = build_program(cfg)
+    tensors = PyVM.alloc(prog, device="cuda")
+    weights = make_weights(cfg, seed=seed, device="cuda")
+    tensors.update(weights)
+    return MegakernelRuntime(prog, tensors, **kw), weights
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])
+def test_mlp_stack_one_launch(batch, wd):
+    """hidden 7168, intermediate 2048, 4 layers in one launch per step; three steps (epochs)."""
+    _need_gpu()
+    from sdk.megakernel.mlp_stack import MLPStackConfig, reference
+    cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype=wd)
+    rt, weights = _stack_runtime(cfg)
+    for step in range(3):
+        x = torch.randn(batch, cfg.hidden, device="cuda").to(torch.bfloat16)
+        rt.tensors["x"].copy_(x)
+        for name in ("out", "resid", "delta", "normed", "act"):
+            rt.tensors[name].fill_(float("nan"))
+        rt.run()
+        err = rel_err(rt.tensors["out"], reference(cfg, weights, x))
+        assert err <= BF16_TOL, f"step {step}: relative error {err:.3e}"
+
+
+def test_mlp_stack_swiglu_limit_large_intermediate():
+    _need_gpu()
+    from sdk.megakernel.mlp_stack import MLPStackConfig, reference
+    cfg = MLPStackConfig(hidden=7168, intermediate=18432, layers=2, batch=1, swiglu_limit=7.0)
+    rt, weights = _stack_runtime(cfg, seed=3)
+    x = torch.randn(1, cfg.hidden, device="cuda").to(torch.bfloat16)
+    rt.tensors["x"].copy_(x)
+    rt.tensors["out"].fill_(float("nan"))
+    rt.run()
+    assert rel_err(rt.tensors["out"], reference(cfg, weights, x)) <= BF16_TOL
+
+
+def test_unsatisfiable_dependency_raises_not_hangs():
+    """A wait that can never be met ends in KernelTimeoutError naming the counter, fast; the
+    runtime then recovers (counters reset) and runs correctly again."""
+    _need_gpu()
+    import time
+
+    from sdk import KernelTimeoutError
+    from sdk.megakernel import isa
+    from sdk.megakernel.mlp_stack import MLPStackConfig, reference
+    cfg = MLPStackConfig(hidden=1024, intermediate=512, layers=2, batch=1)
+    rt, weights = _stack_runtime(cfg, timeout_s=0.2)
+    good = rt.words.clone()
+    # the first instruction that waits: make it wait for one signal more than ever comes
+    s, j = next((s, j) for s in range(rt.num_sms) for j in range(int(rt.lengths_host[s]))
+                if rt.words_host[s, j, isa.WAIT0] >= 0)
+    rt.words[s, j, isa.EXPECT0] += 1
+    t0 = time.time()
+    with pytest.raises(KernelTimeoutError) as exc:
+        rt.run()
+    assert time.time() - t0 < 10
+    counter = int(rt.words_host[s, j, isa.WAIT0])
+    assert f"counter {counter}" in str(exc.value)
+    rt.words.copy_(good)
+    x = torch.randn(1, cfg.hidden, device="cuda").to(torch.bfloat16)
+    rt.tensors["x"].copy_(x)
+    rt.tensors["out"].fill_(float("nan"))
+    rt.run()
+    assert rel_err(rt.tensors["out"], reference(cfg, weights, x)) <= BF16_TOL

@@ -7,6 +7,7 @@ routed then sqrt-softplus-routed MoE with one shared expert (sdk.reference.moe),
 import copy
 
 from sdk import ModelEntry, Sharding, hookimpl
+from sdk.spec import QuantSpec
 
 from .config import FULL, TINY, hf_config, spec_from_config
 from .weights import load_weights
@@ -27,6 +28,9 @@ ENTRY = ModelEntry(
         "ep8": Sharding(tp=8, ep=8, note="8 heads per rank (F14); 384/8 = 48 whole experts per rank"),
     },
     doc="docs/models/deepseek_v41_flash.md",
+    # Released formats (MODEL-FACTS F13, F18, F24): MXFP4 experts, E4M3 dense weights (32x32 UE8M0 blocks),
+    # E4M3 sliding-window cache (528 B/token ~ 1 B/value).
+    native_quant=QuantSpec(experts="mxfp4", dense="fp8_block128", kv_cache="fp8"),
 )
 
 

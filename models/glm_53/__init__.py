@@ -3,6 +3,7 @@
 See docs/models/glm_53.md for the architecture, the source of every number and the assumptions.
 """
 from sdk import ModelEntry, Sharding, hookimpl
+from sdk.spec import QuantSpec
 
 from .config import full, full_nonflash, hf_config, spec_from_config, tiny
 from .weights import load_weights
@@ -25,6 +26,8 @@ ENTRY = ModelEntry(
         "ep8": Sharding(tp=1, ep=8, note="attention and shared expert replicated, 36 of 288 experts per rank"),
     },
     doc="docs/models/glm_53.md",
+    # ModelOpt NVFP4 checkpoints (MODEL-FACTS F13); dense weights assumed BF16; 528 B E4M3 latent records (F25).
+    native_quant=QuantSpec(experts="nvfp4", dense="bf16", kv_cache="fp8"),
 )
 
 

@@ -1,6 +1,7 @@
 """Kimi K3: KDA + NoPE MLA hybrid with a large MoE, following transformers 5.24 `kimi_linear`
 (see docs/models/kimi_k3.md for the architecture, sources and assumptions)."""
 from sdk import ModelEntry, Sharding, hookimpl
+from sdk.spec import QuantSpec
 
 from . import config as _config
 from . import weights as _weights
@@ -24,6 +25,9 @@ ENTRY = ModelEntry(
         "ep16": Sharding(tp=16, ep=16, note="assumed, not stated for Kimi K3: 6 heads and 56 experts per rank"),
     },
     doc="docs/models/kimi_k3.md",
+    # Released formats (MODEL-FACTS F1, F3, F8, F9): NVFP4 experts; FP8 128x128-block KDA/MLA projections
+    # (router, latent and shared weights are BF16, counted as dense here); FP8 paged latent cache.
+    native_quant=QuantSpec(experts="nvfp4", dense="fp8_block128", kv_cache="fp8"),
 )
 
 

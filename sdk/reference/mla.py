@@ -55,29 +55,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedConfigError
 from ..spec import LayerSpec, MLASpec, ModelSpec, RopeSpec
-from .common import StepInfo, rms_norm
-
-
-def rope_cos_sin(rope: RopeSpec, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, T, rope.dim] for integer positions [B, T] (halves layout: cat(freqs, freqs))."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, rope.dim, 2, dtype=torch.int64,
-                                                  device=positions.device).float() / rope.dim))
-    freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate x [B, T, (H,) d] by cos/sin [B, T, d]. Interleaved pairs (2i, 2i+1) are first
-    regrouped into halves, as transformers' DeepSeek `apply_rotary_pos_emb_interleave` does."""
-    if x.dim() == 4:
-        cos, sin = cos[:, :, None], sin[:, :, None]
-    if interleaved:
-        *lead, d = x.shape
-        x = x.view(*lead, d // 2, 2).transpose(-1, -2).reshape(*lead, d)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+from .common import StepInfo, apply_rope, rms_norm, rope_cos_sin
 
 
 class MLAReference:

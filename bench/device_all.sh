@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Everything the H200 session runs, in one call (from the repo root, with .device/ carried):
+#   bash bench/device_all.sh [part ...]     parts: suite megakernel moe kda mla (default: all present)
+# Each part writes into its own folder; everything is packed into $OUT/results.tgz (the device
+# returns at most 8 files), and each part's summary is printed at the end.
+set -u
+cd "$(dirname "$0")/.."
+source .device/prelude.sh
+OUT=${OUT:-/tmp/out}
+WORK=/tmp/device_all
+rm -rf "$WORK"; mkdir -p "$WORK" "$OUT"
+export GIT_COMMIT=${GIT_COMMIT:-unknown}
+PARTS=${*:-suite megakernel moe kda mla}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv > "$WORK/env.txt" 2>&1
+python -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$WORK/env.txt" 2>&1
+cat "$WORK/env.txt"
+START=$(date +%s)
+for part in $PARTS; do
+  T0=$(date +%s)
+  mkdir -p "$WORK/$part"
+  case $part in
+    suite)  # the CPU suite on the device's Python/torch/transformers, then the reference on the GPU
+      python -m pip install -q --no-deps --no-build-isolation -e . > "$WORK/suite/install.log" 2>&1
+      timeout 240 python -m pytest -q -p no:cacheprovider -rs > "$WORK/suite/cpu_suite.log" 2>&1
+      timeout 120 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_reference_gpu.py \
+        > "$WORK/suite/reference_gpu.log" 2>&1
+      { grep -E "^SKIPPED" "$WORK/suite/cpu_suite.log" | cut -c1-160 | sort | uniq -c | head -n 8
+        tail -n 1 "$WORK/suite/cpu_suite.log"; tail -n 1 "$WORK/suite/reference_gpu.log"; } > "$WORK/suite/summary.txt" ;;
+    megakernel) [ -f bench/gpu_session.sh ] && OUT="$WORK/megakernel" timeout 420 bash bench/gpu_session.sh > "$WORK/megakernel/session.log" 2>&1
+      sed -n '/= summary/,$p' "$WORK/megakernel/session.log" > "$WORK/megakernel/summary.txt" ;;
+    moe) [ -f bench/moe_gpu_session.sh ] && OUT="$WORK/moe" timeout 240 bash bench/moe_gpu_session.sh > "$WORK/moe/session.log" 2>&1
+      tail -n 25 "$WORK/moe/session.log" > "$WORK/moe/summary.txt" ;;
+    kda) [ -f bench/kda_gpu_session.sh ] && OUT="$WORK/kda" timeout 200 bash bench/kda_gpu_session.sh > "$WORK/kda/session.log" 2>&1
+      tail -n 25 "$WORK/kda/session.log" > "$WORK/kda/summary.txt" ;;
+    mla) [ -f bench/mla_gpu_session.sh ] && OUT="$WORK/mla" timeout 200 bash bench/mla_gpu_session.sh > "$WORK/mla/session.log" 2>&1
+      tail -n 25 "$WORK/mla/session.log" > "$WORK/mla/summary.txt" ;;
+  esac
+  echo "[$part: $(( $(date +%s) - T0 )) s]" >> "$WORK/$part/summary.txt"
+done
+tar -czf "$OUT/results.tgz" -C "$WORK" .
+for part in $PARTS; do echo; echo "######## $part"; cat "$WORK/$part/summary.txt" 2>/dev/null; done
+echo; echo "total $(( $(date +%s) - START )) s"

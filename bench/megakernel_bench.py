@@ -89,12 +89,31 @@ def timed(calls):
         return eager_time_us(calls), "eager"
 
 
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy: (bytes read + bytes written) / time, GB/s."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 6) -> dict:
+    """Device-memory bandwidth, GB/s, from 2 GiB buffers (33x the L2), several timed reps each:
+      copy_*: (bytes read + bytes written) / time of a device-to-device copy, as elementwise
+              kernels on wide dtypes (vectorised 16-byte accesses) and as cudaMemcpy;
+      read:   bytes read / time of a sum over the buffer (what a GEMV does: read-only).
+    'copy' is the best copy variant: the floor's denominator. The first session's 2715 GB/s
+    came from a uint8 copy_ of 1 GiB (byte-wise elementwise kernel); DESIGN.md measured 4.26 TB/s."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     b = torch.empty_like(a)
-    us, _ = timed([lambda: b.copy_(a)] * 10)
-    return 2 * nbytes / (us * 1e3)
+    out = {}
+    variants = {
+        "copy_memcpy": lambda: b.copy_(a),                                   # same dtype: cudaMemcpyAsync
+        "copy_fp32_kernel": lambda: torch.mul(a, 1.0, out=b),                # elementwise, 16-byte vectors
+        "copy_int64_kernel": lambda: torch.bitwise_not(a.view(torch.int64), out=b.view(torch.int64)),
+    }
+    for name, fn in variants.items():
+        us, _ = timed([fn] * reps)
+        out[name] = 2 * nbytes / (us * 1e3)
+    s = torch.empty((), dtype=torch.float32, device="cuda")
+    us, _ = timed([lambda: torch.sum(a, out=s)] * reps)
+    out["read"] = nbytes / (us * 1e3)
+    out["copy"] = max(v for k, v in out.items() if k.startswith("copy_"))
+    del a, b
+    torch.cuda.empty_cache()
+    return out
 
 
 def _stream():
@@ -103,12 +122,14 @@ def _stream():
 
 
 # ----------------------------------------------------------------------------------- GEMV
-def bench_gemv(n, k, m, wd, copy_bw):
+def bench_gemv(n, k, m, wd, copy_bw, max_stages=None):
     from sdk.blocks._cute import standalone
+    from sdk.blocks.base import ring_geometry
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     from sdk.megakernel.mlp_stack import quantize_fp8
     block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype=wd))
-    fn = standalone(block)
+    fn = standalone(block, max_stages=max_stages)   # persistent: one CTA per SM, weights through the smem ring
+    stages = ring_geometry([block], max_stages)[1]
     wbytes = block.weight_bytes()
     copies = max(2, -(-L2_FLUSH_BYTES // wbytes))
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -135,7 +156,9 @@ def bench_gemv(n, k, m, wd, copy_bw):
     us, mode = timed([lambda t=t: fn(t.data_ptr(), _stream()) for t in tables] * 4)
     torch_us, _ = timed([lambda w=cw[0]: torch.matmul(x, w.t(), out=y) for cw in copies_w] * 4)
     floor_us = wbytes / (copy_bw * 1e3)
-    return {"case": f"gemv n={n} k={k} m={m} {wd}", "kind": "gemv", "n": n, "k": k, "m": m,
+    return {"case": f"gemv n={n} k={k} m={m} {wd}" + (f" stages={stages}" if max_stages else ""),
+            "kind": "gemv", "n": n, "k": k, "m": m, "stages": stages,
+            "rows_per_tile": block.config.rows_per_tile, "chunk_k": block.chunk_k,
             "weight_dtype": wd, "weight_bytes": wbytes, "us": us, "gbs": wbytes / (us * 1e3),
             "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
             "torch_note": "torch bf16 matmul of the same shape" if wd != "bf16" else "torch bf16 matmul",
@@ -169,7 +192,13 @@ def torch_stack_calls(cfg, weights, x):
     return step, out
 
 
+def _stack_name(cfg) -> str:
+    return (f"mlp_stack L={cfg.layers} I={cfg.intermediate} B={cfg.batch} {cfg.weight_dtype}"
+            + ("" if cfg.fuse_norm is None else f" fuse_norm={cfg.fuse_norm}"))
+
+
 def bench_stack(cfg, copy_bw, timeline_path=None):
+    from sdk.blocks.base import ring_geometry
     from sdk.megakernel.mlp_stack import build_program, make_weights, reference, weight_bytes
     from sdk.megakernel.pyvm import PyVM
     from sdk.megakernel.runtime import MegakernelRuntime
@@ -193,7 +222,9 @@ def bench_stack(cfg, copy_bw, timeline_path=None):
     step, _ = torch_stack_calls(cfg, weights, x)
     torch_us, _ = timed([step] * reps)
     floor_us = wbytes / (copy_bw * 1e3)
-    rec = {"case": f"mlp_stack L={cfg.layers} I={cfg.intermediate} B={cfg.batch} {cfg.weight_dtype}",
+    rec = {"case": _stack_name(cfg),
+           "fuse_norm": cfg.norm_fused, "gateup_rows": cfg.gateup_rows, "down_rows": cfg.down_rows,
+           "ring": dict(zip(("stage_bytes", "stages", "x_bytes"), ring_geometry(prog.opcodes.blocks))),
            "kind": "mlp_stack", "hidden": cfg.hidden, "intermediate": cfg.intermediate,
            "layers": cfg.layers, "batch": cfg.batch, "weight_dtype": cfg.weight_dtype,
            "weight_bytes": wbytes, "us": us, "us_per_layer": us / cfg.layers, "gbs": wbytes / (us * 1e3),
@@ -223,17 +254,21 @@ def stack_cases(quick: bool):
                   MLPStackConfig(intermediate=12288, layers=4, batch=1),
                   MLPStackConfig(intermediate=18432, layers=4, batch=1),
                   MLPStackConfig(intermediate=2048, layers=16, batch=1),
+                  MLPStackConfig(intermediate=2048, layers=8, batch=1, fuse_norm=False),
                   MLPStackConfig(intermediate=2048, layers=8, batch=8),
+                  MLPStackConfig(intermediate=2048, layers=8, batch=64),
                   MLPStackConfig(intermediate=2048, layers=8, batch=1, weight_dtype="fp8_e4m3"),
                   MLPStackConfig(intermediate=18432, layers=4, batch=1, weight_dtype="fp8_e4m3")]
     return cases
 
 
 def gemv_cases(quick: bool):
-    cases = [(7168, 2048, 1, "bf16"), (18432, 7168, 1, "bf16")]
+    """(n, k, m, weight dtype, max ring stages or None)."""
+    cases = [(7168, 2048, 1, "bf16", None), (18432, 7168, 1, "bf16", None)]
     if not quick:
-        cases += [(4096, 7168, 1, "bf16"), (7168, 18432, 1, "bf16"), (18432, 7168, 1, "fp8_e4m3"),
-                  (18432, 7168, 8, "bf16")]
+        cases += [(18432, 7168, 1, "bf16", 4), (18432, 7168, 1, "bf16", 8),   # bytes in flight per SM
+                  (4096, 7168, 1, "bf16", None), (7168, 18432, 1, "bf16", None),
+                  (18432, 7168, 1, "fp8_e4m3", None), (18432, 7168, 8, "bf16", None)]
     return cases
 
 
@@ -241,30 +276,39 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
     """Run all benchmarks; write `megakernel_bench.json` (and a timeline) into out_dir."""
     os.makedirs(out_dir, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
-    copy_bw = copy_bandwidth_gbs()
-    print(f"GPU {props.name}, {props.multi_processor_count} SMs; copy bandwidth {copy_bw:.0f} GB/s")
+    bw = copy_bandwidth()
+    copy_bw = bw["copy"]
+    print(f"GPU {props.name}, {props.multi_processor_count} SMs; copy bandwidth {copy_bw:.0f} GB/s "
+          f"(read+write; variants " + ", ".join(f"{k} {v:.0f}" for k, v in bw.items()) + ")")
+    if not 3800 <= copy_bw <= 4800 and "H200" in props.name:
+        print(f"  WARNING: copy bandwidth {copy_bw:.0f} GB/s is off the H200's ~4260 GB/s measured in DESIGN.md")
     results = []
-    for n, k, m, wd in gemv_cases(quick):
+    report = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "gpu": props.name, "sms": props.multi_processor_count, "copy_bw_gbs": copy_bw,
+              "bandwidth_gbs": bw, "floor_note": "floor = bytes that must move / copy_bw_gbs",
+              "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
+
+    def save():   # after every case: a run cut short by its time limit still leaves its results
+        with open(os.path.join(out_dir, "megakernel_bench.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+    for n, k, m, wd, st in gemv_cases(quick):
         try:
-            r = bench_gemv(n, k, m, wd, copy_bw)
+            r = bench_gemv(n, k, m, wd, copy_bw, st)
         except Exception as exc:
             r = {"case": f"gemv n={n} k={k} m={m} {wd}", "error": f"{type(exc).__name__}: {exc}"}
         print(_line(r))
         results.append(r)
+        save()
     for i, cfg in enumerate(stack_cases(quick)):
         tl = os.path.join(out_dir, "timeline_mlp_stack.json") if (timeline and i == 0) else None
         try:
             r = bench_stack(cfg, copy_bw, tl)
         except Exception as exc:
-            r = {"case": f"mlp_stack L={cfg.layers} I={cfg.intermediate} B={cfg.batch} {cfg.weight_dtype}",
-                 "error": f"{type(exc).__name__}: {exc}"}
+            r = {"case": _stack_name(cfg), "error": f"{type(exc).__name__}: {exc}"}
         print(_line(r))
         results.append(r)
-    report = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-              "gpu": props.name, "sms": props.multi_processor_count, "copy_bw_gbs": copy_bw,
-              "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
-    with open(os.path.join(out_dir, "megakernel_bench.json"), "w") as f:
-        json.dump(report, f, indent=1)
+        save()
     return report
 
 

@@ -106,7 +106,8 @@ def cmd_demo(args) -> int:
                                          prompt=8, tokens=16, seed=0))
     for name in sorted(plugins.models()):
         e = plugins.get_model(name)
-        shard = next(iter(e.shardings.values()), None)
+        # the 8-GPU expert-parallel preset where the model has one: the common H200/B200 node
+        shard = e.shardings.get("ep8") or next(iter(e.shardings.values()), None)
         print()
         rc |= cmd_plan(argparse.Namespace(model=name, config="full", tp=shard.tp if shard else 1,
                                           ep=shard.ep if shard else 1, batch=1, ctx=32768, gpu="h200",

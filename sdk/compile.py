@@ -10,7 +10,7 @@ uses yet.
     report = compile_check(["sm_90a", "sm_100a", "sm_103a"])   # {arch: {case: seconds | "error: ..."}}
 
 CPU cost (measured on the 2-core CI machine): ~12 s wall per arch, ~40 s wall and ~26 s user CPU
-for the three archs (6 block cases + 2 megakernels each).
+for the three archs (7 block cases + 2 megakernels each).
 """
 from __future__ import annotations
 
@@ -21,15 +21,30 @@ ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 
 def block_cases():
     from .blocks.gemv import GemvBlock, GemvConfig
+    from .blocks.kda import KDABlock, KDAConfig
     from .blocks.rmsnorm import RMSNormBlock, RMSNormConfig
     return [
         RMSNormBlock(RMSNormConfig(d=7168, m=1, residual_in=True)),
         RMSNormBlock(RMSNormConfig(d=7168, m=8, residual_in=False)),
+        RMSNormBlock(RMSNormConfig(d=7168, m=2, residual_in=False, src_dtype="fp32", write_resid=False)),
         GemvBlock(GemvConfig(n=7168, k=2048, m=1)),
-        GemvBlock(GemvConfig(n=2048, k=7168, m=1, swiglu=True, swiglu_limit=7.0)),
+        GemvBlock(GemvConfig(n=2048, k=7168, m=1, swiglu=True, swiglu_limit=7.0, norm=True, x_dtype="fp32")),
         GemvBlock(GemvConfig(n=2048, k=7168, m=8, weight_dtype="fp8_e4m3", swiglu=True)),
-        GemvBlock(GemvConfig(n=7168, k=2048, m=64, weight_dtype="fp8_e4m3", out_dtype="fp32")),
-    ]
+        GemvBlock(GemvConfig(n=7168, k=2048, m=64, rows_per_tile=16, weight_dtype="fp8_e4m3", out_dtype="fp32",
+                             residual="fp32")),
+        KDABlock(KDAConfig(batch=64, heads=12, conv=True, out_norm=True)),
+        KDABlock(KDAConfig(batch=1, heads=8, v_split=4, tokens=4, commit="accepted", state_dtype="bf16")),
+    ] + _moe_block_cases() + _mla_block_cases()
+
+
+def _mla_block_cases():
+    from .blocks.mla_decode import mla_compile_cases
+    return mla_compile_cases()
+
+
+def _moe_block_cases():
+    from .megakernel.moe_layer import moe_block_cases   # router + experts, every format and stage
+    return moe_block_cases()
 
 
 def megakernel_cases():

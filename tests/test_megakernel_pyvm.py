@@ -25,15 +25,16 @@ def _vm(cfg, num_sms=8, seed=0):
 
 
 @pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])
-@pytest.mark.parametrize("batch,limit", [(1, None), (3, 2.0)])
-def test_pyvm_mlp_stack_equals_reference(wd, batch, limit):
-    cfg = MLPStackConfig(**TINY, batch=batch, weight_dtype=wd, swiglu_limit=limit)
+@pytest.mark.parametrize("batch,limit,fuse", [(1, None, None), (3, 2.0, None), (1, None, False), (3, None, True)])
+def test_pyvm_mlp_stack_equals_reference(wd, batch, limit, fuse):
+    cfg = MLPStackConfig(**TINY, batch=batch, weight_dtype=wd, swiglu_limit=limit, fuse_norm=fuse)
     prog, sched, vm, weights = _vm(cfg)
     for step in range(3):      # several steps: the counters' epochs, never reset
         x = torch.randn(batch, cfg.hidden).to(torch.bfloat16)
         vm.tensors["x"].copy_(x)
-        for name in ("out", "resid", "delta", "normed", "act"):
-            vm.tensors[name].fill_(float("nan"))
+        for name in ("out", "resid", "normed", "act"):
+            if name in vm.tensors:
+                vm.tensors[name].fill_(float("nan"))
         vm.step(seed=step)
         ref = reference(cfg, weights, x)
         out = vm.tensors["out"].float()
@@ -56,23 +57,48 @@ def test_pyvm_order_independent():
     assert torch.equal(outs[0], outs[1])
 
 
-def test_blocks_emulation_equals_block_reference():
+@pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("norm,residual", [(False, None), (True, "fp32"), (True, "bf16")])
+def test_blocks_emulation_equals_block_reference(wd, norm, residual):
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     from sdk.megakernel.mlp_stack import quantize_fp8
+    b = GemvBlock(GemvConfig(n=256, k=512, m=2, weight_dtype=wd, swiglu=True, swiglu_limit=1.0, norm=norm,
+                             x_dtype="fp32" if norm else "bf16", residual=residual, out_dtype="fp32"))
+    t = b.alloc_operands()
+    for n in ("w_gate", "w_up"):
+        w = (torch.randn(256, 512) / 20).to(torch.bfloat16)
+        if wd == "fp8_e4m3":
+            t[n], t[n + "_scale"] = quantize_fp8(w)
+        else:
+            t[n] = w
+    t["x"] = (torch.randn(2, 512) * 3).to(t["x"].dtype)
+    if norm:
+        t["norm_weight"] = (1 + 0.1 * torch.randn(512)).to(torch.bfloat16)
+    if residual:
+        t["res"] = torch.randn(2, 256).to(t["res"].dtype)
+    ref = b.reference(**t)["y"]
+    for tile in range(b.num_tiles()):
+        b.emulate_tile(t, tile)
+    assert ((t["y"].float() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_gemv_ring_geometry():
+    """Chunks fill ~16 KB stages; the ring of the MLP stack's blocks fits the smem budget with
+    enough stages in flight (>= 8: ~128 KB per SM, 4x what the H200's bandwidth-latency needs)."""
+    from sdk.blocks.base import SMEM_BUDGET, ring_geometry
     for wd in ("bf16", "fp8_e4m3"):
-        b = GemvBlock(GemvConfig(n=256, k=512, m=2, weight_dtype=wd, swiglu=True, swiglu_limit=1.0))
-        t = b.alloc_operands()
-        for n in ("w_gate", "w_up"):
-            w = (torch.randn(256, 512) / 20).to(torch.bfloat16)
-            if wd == "fp8_e4m3":
-                t[n], t[n + "_scale"] = quantize_fp8(w)
-            else:
-                t[n] = w
-        t["x"] = torch.randn(2, 512).to(torch.bfloat16)
-        for tile in range(b.num_tiles()):
-            b.emulate_tile(t, tile)
-        ref = b.reference(**t)["y"]
-        assert ((t["y"].float() - ref).norm() / ref.norm()) < 1e-2
+        for inter in (2048, 4096, 12288, 18432):
+            for batch in (1, 8, 64):
+                prog = build_program(MLPStackConfig(hidden=7168, intermediate=inter, layers=1, batch=batch,
+                                                    weight_dtype=wd))
+                blocks = prog.opcodes.blocks
+                stage, stages, xbytes = ring_geometry(blocks)
+                assert 8 * 1024 <= stage <= 17 * 1024
+                assert stages * stage + xbytes <= SMEM_BUDGET
+                assert stages >= (8 if batch <= 8 else 6), (wd, inter, batch, stages)
+                for b in blocks:
+                    if b.stream_chunks():
+                        assert b.stream_chunks() * b.chunk_k == b.config.k
 
 
 def test_schedule_valid_and_balanced():
@@ -131,6 +157,11 @@ def test_encode_words():
     words, lengths = encode(prog, sched.per_sm)
     assert words.dtype == np.int32 and words.shape[2] == isa.WORDS
     assert lengths.sum() == len(prog.instructions)
-    # opcodes come from the registry: one per distinct (block, static config)
-    assert len(prog.opcodes) == 4    # first norm, norm, gate/up + SwiGLU, down
-    assert set(words[..., isa.OPCODE][words[..., isa.SIGNAL] >= 0].tolist()) == {0, 1, 2, 3}
+    # opcodes come from the registry: one per distinct (block, static config): the gate/up and
+    # down of layer 0 (bf16 input x) and of the other layers (fp32 residual stream), final norm
+    assert len(prog.opcodes) == 3    # layer-0 gate/up (+norm, SwiGLU), layer-0 down (+residual), final norm
+    assert set(words[..., isa.OPCODE][words[..., isa.SIGNAL] >= 0].tolist()) == {0, 1, 2}
+    two = build_program(MLPStackConfig(hidden=1024, intermediate=512, layers=2, batch=1))
+    assert len(two.opcodes) == 5     # + gate/up and down of the layers reading the fp32 stream
+    unfused = build_program(MLPStackConfig(hidden=1024, intermediate=512, layers=2, batch=1, fuse_norm=False))
+    assert len(unfused.opcodes) == 5  # norm (bf16 src, fp32 src = the final norm), gate/up, 2 downs

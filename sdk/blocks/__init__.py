@@ -9,7 +9,12 @@ from .base import NUM_THREADS, Block, Cost, OperandSpec
 def builtin_blocks() -> list[type]:
     from .gemv import GemvBlock
     from .rmsnorm import RMSNormBlock
-    return [RMSNormBlock, GemvBlock]
+    from .kda import KDABlock
+    from .experts import ExpertsBlock
+    from .router import RouterLogitsBlock, RouterSelectBlock
+    from .mla_decode import MLACombineBlock, MLADecodeBlock, MLAHeadProjBlock
+    return [RMSNormBlock, GemvBlock, KDABlock, RouterLogitsBlock, RouterSelectBlock, ExpertsBlock,
+            MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock]
 
 
 __all__ = ["Block", "Cost", "OperandSpec", "NUM_THREADS", "builtin_blocks"]

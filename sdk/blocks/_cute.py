@@ -3,8 +3,13 @@ only inside functions that build device code (never at `import sdk`).
 
 - `gmem_tensor(ptr, dtype, shape, align)`: a global tensor with a static row-major layout over a
   raw int64 device address (operand-table entries are raw addresses).
-- `block_sum(value, scratch)`: fp32 sum over the CTA's threads (warp shuffles + smem).
-- `standalone(block, arch)`: the block's own kernel, one CTA per tile, for tests and benchmarks.
+- `smem_tensor(addr, dtype, shape)`: the same over a shared-memory address (ring stages).
+- `block_sum(value, scratch)`, `block_sum_multi(values, scratch)`: fp32 sums over the CTA.
+- `stream_tile(...)`: one tile of a streaming block through the smem ring (the chunk loop shared
+  by the megakernel and the standalone kernel).
+- `standalone(block, arch)`: the block's own kernel for tests and benchmarks: one CTA per tile,
+  or, for a streaming block, a persistent grid (one CTA per SM) walking tiles bid, bid + grid, ...
+  through the same smem ring as the megakernel.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from .base import NUM_THREADS
+from .base import NUM_THREADS, SCRATCH_WORDS, ring_geometry
 
 DTYPE_MAP = {
     "bf16": cutlass.BFloat16,
@@ -38,6 +43,58 @@ def gmem_tensor(addr: Int64, dtype: cutlass.Constexpr, shape: cutlass.Constexpr,
 
 
 @cute.jit
+def smem_tensor(addr, dtype: cutlass.Constexpr, shape: cutlass.Constexpr):
+    """Row-major tensor at a shared-memory address (16-byte aligned by construction of the ring)."""
+    ptr = cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=16)
+    return cute.make_tensor(ptr, row_major(shape))
+
+
+@cute.jit
+def block_sum_multi(values, scratch: cute.Tensor):
+    """Sums of len(values) <= 64 fp32 values over all threads; every thread gets all sums.
+    Uses scratch[0 : 8 * len(values)]; ends with a barrier."""
+    tid, _, _ = cute.arch.thread_idx()
+    lane = tid % 32
+    warp = tid // 32
+    n = len(values)
+    for i in cutlass.range_constexpr(n):
+        v = cute.arch.warp_reduction_sum(values[i])
+        if lane == 0:
+            scratch[warp * n + i] = v
+    cute.arch.sync_threads()
+    out = []
+    for i in cutlass.range_constexpr(n):
+        total = Float32(0.0)
+        for w in cutlass.range_constexpr(NUM_THREADS // 32):
+            total = total + scratch[w * n + i]
+        out.append(total)
+    cute.arch.sync_threads()
+    return out
+
+
+@cute.jit
+def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
+                ptrs, t, ring_base, sx, scratch, cseq, p0, p1, p2, produce):
+    """Run one tile of a streaming block. Consumer chunk number cseq (over the CTA's whole
+    stream) sits in stage cseq % stages; after a chunk is consumed its stage is refilled with
+    chunk cseq + stages of the stream (`produce`, which may belong to a later instruction).
+    One cp.async group is committed per chunk, so wait_group(stages - 1) means "the oldest
+    chunk has landed" for this thread; the barrier after it makes every thread's copies visible.
+    Returns the advanced (cseq, producer state p0, p1, p2)."""
+    st = faces.begin(ptrs, t, sx, scratch)
+    for ch in cutlass.range(nch, unroll=1):
+        faces.prep(ptrs, t, ch, st, sx, scratch)
+        cute.arch.cp_async_wait_group(stages - 1)
+        cute.arch.sync_threads()
+        faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
+        cute.arch.sync_threads()
+        p0, p1, p2 = produce(p0, p1, p2)
+        cseq = cseq + 1
+    faces.end(ptrs, t, st, scratch)
+    return cseq, p0, p1, p2
+
+
+@cute.jit
 def block_sum(value: Float32, scratch: cute.Tensor) -> Float32:
     """Sum of `value` over all NUM_THREADS threads; every thread gets the result.
     Uses scratch[0:NUM_THREADS//32]; ends with a barrier so scratch can be reused at once."""
@@ -55,12 +112,25 @@ def block_sum(value: Float32, scratch: cute.Tensor) -> Float32:
     return total
 
 
-def standalone(block, arch: str | None = None):
-    """Compile `block`'s standalone kernel: grid = block.num_tiles(), one tile per CTA, operand
-    pointers read from a device int64 array (same table format as the megakernel's).
+def _num_sms(default: int = 132) -> int:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    except Exception:
+        pass
+    return default
+
+
+def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_stages: int | None = None):
+    """Compile `block`'s standalone kernel, operand pointers read from a device int64 array (same
+    table format as the megakernel's): grid = block.num_tiles(), one tile per CTA; or, for a
+    streaming block, grid = min(tiles, num_ctas or the SM count), persistent, through the ring.
 
     Returns `fn(optab_addr: int, stream)`. With `arch` set, compiles for that GPU arch with no GPU
     present (compile check)."""
+    if block.stream_chunks() > 0:
+        return _standalone_stream(block, arch, num_ctas or (132 if arch else _num_sms()), max_stages)
     tile_fn = block.device_tile()
     nops = len(block.operands())
     ntiles = block.num_tiles()
@@ -68,7 +138,7 @@ def standalone(block, arch: str | None = None):
     @cute.kernel
     def kernel(optab: Int64):
         smem = SmemAllocator()
-        scratch = smem.allocate_tensor(Float32, cute.make_layout(64), byte_alignment=16)
+        scratch = smem.allocate_tensor(Float32, cute.make_layout(SCRATCH_WORDS), byte_alignment=16)
         mOps = gmem_tensor(optab, Int64, (nops,), 8)
         bid, _, _ = cute.arch.block_idx()
         ptrs = [mOps[j] for j in range(nops)]
@@ -83,3 +153,54 @@ def standalone(block, arch: str | None = None):
     opts = f"--gpu-arch {arch}" if arch else None
     args = (Int64(0), cuda.CUstream(0))
     return cute.compile(host, *args, options=opts) if opts else cute.compile(host, *args)
+
+
+def _standalone_stream(block, arch, num_ctas, max_stages):
+    faces = block.device_stream()
+    nops = len(block.operands())
+    ntiles = block.num_tiles()
+    nch = block.stream_chunks()
+    G = min(ntiles, num_ctas)
+    stage_bytes, P, xbytes = ring_geometry([block], max_stages)
+
+    @cute.jit
+    def produce(ptrs, bid, mine, ring_base, pi, pc, ps):
+        if pi < mine:
+            faces.issue(ptrs, bid + G * pi, pc, ring_base + (ps % P) * stage_bytes)
+            pc = pc + 1
+            if pc == nch:
+                pc = Int32(0)
+                pi = pi + 1
+        cute.arch.cp_async_commit_group()
+        return pi, pc, ps + 1
+
+    @cute.kernel
+    def kernel(optab: Int64):
+        smem = SmemAllocator()
+        scratch = smem.allocate_tensor(Float32, cute.make_layout(SCRATCH_WORDS), byte_alignment=16)
+        ring = smem.allocate_tensor(cutlass.Int8, cute.make_layout(P * stage_bytes), byte_alignment=128)
+        xs = smem.allocate_tensor(cutlass.Int8, cute.make_layout(xbytes), byte_alignment=128)
+        mOps = gmem_tensor(optab, Int64, (nops,), 8)
+        bid, _, _ = cute.arch.block_idx()
+        ptrs = [mOps[j] for j in range(nops)]
+        mine = (ntiles - bid + G - 1) // G
+        ring_base = ring.iterator.toint()
+        sx = xs.iterator.toint()
+        pi, pc, ps = Int32(0), Int32(0), Int32(0)
+        for _ in cutlass.range_constexpr(P):
+            pi, pc, ps = produce(ptrs, bid, mine, ring_base, pi, pc, ps)
+        cseq = Int32(0)
+        for j in cutlass.range(mine, unroll=1):
+            cseq, pi, pc, ps = stream_tile(
+                faces, nch, P, stage_bytes, ptrs, bid + G * j, ring_base, sx, scratch, cseq, pi, pc, ps,
+                lambda a, b, c: produce(ptrs, bid, mine, ring_base, a, b, c))
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def host(optab: Int64, stream: "cuda.CUstream"):
+        kernel(optab).launch(grid=(G, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream)
+
+    import cuda.bindings.driver as cuda
+    host.__annotations__["stream"] = cuda.CUstream
+    args = (Int64(0), cuda.CUstream(0))
+    return cute.compile(host, *args, options=f"--gpu-arch {arch}") if arch else cute.compile(host, *args)

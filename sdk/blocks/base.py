@@ -13,6 +13,22 @@ A block is one module with one class (a subclass of `Block`) and four faces:
 Besides, `emulate_tile(tensors, tile)` is the torch twin of the device tile that the PyVM runs:
 same tile boundaries, same storage dtypes, fp32 math.
 
+Streaming blocks (weight-bound tiles, e.g. `GemvBlock`) instead provide `device_stream()`: their
+weights flow through the megakernel's shared-memory ring (cp.async, several chunks in flight,
+issued up to a whole ring AHEAD of the tile, across instruction boundaries and before the tile's
+dependency is met: weights never depend on activations). Such a block declares
+`stream_chunks()` (chunks per tile, static), `chunk_bytes()` (bytes of one chunk in smem) and
+`x_smem_bytes()` (smem it needs for staged activations), and its `device_stream()` returns a
+`StreamFaces` of five device functions, all called by all NUM_THREADS threads:
+
+    issue(ptrs, tile, c, stage_addr)            cp.async of chunk c into the stage (no commit)
+    state = begin(ptrs, tile, sx, scratch)      after the tile's dependencies are met
+    prep(ptrs, tile, c, state, sx, scratch)     before chunk c's stage barrier (stage activations)
+    consume(ptrs, tile, c, stage_addr, state, sx)   chunk c has landed and is visible
+    end(ptrs, tile, state, scratch)             epilogue (reductions, output stores)
+
+The megakernel owns the ring, the commit/wait accounting and the barriers (docs/writing-a-block.md).
+
 Operands are device pointers (int64) in an operand table; their order is `operands()`, their
 shapes and dtypes are static (`operand_specs()`), so a kernel never takes per-layer arguments.
 
@@ -32,6 +48,33 @@ from ..errors import UnsupportedConfigError
 # Threads per CTA of every block and of the megakernel: 8 warps. One value for the whole kernel
 # since all blocks inline into the same persistent CTA.
 NUM_THREADS = 256
+# fp32 words of the `scratch` smem tensor every tile gets: [0, 512) block reductions of up to 64
+# values (8 warps x 64), [512, 576) per-token statistics a tile keeps across its chunks.
+SCRATCH_WORDS = 9 * 64
+STATS_OFFSET = 8 * 64
+
+# Shared memory of the persistent CTA (H200 / B200 allow 227 KB per block; keep a margin for the
+# small static allocations): the weight ring takes what the staged activations leave.
+SMEM_BUDGET = 220 * 1024
+MAX_STAGES = 16
+
+
+def ring_geometry(blocks, max_stages: int | None = None) -> tuple[int, int, int]:
+    """(stage bytes, number of stages, activation smem bytes) of the smem ring that serves these
+    blocks; (0, 0, 0) when none streams. Stages are sized for the largest chunk of any block;
+    as many as fit (at most `max_stages`, default MAX_STAGES)."""
+    stream = [b for b in blocks if b.stream_chunks() > 0]
+    if not stream:
+        return 0, 0, 0
+    up = lambda v: -(-v // 128) * 128
+    stage = up(max(b.chunk_bytes() for b in stream))
+    xbytes = up(max(max(b.x_smem_bytes() for b in stream), 16))
+    free = SMEM_BUDGET - xbytes - 4 * SCRATCH_WORDS - 256
+    stages = min(max_stages or MAX_STAGES, free // stage)
+    if stages < 2:
+        raise UnsupportedConfigError(f"smem ring: {stage} B stages and {xbytes} B of activations leave room "
+                                     f"for {stages} stage(s); need 2")
+    return stage, stages, xbytes
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -50,6 +93,16 @@ class Cost:
     def ns(self, bandwidth_gbs: float = 4260.0, per_sm_share: int = 132) -> float:
         """Time of one tile on one SM when all SMs stream at the measured copy bandwidth."""
         return self.bytes / (bandwidth_gbs / per_sm_share)
+
+
+@dataclass(frozen=True)
+class StreamFaces:
+    """The device functions of a streaming block (see the module docstring)."""
+    issue: Any
+    begin: Any
+    prep: Any
+    consume: Any
+    end: Any
 
 
 @dataclass(frozen=True)
@@ -73,6 +126,7 @@ class Block:
         self.config = config
         self.check()
         self._device_tile = None
+        self._device_stream = None
 
     # -- identity: blocks with equal static config compile to the same code ---------------------
     def key(self) -> tuple:
@@ -116,6 +170,25 @@ class Block:
         return self._device_tile
 
     def _build_device_tile(self):
+        raise NotImplementedError
+
+    # -- streaming blocks (weights through the megakernel's smem ring) -------------------------
+    def stream_chunks(self) -> int:
+        """Weight chunks per tile; 0: not a streaming block (the megakernel calls device_tile())."""
+        return 0
+
+    def chunk_bytes(self) -> int:
+        return 0
+
+    def x_smem_bytes(self) -> int:
+        return 0
+
+    def device_stream(self) -> StreamFaces:
+        if self._device_stream is None:
+            self._device_stream = self._build_device_stream()
+        return self._device_stream
+
+    def _build_device_stream(self) -> StreamFaces:
         raise NotImplementedError
 
     # -- helpers ------------------------------------------------------------------------------

@@ -1,20 +1,30 @@
-"""GEMV / skinny GEMM block: y[m, n] = sum_k x[m, k] * W[n, k], for M = 1..64 tokens.
+"""GEMV / skinny GEMM block: y[m, n] = sum_k x[m, k] * W[n, k], for M = 1..64 tokens, as a
+streaming block (its weights flow through the megakernel's shared-memory ring).
 
 Supported:
 - weights bf16, or fp8-e4m3 with fp32 128x128 block scales `scale[n // 128, k // 128]` (the
   DeepSeek / Kimi checkpoint format: `weight_scale_inv`, multiplied in);
-- x bf16 [M, K]; y bf16 or fp32 [M, N]; fp32 accumulation;
+- x bf16 or fp32 [M, K]; y bf16 or fp32 [M, N]; fp32 accumulation;
 - fused SwiGLU epilogue (`swiglu=True`): two weights (gate, up) and
-  y = act(gate(x)) * up(x), with the optional clamp limit (gate <= limit, |up| <= limit).
+  y = act(gate(x)) * up(x), with the optional clamp limit (gate <= limit, |up| <= limit);
+- fused RMSNorm prologue (`norm=True`): the tile computes rstd[m] = rsqrt(mean(x[m]^2) + eps)
+  over the whole row itself and uses x_n = x * rstd * norm_weight (rounded to bf16, like a
+  separate norm op's bf16 output) - no norm op, no dependency hop, no one-CTA critical path;
+  the cost is M x K reads of x per tile from L2 (cheap at small M: 28 KB at M=1, K=7168);
+- fused residual epilogue (`residual="bf16"|"fp32"`): y = res + x @ W^T; `res` may alias `y`
+  (the residual stream updated in place: each element is read and written by one thread).
 
-A tile is `rows_per_tile` output rows over the full K. Each warp owns one output row (SwiGLU: the
-gate row and the up row together) at a time; its lanes stream the row in 16-byte vector loads
-(8 bf16 or 16 fp8 per load), `unroll` loads per lane in flight, fp32 FMAs, then a warp shuffle
-reduction. Many tiles spread the weight stream over all SMs.
+A tile is `rows_per_tile` (R) output rows over the full K. Its weights are cut into chunks of
+R rows x `chunk_k` (KC) columns (~16 KB), copied by cp.async into ring stages laid out
+[weight][row][KC/E + 1 units of 16 bytes] (one pad unit per row: rows start on different banks)
+followed, for fp8, by the chunk's block scales. The activations of the tile are staged in smem
+as bf16 (`x_block` columns at a time, at most 64 KB). Consume: warp w owns rows w, w+8, ...
+(and the gate and up rows together); lane l reads 16-byte units l, l+32, ... of each row from
+the stage, fp32 FMAs against x from smem, per-token accumulators in registers; the epilogue is a
+warp-shuffle reduction per (row, token).
 
-Not yet: the tensor-core path for M >= 16 (warp MMA with swap-AB, weight rows as the MMA M
-dimension). Today M > 8 runs as groups of 8 tokens, each re-reading the tile's weights (from L2):
-correct, but bandwidth-efficient only at small M.
+Not yet: the tensor-core path for M >= 8 (warp MMA with swap-AB, weight rows as the MMA M
+dimension); at M = 8 the CUDA-core FMAs (4 per weight byte) are the limit, not the bandwidth.
 """
 from __future__ import annotations
 
@@ -23,9 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from ..reference.common import swiglu as swiglu_ref
-from .base import NUM_THREADS, Block, Cost, OperandSpec
+from .base import NUM_THREADS, STATS_OFFSET, Block, Cost, OperandSpec, StreamFaces
 
-TOKEN_GROUP = 8      # tokens accumulated in registers at once on the CUDA-core path
+CHUNK_TARGET_BYTES = 16 * 1024      # weight bytes per ring stage
+X_SMEM_MAX = 64 * 1024              # staged activations per tile at a time
 
 
 @dataclass(frozen=True)
@@ -38,7 +49,11 @@ class GemvConfig:
     swiglu: bool = False
     swiglu_limit: float | None = None
     out_dtype: str = "bf16"              # "bf16" | "fp32"
-    unroll: int = 0                      # 16-byte loads per lane in flight per row; 0 = auto
+    chunk_k: int = 0                     # K columns per ring chunk; 0 = auto (~16 KB of weights)
+    x_dtype: str = "bf16"                # "bf16" | "fp32"
+    norm: bool = False                   # fused RMSNorm of x (operand norm_weight [K] bf16)
+    norm_eps: float = 1e-6
+    residual: str | None = None          # None | "bf16" | "fp32": y = res + x @ W^T
     scale_block: int = 128
 
 
@@ -52,11 +67,44 @@ class GemvBlock(Block):
         return 16 if self.config.weight_dtype == "fp8_e4m3" else 8
 
     @property
-    def unroll(self) -> int:
+    def nw(self) -> int:
+        return 2 if self.config.swiglu else 1
+
+    @property
+    def wbytes(self) -> int:
+        return 1 if self.config.weight_dtype == "fp8_e4m3" else 2
+
+    @property
+    def chunk_k(self) -> int:
         c = self.config
-        if c.unroll:
-            return c.unroll
-        return 4 if c.swiglu else 8
+        if c.chunk_k:
+            return c.chunk_k
+        # the widest chunk within CHUNK_TARGET_BYTES, preferring the fewest x re-stagings per tile
+        E = self.elems_per_load
+        best, best_key = 0, None
+        for kc in (2048, 1024, 512, 256):
+            if c.k % kc == 0 and kc % (32 * E) == 0 and self.nw * c.rows_per_tile * kc * self.wbytes <= CHUNK_TARGET_BYTES \
+                    and (c.weight_dtype != "fp8_e4m3" or kc % 512 == 0):
+                kx = self._x_block(kc)
+                key = (kx, kc)
+                if kx and (best_key is None or key > best_key):
+                    best, best_key = kc, key
+        return best
+
+    def _x_block(self, kc: int) -> int:
+        c = self.config
+        best = 0
+        for mult in range(1, c.k // kc + 1):
+            kx = mult * kc
+            if c.k % kx == 0 and c.m * kx * 2 <= X_SMEM_MAX:
+                best = kx
+        return best
+
+    @property
+    def x_block(self) -> int:
+        """Columns of x staged in smem at a time: the largest multiple of chunk_k dividing K
+        whose M x cols bf16 fit X_SMEM_MAX."""
+        return self._x_block(self.chunk_k) if self.chunk_k else 0
 
     def check(self):
         c = self.config
@@ -64,58 +112,95 @@ class GemvBlock(Block):
             self.unsupported(f"gemv: weight dtype {c.weight_dtype!r} (supported: bf16, fp8_e4m3)")
         if c.out_dtype not in ("bf16", "fp32"):
             self.unsupported(f"gemv: out dtype {c.out_dtype!r} (supported: bf16, fp32)")
+        if c.x_dtype not in ("bf16", "fp32"):
+            self.unsupported(f"gemv: x dtype {c.x_dtype!r} (supported: bf16, fp32)")
+        if c.residual not in (None, "bf16", "fp32"):
+            self.unsupported(f"gemv: residual {c.residual!r} (supported: None, bf16, fp32)")
         if not 1 <= c.m <= 64:
             self.unsupported(f"gemv: m={c.m} tokens (supported: 1..64)")
-        if c.m > TOKEN_GROUP and c.m % TOKEN_GROUP:
-            self.unsupported(f"gemv: m={c.m} > {TOKEN_GROUP} must be a multiple of {TOKEN_GROUP}")
-        if c.k % (self.elems_per_load * 32):
-            self.unsupported(f"gemv: k={c.k} must be a multiple of {self.elems_per_load * 32}")
-        if c.n % c.rows_per_tile:
-            self.unsupported(f"gemv: n={c.n} must be a multiple of rows_per_tile={c.rows_per_tile}")
-        if c.rows_per_tile % (NUM_THREADS // 32):
+        if c.rows_per_tile % (NUM_THREADS // 32) or c.rows_per_tile <= 0:
             self.unsupported(f"gemv: rows_per_tile={c.rows_per_tile} must be a multiple of the "
                              f"{NUM_THREADS // 32} warps")
-        if c.weight_dtype == "fp8_e4m3" and (c.n % c.scale_block or c.k % c.scale_block):
-            self.unsupported(f"gemv fp8: n={c.n}, k={c.k} must be multiples of the {c.scale_block} scale block")
+        if c.n % c.rows_per_tile:
+            self.unsupported(f"gemv: n={c.n} must be a multiple of rows_per_tile={c.rows_per_tile}")
+        if c.k % 8:
+            self.unsupported(f"gemv: k={c.k} must be a multiple of 8")
+        kc = self.chunk_k
+        E = self.elems_per_load
+        if not kc or c.k % kc or kc % (32 * E):
+            self.unsupported(f"gemv: no chunk width for k={c.k} (chunk_k={c.chunk_k}): it must divide k "
+                             f"and be a multiple of {32 * E} (every lane reads whole 16-byte units)")
+        if c.weight_dtype == "fp8_e4m3":
+            if c.n % c.scale_block or c.k % 512 or kc % 512:
+                self.unsupported(f"gemv fp8: n={c.n} must be a multiple of {c.scale_block}, k={c.k} and "
+                                 f"chunk_k={kc} of 512 (the 128-wide scales are copied 4 at a time)")
+            if c.scale_block % c.rows_per_tile:
+                self.unsupported(f"gemv fp8: rows_per_tile={c.rows_per_tile} must divide the "
+                                 f"{c.scale_block}-row scale block")
+        if not self.x_block:
+            self.unsupported(f"gemv: m={c.m} x chunk_k={kc} bf16 activations exceed {X_SMEM_MAX} B of smem")
         if c.swiglu_limit is not None and not c.swiglu:
             self.unsupported("gemv: swiglu_limit without swiglu")
 
     def operand_specs(self):
         c = self.config
         w, sc = c.weight_dtype, (c.n // c.scale_block, c.k // c.scale_block)
-        fp8 = w == "fp8_e4m3"
         specs = []
         names = ("w_gate", "w_up") if c.swiglu else ("w",)
         for name in names:
             specs.append(OperandSpec(name, (c.n, c.k), w))
-        if fp8:
+        if c.weight_dtype == "fp8_e4m3":
             for name in names:
                 specs.append(OperandSpec(name + "_scale", sc, "fp32"))
-        specs.append(OperandSpec("x", (c.m, c.k), "bf16"))
+        specs.append(OperandSpec("x", (c.m, c.k), c.x_dtype))
+        if c.norm:
+            specs.append(OperandSpec("norm_weight", (c.k,), "bf16"))
+        if c.residual:
+            specs.append(OperandSpec("res", (c.m, c.n), c.residual))
         specs.append(OperandSpec("y", (c.m, c.n), c.out_dtype, output=True))
         return specs
 
     def num_tiles(self) -> int:
         return self.config.n // self.config.rows_per_tile
 
+    # -- the smem ring ---------------------------------------------------------------------------
+    def stream_chunks(self) -> int:
+        return self.config.k // self.chunk_k
+
+    @property
+    def scale_units(self) -> int:
+        """16-byte units of fp32 scales per weight per chunk (fp8 only)."""
+        return self.chunk_k // 512 if self.config.weight_dtype == "fp8_e4m3" else 0
+
+    @property
+    def pitch_units(self) -> int:
+        return self.chunk_k // self.elems_per_load + 1
+
+    def chunk_bytes(self) -> int:
+        return 16 * (self.nw * self.config.rows_per_tile * self.pitch_units + self.nw * self.scale_units)
+
+    def x_smem_bytes(self) -> int:
+        return self.config.m * self.x_block * 2
+
     def cost(self) -> Cost:
         c = self.config
-        nw = 2 if c.swiglu else 1
-        wbytes = 1 if c.weight_dtype == "fp8_e4m3" else 2
+        nw = self.nw
         obytes = 2 if c.out_dtype == "bf16" else 4
+        xbytes = 2 if c.x_dtype == "bf16" else 4
         r = c.rows_per_tile
-        b = nw * r * c.k * wbytes + c.m * c.k * 2 + c.m * r * obytes
+        b = nw * r * c.k * self.wbytes + c.m * c.k * xbytes + c.m * r * obytes
         if c.weight_dtype == "fp8_e4m3":
             b += nw * max(1, r // c.scale_block) * (c.k // c.scale_block) * 4
+        if c.residual:
+            b += c.m * r * (2 if c.residual == "bf16" else 4)
         return Cost(bytes=b, flops=2 * nw * r * c.k * c.m)
 
     def weight_bytes(self) -> int:
         """Bytes of all weights (and scales) of the whole op: the GEMV's bandwidth floor."""
         c = self.config
-        nw = 2 if c.swiglu else 1
-        b = nw * c.n * c.k * (1 if c.weight_dtype == "fp8_e4m3" else 2)
+        b = self.nw * c.n * c.k * self.wbytes
         if c.weight_dtype == "fp8_e4m3":
-            b += nw * (c.n // c.scale_block) * (c.k // c.scale_block) * 4
+            b += self.nw * (c.n // c.scale_block) * (c.k // c.scale_block) * 4
         return b
 
     # -- torch faces ---------------------------------------------------------------------------
@@ -126,19 +211,33 @@ class GemvBlock(Block):
         b = self.config.scale_block
         return w * scale.float().repeat_interleave(b, 0).repeat_interleave(b, 1)
 
+    def _x(self, t) -> torch.Tensor:
+        """The activations as the device uses them: (normalised,) rounded to bf16, in fp32."""
+        c = self.config
+        x = t["x"].float()
+        if c.norm:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.norm_eps) * t["norm_weight"].float()
+        return x.to(torch.bfloat16).float()
+
     def reference(self, **t) -> dict[str, torch.Tensor]:
         c = self.config
         x = t["x"].float()
+        if c.norm:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.norm_eps) * t["norm_weight"].float()
         if c.swiglu:
             g = x @ self.dequant(t["w_gate"], t.get("w_gate_scale")).T
             u = x @ self.dequant(t["w_up"], t.get("w_up_scale")).T
-            return {"y": swiglu_ref(g, u, "silu", c.swiglu_limit)}
-        return {"y": x @ self.dequant(t["w"], t.get("w_scale")).T}
+            y = swiglu_ref(g, u, "silu", c.swiglu_limit)
+        else:
+            y = x @ self.dequant(t["w"], t.get("w_scale")).T
+        if c.residual:
+            y = t["res"].float() + y
+        return {"y": y}
 
     def emulate_tile(self, t: dict[str, torch.Tensor], tile: int) -> None:
         c = self.config
         rows = slice(tile * c.rows_per_tile, (tile + 1) * c.rows_per_tile)
-        x = t["x"].float()
+        x = self._x(t)
 
         def part(name):
             w = t[name][rows].float()
@@ -152,101 +251,172 @@ class GemvBlock(Block):
             y = swiglu_ref(part("w_gate"), part("w_up"), "silu", c.swiglu_limit)
         else:
             y = part("w")
+        if c.residual:
+            y = t["res"][:, rows].float() + y
         t["y"][:, rows] = y.to(t["y"].dtype)
 
-    # -- device face ---------------------------------------------------------------------------
-    def _build_device_tile(self):
+    # -- device faces --------------------------------------------------------------------------
+    def _build_device_stream(self) -> StreamFaces:
         import cutlass
         import cutlass.cute as cute
-        from cutlass import Float32, Int32
+        from cutlass import BFloat16, Float32, Int32
+        from cutlass.cute.nvgpu import cpasync
 
-        from ._cute import DTYPE_MAP, gmem_tensor
+        from ._cute import DTYPE_MAP, block_sum_multi, gmem_tensor, smem_tensor
 
         c = self.config
-        E = self.elems_per_load                     # weight elements per 16-byte load
-        U = self.unroll
-        nch = c.k // (E * 32)                       # 16-byte loads per lane per row
-        n_main, tail = nch // U, nch % U
-        R = c.rows_per_tile
-        NW = NUM_THREADS // 32
-        M = c.m
-        MG = min(M, TOKEN_GROUP)
+        NT, NWARP = NUM_THREADS, NUM_THREADS // 32
+        E = self.elems_per_load                 # weight elements per 16-byte unit
+        M, K, N, R = c.m, c.k, c.n, c.rows_per_tile
+        RW = R // NWARP                         # rows per warp (per weight)
+        nw = self.nw
+        KC = self.chunk_k
+        KCU = KC // E                           # 16-byte weight units per row per chunk
+        PITCH = self.pitch_units
+        WU = nw * R * PITCH                     # weight units in a stage
+        SU = self.scale_units
+        KX = self.x_block
+        CPX = KX // KC                          # chunks per staged x block
+        XU = KX // 8                            # bf16 x units (8 elements) per token per x block
+        XPC = KCU * E // 8                      # x units per chunk
         fp8 = c.weight_dtype == "fp8_e4m3"
         SB = c.scale_block
-        KB = c.k // SB
         wdt = DTYPE_MAP[c.weight_dtype]
         odt = DTYPE_MAP[c.out_dtype]
-        nw = 2 if c.swiglu else 1
-        limit = c.swiglu_limit
-        swiglu = c.swiglu
-        K = c.k
+        xdt = DTYPE_MAP[c.x_dtype]
+        rdt = DTYPE_MAP[c.residual] if c.residual else None
+        swiglu, limit, norm, eps = c.swiglu, c.swiglu_limit, c.norm, c.norm_eps
+        # operand-table positions
+        i_w = list(range(nw))
+        i_s = list(range(nw, 2 * nw)) if fp8 else []
+        i_x = nw * (2 if fp8 else 1)
+        i_nw = i_x + 1 if norm else -1
+        i_res = i_x + 1 + int(norm) if c.residual else -1
+        i_y = i_x + 1 + int(norm) + int(bool(c.residual))
+        XV = 16 // (2 if c.x_dtype == "bf16" else 4)   # x elements per 16-byte load (norm pass)
 
         @cute.jit
-        def dot_chunk(wv, mX, m, ch):
-            """fp32 dot of one loaded weight chunk (E elements, already fp32) with x[m, chunk]."""
+        def issue(ptrs, t: Int32, ch: Int32, stage_addr):
+            tid, _, _ = cute.arch.thread_idx()
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                       wdt, num_bits_per_copy=128)
+            sW = smem_tensor(stage_addr, wdt, (nw, R, PITCH, E))
+            for i in cutlass.range_constexpr(nw):
+                mW = gmem_tensor(ptrs[i_w[i]], wdt, (N, K // E, E), 16)
+                for j in cutlass.range_constexpr(-(-(R * KCU) // NT)):
+                    u = tid + NT * j
+                    if u < R * KCU:
+                        r = u // KCU
+                        cu = u - r * KCU
+                        cute.copy(atom, mW[t * R + r, ch * KCU + cu, None], sW[i, r, cu, None])
             if cutlass.const_expr(fp8):
-                x0 = mX[m, 2 * ch, None].load().to(Float32)
-                x1 = mX[m, 2 * ch + 1, None].load().to(Float32)
-                w0 = cute.make_rmem_tensor((16,), Float32)
-                w0.store(wv)
-                s = Float32(0.0)
-                for e in cutlass.range_constexpr(8):
-                    s = s + w0[e] * x0[e] + w0[e + 8] * x1[e]
-                return s
-            else:
-                xv = mX[m, ch, None].load().to(Float32)
-                return (wv * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                satom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                            Float32, num_bits_per_copy=128)
+                sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU, 4))
+                for i in cutlass.range_constexpr(nw):
+                    mS = gmem_tensor(ptrs[i_s[i]], Float32, (N // SB, K // 512, 4), 16)
+                    if tid < SU:
+                        cute.copy(satom, mS[(t * R) // SB, ch * SU + tid, None], sS[i, tid, None])
 
         @cute.jit
-        def tile(ptrs, t: Int32, scratch):
+        def begin(ptrs, t: Int32, sx, scratch):
+            acc = cute.make_rmem_tensor((RW, nw, M), Float32)
+            acc.fill(0.0)
+            if cutlass.const_expr(norm):
+                # rstd of every token over the whole row, kept in scratch[STATS_OFFSET + m]
+                tid, _, _ = cute.arch.thread_idx()
+                mXv = gmem_tensor(ptrs[i_x], xdt, (M, K // XV, XV), 16)
+                NU = K // XV
+                sums = []
+                for m in cutlass.range_constexpr(M):
+                    s = Float32(0.0)
+                    for j in cutlass.range_constexpr(-(-NU // NT)):
+                        u = tid + NT * j
+                        if u < NU:
+                            v = mXv[m, u, None].load().to(Float32)
+                            s = s + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    sums.append(s)
+                tot = block_sum_multi(sums, scratch)
+                if tid == 0:
+                    for m in cutlass.range_constexpr(M):
+                        scratch[STATS_OFFSET + m] = cute.math.rsqrt(tot[m] / Float32(K) + Float32(eps),
+                                                                    fastmath=False)
+                cute.arch.sync_threads()
+            return acc
+
+        @cute.jit
+        def prep(ptrs, t: Int32, ch: Int32, acc, sx, scratch):
+            # stage the next x block (bf16) when chunk ch starts one; the previous block's
+            # readers finished before the last chunk's closing barrier
+            if ch % CPX == 0:
+                tid, _, _ = cute.arch.thread_idx()
+                xb = ch // CPX
+                sX = smem_tensor(sx, BFloat16, (M, XU, 8))
+                mX = gmem_tensor(ptrs[i_x], xdt, (M, K // 8, 8), 16)
+                if cutlass.const_expr(norm):
+                    mNW = gmem_tensor(ptrs[i_nw], BFloat16, (K // 8, 8), 16)
+                for j in cutlass.range_constexpr(-(-(M * XU) // NT)):
+                    u = tid + NT * j
+                    if u < M * XU:
+                        m = u // XU
+                        ku = u - m * XU
+                        v = mX[m, xb * XU + ku, None].load().to(Float32)
+                        if cutlass.const_expr(norm):
+                            v = v * scratch[STATS_OFFSET + m] * mNW[xb * XU + ku, None].load().to(Float32)
+                        sX[m, ku, None].store(v.to(BFloat16))
+
+        @cute.jit
+        def consume(ptrs, t: Int32, ch: Int32, stage_addr, acc, sx):
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
             warp = tid // 32
-            mW = [gmem_tensor(ptrs[i], wdt, (c.n, K // E, E), 16) for i in range(nw)]
-            if cutlass.const_expr(fp8):
-                mS = [gmem_tensor(ptrs[nw + i], Float32, (c.n // SB, KB), 4) for i in range(nw)]
-                xi = 2 * nw
-            else:
-                mS = [None] * nw
-                xi = nw
-            # x viewed in 8-element (16-byte) chunks
-            mX = gmem_tensor(ptrs[xi], cutlass.BFloat16, (M, K // 8, 8), 16)
-            mY = gmem_tensor(ptrs[xi + 1], odt, (M, c.n), 4)
-            acc = cute.make_rmem_tensor((nw, MG), Float32)
-            for g in cutlass.range(M // MG, unroll=1):
-                for r in cutlass.range(warp, R, NW):
-                    row = t * R + r
-                    acc.fill(0.0)
-                    for it in cutlass.range(n_main):
-                        ch0 = it * (32 * U) + lane
-                        # issue all U x nw 16-byte loads before any math: loads in flight
-                        wl = [[mW[i][row, ch0 + 32 * u, None].load() for u in range(U)] for i in range(nw)]
-                        for i in cutlass.range_constexpr(nw):
-                            for u in cutlass.range_constexpr(U):
-                                wf = wl[i][u].to(Float32)
-                                sc = Float32(1.0)
-                                if cutlass.const_expr(fp8):
-                                    sc = mS[i][row // SB, ((ch0 + 32 * u) * E) // SB]
-                                for m in cutlass.range_constexpr(MG):
-                                    acc[i, m] = acc[i, m] + sc * dot_chunk(wf, mX, g * MG + m, ch0 + 32 * u)
-                    for u in cutlass.range_constexpr(tail):
-                        ch = n_main * (32 * U) + 32 * u + lane
-                        for i in cutlass.range_constexpr(nw):
-                            wf = mW[i][row, ch, None].load().to(Float32)
-                            sc = Float32(1.0)
+            sW = smem_tensor(stage_addr, wdt, (nw, R, PITCH, E))
+            sX = smem_tensor(sx, BFloat16, (M, XU, 8))
+            xo = (ch % CPX) * XPC
+            wr = cute.make_rmem_tensor((nw, RW, E), Float32)
+            xr = cute.make_rmem_tensor((E // 8, 8), Float32)
+            sc = cute.make_rmem_tensor((nw,), Float32)
+            for cj in cutlass.range_constexpr(KCU // 32):
+                cu = lane + 32 * cj
+                for i in cutlass.range_constexpr(nw):
+                    for rr in cutlass.range_constexpr(RW):
+                        wr[i, rr, None].store(sW[i, warp + NWARP * rr, cu, None].load().to(Float32))
+                if cutlass.const_expr(fp8):
+                    sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU * 4))
+                    for i in cutlass.range_constexpr(nw):
+                        sc[i] = sS[i, cu // (SB // E)]
+                for m in cutlass.range_constexpr(M):
+                    for h in cutlass.range_constexpr(E // 8):
+                        xr[h, None].store(sX[m, xo + cu * (E // 8) + h, None].load().to(Float32))
+                    for i in cutlass.range_constexpr(nw):
+                        for rr in cutlass.range_constexpr(RW):
+                            d = Float32(0.0)
+                            for e in cutlass.range_constexpr(E):
+                                d = d + wr[i, rr, e] * xr[e // 8, e % 8]
                             if cutlass.const_expr(fp8):
-                                sc = mS[i][row // SB, (ch * E) // SB]
-                            for m in cutlass.range_constexpr(MG):
-                                acc[i, m] = acc[i, m] + sc * dot_chunk(wf, mX, g * MG + m, ch)
-                    for m in cutlass.range_constexpr(MG):
-                        a = cute.arch.warp_reduction_sum(acc[0, m])
-                        if cutlass.const_expr(swiglu):
-                            b = cute.arch.warp_reduction_sum(acc[1, m])
-                            if cutlass.const_expr(limit is not None):
-                                a = cute.arch.fmin(a, Float32(limit))
-                                b = cute.arch.fmax(cute.arch.fmin(b, Float32(limit)), Float32(-limit))
-                            a = a / (Float32(1.0) + cute.math.exp(-a, fastmath=True)) * b
-                        if lane == 0:
-                            mY[g * MG + m, row] = a.to(odt)
+                                d = d * sc[i]
+                            acc[rr, i, m] = acc[rr, i, m] + d
 
-        return tile
+        @cute.jit
+        def end(ptrs, t: Int32, acc, scratch):
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            warp = tid // 32
+            mY = gmem_tensor(ptrs[i_y], odt, (M, N), 2 if c.out_dtype == "bf16" else 4)
+            for rr in cutlass.range_constexpr(RW):
+                row = t * R + warp + NWARP * rr
+                for m in cutlass.range_constexpr(M):
+                    a = cute.arch.warp_reduction_sum(acc[rr, 0, m])
+                    if cutlass.const_expr(swiglu):
+                        b = cute.arch.warp_reduction_sum(acc[rr, 1, m])
+                        if cutlass.const_expr(limit is not None):
+                            a = cute.arch.fmin(a, Float32(limit))
+                            b = cute.arch.fmax(cute.arch.fmin(b, Float32(limit)), Float32(-limit))
+                        a = a / (Float32(1.0) + cute.math.exp(-a, fastmath=True)) * b
+                    if lane == 0:
+                        if cutlass.const_expr(rdt is not None):
+                            mR = gmem_tensor(ptrs[i_res], rdt, (M, N), 2 if c.residual == "bf16" else 4)
+                            a = a + mR[m, row].to(Float32)
+                        mY[m, row] = a.to(odt)
+
+        return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume, end=end)

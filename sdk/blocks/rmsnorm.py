@@ -2,8 +2,10 @@
 
     residual_in=True:   r = src + delta            (src, delta fp32 [M, D]: residual stream, the
                                                     previous sublayer's output)
-    residual_in=False:  r = src                    (src bf16 [M, D]: the step's input hidden)
-    resid_out = r (fp32), out = r * rsqrt(mean(r^2) + eps) * weight  (bf16)
+    residual_in=False:  r = src                    (src bf16 [M, D]: the step's input hidden, or
+                                                    src_dtype="fp32": a residual stream that the
+                                                    sublayers update in place)
+    resid_out = r (fp32; write_resid=False: not written), out = r * rsqrt(mean(r^2) + eps) * weight
 
 A tile is one token row. Each thread holds D / NUM_THREADS elements in registers (16-byte fp32
 loads), one CTA-wide reduction for the sum of squares, fp32 math.
@@ -28,6 +30,12 @@ class RMSNormConfig:
     m: int = 1
     eps: float = 1e-6
     residual_in: bool = True
+    src_dtype: str = ""          # "" = fp32 with residual_in, else bf16; or "bf16" | "fp32"
+    write_resid: bool = True
+
+
+def _src_dtype(c) -> str:
+    return c.src_dtype or ("fp32" if c.residual_in else "bf16")
 
 
 class RMSNormBlock(Block):
@@ -40,23 +48,25 @@ class RMSNormBlock(Block):
             self.unsupported(f"rmsnorm: d={c.d} must be a multiple of {4 * NUM_THREADS}")
         if not 1 <= c.m <= 64:
             self.unsupported(f"rmsnorm: m={c.m} tokens (supported: 1..64)")
+        if _src_dtype(c) not in ("bf16", "fp32") or (c.residual_in and _src_dtype(c) != "fp32"):
+            self.unsupported(f"rmsnorm: src dtype {_src_dtype(c)!r} (fp32 with residual_in, else bf16 or fp32)")
 
     def operand_specs(self):
         c = self.config
         shape = (c.m, c.d)
-        return [OperandSpec("src", shape, "fp32" if c.residual_in else "bf16"),
+        return [OperandSpec("src", shape, _src_dtype(c)),
                 OperandSpec("delta", shape, "fp32", optional=not c.residual_in),
                 OperandSpec("weight", (c.d,), "bf16"),
-                OperandSpec("resid_out", shape, "fp32", output=True),
+                OperandSpec("resid_out", shape, "fp32", output=True, optional=not c.write_resid),
                 OperandSpec("out", shape, "bf16", output=True)]
 
     def num_tiles(self) -> int:
         return self.config.m
 
     def cost(self) -> Cost:
-        d = self.config.d
-        rd = 8 if self.config.residual_in else 2
-        return Cost(bytes=d * (rd + 2 + 4 + 2), flops=6 * d)
+        c = self.config
+        rd = 8 if c.residual_in else (4 if _src_dtype(c) == "fp32" else 2)
+        return Cost(bytes=c.d * (rd + 2 + (4 if c.write_resid else 0) + 2), flops=6 * c.d)
 
     # -- torch faces ---------------------------------------------------------------------------
     def reference(self, **t):
@@ -71,7 +81,8 @@ class RMSNormBlock(Block):
         if c.residual_in:
             r = r + t["delta"][tile].float()
         out = r * torch.rsqrt(r.pow(2).mean() + c.eps) * t["weight"].float()
-        t["resid_out"][tile] = r.to(t["resid_out"].dtype)
+        if c.write_resid:
+            t["resid_out"][tile] = r.to(t["resid_out"].dtype)
         t["out"][tile] = out.to(t["out"].dtype)
 
     # -- device face ---------------------------------------------------------------------------
@@ -87,12 +98,14 @@ class RMSNormBlock(Block):
         NV = D // (4 * NUM_THREADS)        # 4-element vectors per thread
         res_in = c.residual_in
         eps = c.eps
-        sdt = Float32 if res_in else BFloat16
+        src32 = _src_dtype(c) == "fp32"
+        sdt = Float32 if src32 else BFloat16
+        write_resid = c.write_resid
 
         @cute.jit
         def tile(ptrs, t: Int32, scratch):
             tid, _, _ = cute.arch.thread_idx()
-            mSrc = gmem_tensor(ptrs[0], sdt, (M, D // 4, 4), 16 if res_in else 8)
+            mSrc = gmem_tensor(ptrs[0], sdt, (M, D // 4, 4), 16 if src32 else 8)
             mW = gmem_tensor(ptrs[2], BFloat16, (D // 4, 4), 8)
             mR = gmem_tensor(ptrs[3], Float32, (M, D // 4, 4), 16)
             mO = gmem_tensor(ptrs[4], BFloat16, (M, D // 4, 4), 8)
@@ -109,7 +122,8 @@ class RMSNormBlock(Block):
             rstd = cute.math.rsqrt(total / Float32(D) + Float32(eps), fastmath=False)
             for j in cutlass.range_constexpr(NV):
                 ch = j * NUM_THREADS + tid
-                mR[t, ch, None].store(vals[j])
+                if cutlass.const_expr(write_resid):
+                    mR[t, ch, None].store(vals[j])
                 w = mW[ch, None].load().to(Float32)
                 mO[t, ch, None].store((vals[j] * rstd * w).to(BFloat16))
 

@@ -4,20 +4,29 @@ One launch per decode step: grid = number of SMs, one CTA (NUM_THREADS threads) 
 walking its own instruction list (see `isa.py`):
 
     epoch = counters[EXIT] // num_ctas + 1
+    fill the smem ring: issue the first `stages` weight chunks of this CTA's stream
     for each instruction of this CTA:
         thread 0: for each dependency, bounded spin on an acquire load until
                   counter >= epoch * expected (globaltimer-bounded; on expiry claim the error word)
         barrier (makes thread 0's acquire cover the whole CTA's following reads)
-        dispatch on the opcode to the block's device tile (all blocks inline into this kernel)
+        dispatch on the opcode to the block (all blocks inline into this kernel):
+          plain block:     its device tile
+          streaming block: begin; per chunk: prep, wait for the chunk's stage, consume, refill
+                           the stage with the stream's next chunk; end
         barrier; thread 0: release atomic +1 on the signal counter
-    thread 0: release atomic +1 on counters[EXIT]
+    wait for outstanding copies; thread 0: release atomic +1 on counters[EXIT]
+
+The weight stream of a CTA is the concatenation of the chunks of its streaming instructions, in
+list order. The producer position runs `stages` chunks ahead of the consumer, so the ring holds
+the NEXT instructions' weights while the CTA waits on a dependency or runs a plain tile: weights
+never depend on activations, only the activations (read after the wait) do. cp.async copies
+complete on their own, so an early exit (error word) only waits for them; it never hangs.
 
 No grid-wide barrier, no counter reset. A CTA leaves early (after the error word is set) instead
-of hanging. Optional timing record: globaltimer at start and end of every instruction, int64
-[num_sms, max_len, 2].
+of hanging. Optional timing record: globaltimer at start (after the wait) and end of every
+instruction, int64 [num_sms, max_len, 2].
 
-Supported: any list of blocks following the contract in `sdk/blocks/base.py`. Not yet: the
-shared-memory page pool that prefetches the next instruction's weights while waiting.
+Supported: any list of blocks following the contract in `sdk/blocks/base.py`.
 """
 from __future__ import annotations
 
@@ -26,8 +35,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..blocks._cute import gmem_tensor
-from ..blocks.base import NUM_THREADS
+from ..blocks._cute import gmem_tensor, stream_tile
+from ..blocks.base import NUM_THREADS, SCRATCH_WORDS, ring_geometry
 from . import isa
 
 OPTAB_EXTENT = 1 << 24        # static extent of the operand table view (never bounds-checked)
@@ -35,8 +44,11 @@ OPTAB_EXTENT = 1 << 24        # static extent of the operand table view (never b
 
 def build(blocks, num_sms: int, max_len: int, timing: bool):
     """The `@cute.jit` host function launching the megakernel for these opcode variants."""
-    tiles = [b.device_tile() for b in blocks]
     nops = [len(b.operands()) for b in blocks]
+    nch = [b.stream_chunks() for b in blocks]
+    tiles = [None if nch[k] else b.device_tile() for k, b in enumerate(blocks)]
+    faces = [b.device_stream() if nch[k] else None for k, b in enumerate(blocks)]
+    stage_bytes, P, xbytes = ring_geometry(blocks)
     S, L, W = num_sms, max_len, isa.WORDS
 
     @cute.jit
@@ -61,10 +73,53 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
                                 cute.arch.store(ebase + j, Int32(val), sem="relaxed", scope="gpu")
         return status
 
+    @cute.jit
+    def chunks_of(op: Int32) -> Int32:
+        r = Int32(0)
+        for k in cutlass.range_constexpr(len(blocks)):
+            if cutlass.const_expr(nch[k] > 0):
+                if op == k:
+                    r = Int32(nch[k])
+        return r
+
+    @cute.jit
+    def next_streaming(mI, sm: Int32, n: Int32, i: Int32) -> Int32:
+        """The first instruction at index >= i of this CTA's list that streams weights (n: none)."""
+        done = Int32(0)
+        while done == 0:
+            if i >= n:
+                done = Int32(1)
+            else:
+                if chunks_of(mI[sm, i, isa.OPCODE]) > 0:
+                    done = Int32(1)
+                else:
+                    i = i + 1
+        return i
+
+    @cute.jit
+    def produce(mI, mOps, sm: Int32, n: Int32, ring_base, pi: Int32, pc: Int32, ps: Int32):
+        """Issue chunk pc of instruction pi (the producer position) into stage ps % P, advance.
+        Always commits one cp.async group (empty once the stream is exhausted)."""
+        if pi < n:
+            op = mI[sm, pi, isa.OPCODE]
+            base = mI[sm, pi, isa.OPERANDS]
+            t = mI[sm, pi, isa.TILE]
+            addr = ring_base + (ps % P) * stage_bytes
+            for k in cutlass.range_constexpr(len(blocks)):
+                if cutlass.const_expr(nch[k] > 0):
+                    if op == k:
+                        faces[k].issue([mOps[base + j] for j in range(nops[k])], t, pc, addr)
+            pc = pc + 1
+            if pc >= chunks_of(op):
+                pc = Int32(0)
+                pi = next_streaming(mI, sm, n, pi + 1)
+        cute.arch.cp_async_commit_group()
+        return pi, pc, ps + 1
+
     @cute.kernel
     def kernel(pI: Int64, pN: Int64, pC: Int64, pE: Int64, pT: Int64, pTim: Int64, timeout_ns: Int64):
         smem = SmemAllocator()
-        scratch = smem.allocate_tensor(Float32, cute.make_layout(64), byte_alignment=16)
+        scratch = smem.allocate_tensor(Float32, cute.make_layout(SCRATCH_WORDS), byte_alignment=16)
         flags = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         tid, _, _ = cute.arch.thread_idx()
         sm, _, _ = cute.arch.block_idx()
@@ -74,12 +129,24 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
         mTim = gmem_tensor(pTim, Int64, (S, L, 2), 8)
         cbase = cute.make_ptr(Int32, pC, cute.AddressSpace.gmem, assumed_align=4)
         ebase = cute.make_ptr(Int32, pE, cute.AddressSpace.gmem, assumed_align=4)
+        n = mN[sm]
+        ring_base = Int32(0)
+        sx = Int32(0)
+        pi, pc, ps, cseq = Int32(0), Int32(0), Int32(0), Int32(0)
+        if cutlass.const_expr(P > 0):
+            ring = smem.allocate_tensor(cutlass.Int8, cute.make_layout(P * stage_bytes), byte_alignment=128)
+            xs = smem.allocate_tensor(cutlass.Int8, cute.make_layout(xbytes), byte_alignment=128)
+            ring_base = ring.iterator.toint()
+            sx = xs.iterator.toint()
+            # fill the ring before anything waits: these are the first instructions' weights
+            pi = next_streaming(mI, sm, n, Int32(0))
+            for _ in cutlass.range_constexpr(P):
+                pi, pc, ps = produce(mI, mOps, sm, n, ring_base, pi, pc, ps)
 
         if tid == 0:
             flags[1] = cute.arch.load(cbase, Int32, sem="acquire", scope="gpu") // S + 1
         cute.arch.sync_threads()
         epoch = flags[1]
-        n = mN[sm]
         i = Int32(0)
         ok = Int32(1)
         while i < n and ok != 0:
@@ -98,10 +165,16 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
             cute.arch.sync_threads()
             ok = flags[0]
             if ok != 0:
-                for k in cutlass.range_constexpr(len(tiles)):
+                for k in cutlass.range_constexpr(len(blocks)):
                     if op == k:
                         ptrs = [mOps[base + j] for j in range(nops[k])]
-                        tiles[k](ptrs, t, scratch)
+                        if cutlass.const_expr(nch[k] == 0):
+                            tiles[k](ptrs, t, scratch)
+                        else:
+                            cseq, pi, pc, ps = stream_tile(
+                                faces[k], nch[k], P, stage_bytes, ptrs, t, ring_base, sx, scratch,
+                                cseq, pi, pc, ps,
+                                lambda a, b, c: produce(mI, mOps, sm, n, ring_base, a, b, c))
                 cute.arch.sync_threads()
                 if tid == 0:
                     sig = mI[sm, i, isa.SIGNAL]
@@ -110,6 +183,8 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
                     if cutlass.const_expr(timing):
                         mTim[sm, i, 1] = cute.arch.globaltimer()
             i = i + 1
+        if cutlass.const_expr(P > 0):
+            cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         if tid == 0:
             cute.arch.atomic_add(cbase, Int32(1), sem="release", scope="gpu")

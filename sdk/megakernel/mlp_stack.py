@@ -5,12 +5,19 @@ decoded in ONE megakernel launch per step.
     for each layer l:  h = rmsnorm(r) * norm_l;  r = r + down_l(silu(gate_l(h)) * up_l(h))
     out = rmsnorm(r) * final_norm
 
-Ops per layer (op-level dependencies through counters):
-    norm_l  (RMSNorm + residual add of the previous down output; M tiles, one per token)
-    gateup_l (GEMV with fused SwiGLU; waits norm_l)
-    down_l  (GEMV, fp32 out; waits gateup_l)
-and a final norm (waits down_{L-1}). Buffers: x (bf16 input), resid and delta (fp32 residual
-stream and sublayer output), normed and act (bf16), out (bf16).
+Ops per layer (op-level dependencies through counters), with the norm fused (`fuse_norm`, the
+default at batch <= 2):
+    gateup_l  GEMV with fused RMSNorm prologue and SwiGLU epilogue (waits down_{l-1});
+              reads the residual stream r (layer 0: the bf16 input x)
+    down_l    GEMV with fused residual epilogue, r = r + down(act) in place, fp32 (waits gateup_l);
+              layer 0 writes r = x + down(act)
+and without it a separate RMSNorm op per layer (one CTA per token, writes `normed`) before the
+gate/up GEMV. A final RMSNorm (waits down_{L-1}) writes `out`. Buffers: x (bf16 input), resid
+(fp32 residual stream), act (bf16), out (bf16), normed (bf16, unfused only).
+
+Why the residual lives in the down epilogue: gateup_{l+1} reads r only after every down_l tile
+signalled, and down_{l+1} writes r only after every gateup_{l+1} tile signalled (it needs their
+act), so r can be updated in place with no extra buffer, op or hop.
 
 Weights bf16, or fp8-e4m3 with 128x128 fp32 block scales (made here by quantizing random bf16
 weights the way the DeepSeek/Kimi checkpoints are: scale = amax / 448 per block).
@@ -38,7 +45,12 @@ class MLPStackConfig:
     eps: float = 1e-6
     swiglu_limit: float | None = None
     gateup_rows: int = 8                # rows (of gate, and of up) per gate/up tile
-    down_rows: int = 8                  # rows per down tile
+    down_rows: int = 16                 # rows per down tile
+    fuse_norm: bool | None = None       # RMSNorm inside the gate/up tiles; None = batch <= 2
+
+    @property
+    def norm_fused(self) -> bool:
+        return self.batch <= 2 if self.fuse_norm is None else self.fuse_norm
 
 
 def _names(l):
@@ -48,43 +60,57 @@ def _names(l):
 
 def build_program(cfg: MLPStackConfig) -> Program:
     d, i, m, wd = cfg.hidden, cfg.intermediate, cfg.batch, cfg.weight_dtype
+    fused = cfg.norm_fused
     prog = Program()
     prog.buffer("x", (m, d), "bf16", "input")
     prog.buffer("resid", (m, d), "fp32")
-    prog.buffer("delta", (m, d), "fp32")
-    prog.buffer("normed", (m, d), "bf16")
+    if not fused:
+        prog.buffer("normed", (m, d), "bf16")
     prog.buffer("act", (m, i), "bf16")
     prog.buffer("out", (m, d), "bf16", "output")
-    first_norm = RMSNormBlock(RMSNormConfig(d=d, m=m, eps=cfg.eps, residual_in=False))
-    norm = RMSNormBlock(RMSNormConfig(d=d, m=m, eps=cfg.eps, residual_in=True))
-    gateup = GemvBlock(GemvConfig(n=i, k=d, m=m, rows_per_tile=cfg.gateup_rows, weight_dtype=wd,
-                                  swiglu=True, swiglu_limit=cfg.swiglu_limit))
-    down = GemvBlock(GemvConfig(n=d, k=i, m=m, rows_per_tile=cfg.down_rows, weight_dtype=wd, out_dtype="fp32"))
     fp8 = wd == "fp8_e4m3"
+
+    def gateup(first):
+        return GemvBlock(GemvConfig(n=i, k=d, m=m, rows_per_tile=cfg.gateup_rows, weight_dtype=wd, swiglu=True,
+                                    swiglu_limit=cfg.swiglu_limit, norm=fused, norm_eps=cfg.eps,
+                                    x_dtype=("bf16" if first else "fp32") if fused else "bf16"))
+
+    def down(first):
+        return GemvBlock(GemvConfig(n=d, k=i, m=m, rows_per_tile=cfg.down_rows, weight_dtype=wd, out_dtype="fp32",
+                                    residual="bf16" if first else "fp32"))
+
+    def norm(first):
+        return RMSNormBlock(RMSNormConfig(d=d, m=m, eps=cfg.eps, residual_in=False,
+                                          src_dtype="bf16" if first else "fp32", write_resid=False))
+
     prev = None
     for l in range(cfg.layers):
         nn, gn, un, dn = _names(l)
+        first = l == 0
+        src = "x" if first else "resid"
         prog.buffer(nn + ".weight", (d,), "bf16", "weight")
         for name, shape in ((gn, (i, d)), (un, (i, d)), (dn, (d, i))):
             prog.buffer(name + ".weight", shape, wd, "weight")
             if fp8:
                 prog.buffer(name + ".weight_scale", (shape[0] // 128, shape[1] // 128), "fp32", "weight")
-        if prev is None:
-            n_op = prog.op(first_norm, {"src": "x", "weight": nn + ".weight", "resid_out": "resid",
-                                        "out": "normed"}, label=f"{nn}")
+        waits = [] if prev is None else [prev]
+        gb = {"w_gate": gn + ".weight", "w_up": un + ".weight", "y": "act"}
+        if fused:
+            gb.update({"x": src, "norm_weight": nn + ".weight"})
         else:
-            n_op = prog.op(norm, {"src": "resid", "delta": "delta", "weight": nn + ".weight",
-                                  "resid_out": "resid", "out": "normed"}, waits=[prev], label=nn)
-        gb = {"w_gate": gn + ".weight", "w_up": un + ".weight", "x": "normed", "y": "act"}
-        db = {"w": dn + ".weight", "x": "act", "y": "delta"}
+            n_op = prog.op(norm(first), {"src": src, "weight": nn + ".weight", "out": "normed"}, waits=waits,
+                           label=nn)
+            gb["x"] = "normed"
+            waits = [n_op]
+        db = {"w": dn + ".weight", "x": "act", "res": src, "y": "resid"}
         if fp8:
             gb.update({"w_gate_scale": gn + ".weight_scale", "w_up_scale": un + ".weight_scale"})
             db["w_scale"] = dn + ".weight_scale"
-        g_op = prog.op(gateup, gb, waits=[n_op], label=f"layers.{l}.gateup")
-        prev = prog.op(down, db, waits=[g_op], label=dn)
+        g_op = prog.op(gateup(first), gb, waits=waits, label=f"layers.{l}.gateup")
+        prev = prog.op(down(first), db, waits=[g_op], label=dn)
     prog.buffer("final_norm.weight", (d,), "bf16", "weight")
-    prog.op(norm, {"src": "resid", "delta": "delta", "weight": "final_norm.weight", "resid_out": "resid",
-                   "out": "out"}, waits=[prev], label="final_norm")
+    prog.op(norm(cfg.layers == 0), {"src": "resid" if cfg.layers else "x", "weight": "final_norm.weight",
+                                    "out": "out"}, waits=[prev] if prev is not None else [], label="final_norm")
     return prog
 
 

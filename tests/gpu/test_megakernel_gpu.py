@@ -38,7 +38,8 @@ def gemv_inputs(block, gen_seed):
     from sdk.megakernel.mlp_stack import quantize_fp8
     c = block.config
     g = torch.Generator(device="cuda").manual_seed(gen_seed)
-    t = {"x": torch.randn(c.m, c.k, device="cuda", generator=g).to(torch.bfloat16)}
+    xdt = torch.bfloat16 if c.x_dtype == "bf16" else torch.float32
+    t = {"x": (torch.randn(c.m, c.k, device="cuda", generator=g) * (3.0 if c.norm else 1.0)).to(xdt)}
     names = ("w_gate", "w_up") if c.swiglu else ("w",)
     for n in names:
         w = (torch.randn(c.n, c.k, device="cuda", generator=g) * c.k ** -0.5).to(torch.bfloat16)
@@ -46,8 +47,13 @@ def gemv_inputs(block, gen_seed):
             t[n], t[n + "_scale"] = quantize_fp8(w)
         else:
             t[n] = w
+    if c.norm:
+        t["norm_weight"] = (1 + 0.1 * torch.randn(c.k, device="cuda", generator=g)).to(torch.bfloat16)
     dt = torch.bfloat16 if c.out_dtype == "bf16" else torch.float32
     t["y"] = torch.full((c.m, c.n), float("nan"), dtype=dt, device="cuda")
+    if c.residual:
+        t["res"] = torch.randn(c.m, c.n, device="cuda", generator=g).to(
+            torch.bfloat16 if c.residual == "bf16" else torch.float32)
     return t
 
 
@@ -55,9 +61,11 @@ def gemv_inputs(block, gen_seed):
 @pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_gemv_block(m, wd, swiglu):
+    """The persistent streaming GEMV (ring of cp.async chunks), tiles > SMs so CTAs walk several
+    tiles and the ring crosses tile boundaries."""
     _need_gpu()
     from sdk.blocks.gemv import GemvBlock, GemvConfig
-    block = GemvBlock(GemvConfig(n=1024, k=2048, m=m, weight_dtype=wd, swiglu=swiglu,
+    block = GemvBlock(GemvConfig(n=2048, k=2048, m=m, weight_dtype=wd, swiglu=swiglu,
                                  swiglu_limit=3.0 if swiglu else None))
     t = gemv_inputs(block, 100 + m)
     run_standalone(block, t)
@@ -65,13 +73,33 @@ def test_gemv_block(m, wd, swiglu):
     assert rel_err(t["y"], ref) <= BF16_TOL
 
 
+@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("xdt,residual", [("fp32", "fp32"), ("bf16", "bf16")])
+def test_gemv_block_fused_norm_residual(m, wd, xdt, residual):
+    """Fused RMSNorm prologue (x fp32 residual stream or bf16 input), fused residual epilogue
+    aliased in place (res is y), like the MLP stack's ops; K=7168 so the x block (m=8) spans
+    several chunks."""
+    _need_gpu()
+    from sdk.blocks.gemv import GemvBlock, GemvConfig
+    block = GemvBlock(GemvConfig(n=1024, k=7168, m=m, weight_dtype=wd, norm=True, x_dtype=xdt,
+                                 residual=residual, out_dtype=residual))
+    t = gemv_inputs(block, 200 + m)
+    ref = block.reference(**t)["y"]
+    if residual == "fp32":
+        t["y"] = t["res"]          # in place, as the residual stream: y = y + x_n @ W^T (not poisoned:
+        # an unwritten y keeps res, whose error against ref is ~|x_n @ W^T| / |ref| >> the tolerance)
+    run_standalone(block, t)
+    assert rel_err(t["y"], ref) <= BF16_TOL
+
+
 @pytest.mark.parametrize("m", [1, 8, 64])
-@pytest.mark.parametrize("residual_in", [False, True])
-def test_rmsnorm_block(m, residual_in):
+@pytest.mark.parametrize("residual_in,src", [(False, ""), (True, ""), (False, "fp32")])
+def test_rmsnorm_block(m, residual_in, src):
     _need_gpu()
     from sdk.blocks.rmsnorm import RMSNormBlock, RMSNormConfig
-    block = RMSNormBlock(RMSNormConfig(d=7168, m=m, residual_in=residual_in))
-    src_dt = torch.float32 if residual_in else torch.bfloat16
+    block = RMSNormBlock(RMSNormConfig(d=7168, m=m, residual_in=residual_in, src_dtype=src))
+    src_dt = torch.float32 if (residual_in or src == "fp32") else torch.bfloat16
     t = {"src": torch.randn(m, 7168, device="cuda").to(src_dt),
          "delta": torch.randn(m, 7168, device="cuda") if residual_in else None,
          "weight": (1 + 0.1 * torch.randn(7168, device="cuda")).to(torch.bfloat16),
@@ -80,6 +108,19 @@ def test_rmsnorm_block(m, residual_in):
     ref = block.reference(**{k: v for k, v in t.items() if v is not None})
     run_standalone(block, t)
     assert rel_err(t["resid_out"], ref["resid_out"]) <= 1e-6
+    assert rel_err(t["out"], ref["out"]) <= BF16_TOL
+
+
+def test_rmsnorm_block_without_resid_out():
+    """write_resid=False (the MLP stack's norms): `out` only; resid_out is never touched."""
+    _need_gpu()
+    from sdk.blocks.rmsnorm import RMSNormBlock, RMSNormConfig
+    block = RMSNormBlock(RMSNormConfig(d=7168, m=2, residual_in=False, src_dtype="fp32", write_resid=False))
+    src = torch.randn(2, 7168, device="cuda")
+    t = {"src": src, "weight": (1 + 0.1 * torch.randn(7168, device="cuda")).to(torch.bfloat16),
+         "out": torch.full((2, 7168), float("nan"), dtype=torch.bfloat16, device="cuda")}
+    ref = block.reference(**t)
+    run_standalone(block, t)
     assert rel_err(t["out"], ref["out"]) <= BF16_TOL
 
 
@@ -94,19 +135,21 @@ def _stack_runtime(cfg, seed=0, **kw):
     return MegakernelRuntime(prog, tensors, **kw), weights
 
 
-@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("batch,fuse", [(1, None), (1, False), (8, None), (8, True), (64, None)])
 @pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])
-def test_mlp_stack_one_launch(batch, wd):
-    """hidden 7168, intermediate 2048, 4 layers in one launch per step; three steps (epochs)."""
+def test_mlp_stack_one_launch(batch, fuse, wd):
+    """hidden 7168, intermediate 2048, 4 layers in one launch per step; three steps (epochs).
+    fuse: RMSNorm inside the gate/up tiles (None: the default for the batch)."""
     _need_gpu()
     from sdk.megakernel.mlp_stack import MLPStackConfig, reference
-    cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype=wd)
+    cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype=wd, fuse_norm=fuse)
     rt, weights = _stack_runtime(cfg)
     for step in range(3):
         x = torch.randn(batch, cfg.hidden, device="cuda").to(torch.bfloat16)
         rt.tensors["x"].copy_(x)
-        for name in ("out", "resid", "delta", "normed", "act"):
-            rt.tensors[name].fill_(float("nan"))
+        for name in ("out", "resid", "normed", "act"):
+            if name in rt.tensors:
+                rt.tensors[name].fill_(float("nan"))
         rt.run()
         err = rel_err(rt.tensors["out"], reference(cfg, weights, x))
         assert err <= BF16_TOL, f"step {step}: relative error {err:.3e}"

@@ -1,0 +1,212 @@
+"""KDA decode block on the GPU: per-GPU shapes of Kimi K3 at TP8 (12 heads x 128 x 128) and
+GLM-5.3 at TP8 (8 heads), batch 1, 8, 64; each beside the same work in PyTorch under a CUDA graph
+and the floor (state bytes read + written / copy bandwidth measured in this run: a 1 GiB fp32
+device copy, read + write bytes).
+
+    python -m bench.kda_bench --out bench/results/h200 [--quick]
+
+Variants: "core" (gate math + l2norm + delta rule; q, k, v given) with v_split 1 / 2 / 4 (tiles
+per head), "fused" (short conv + core + gated output norm, v_split 1), "bf16" (bf16 state), and
+"verify4" (4-token verify pass, commit none, + the commit pass re-running 2 accepted tokens).
+Every timing replays a CUDA graph of calls rotating over enough state copies to exceed the L2
+(no call finds its state in cache); the inputs (q, k, v, g, beta: a few KB, what the previous
+GEMVs just wrote) are shared. JSON: commit, command, GPU, copy bandwidth, per case us, state
+GB/s, fraction of the floor, the torch graph's us and the speed-up, and the kernel's error
+against the fp32 reference on the timed configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bench.megakernel_bench import _commit, timed
+
+L2_FLUSH_BYTES = 128 << 20      # state copies per timed graph: 2.5x the H200's 50 MB L2
+MODELS = {"kimi_k3_tp8": 12, "glm53_tp8": 8}
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """1 GiB fp32 device-to-device copy: (bytes read + bytes written) / time, GB/s."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    us, _ = timed([lambda: b.copy_(a)] * 10)
+    return 2 * nbytes / (us * 1e3)
+
+
+def _stream():
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+# ------------------------------------------------------------------ the torch baseline
+def torch_step(block, t, state, conv_state=None, n_tokens=None):
+    """The block's work as unfused PyTorch (fp32 math, the state updated in place)."""
+    c = block.config
+    B, T, H, K = c.batch, c.tokens, c.heads, c.head_dim
+    T = n_tokens or T
+    if c.conv:
+        W1 = c.conv_kernel - 1
+        full = torch.cat([conv_state, t["qkv"][:, :T].transpose(1, 2)], dim=-1)
+        conv_state.copy_(full[..., -W1:])
+        w = t["conv_w"]
+        y = F.conv1d(full.to(w.dtype), w[:, None, :], groups=w.shape[0])[..., -T:]
+        q, k, v = F.silu(y).to(torch.bfloat16).transpose(1, 2).reshape(B, T, 3, H, K).unbind(2)
+    else:
+        q, k, v = t["q"][:, :T], t["k"][:, :T], t["v"][:, :T]
+    g = t["g"][:, :T].float()
+    if c.gate_kind == "sigmoid":
+        a = c.gate_lower_bound * torch.sigmoid(t["a_log"].exp()[:, None] * (g + t["dt_bias"].view(H, K)))
+    elif c.gate_kind == "softplus":
+        a = -t["a_log"].exp()[:, None] * F.softplus(g + t["dt_bias"].view(H, K))
+    else:
+        a = g
+    beta = torch.sigmoid(t["beta"][:, :T].float())
+    q = F.normalize(q.float(), dim=-1) * K ** -0.5
+    k = F.normalize(k.float(), dim=-1)
+    s = state.float()
+    outs = []
+    for i in range(T):
+        s = s * a[:, i].exp()[..., None]
+        kv = torch.einsum("bhkv,bhk->bhv", s, k[:, i])
+        s = s + k[:, i, :, :, None] * ((v[:, i].float() - kv) * beta[:, i, :, None])[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, i]))
+    if c.commit in ("all", "accepted"):
+        state.copy_(s)
+    o = torch.stack(outs, 1)
+    if c.out_norm:
+        o = F.rms_norm(o, (K,), t["norm_w"].float(), c.norm_eps) * torch.sigmoid(t["out_gate"][:, :T].float())
+    return o.to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------ one case
+def bench_case(model, heads, batch, variant, kw, copy_bw, check=True):
+    from sdk.blocks._cute import standalone
+    from sdk.blocks.kda import KDABlock, KDAConfig
+    blocks = [KDABlock(KDAConfig(batch=batch, heads=heads, head_dim=128, **k)) for k in kw]
+    fns = [standalone(b) for b in blocks]
+    # the last block has every operand (verify4's commit pass adds n_accepted)
+    t = blocks[-1].random_operands(seed=batch, device="cuda", n_accepted=[2] * batch)
+    one_state = t["state"].numel() * t["state"].element_size()
+    copies = max(2, -(-L2_FLUSH_BYTES // one_state))
+    states = [t["state"].clone() for _ in range(copies)]
+    conv_states = [t["conv_state"].clone() for _ in range(copies)] if "conv_state" in t else None
+    tables = []
+    for i in range(copies):
+        per = []
+        for b in blocks:
+            tt = dict(t, state=states[i])
+            if conv_states:
+                tt["conv_state"] = conv_states[i]
+            per.append(torch.tensor([tt[n].data_ptr() for n in b.operands()], dtype=torch.int64, device="cuda"))
+        tables.append(per)
+    # correctness of the timed configuration (first block, first copy), output poisoned first
+    err = None
+    if check:
+        ref = blocks[0].reference(**dict(t, state=states[0].clone(),
+                                         **({"conv_state": conv_states[0].clone()} if conv_states else {})))
+        t["o"].fill_(float("nan"))
+        fns[0](tables[0][0].data_ptr(), _stream())
+        torch.cuda.synchronize()
+        fin = torch.isfinite(ref["o"])
+        err = ((t["o"].float()[fin] - ref["o"][fin]).norm() / ref["o"][fin].norm()).item()
+        if not torch.isfinite(t["o"].float()[fin]).all():
+            err = float("nan")
+        for s, s0 in zip(states, [t["state"]] * copies):      # restore the states
+            s.copy_(s0)
+
+    def call(i):
+        for fn, tab in zip(fns, tables[i]):
+            fn(tab.data_ptr(), _stream())
+    us, mode = timed([lambda i=i: call(i) for i in range(copies)] * max(1, 128 // copies))
+
+    def tcall(i):
+        for b in blocks:
+            n = 2 if b.config.commit == "accepted" else None
+            torch_step(b, t, states[i], conv_states[i] if conv_states else None, n)
+    torch_us, _ = timed([lambda i=i: tcall(i) for i in range(copies)])
+    state_bytes = sum(b.state_bytes() for b in blocks)
+    floor_us = state_bytes / (copy_bw * 1e3)
+    total_bytes = sum(b.cost().bytes * b.num_tiles() for b in blocks)
+    return {"case": f"{model} B={batch} {variant}", "model": model, "heads": heads, "batch": batch,
+            "variant": variant, "configs": [str(b.config) for b in blocks], "tiles": blocks[0].num_tiles(),
+            "state_bytes": state_bytes, "total_bytes": total_bytes, "us": us,
+            "gbs": state_bytes / (us * 1e3), "total_gbs": total_bytes / (us * 1e3),
+            "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
+            "speedup_vs_torch_graph": torch_us / us, "timing_mode": mode, "rel_err": err,
+            "state_copies": copies}
+
+
+AUTO_SPLIT = {1: 4, 8: 2, 64: 1}     # tiles per head: enough tiles for the SMs at small batch
+
+
+def cases(quick: bool):
+    """quick: the auto v_split and the fused block everywhere, the other variants at batch 64."""
+    out = []
+    for model, heads in MODELS.items():
+        for batch in (1, 8, 64):
+            full = not quick or batch == 64
+            splits = (1, 2, 4) if full else (AUTO_SPLIT[batch],)
+            for vs in splits:
+                out.append((model, heads, batch, f"core v_split={vs}", [dict(v_split=vs)]))
+            out.append((model, heads, batch, "fused conv+norm", [dict(conv=True, out_norm=True)]))
+            if full:
+                vs = AUTO_SPLIT[batch]
+                out.append((model, heads, batch, f"bf16 state v_split={vs}", [dict(v_split=vs, state_dtype="bf16")]))
+                out.append((model, heads, batch, f"verify4+commit2 v_split={vs}",
+                            [dict(v_split=vs, tokens=4, commit="none"), dict(v_split=vs, tokens=4, commit="accepted")]))
+    return out
+
+
+def run(out_dir: str, quick: bool = False) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    copy_bw = copy_bandwidth_gbs()
+    print(f"GPU {props.name}, {props.multi_processor_count} SMs; copy bandwidth {copy_bw:.0f} GB/s")
+    results = []
+    for model, heads, batch, variant, kw in cases(quick):
+        try:
+            r = bench_case(model, heads, batch, variant, kw, copy_bw)
+        except Exception as exc:
+            r = {"case": f"{model} B={batch} {variant}", "error": f"{type(exc).__name__}: {exc}"}
+        print(_line(r), flush=True)
+        results.append(r)
+        torch.cuda.empty_cache()
+    report = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "gpu": props.name, "sms": props.multi_processor_count, "copy_bw_gbs": copy_bw,
+              "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
+    with open(os.path.join(out_dir, "kda_bench.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def _line(r) -> str:
+    if "error" in r:
+        return f"{r['case']:<44} ERROR {r['error'][:300]}"
+    err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
+    return (f"{r['case']:<44} {r['us']:8.2f} us {r['gbs']:6.0f} GB/s  floor {r['fraction_of_floor']*100:5.1f}%  "
+            f"torch-graph {r['torch_graph_us']:8.1f} us  x{r['speedup_vs_torch_graph']:5.1f}  err {err}")
+
+
+def summary(report) -> str:
+    lines = [f"copy bandwidth {report['copy_bw_gbs']:.0f} GB/s on {report['gpu']}"]
+    lines += [_line(r) for r in report["results"]]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/h200"))
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    rep = run(a.out, quick=a.quick)
+    print("\n" + summary(rep))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Benchmark of the MLA decode blocks (core split-KV tiles + combine) on the GPU, per-GPU head
+shards of Kimi K3 (TP8: 12 heads, TP16: 6) and GLM-5.3 (TP8: 8 heads, NoPE) at 32K and 128K
+context, batch 1 / 8 / 64; beside the same work in PyTorch under a CUDA graph (paged gather +
+bf16 matmuls + fp32 softmax) and the floor (cache bytes / copy bandwidth measured in this run).
+
+    python -m bench.mla_bench --out bench/results/h200 [--quick]
+
+Timing: both launches (decode, combine) of many calls captured in one CUDA graph; when one
+call's cache is smaller than 256 MB, calls rotate over several copies of the page pool (through
+their block tables) so none reads what the previous one left in L2. Median of several replays.
+JSON (mla_bench.json): commit, command, GPU, copy bandwidth, one record per case with us, GB/s,
+fraction of floor, torch graph us and the speed-up, rel err of the timed configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from bench.megakernel_bench import L2_FLUSH_BYTES, _commit, copy_bandwidth, timed
+
+SHARDS = {   # name: heads, rope, softmax scale
+    "kimi_k3_tp8": (12, 64, 192 ** -0.5),
+    "kimi_k3_tp16": (6, 64, 192 ** -0.5),
+    "glm_53_tp8": (8, 0, 256 ** -0.5),
+}
+
+
+def _stream():
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def torch_decode_fn(q, kv, kv_scale, bt, lens_list, heads, T, d_v, scale, page):
+    """The same work as unfused PyTorch: gather each sequence's pages, scores, masked softmax,
+    PV; one batched path for equal lengths (what the benchmark uses)."""
+    B = q.shape[0]
+    L = lens_list[0]
+    assert all(x == L for x in lens_list)
+    npg = -(-L // page)
+    tbl = bt[:, :npg].long()
+    qpos = L - T + torch.arange(T * heads, device=q.device) // heads
+    mask = torch.arange(npg * page, device=q.device)[None, :] > qpos[:, None]
+    out = torch.empty(B, T * heads, d_v, dtype=torch.bfloat16, device=q.device)
+    qq = q.view(B, T * heads, -1)
+
+    def step():
+        rows = kv[tbl].flatten(1, 2)                                   # [B, npg*page, d]
+        if kv_scale is not None:
+            sc = kv_scale[tbl].flatten(1, 2)
+            rows = (rows.float() * sc.repeat_interleave(rows.shape[-1] // sc.shape[-1], -1)).to(torch.bfloat16)
+        s = torch.matmul(qq, rows.transpose(1, 2)).float() * scale
+        s.masked_fill_(mask, float("-inf"))
+        p = torch.softmax(s, -1).to(torch.bfloat16)
+        torch.matmul(p, rows[..., :d_v], out=out)
+    return step, out
+
+
+def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False):
+    from sdk.blocks._cute import standalone
+    from sdk.blocks.mla_decode import (MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig,
+                                       absorbed_attention, choose_splits, quantize_kv_fp8)
+    heads, rope, scale = SHARDS[shard]
+    page = 64
+    splits = choose_splits(batch, ctx)
+    npg = -(-ctx // page)
+    cfg0 = MLADecodeConfig(heads=heads, softmax_scale=scale, batch=batch, q_tokens=T, rope=rope, page_size=page,
+                           num_pages=1, max_seq_len=ctx, num_splits=splits, kv_dtype=kvd)
+    blk0 = MLADecodeBlock(cfg0)
+    kvb = blk0.kv_bytes([ctx] * batch)
+    copies = max(1, -(-L2_FLUSH_BYTES // kvb))
+    pages = batch * npg * copies
+    cfg = MLADecodeConfig(**{**cfg0.__dict__, "num_pages": pages})
+    blk = MLADecodeBlock(cfg)
+    comb = MLACombineBlock(MLACombineConfig(heads=heads, batch=batch, q_tokens=T, d_v=blk.d_v, num_splits=splits))
+    d = blk.d_qk
+    # the pool, filled in slices (no fp32 copy of a 10 GB pool); pages of every call scattered
+    kv = torch.empty(pages, page, d, dtype=torch.float8_e4m3fn if blk.fp8 else torch.bfloat16, device="cuda")
+    kv_scale = torch.empty(pages, page, d // cfg.scale_group, device="cuda") if blk.fp8 else None
+    step_pg = 4096
+    for i in range(0, pages, step_pg):
+        x = torch.randn(min(step_pg, pages - i), page, d, device="cuda")
+        if blk.fp8:
+            kv[i:i + x.shape[0]], kv_scale[i:i + x.shape[0]] = quantize_kv_fp8(x, cfg.scale_group)
+        else:
+            kv[i:i + x.shape[0]] = x.to(torch.bfloat16)
+    perm = torch.randperm(pages, device="cuda").int().view(copies, batch, npg)
+    q = torch.randn(batch, T, heads, d, device="cuda").to(torch.bfloat16)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    o_part = torch.empty(batch, splits, blk.rows, blk.d_v, device="cuda")
+    lse_part = torch.empty(batch, splits, blk.rows, device="cuda")
+    out = torch.empty(batch, T, heads, blk.d_v, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(batch, T, heads, device="cuda")
+    t0 = time.time()
+    fn_dec, fn_comb = standalone(blk), standalone(comb)
+    compile_s = time.time() - t0
+    tables = []
+    for i in range(copies):
+        bt = perm[i].contiguous()
+        ops = {"q": q, "kv": kv, "kv_scale": kv_scale, "block_table": bt, "seq_lens": lens,
+               "o_part": o_part, "lse_part": lse_part}
+        optab = torch.tensor([ops[n].data_ptr() for n in blk.operands()], dtype=torch.int64, device="cuda")
+        tables.append((bt, optab))
+    ctab = torch.tensor([x.data_ptr() for x in (o_part, lse_part, out, lse)], dtype=torch.int64, device="cuda")
+
+    # correctness of the timed configuration (copy 0), poisoned outputs
+    for x in (o_part, lse_part, out, lse):
+        x.fill_(float("nan"))
+    fn_dec(tables[0][1].data_ptr(), _stream())
+    fn_comb(ctab.data_ptr(), _stream())
+    torch.cuda.synchronize()
+    err = None
+    if batch * ctx <= 8 * 32768:
+        tens = {"kv": kv, "kv_scale": kv_scale, "block_table": tables[0][0]}
+        rows = [blk.gather_kv(tens, b, 0, ctx) for b in range(batch)]
+        want, _ = absorbed_attention(q, rows, [ctx] * batch, T, heads, blk.d_v, blk.scale)
+        err = ((out.float() - want).norm() / want.norm()).item() if torch.isfinite(out).all() else float("nan")
+        del rows
+
+    def call(optab):
+        fn_dec(optab.data_ptr(), _stream())
+        fn_comb(ctab.data_ptr(), _stream())
+    reps = max(2, 8 // copies) if not quick else 2
+    us, mode = timed([lambda o=o: call(o) for _, o in tables] * reps)
+
+    torch_us, torch_note = None, "skipped (gather would exceed memory)"
+    gather_bytes = batch * npg * page * d * 2 * (2 if blk.fp8 else 1)
+    if gather_bytes <= (12 << 30):
+        steps = []
+        for bt, _ in tables[:max(1, min(copies, 4))]:
+            st, _ = torch_decode_fn(q, kv, kv_scale, bt, [ctx] * batch, heads, T, blk.d_v, blk.scale, page)
+            steps.append(st)
+        try:
+            torch_us, _ = timed(steps * max(1, 4 // len(steps)))
+            torch_note = "torch: page gather + bf16 matmuls + fp32 softmax" + (" (+fp8 dequant)" if blk.fp8 else "")
+        except torch.OutOfMemoryError:
+            torch_note = "torch OOM"
+        torch.cuda.empty_cache()
+    floor_us = kvb / (copy_bw * 1e3)
+    rec = {"case": f"{shard} B={batch} ctx={ctx} T={T} {kvd}", "shard": shard, "heads": heads, "rope": rope,
+           "batch": batch, "context": ctx, "q_tokens": T, "kv_dtype": kvd, "num_splits": splits,
+           "chunk": cfg.chunk, "stages": blk.stages, "kv_bytes": kvb, "us": us, "gbs": kvb / (us * 1e3),
+           "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
+           "speedup_vs_torch_graph": (torch_us / us) if torch_us else None, "torch_note": torch_note,
+           "timing_mode": mode, "rel_err": err, "l2_rotation_copies": copies, "compile_s": round(compile_s, 2)}
+    del kv, kv_scale, tables
+    torch.cuda.empty_cache()
+    return rec
+
+
+def cases(quick: bool):
+    out = []
+    for shard in ("kimi_k3_tp8", "kimi_k3_tp16", "glm_53_tp8"):
+        for ctx in (32768, 131072):
+            for batch in (1, 8, 64):
+                if quick and (batch == 8 or shard == "kimi_k3_tp16"):
+                    continue
+                out.append((shard, ctx, batch, "bf16", 1))
+    out += [("kimi_k3_tp8", 32768, 8, "fp8_e4m3", 1), ("kimi_k3_tp8", 131072, 1, "fp8_e4m3", 1),
+            ("kimi_k3_tp8", 131072, 64, "fp8_e4m3", 1), ("kimi_k3_tp16", 32768, 8, "bf16", 2),
+            ("glm_53_tp8", 32768, 8, "bf16", 4)]
+    return out
+
+
+def run(out_dir: str | None = None, quick: bool = False) -> dict:
+    torch.cuda.init()
+    gpu = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    print(f"GPU {gpu}")
+    res = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "gpu": gpu, "torch": torch.__version__, "copy_bandwidth_gbs": bw, "cases": []}
+    for (shard, ctx, batch, kvd, T) in cases(quick):
+        try:
+            rec = bench_case(shard, ctx, batch, kvd, bw["copy"], T=T, quick=quick)
+        except Exception as exc:
+            rec = {"case": f"{shard} B={batch} ctx={ctx} T={T} {kvd}", "error": f"{type(exc).__name__}: {exc}"}
+            torch.cuda.empty_cache()
+        res["cases"].append(rec)
+        print(json.dumps(rec), flush=True)
+    print(f"copy bandwidth {bw['copy']:.0f} GB/s (read-only {bw['read']:.0f} GB/s)")
+    print(f"{'case':44s} {'us':>9s} {'GB/s':>7s} {'floor':>6s} {'torch us':>9s} {'speedup':>7s} {'err':>8s}")
+    for r in res["cases"]:
+        if "error" in r:
+            print(f"{r['case']:44s} ERROR {r['error'][:120]}")
+            continue
+        tu = f"{r['torch_graph_us']:.1f}" if r["torch_graph_us"] else "-"
+        sp = f"{r['speedup_vs_torch_graph']:.2f}x" if r["speedup_vs_torch_graph"] else "-"
+        er = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
+        print(f"{r['case']:44s} {r['us']:9.1f} {r['gbs']:7.0f} {r['fraction_of_floor']:6.2f} {tu:>9s} {sp:>7s} {er:>8s}")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "mla_bench.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    run(a.out, a.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Benchmark of the one-launch MoE layer (router -> experts -> combine + shared expert) on each
+model's per-GPU shard, beside the same work in PyTorch under a CUDA graph and the floor.
+
+    python -m bench.moe_bench --out $OUT [--quick] [--cases kimi_k3:1:mxfp4,glm_53:8:fp8_e4m3]
+
+Floor = (router weights + shared-expert weights + the weights of the local experts actually hit
+this step + activations in/out) / the copy bandwidth measured in the same run.
+PyTorch: F.linear router + sdk/reference/moe.py's route() + torch._grouped_mm over the local
+experts (tokens sorted by expert, graph-capturable, reads only the hit experts' weights) + the
+dense shared expert, all bf16 (the experts' weights dequantised to bf16 beforehand: PyTorch has no
+MXFP4/fp8-block GEMM on Hopper; its bytes are then larger, said in the record).
+Both run rotating over enough weight copies that no call finds its weights in the 50 MB L2 from
+the previous call (in a model, the other layers' weights flush it). The PyTorch output is checked
+against the reference too, so it is the same work.
+
+JSON (moe_bench.json): commit, command, GPU, copy bandwidth, and per case: us, GB/s (floor bytes
+/ time), fraction of the floor, PyTorch-graph us, speed-up, hit experts, relative errors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+
+def _commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        import subprocess
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
+                                       cwd=os.path.dirname(__file__)).decode().strip()
+    except Exception:
+        return "unknown"
+
+
+def _graph_us(calls, replays: int = 5) -> float:
+    """Median us per call of `calls` captured in one CUDA graph (warmed up on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls[:2]:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def timed(calls):
+    """(us per call, mode): under a CUDA graph, or eager (said in the record) if capture fails."""
+    try:
+        return _graph_us(calls), "cuda_graph"
+    except Exception as exc:
+        print(f"  (graph capture failed: {type(exc).__name__}: {exc}; timing eager calls)", flush=True)
+        torch.cuda.synchronize()
+        for c in calls[:2]:
+            c()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for c in calls:
+            c()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) * 1000 / len(calls), "eager"
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """(bytes read + written) / time of a 2 GiB device copy, the best of cudaMemcpy and a 16-byte
+    vectorised elementwise kernel (the same method as bench/megakernel_bench.py)."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    b = torch.empty_like(a)
+    best = 0.0
+    for fn in (lambda: b.copy_(a), lambda: torch.mul(a, 1.0, out=b)):
+        us, _ = timed([fn] * 6)
+        best = max(best, 2 * nbytes / (us * 1e3))
+    del a, b
+    torch.cuda.empty_cache()
+    return best
+
+WORKING_SET = 256 << 20        # bytes touched between two uses of one weight copy (>> L2)
+MAX_COPIES = 12
+
+DEFAULT_CASES = [("kimi_k3", 1, "mxfp4"), ("kimi_k3", 8, "mxfp4"), ("deepseek_v41_flash", 1, "mxfp4"),
+                 ("deepseek_v41_flash", 8, "mxfp4"), ("glm_53", 1, "mxfp4"), ("glm_53", 8, "mxfp4"),
+                 ("kimi_k3", 1, "bf16"), ("deepseek_v41_flash", 8, "fp8_e4m3"), ("glm_53", 64, "mxfp4")]
+QUICK_CASES = [("kimi_k3", 1, "mxfp4"), ("deepseek_v41_flash", 1, "mxfp4"), ("glm_53", 8, "mxfp4"),
+               ("kimi_k3", 8, "bf16")]
+
+
+def torch_weights(cfg, w):
+    """bf16 copies of the rank's weights for the PyTorch path."""
+    from sdk.megakernel.moe_layer import _shared_dense, local_expert_weights
+    gu, dn = [], []
+    for e in range(cfg.local):
+        a, b = local_expert_weights(cfg, w, e)
+        gu.append(a.to(torch.bfloat16))
+        dn.append(b.to(torch.bfloat16))
+    t = {"router": w["router.weight"], "bias": w.get("router.bias"),
+         "gu": torch.stack(gu), "dn": torch.stack(dn)}
+    del gu, dn
+    if cfg.shared_intermediate:
+        for n in ("gate", "up", "down"):
+            t["s_" + n] = _shared_dense(cfg, w, "shared." + n).to(torch.bfloat16)
+    return t
+
+
+def torch_moe(cfg, t, x, out):
+    """The layer in PyTorch ops with static shapes (capturable): writes `out` (bf16)."""
+    from sdk.reference.common import swiglu
+    from sdk.reference.moe import route
+    m, k, L = x.shape[0], cfg.top_k, cfg.local
+    logits = F.linear(x.float(), t["router"].float())
+    rw, ids = route(cfg.moe_spec(), logits, t["bias"])
+    le = ids.flatten() - cfg.local_start
+    local = (le >= 0) & (le < L)
+    key = torch.where(local, le, torch.full_like(le, L))
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(L + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    offs = counts[:L].cumsum(0).to(torch.int32)
+    tok = order // k
+    xs = x[tok]
+    h = torch._grouped_mm(xs, t["gu"].transpose(1, 2), offs=offs)
+    g, u = h.chunk(2, dim=-1)
+    a = swiglu(g, u, "silu", cfg.swiglu_limit)
+    y = torch._grouped_mm(a, t["dn"].transpose(1, 2), offs=offs)
+    keep = local[order][:, None]
+    y = torch.where(keep, y.float() * rw.flatten()[order][:, None].float(), torch.zeros((), device=x.device))
+    acc = torch.zeros(m, cfg.hidden, dtype=torch.float32, device=x.device).index_add_(0, tok, y)
+    if cfg.shared_intermediate:
+        sa = swiglu(F.linear(x, t["s_gate"]), F.linear(x, t["s_up"]), "silu", cfg.swiglu_limit)
+        acc = acc + F.linear(sa, t["s_down"]).float()
+    out.copy_(acc)
+
+
+def bench_case(model, batch, fmt, copy_bw, timeline_path=None):
+    from sdk.megakernel.moe_layer import build_program, make_weights, preset, reference, weight_bytes_hit
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.megakernel.runtime import MegakernelRuntime
+    cfg = preset(model, batch, expert_dtype=fmt)
+    prog = build_program(cfg)
+    x = torch.randn(batch, cfg.hidden, device="cuda").to(torch.bfloat16)
+    # one copy first: routing, hits and the floor's bytes
+    rts, ws = [], []
+
+    def add_copy(seed):
+        tensors = PyVM.alloc(prog, device="cuda")
+        w = make_weights(cfg, seed=seed, device="cuda")
+        tensors.update(w)
+        tensors["x"].copy_(x)
+        rts.append(MegakernelRuntime(prog, tensors, timing=timeline_path is not None and not rts))
+        ws.append(w)
+
+    add_copy(0)
+    rts[0].run()
+    hits = int(rts[0].tensors["hits"][0])
+    fb = weight_bytes_hit(cfg, prog, hits)
+    ref = reference(cfg, ws[0], x)
+    err = ((rts[0].tensors["out"].float() - ref).norm() / ref.norm()).item()
+    if timeline_path:
+        rts[0].run()
+        with open(timeline_path, "w") as f:
+            json.dump(rts[0].timing_record(), f)
+    copies = max(1, min(MAX_COPIES, -(-WORKING_SET // max(fb["total"], 1)) + 1))
+    for i in range(1, copies):
+        add_copy(i)
+    # each copy is its own random layer, so its routing (hence its hits) can differ: the floor
+    # uses the mean hits over the copies
+    for rt in rts[1:]:
+        rt.run()
+    hit_list = [int(rt.tensors["hits"][0]) for rt in rts]
+    mean_hits = sum(hit_list) / len(hit_list)
+    fb = weight_bytes_hit(cfg, prog, mean_hits)
+    floor_us = fb["total"] / (copy_bw * 1e3)
+    reps = max(1, 24 // copies)
+    calls = [rt.launch for rt in rts] * reps
+    us, mode = timed(calls)
+    for rt in rts:
+        rt.check()
+    rec = {"case": f"moe {model} B={batch} {fmt}", "model": model, "batch": batch, "format": fmt,
+           "us": us, "mode": mode, "floor_us": floor_us, "floor_bytes": fb, "gbs": fb["total"] / (us * 1e3),
+           "fraction_of_floor": floor_us / us, "hit_local_experts": hit_list, "weight_copies": copies,
+           "rel_err": err, "num_local": cfg.local, "num_experts": cfg.num_experts, "top_k": cfg.top_k}
+    # PyTorch under a CUDA graph, same copies
+    try:
+        tws = [torch_weights(cfg, w) for w in ws]
+        outs = [torch.empty(batch, cfg.hidden, dtype=torch.bfloat16, device="cuda") for _ in tws]
+        torch_moe(cfg, tws[0], x, outs[0])
+        terr = ((outs[0].float() - ref).norm() / ref.norm()).item()
+        tcalls = [(lambda t=t, o=o: torch_moe(cfg, t, x, o)) for t, o in zip(tws, outs)] * reps
+        tus, tmode = timed(tcalls)
+        rec.update({"torch_graph_us": tus, "torch_mode": tmode, "torch_rel_err": terr,
+                    "speedup_vs_torch_graph": tus / us, "torch_weights": "bf16 (dequantised)"})
+        del tws, outs
+    except Exception as exc:
+        rec["torch_error"] = f"{type(exc).__name__}: {exc}"[:400]
+    del rts, ws
+    torch.cuda.empty_cache()
+    return rec
+
+
+def _line(r) -> str:
+    if "error" in r:
+        return f"{r['case']:<36} ERROR {r['error'][:300]}"
+    t = (f"torch-graph {r['torch_graph_us']:8.1f} us  x{r['speedup_vs_torch_graph']:.2f}"
+         if "torch_graph_us" in r else f"torch: {r.get('torch_error', '?')[:80]}")
+    return (f"{r['case']:<36} {r['us']:8.1f} us  floor {r['floor_us']:7.1f} us ({r['fraction_of_floor']*100:5.1f}%, "
+            f"x{1 / r['fraction_of_floor']:.2f})  {r['gbs']:6.0f} GB/s  hits {sum(r['hit_local_experts']) / len(r['hit_local_experts']):.1f}  "
+            f"{t}  err {r['rel_err']:.1e}")
+
+
+def run(out_dir, cases, timeline=True) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    copy_bw = copy_bandwidth_gbs()
+    print(f"GPU {props.name}, {props.multi_processor_count} SMs; copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    results = []
+    for i, (model, batch, fmt) in enumerate(cases):
+        t0 = time.time()
+        tl = os.path.join(out_dir, f"timeline_moe_{model}_b{batch}_{fmt}.json") if (timeline and i == 0) else None
+        try:
+            r = bench_case(model, batch, fmt, copy_bw, tl)
+        except Exception as exc:
+            r = {"case": f"moe {model} B={batch} {fmt}", "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            torch.cuda.empty_cache()
+        r["wall_s"] = round(time.time() - t0, 1)
+        print(_line(r), flush=True)
+        results.append(r)
+        # written after every case: a session cut short by its time limit keeps what ran
+        report = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+                  "gpu": props.name, "sms": props.multi_processor_count, "copy_bw_gbs": copy_bw,
+                  "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
+        with open(os.path.join(out_dir, "moe_bench.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+def summary(report) -> str:
+    lines = [f"copy bandwidth {report['copy_bw_gbs']:.0f} GB/s on {report['gpu']}"]
+    return "\n".join(lines + [_line(r) for r in report["results"]])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/h200"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cases", default="", help="model:batch:format,... (overrides the default list)")
+    ap.add_argument("--no-timeline", action="store_true")
+    a = ap.parse_args(argv)
+    if a.cases:
+        cases = [(c.split(":")[0], int(c.split(":")[1]), c.split(":")[2]) for c in a.cases.split(",")]
+    else:
+        cases = QUICK_CASES if a.quick else DEFAULT_CASES
+    rep = run(a.out, cases, timeline=not a.no_timeline)
+    print("\n" + summary(rep))
+
+
+if __name__ == "__main__":
+    main()

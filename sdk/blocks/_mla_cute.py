@@ -1,0 +1,432 @@
+"""CuTe DSL device tiles of the MLA decode blocks (`mla_decode.py` documents the algorithm and the
+formats). Imports cutlass: imported only when a block's device tile is built.
+
+Layout idioms used below (standard CuTe):
+- one-warp tiled MMAs over m16n8k16 bf16 (`warp.MmaF16BF16Op`, fp32 accumulate), operands read
+  from shared memory with `ldmatrix` (x4 for A, x2 for an 8-token B, x4 transposed for V);
+- `mn_view(acc)`: the (rows, cols) view of an accumulator fragment ((2,2), M, N) for the
+  per-row softmax; `a_view(p)`: the same registers viewed as the A operand of the next MMA
+  (an m16n8 C fragment pair = one m16k16 A fragment), so P never goes through shared memory;
+- coordinates of every fragment element come from partitioning an identity tensor the same way,
+  so masking and the epilogue never hard-code the MMA's thread layout;
+- shared-memory rows of the KV chunks and of Q are padded by 16 bytes: 8 consecutive rows then
+  start in 8 different bank groups and `ldmatrix` is conflict-free without a swizzle.
+"""
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import warp as cwarp
+from cutlass.memory import SmemAllocator
+
+from ._cute import DTYPE_MAP, gmem_tensor
+from .base import NUM_THREADS
+
+NUM_WARPS = NUM_THREADS // 32
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+def mn_view(acc):
+    """((2,2), M, N) accumulator -> ((2, M), (2, N)) rows x cols view of the same registers."""
+    lay = cute.make_layout(acc.layout.shape)
+    mn = cute.make_layout(((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
+                          stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+def a_view(p):
+    """((2,2), M, N) C-layout registers (bf16) -> ((4, 2), M, N/2): the A operand of m16n8k16."""
+    d = cute.logical_divide(p.layout, (None, None, 2))
+    lay = cute.make_layout(((d.shape[0], d.shape[2][0]), d.shape[1], d.shape[2][1]),
+                           stride=((d.stride[0], d.stride[2][0]), d.stride[1], d.stride[2][1]))
+    return cute.make_tensor(p.iterator, lay)
+
+
+@cute.jit
+def quad_max(v: Float32) -> Float32:
+    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=2, mask=-1, mask_and_clamp=31))
+    return cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=1, mask=-1, mask_and_clamp=31))
+
+
+@cute.jit
+def quad_sum(v: Float32) -> Float32:
+    v = v + cute.arch.shuffle_sync_bfly(v, offset=2, mask=-1, mask_and_clamp=31)
+    return v + cute.arch.shuffle_sync_bfly(v, offset=1, mask=-1, mask_and_clamp=31)
+
+
+def build_mla_decode_tile(block):
+    c = block.config
+    B, T, H = c.batch, c.q_tokens, c.heads
+    R, MP = block.rows, block.m_pad
+    DQK, DV = block.d_qk, block.d_v
+    CH, NWN, NWK = c.chunk, block.nwn, block.nwk
+    KS = DQK // NWK                      # d_qk slice of one warp in QK^T
+    DVW = DV // NUM_WARPS                # value columns of one warp in PV
+    ST = block.stages
+    PS, NP, MAXP, S = c.page_size, c.num_pages, block.max_pages, c.num_splits
+    FP8 = block.fp8
+    G = c.scale_group
+    NG = DQK // G
+    RS = DQK + 8                         # bf16 smem row stride (elements): +16 B
+    RS8 = DQK + 16                       # fp8 stage row stride (bytes): +16 B
+    EP = 16 if FP8 else 8                # elements per 16-byte piece
+    PIECES = DQK // EP                   # 16-byte pieces per cache row
+    NPIECE = CH * PIECES
+    PPT = -(-NPIECE // NUM_THREADS)      # pieces per thread per chunk
+    NSC = CH * NG                        # fp8: scales per chunk
+    SPT = -(-NSC // NUM_THREADS)
+    CV = DQK // 8                        # fp8 dequant: 8-element units per row
+    NCV = CH * CV
+    CVT = -(-NCV // NUM_THREADS)
+    kvdt = DTYPE_MAP[c.kv_dtype]
+    scale_log2 = block.scale * LOG2_E
+    scale_nat = block.scale
+    n_ops_kv = 3 if FP8 else 2           # index of block_table in the operand list
+    NEG_INF = -math.inf
+
+    @cute.jit
+    def load_chunk(mKV, mSc, mBT, b, length, ci, st, sStage, sScSt, tid, g2s, g2s4):
+        """cp.async the cache rows of chunk ci (tokens ci*CH + j) into stage st. Rows past the end
+        of the sequence are clamped to its last token (finite data; the mask drops them)."""
+        for k in cutlass.range_constexpr(PPT):
+            i = tid + k * NUM_THREADS
+            if i < NPIECE:
+                j = i // PIECES
+                p = i % PIECES
+                tok = ci * CH + j
+                if tok > length - 1:
+                    tok = length - 1
+                row = mBT[b, tok // PS] * PS + tok % PS
+                cute.copy(g2s, mKV[row, p, None], sStage[st, j, p, None])
+        if cutlass.const_expr(FP8):
+            for k in cutlass.range_constexpr(SPT):
+                i = tid + k * NUM_THREADS
+                if i < NSC:
+                    j = i // NG
+                    gi = i % NG
+                    tok = ci * CH + j
+                    if tok > length - 1:
+                        tok = length - 1
+                    row = mBT[b, tok // PS] * PS + tok % PS
+                    cute.copy(g2s4, mSc[row, gi, None], sScSt[st, j, gi, None])
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = tid % 32
+        wid = tid // 32
+        b = t // S
+        s = t % S
+
+        mQ = gmem_tensor(ptrs[0], BFloat16, (B, R, DQK // 8, 8), 16)
+        mKV = gmem_tensor(ptrs[1], kvdt, (NP * PS, PIECES, EP), 16)
+        mSc = None
+        if cutlass.const_expr(FP8):
+            mSc = gmem_tensor(ptrs[2], Float32, (NP * PS, NG, 1), 4)
+        mBT = gmem_tensor(ptrs[n_ops_kv], Int32, (B, MAXP), 4)
+        mLen = gmem_tensor(ptrs[n_ops_kv + 1], Int32, (B,), 4)
+        mO = gmem_tensor(ptrs[n_ops_kv + 2], Float32, (B, S, R, DV), 4)
+        mL = gmem_tensor(ptrs[n_ops_kv + 3], Float32, (B, S, R), 4)
+
+        smem = SmemAllocator()
+        sQ = smem.allocate_tensor(BFloat16, cute.make_layout((MP, DQK), stride=(RS, 1)), byte_alignment=128)
+        sS = smem.allocate_tensor(Float32, cute.make_layout((NWK, MP, CH), stride=(MP * CH, CH, 1)),
+                                  byte_alignment=16)
+        sStage = None
+        sScSt = None
+        if cutlass.const_expr(FP8):
+            s8 = smem.allocate_tensor(kvdt, cute.make_layout((ST, CH, RS8), stride=(CH * RS8, RS8, 1)),
+                                      byte_alignment=128)
+            sStage = cute.make_tensor(s8.iterator, cute.make_layout((ST, CH, PIECES, EP),
+                                                                    stride=(CH * RS8, RS8, EP, 1)))
+            sScSt = smem.allocate_tensor(Float32, cute.make_layout((ST, CH, NG, 1), stride=(CH * NG, NG, 1, 1)),
+                                         byte_alignment=16)
+            skv = smem.allocate_tensor(BFloat16, cute.make_layout((1, CH, RS), stride=(CH * RS, RS, 1)),
+                                       byte_alignment=128)
+        else:
+            skv = smem.allocate_tensor(BFloat16, cute.make_layout((ST, CH, RS), stride=(CH * RS, RS, 1)),
+                                       byte_alignment=128)
+            sStage = cute.make_tensor(skv.iterator, cute.make_layout((ST, CH, PIECES, EP),
+                                                                     stride=(CH * RS, RS, EP, 1)))
+        NBUF = 1 if FP8 else ST
+        sKV = cute.make_tensor(skv.iterator, cute.make_layout((NBUF, CH, DQK), stride=(CH * RS, RS, 1)))
+        sKVt = cute.make_tensor(skv.iterator, cute.make_layout((NBUF, DQK, CH), stride=(CH * RS, 1, RS)))
+
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), kvdt,
+                                  num_bits_per_copy=128)
+        g2s4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+
+        # ---- split bounds (whole chunks), the query rows ---------------------------------------
+        length = mLen[b]
+        n_chunks = (length + CH - 1) // CH
+        per = (n_chunks + S - 1) // S
+        c_lo = s * per
+        if c_lo > n_chunks:
+            c_lo = n_chunks
+        c_hi = c_lo + per
+        if c_hi > n_chunks:
+            c_hi = n_chunks
+
+        # pipeline prologue first (the KV stream matters, Q is small)
+        for k in cutlass.range_constexpr(ST - 1):
+            if c_lo + k < c_hi:
+                load_chunk(mKV, mSc, mBT, b, length, c_lo + k, k, sStage, sScSt, tid, g2s, g2s4)
+            cute.arch.cp_async_commit_group()
+
+        sQv = cute.make_tensor(sQ.iterator, cute.make_layout((MP, DQK // 8, 8), stride=(RS, 8, 1)))
+        for i in cutlass.range(tid, MP * (DQK // 8), NUM_THREADS, unroll=1):
+            r = i // (DQK // 8)
+            p = i % (DQK // 8)
+            if r < R:
+                sQv[r, p, None].store(mQ[b, r, p, None].load())
+            else:
+                sQv[r, p, None].fill(0.0)
+
+        # ---- MMA machinery ---------------------------------------------------------------------
+        mma_op = cwarp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+        tiled_qk = cute.make_tiled_mma(mma_op, (1, 1, 1))
+        tiled_pv = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(16, 16, 16))
+        thr_qk = tiled_qk.get_slice(lane)
+        thr_pv = tiled_pv.get_slice(lane)
+        cpy_q = cute.make_tiled_copy_A(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_qk)
+        cpy_k = cute.make_tiled_copy_B(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 2), BFloat16), tiled_qk)
+        cpy_v = cute.make_tiled_copy_B(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(True, 4), BFloat16), tiled_pv)
+        thr_cq = cpy_q.get_slice(lane)
+        thr_ck = cpy_k.get_slice(lane)
+        thr_cv = cpy_v.get_slice(lane)
+
+        nw = wid % NWN
+        kp = wid // NWN
+        sQk = cute.local_tile(sQ, (MP, KS), (0, kp))
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQk))
+        tSsQ = thr_cq.partition_S(sQk)
+        tSrQv = thr_cq.retile(tSrQ)
+
+        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((MP, DVW)), Float32)
+        accO.fill(0.0)
+        accO_mn = mn_view(accO)
+        NROW = cute.size(accO_mn, mode=[0])
+        row_max = cute.make_rmem_tensor((NROW,), Float32)
+        row_sum = cute.make_rmem_tensor((NROW,), Float32)
+        row_max.fill(NEG_INF)
+        row_sum.fill(0.0)
+
+        cS = thr_pv.partition_C(cute.make_identity_tensor((MP, CH)))
+
+        for ci in cutlass.range(c_lo, c_hi, unroll=1):
+            it = ci - c_lo
+            st = it % ST
+            cute.arch.cp_async_wait_group(ST - 2)
+            cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
+            nxt = ci + ST - 1
+            if nxt < c_hi:
+                load_chunk(mKV, mSc, mBT, b, length, nxt, (it + ST - 1) % ST, sStage, sScSt, tid, g2s, g2s4)
+            cute.arch.cp_async_commit_group()
+            buf = st
+            if cutlass.const_expr(FP8):
+                # dequantise the fp8 stage into the bf16 chunk buffer: value * scale of its group
+                buf = 0
+                s8v = cute.make_tensor(sStage.iterator, cute.make_layout((ST, CH, CV, 8), stride=(CH * RS8, RS8, 8, 1)))
+                sKVv = cute.make_tensor(skv.iterator, cute.make_layout((CH, CV, 8), stride=(RS, 8, 1)))
+                for k in cutlass.range_constexpr(CVT):
+                    i = tid + k * NUM_THREADS
+                    if i < NCV:
+                        j = i // CV
+                        u = i % CV
+                        sc = sScSt[st, j, (u * 8) // G, 0]
+                        v = s8v[st, j, u, None].load().to(Float32) * sc
+                        sKVv[j, u, None].store(v.to(BFloat16))
+                cute.arch.sync_threads()
+
+            # ---- partial scores of this warp: rows x 8 tokens over its d_qk slice ---------------
+            sKw = cute.local_tile(sKV[buf, None, None], (8, KS), (nw, kp))
+            tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKw))
+            tSsK = thr_ck.partition_S(sKw)
+            tSrKv = thr_ck.retile(tSrK)
+            accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, 8)), Float32)
+            accS.fill(0.0)
+            for k in cutlass.range_constexpr(KS // 16):
+                cute.copy(cpy_q, tSsQ[None, None, k], tSrQv[None, None, k])
+                cute.copy(cpy_k, tSsK[None, None, k], tSrKv[None, None, k])
+                cute.gemm(tiled_qk, accS, tSrQ[None, None, k], tSrK[None, None, k], accS)
+            tSsS = thr_qk.partition_C(cute.local_tile(sS[kp, None, None], (MP, 8), (0, nw)))
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                tSsS[i] = accS[i]
+            cute.arch.sync_threads()            # all partial scores of chunk ci in sS
+
+            # ---- every warp: the chunk's scores (sum of k-slices), mask, online softmax ---------
+            accP = cute.make_rmem_tensor(thr_pv.partition_shape_C((MP, CH)), Float32)
+            tPs0 = thr_pv.partition_C(sS[0, None, None])
+            for i in cutlass.range_constexpr(cute.size(accP)):
+                accP[i] = tPs0[i]
+            for kk in cutlass.range_constexpr(1, NWK):
+                tPsk = thr_pv.partition_C(sS[kk, None, None])
+                for i in cutlass.range_constexpr(cute.size(accP)):
+                    accP[i] = accP[i] + tPsk[i]
+            if (ci + 1) * CH > length - T:      # chunk reaches the new tokens or the end
+                for i in cutlass.range_constexpr(cute.size(accP)):
+                    m_, n_ = cS[i]
+                    tq = m_ // H
+                    if tq > T - 1:
+                        tq = T - 1
+                    if ci * CH + n_ > length - T + tq:
+                        accP[i] = NEG_INF
+            accP_mn = mn_view(accP)
+            for r in cutlass.range_constexpr(NROW):
+                row = accP_mn[r, None].load()
+                mx = quad_max(row.reduce(cute.ReductionOp.MAX, NEG_INF, 0))
+                m_new = cute.arch.fmax(row_max[r], mx)
+                m_use = m_new
+                if m_new == NEG_INF:
+                    m_use = Float32(0.0)
+                p = cute.math.exp2(row * scale_log2 - m_use * scale_log2, fastmath=True)
+                alpha = cute.math.exp2(row_max[r] * scale_log2 - m_use * scale_log2, fastmath=True)
+                row_sum[r] = row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                accO_mn[r, None] = accO_mn[r, None].load() * alpha
+                row_max[r] = m_new
+                accP_mn[r, None] = p
+
+            # ---- O[:, this warp's value columns] += P @ V --------------------------------------
+            rP = cute.make_rmem_tensor(accP.layout, BFloat16)
+            rP.store(accP.load().to(BFloat16))
+            tOrP = a_view(rP)
+            sVt = cute.local_tile(sKVt[buf, None, None], (DVW, CH), (wid, 0))
+            tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+            tOsV = thr_cv.partition_S(sVt)
+            tOrVv = thr_cv.retile(tOrV)
+            for k in cutlass.range_constexpr(CH // 16):
+                cute.copy(cpy_v, tOsV[None, None, k], tOrVv[None, None, k])
+                cute.gemm(tiled_pv, accO, tOrP[None, None, k], tOrV[None, None, k], accO)
+
+        cute.arch.cp_async_wait_group(0)        # nothing in flight when the tile ends
+
+        # ---- epilogue: normalised partial output and its lse ----------------------------------
+        cO_mn = mn_view(thr_pv.partition_C(cute.make_identity_tensor((MP, DVW))))
+        for r in cutlass.range_constexpr(NROW):
+            l = quad_sum(row_sum[r])
+            inv = Float32(0.0)
+            lse = Float32(NEG_INF)
+            if l > Float32(0.0):
+                inv = Float32(1.0) / l
+                lse = row_max[r] * scale_nat + cute.math.log(l, fastmath=False)
+            m_ = cO_mn[r, 0][0]
+            if m_ < R:
+                for cc in cutlass.range_constexpr(cute.size(accO_mn, mode=[1])):
+                    mO[b, s, m_, wid * DVW + cO_mn[r, cc][1]] = accO_mn[r, cc] * inv
+                if wid == 0 and lane % 4 == 0:
+                    mL[b, s, m_] = lse
+        cute.arch.sync_threads()                # smem is reused by the next instruction
+
+    return tile
+
+
+def build_mla_combine_tile(block):
+    c = block.config
+    B, T, H, DV, S = c.batch, c.q_tokens, c.heads, c.d_v, c.num_splits
+    R = T * H
+    CPT = DV // NUM_THREADS              # columns per thread per row
+    NEG_INF = -math.inf
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        b = t // T
+        tq = t % T
+        mO = gmem_tensor(ptrs[0], Float32, (B, S, R, DV // CPT, CPT), 4 * CPT if CPT in (2, 4) else 4)
+        mL = gmem_tensor(ptrs[1], Float32, (B, S, R), 4)
+        mOut = gmem_tensor(ptrs[2], BFloat16, (B, T, H, DV // CPT, CPT), 2 * CPT if CPT in (2, 4, 8) else 2)
+        mLse = gmem_tensor(ptrs[3], Float32, (B, T, H), 4)
+        smem = SmemAllocator()
+        sL = smem.allocate_tensor(Float32, cute.make_layout((S, H), stride=(H, 1)), byte_alignment=16)
+        sM = smem.allocate_tensor(Float32, cute.make_layout((2, H), stride=(H, 1)), byte_alignment=16)
+        for i in cutlass.range(tid, S * H, NUM_THREADS, unroll=1):
+            sL[i // H, i % H] = mL[b, i // H, tq * H + i % H]
+        cute.arch.sync_threads()
+        if tid < H:
+            mx = Float32(NEG_INF)
+            for sp in cutlass.range(S, unroll=1):
+                mx = cute.arch.fmax(mx, sL[sp, tid])
+            den = Float32(0.0)
+            if mx != NEG_INF:
+                for sp in cutlass.range(S, unroll=1):
+                    den = den + cute.math.exp(sL[sp, tid] - mx, fastmath=True)
+            sM[0, tid] = mx
+            sM[1, tid] = den
+            lse = Float32(NEG_INF)
+            if den > Float32(0.0):
+                lse = mx + cute.math.log(den, fastmath=False)
+            mLse[b, tq, tid] = lse
+        cute.arch.sync_threads()
+        for h in cutlass.range(H, unroll=1):
+            mx = sM[0, h]
+            den = sM[1, h]
+            acc = cute.make_rmem_tensor((CPT,), Float32)
+            acc.fill(0.0)
+            if den > Float32(0.0):
+                inv = Float32(1.0) / den
+                for sp in cutlass.range(S, unroll=1):
+                    w = cute.math.exp(sL[sp, h] - mx, fastmath=True) * inv
+                    if w > Float32(0.0):
+                        acc.store(acc.load() + mO[b, sp, tq * H + h, tid, None].load() * w)
+            mOut[b, tq, h, tid, None].store(acc.load().to(BFloat16))
+        cute.arch.sync_threads()
+
+    return tile
+
+
+def build_head_proj_tile(block):
+    c = block.config
+    H, N, K, M = c.heads, c.n, c.k, c.m
+    XS, YS = block.xs, block.ys
+    RPT = c.rows_per_tile
+    KP = K // 8                          # 16-byte pieces per row
+    PPL = -(-KP // 32)                   # pieces per lane
+    MG = min(M, 8)                       # tokens accumulated at once
+    NGRP = -(-M // MG)
+    per = N // RPT
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = tid % 32
+        wid = tid // 32
+        h = t // per
+        j = t % per
+        mX = gmem_tensor(ptrs[0], BFloat16, (M, H, XS // 8, 8), 16)
+        mW = gmem_tensor(ptrs[1], BFloat16, (H, N, KP, 8), 16)
+        mY = gmem_tensor(ptrs[2], BFloat16, (M, H, YS), 2)
+        acc = cute.make_rmem_tensor((MG,), Float32)
+        for r in cutlass.range(wid, RPT, NUM_WARPS, unroll=1):
+            n = j * RPT + r
+            wv = [mW[h, n, lane + 32 * u, None].load().to(Float32) if (KP % 32 == 0 or u < PPL - 1)
+                  else None for u in range(PPL)]
+            for g in cutlass.range(NGRP, unroll=1):
+                acc.fill(0.0)
+                for u in cutlass.range_constexpr(PPL):
+                    p = lane + 32 * u
+                    if cutlass.const_expr(KP % 32 == 0 or u < PPL - 1):
+                        for mm in cutlass.range_constexpr(MG):
+                            m = g * MG + mm
+                            if m < M:
+                                xv = mX[m, h, p, None].load().to(Float32)
+                                acc[mm] = acc[mm] + (wv[u] * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    else:
+                        if p < KP:
+                            w_last = mW[h, n, p, None].load().to(Float32)
+                            for mm in cutlass.range_constexpr(MG):
+                                m = g * MG + mm
+                                if m < M:
+                                    xv = mX[m, h, p, None].load().to(Float32)
+                                    acc[mm] = acc[mm] + (w_last * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                for mm in cutlass.range_constexpr(MG):
+                    v = cute.arch.warp_reduction_sum(acc[mm])
+                    m = g * MG + mm
+                    if lane == 0 and m < M:
+                        mY[m, h, n] = v.to(BFloat16)
+
+    return tile

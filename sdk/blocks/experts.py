@@ -1,0 +1,486 @@
+"""Routed-expert block: the gate/up + SwiGLU stage and the down + weighted-combine stage of the
+experts of ONE rank, driven by the router's dispatch table (`router.RouterSelectBlock`).
+
+    stage "gateup":  act[a, :] = silu(gate_e(x[tok])) * up_e(x[tok])    (with the optional clamp
+                     limit: gate <= limit, |up| <= limit) for every local assignment a = (tok, j)
+                     routed to local expert e;  act is bf16 [M * top_k, I], row a = tok * k + j
+    stage "down":    out[m, :] = shared[m, :] + sum over m's local assignments a, in the fixed
+                     order of the hit list (experts ascending), of topk_w[a] * down_e(act[a])
+
+A tile is `rows_per_tile` output rows (gate/up: rows of I; down: rows of the hidden size) over
+ALL hit experts of the rank: the tile reads `hits` (the hit experts, ascending) and loops over
+them only, so an expert with no tokens costs nothing (its weights are never read), and every
+tile does the same work (balanced whatever the routing). Inside, each warp owns one output row
+at a time and streams the expert's weight row in 16-byte vector loads, dequantised in registers;
+tokens of one expert go in groups of at most 8, in kernel variants for 1, 2, 4 and 8 tokens (a
+batch-1 step does no wasted math).
+
+Combine: deterministic, no atomics. The down tile owns whole output rows: it accumulates each
+token's experts in registers (lane `m % 32` owns token m) in the hit-list order and writes
+out = shared + sum once. So the result is bit-reproducible and no output zeroing or separate
+combine instruction (and its counter hop, ~0.5 us) is needed; fp32 atomics would be
+order-dependent and need a zeroed output first.
+
+Weight formats (per local expert e; `w` is gate_up [E, 2I, D] for "gateup", down [E, D, I]):
+  "bf16"      w bf16
+  "fp8_e4m3"  w e4m3, w_scale fp32 [E, N/128, K/128]   (128x128 blocks, multiplied in)
+  "mxfp4"     w int32 [E, N, K/8]: 8 e2m1 values per word, element 8q+p in bits 4p..4p+3
+              (the little-endian byte layout of two values per byte, low nibble first);
+              w_scale int32 [E, N, K/128]: 4 ue8m0 bytes per word, byte g%4 of word g/4 is
+              the scale 2^(s-127) of elements 32g..32g+31 (DeepSeek-V4's `fp4_e8m0_k32`)
+  e2m1 is decoded with integer ops into fp16 bit patterns (exact, no sm_100 instruction), so
+  the same code runs on sm_90a and sm_100a; ue8m0 scales above 2^113 are not supported.
+
+Supported: M = 1..64, top_k <= 32, K (hidden for gate/up, I for down) a multiple of the
+elements per 16-byte load (8 bf16, 16 fp8, 32 mxfp4) and, for fp8, of 128. Not yet: the
+tensor-core path for large per-expert token counts (a group of 8 re-reads the expert's rows
+for each further 8 tokens, from L2), SiTU (Kimi K3's activation), NVFP4.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..reference.common import swiglu as swiglu_ref
+from .base import NUM_THREADS, Block, Cost, OperandSpec
+
+FORMATS = ("bf16", "fp8_e4m3", "mxfp4")
+ELEMS_PER_LOAD = {"bf16": 8, "fp8_e4m3": 16, "mxfp4": 32}
+GROUPS = (1, 2, 4, 8)       # token-group variants
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    stage: str                           # "gateup" | "down"
+    hidden: int
+    intermediate: int
+    num_local: int
+    top_k: int
+    m: int = 1
+    weight_dtype: str = "bf16"           # "bf16" | "fp8_e4m3" | "mxfp4"
+    swiglu_limit: float | None = None    # gateup
+    shared: bool = False                 # down: add a shared-expert output [M, D] fp32
+    out_dtype: str = "bf16"              # down: "bf16" | "fp32"
+    rows_per_tile: int = 8
+    unroll: int = 0                      # 16-byte loads per lane in flight per row; 0 = auto
+    expected_hits: float = 1.0           # hit local experts per step: for cost() only
+
+
+# -- host-side formats -------------------------------------------------------------------------
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] float -> (packed int32 [..., N, K/8], scales int32 [..., N, K/128]).
+    Scale per 32 along K: the power of two 2^(s-127) with amax / scale <= 6 (e2m1's max); values
+    rounded to the nearest e2m1."""
+    *lead, n, k = w.shape
+    g = w.float().reshape(*lead, n, k // 32, 32)
+    amax = g.abs().amax(-1).clamp(min=2.0 ** -100)
+    s = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    q = g / torch.exp2(s)[..., None]
+    # nearest magnitude code 0..7: the midpoints between consecutive e2m1 magnitudes
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=w.device)
+    mag = torch.bucketize(q.abs(), mids)
+    code = (mag | ((q < 0).to(mag.dtype) << 3)).to(torch.uint8).reshape(*lead, n, k)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous()        # [.., n, k/2] uint8
+    sc = (s + 127).to(torch.uint8).reshape(*lead, n, k // 32).contiguous()
+    return packed.view(torch.int32), sc.view(torch.int32)
+
+
+def dequant_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    b = packed.contiguous().view(torch.uint8)
+    codes = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2).long()         # [..., n, k]
+    v = E2M1_VALUES.to(packed.device)[codes]
+    s = scales.contiguous().view(torch.uint8).float() - 127.0
+    return v * torch.exp2(s).repeat_interleave(32, dim=-1)
+
+
+def quantize_fp8_experts(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (e4m3 [E, N, K], fp32 scales [E, N/128, K/128]), scale = amax / 448."""
+    e, n, k = w.shape
+    b = w.float().reshape(e, n // block, block, k // block, block)
+    scale = b.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+    q = (b / scale[:, :, None, :, None]).reshape(e, n, k).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequant_experts(w: torch.Tensor, scale: torch.Tensor | None, fmt: str) -> torch.Tensor:
+    """The fp32 value of expert weights in `fmt` (the definition the device matches)."""
+    if fmt == "bf16":
+        return w.float()
+    if fmt == "fp8_e4m3":
+        return w.float() * scale.float().repeat_interleave(128, -2).repeat_interleave(128, -1)
+    if fmt == "mxfp4":
+        return dequant_mxfp4(w, scale)
+    raise ValueError(fmt)
+
+
+class ExpertsBlock(Block):
+    name = "experts"
+    Config = ExpertsConfig
+
+    @property
+    def n_rows(self) -> int:             # N of one expert's weight (rows streamed)
+        c = self.config
+        return 2 * c.intermediate if c.stage == "gateup" else c.hidden
+
+    @property
+    def k_dim(self) -> int:
+        c = self.config
+        return c.hidden if c.stage == "gateup" else c.intermediate
+
+    @property
+    def out_rows(self) -> int:           # rows of the tiled output dimension
+        c = self.config
+        return c.intermediate if c.stage == "gateup" else c.hidden
+
+    @property
+    def elems_per_load(self) -> int:
+        return ELEMS_PER_LOAD[self.config.weight_dtype]
+
+    @property
+    def unroll(self) -> int:
+        c = self.config
+        if c.unroll:
+            return c.unroll
+        if c.weight_dtype == "mxfp4":
+            return 2
+        return 4 if c.stage == "gateup" else 8
+
+    def check(self):
+        c = self.config
+        if c.stage not in ("gateup", "down"):
+            self.unsupported(f"experts: stage {c.stage!r} (supported: gateup, down)")
+        if c.weight_dtype not in FORMATS:
+            self.unsupported(f"experts: weight dtype {c.weight_dtype!r} (supported: {FORMATS})")
+        if not 1 <= c.m <= 64:
+            self.unsupported(f"experts: m={c.m} tokens (supported: 1..64)")
+        if not 1 <= c.top_k <= 32:
+            self.unsupported(f"experts: top_k={c.top_k} (supported: 1..32)")
+        if self.k_dim % self.elems_per_load:
+            self.unsupported(f"experts {c.stage}: K={self.k_dim} must be a multiple of {self.elems_per_load}")
+        if c.weight_dtype == "fp8_e4m3" and (self.k_dim % 128 or self.n_rows % 128
+                                             or (c.stage == "gateup" and c.intermediate % 128)):
+            self.unsupported(f"experts fp8: N={self.n_rows}, K={self.k_dim} (and I) must be multiples of 128")
+        if c.weight_dtype == "mxfp4" and self.k_dim % 128:
+            self.unsupported(f"experts mxfp4: K={self.k_dim} must be a multiple of 128 (4 scales per word)")
+        if self.out_rows % c.rows_per_tile or c.rows_per_tile % (NUM_THREADS // 32):
+            self.unsupported(f"experts: rows_per_tile={c.rows_per_tile} must divide {self.out_rows} "
+                             f"and be a multiple of {NUM_THREADS // 32}")
+        if c.out_dtype not in ("bf16", "fp32"):
+            self.unsupported(f"experts: out dtype {c.out_dtype!r}")
+        if c.stage == "down" and c.swiglu_limit is not None:
+            self.unsupported("experts: swiglu_limit belongs to the gateup stage")
+
+    def operand_specs(self):
+        c = self.config
+        E, N, K, M, L = c.num_local, self.n_rows, self.k_dim, c.m, c.num_local
+        fmt = c.weight_dtype
+        if fmt == "mxfp4":
+            specs = [OperandSpec("w", (E, N, K // 8), "int32"), OperandSpec("w_scale", (E, N, K // 128), "int32")]
+        elif fmt == "fp8_e4m3":
+            specs = [OperandSpec("w", (E, N, K), fmt), OperandSpec("w_scale", (E, N // 128, K // 128), "fp32")]
+        else:
+            specs = [OperandSpec("w", (E, N, K), fmt), OperandSpec("w_scale", (1,), "fp32", optional=True)]
+        specs += [OperandSpec("counts", (L,), "int32"), OperandSpec("hits", (L + 1,), "int32"),
+                  OperandSpec("tok", (L, M), "int32"), OperandSpec("slot", (L, M), "int32")]
+        if c.stage == "gateup":
+            specs += [OperandSpec("x", (M, c.hidden), "bf16"),
+                      OperandSpec("act", (M * c.top_k, c.intermediate), "bf16", output=True)]
+        else:
+            specs += [OperandSpec("act", (M * c.top_k, c.intermediate), "bf16"),
+                      OperandSpec("topk_w", (M, c.top_k), "fp32"),
+                      OperandSpec("shared", (M, c.hidden), "fp32", optional=not c.shared),
+                      OperandSpec("out", (M, c.hidden), c.out_dtype, output=True)]
+        return specs
+
+    def num_tiles(self) -> int:
+        return self.out_rows // self.config.rows_per_tile
+
+    def bytes_per_weight(self) -> float:
+        fmt = self.config.weight_dtype
+        if fmt == "bf16":
+            return 2.0
+        if fmt == "fp8_e4m3":
+            return 1.0 + 4.0 / (128 * 128)
+        return 0.5 + 1.0 / 32
+
+    def expert_weight_bytes(self) -> float:
+        """Bytes of one expert's weights of this stage (with scales): the floor per hit expert."""
+        return self.n_rows * self.k_dim * self.bytes_per_weight()
+
+    def cost(self) -> Cost:
+        c = self.config
+        per_row = (2 if c.stage == "gateup" else 1) * self.k_dim * self.bytes_per_weight()
+        w = c.expected_hits * c.rows_per_tile * per_row
+        toks = min(c.m * c.top_k, c.m * c.top_k * c.expected_hits)
+        b = int(w + toks * (self.k_dim * 2 + c.rows_per_tile * 4) + 64 * c.num_local)
+        return Cost(bytes=b, flops=int(2 * toks * c.rows_per_tile * self.k_dim * (2 if c.stage == "gateup" else 1)))
+
+    # -- torch faces ---------------------------------------------------------------------------
+    def _dequant_rows(self, t, le: int, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 rows `rows` of local expert le's weight (only those rows are dequantised)."""
+        fmt = self.config.weight_dtype
+        w = t["w"][le][rows]
+        if fmt == "bf16":
+            return w.float()
+        s = t["w_scale"][le]
+        if fmt == "fp8_e4m3":
+            return w.float() * s[rows // 128].float().repeat_interleave(128, -1)
+        return dequant_mxfp4(w, s[rows])
+
+    def reference(self, **t):
+        """Whole stage, from the dispatch table (fp32 math)."""
+        out = {k: v.clone() for k, v in t.items() if k in ("act", "out")}
+        t = dict(t, **out)
+        for tile in range(self.num_tiles()):
+            self.emulate_tile(t, tile)
+        return out
+
+    def emulate_tile(self, t, tile):
+        c = self.config
+        R = c.rows_per_tile
+        rows = slice(tile * R, (tile + 1) * R)
+        H = int(t["hits"][0])
+        hit = [int(v) for v in t["hits"][1:1 + H]]
+        if c.stage == "gateup":
+            for le in hit:
+                n = int(t["counts"][le])
+                toks = t["tok"][le, :n].long()
+                slots = t["slot"][le, :n].long()
+                gate_rows = torch.arange(tile * R, (tile + 1) * R)
+                wd = self._dequant_rows(t, le, torch.cat([gate_rows, gate_rows + c.intermediate]))
+                x = t["x"][toks].float()
+                g = x @ wd[:R].T
+                u = x @ wd[R:].T
+                t["act"][slots, rows] = swiglu_ref(g, u, "silu", c.swiglu_limit).to(t["act"].dtype)
+        else:
+            M = c.m
+            acc = torch.zeros(M, R)
+            for le in hit:
+                n = int(t["counts"][le])
+                toks = t["tok"][le, :n].long()
+                slots = t["slot"][le, :n].long()
+                wd = self._dequant_rows(t, le, torch.arange(tile * R, (tile + 1) * R))
+                y = t["act"][slots].float() @ wd.T
+                acc.index_add_(0, toks, y * t["topk_w"].reshape(-1)[slots, None].float())
+            if c.shared:
+                acc = acc + t["shared"][:, rows].float()
+            t["out"][:, rows] = acc.to(t["out"].dtype)
+
+    # -- device face ---------------------------------------------------------------------------
+    def _build_device_tile(self):
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Float32, Int32
+
+        from ._cute import DTYPE_MAP, gmem_tensor
+
+        c = self.config
+        fmt = c.weight_dtype
+        EPL = self.elems_per_load                  # weight elements per 16-byte load
+        U = self.unroll
+        N, K = self.n_rows, self.k_dim
+        nch = K // EPL                             # 16-byte loads per row
+        n_main = nch // (32 * U)
+        rem = nch - n_main * 32 * U                # chunks left after the unrolled part
+        n_tail = (rem + 31) // 32                  # per-lane tail loads (predicated)
+        R = c.rows_per_tile
+        NW = NUM_THREADS // 32
+        M, KT, L, I, D = c.m, c.top_k, c.num_local, c.intermediate, c.hidden
+        gateup = c.stage == "gateup"
+        nw = 2 if gateup else 1
+        limit = c.swiglu_limit
+        has_shared = c.shared
+        odt = DTYPE_MAP[c.out_dtype]
+        groups = [g for g in GROUPS if g <= M] or [1]
+        GMAX = groups[-1]
+        xrows = M if gateup else M * KT            # rows of the GEMV input (x or act)
+
+        # operand indices (see operand_specs)
+        P_W, P_S, P_CNT, P_HITS, P_TOK, P_SLOT = 0, 1, 2, 3, 4, 5
+
+        @cute.jit
+        def f16x2_to_f32(bits: Int32):
+            return cute.arch.inline_ptx(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, {$r0}; cvt.f32.f16 {$w0}, lo; cvt.f32.f16 {$w1}, hi; }",
+                write_only_types=[Float32, Float32], read_only_args=[bits])
+
+        @cute.jit
+        def bits_to_f32(bits: Int32) -> Float32:
+            return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32],
+                                        read_only_args=[bits])
+
+        @cute.jit
+        def load_w(mW, le, n, ch):
+            return mW[le, n, ch, None].load()
+
+        @cute.jit
+        def chunk_scale(mS, le, n, ch) -> Float32:
+            s = Float32(1.0)
+            if cutlass.const_expr(fmt == "fp8_e4m3"):
+                s = mS[le, n // 128, (ch * EPL) // 128]
+            elif cutlass.const_expr(fmt == "mxfp4"):
+                word = mS[le, n, ch // 4]
+                e8 = (word >> ((ch % 4) * 8)) & 255
+                # 2^(s-127) times 2^14, the fp16 decode's bias (see decode below): exact
+                s = bits_to_f32((e8 + 14) << 23)
+            return s
+
+        @cute.jit
+        def decode(wv, wf):
+            """One 16-byte load -> EPL fp32 weights in wf (rmem), unscaled."""
+            if cutlass.const_expr(fmt == "mxfp4"):
+                wi = cute.make_rmem_tensor((4,), Int32)
+                wi.store(wv)
+                for q in cutlass.range_constexpr(4):
+                    w = wi[q]
+                    for p in cutlass.range_constexpr(4):
+                        wp = w >> (4 * p)
+                        # nibbles p and p+4 -> fp16 pair: exponent+mantissa bits at 9..11,
+                        # sign at 15; an fp16 with those bits is the e2m1 value * 2^-14
+                        h = ((wp & 0x00070007) << 9) | ((wp & 0x00080008) << 12)
+                        lo, hi = f16x2_to_f32(h)
+                        wf[8 * q + p] = lo
+                        wf[8 * q + p + 4] = hi
+            else:
+                wf.store(wv.to(Float32))
+
+        @cute.jit
+        def dot(wf, mX, xr, ch) -> Float32:
+            """sum over the chunk's EPL elements of wf * x[xr, chunk] (x viewed in 8-chunks)."""
+            s = Float32(0.0)
+            for q in cutlass.range_constexpr(EPL // 8):
+                xv = mX[xr, ch * (EPL // 8) + q, None].load().to(Float32)
+                for e in cutlass.range_constexpr(8):
+                    s = s + wf[8 * q + e] * xv[e]
+            return s
+
+        def make_group(G):
+            """Dot products of weight rows (nw of them) with G input rows, for one warp."""
+
+            @cute.jit
+            def group(mW, mS, mX, le, n0, xr_list, acc):
+                wf = cute.make_rmem_tensor((EPL,), Float32)
+                for it in cutlass.range(n_main):
+                    ch0 = it * (32 * U) + cute.arch.lane_idx()
+                    wl = [[load_w(mW, le, n0 + i * I, ch0 + 32 * u) for u in range(U)] for i in range(nw)]
+                    for i in cutlass.range_constexpr(nw):
+                        for u in cutlass.range_constexpr(U):
+                            sc = chunk_scale(mS, le, n0 + i * I, ch0 + 32 * u)
+                            decode(wl[i][u], wf)
+                            for g in cutlass.range_constexpr(G):
+                                acc[i, g] = acc[i, g] + sc * dot(wf, mX, xr_list[g], ch0 + 32 * u)
+                for u in cutlass.range_constexpr(n_tail):
+                    ch = n_main * (32 * U) + 32 * u + cute.arch.lane_idx()
+                    if ch < nch:
+                        for i in cutlass.range_constexpr(nw):
+                            sc = chunk_scale(mS, le, n0 + i * I, ch)
+                            decode(load_w(mW, le, n0 + i * I, ch), wf)
+                            for g in cutlass.range_constexpr(G):
+                                acc[i, g] = acc[i, g] + sc * dot(wf, mX, xr_list[g], ch)
+
+            return group
+
+        group_fns = {G: make_group(G) for G in groups}
+
+        def pick(n):
+            return group_fns[min([g for g in groups if g >= n] or [GMAX])]
+
+        f1, f2, f4, f8 = pick(1), pick(2), pick(4), group_fns[GMAX]
+
+        @cute.jit
+        def tile(ptrs, t: Int32, scratch):
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            warp = tid // 32
+            if cutlass.const_expr(fmt == "mxfp4"):
+                mW = gmem_tensor(ptrs[P_W], Int32, (L, N, nch, 4), 16)
+                mS = gmem_tensor(ptrs[P_S], Int32, (L, N, K // 128), 4)
+            elif cutlass.const_expr(fmt == "fp8_e4m3"):
+                mW = gmem_tensor(ptrs[P_W], DTYPE_MAP[fmt], (L, N, nch, EPL), 16)
+                mS = gmem_tensor(ptrs[P_S], Float32, (L, N // 128, K // 128), 4)
+            else:
+                mW = gmem_tensor(ptrs[P_W], DTYPE_MAP[fmt], (L, N, nch, EPL), 16)
+                mS = mW          # no scales: never read
+            mCnt = gmem_tensor(ptrs[P_CNT], Int32, (L,), 4)
+            mHits = gmem_tensor(ptrs[P_HITS], Int32, (L + 1,), 4)
+            mTok = gmem_tensor(ptrs[P_TOK], Int32, (L, M), 4)
+            mSlot = gmem_tensor(ptrs[P_SLOT], Int32, (L, M), 4)
+            if cutlass.const_expr(gateup):
+                mX = gmem_tensor(ptrs[6], cutlass.BFloat16, (xrows, K // 8, 8), 16)
+                mAct = gmem_tensor(ptrs[7], cutlass.BFloat16, (M * KT, I), 2)
+            else:
+                mX = gmem_tensor(ptrs[6], cutlass.BFloat16, (xrows, K // 8, 8), 16)
+                mTw = gmem_tensor(ptrs[7], Float32, (M * KT,), 4)
+                mOut = gmem_tensor(ptrs[9], odt, (M, D), 4 if c.out_dtype == "fp32" else 2)
+            n_hit = mHits[0]
+            acc = cute.make_rmem_tensor((nw, GMAX), Float32)
+            xr = cute.make_rmem_tensor((GMAX,), Int32)       # input rows of the group
+            sl = cute.make_rmem_tensor((GMAX,), Int32)       # their assignment slots
+            for r in cutlass.range(warp, R, NW):
+                row = t * R + r
+                o0 = Float32(0.0)        # down: this lane's tokens m = lane and lane + 32
+                o1 = Float32(0.0)
+                for h in cutlass.range(n_hit, unroll=1):
+                    le = mHits[1 + h]
+                    n = mCnt[le]
+                    for g0 in cutlass.range(0, n, GMAX, unroll=1):
+                        ng = n - g0
+                        for g in cutlass.range_constexpr(GMAX):
+                            # rows past the group's end repeat its first row: computed, never stored
+                            idx = g0 + g
+                            if g >= ng:
+                                idx = g0
+                            sl[g] = mSlot[le, idx]
+                            if cutlass.const_expr(gateup):
+                                xr[g] = mTok[le, idx]
+                            else:
+                                xr[g] = sl[g]
+                        acc.fill(0.0)
+                        xl = [xr[g] for g in range(GMAX)]
+                        if cutlass.const_expr(GMAX == 1):
+                            f1(mW, mS, mX, le, row, xl, acc)
+                        else:
+                            # the smallest variant that holds the group: batch 1 per expert (the
+                            # common case) does no wasted math, 2..4 tokens at most 2x
+                            if ng == 1:
+                                f1(mW, mS, mX, le, row, xl, acc)
+                            elif ng == 2:
+                                f2(mW, mS, mX, le, row, xl, acc)
+                            elif ng <= 4:
+                                f4(mW, mS, mX, le, row, xl, acc)
+                            else:
+                                f8(mW, mS, mX, le, row, xl, acc)
+                        for g in cutlass.range_constexpr(GMAX):
+                            a = cute.arch.warp_reduction_sum(acc[0, g])
+                            if cutlass.const_expr(gateup):
+                                b = cute.arch.warp_reduction_sum(acc[1, g])
+                                if cutlass.const_expr(limit is not None):
+                                    a = cute.arch.fmin(a, Float32(limit))
+                                    b = cute.arch.fmax(cute.arch.fmin(b, Float32(limit)), Float32(-limit))
+                                a = a / (Float32(1.0) + cute.math.exp(-a, fastmath=True)) * b
+                                if (lane == 0) & (g < ng):
+                                    mAct[sl[g], row] = a.to(cutlass.BFloat16)
+                            else:
+                                if g < ng:
+                                    v = a * mTw[sl[g]]
+                                    m_tok = mTok[le, g0 + g]
+                                    if m_tok == lane:
+                                        o0 = o0 + v
+                                    if m_tok == lane + 32:
+                                        o1 = o1 + v
+                if cutlass.const_expr(not gateup):
+                    for half in cutlass.range_constexpr(2):
+                        m_out = lane + 32 * half
+                        if m_out < M:
+                            v = o0 if half == 0 else o1
+                            if cutlass.const_expr(has_shared):
+                                mSh = gmem_tensor(ptrs[8], Float32, (M, D), 4)
+                                v = v + mSh[m_out, row]
+                            mOut[m_out, row] = v.to(odt)
+
+        return tile

@@ -1,0 +1,264 @@
+"""CuTe DSL device tile of `KDABlock` (imports cutlass: imported only by `KDABlock.device_tile()`).
+
+One tile = one (sequence b, head h, V-slice). Thread (warp w, lane) holds S[k0 : k0+RK, cols] in
+registers, k0 = (lane // LV) * RK, cols = 4 adjacent columns at slice*VS + w*CW + (lane % LV)*4.
+The state rows a thread owns are consecutive so its q / k / gate values are one vector load
+each; a warp's state load covers LK rows x (LV * 4) contiguous columns (one or more full 32-byte
+sectors per row). Every sum over K is a butterfly over the LK lanes of a warp (each warp holds
+all K rows of its columns), so the delta rule needs no shared memory and no CTA barrier; the
+output norm (sum over all V) exchanges one float per warp through `scratch`.
+
+See `sdk/blocks/kda.py` for the math, layouts and commit modes.
+"""
+from __future__ import annotations
+
+from .base import NUM_THREADS
+
+L2NORM_EPS = 1e-6
+
+
+def _log2(x: int) -> int:
+    return x.bit_length() - 1
+
+
+def build_kda_tile(block):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from ._cute import DTYPE_MAP, gmem_tensor
+
+    c = block.config
+    B, T, H, K = c.batch, c.tokens, c.heads, c.head_dim
+    V, C = K, c.heads * c.head_dim
+    VS, VSPLIT = block.vs, c.v_split
+    LV, LK, RK = block.lanes
+    CW = VS // (NUM_THREADS // 32)          # columns per warp
+    NW = NUM_THREADS // 32
+    KOFS = [LV << i for i in range(_log2(LK))]   # butterfly offsets across the K lanes
+    VOFS = [1 << i for i in range(_log2(LV))]    # ... across the column lanes
+    idx = {name: i for i, name in enumerate(block.operands())}
+    commit = c.commit
+    write_state = commit in ("all", "accepted")
+    conv, out_norm = c.conv, c.out_norm
+    log_decay = c.gate_kind == "log_decay"
+    sigmoid_gate = c.gate_kind == "sigmoid"
+    lb = float(c.gate_lower_bound)
+    sdt, odt = DTYPE_MAP[c.state_dtype], DTYPE_MAP[c.out_dtype]
+    s_align = 16 if c.state_dtype == "fp32" else 8
+    o_align = 16 if c.out_dtype == "fp32" else 8
+    gdt = Float32 if (log_decay or c.g_dtype == "fp32") else BFloat16
+    g_align = min(16, RK * (4 if gdt is Float32 else 2))
+    in_align = min(16, RK * 2)
+    W1 = c.conv_kernel - 1
+    WK = c.conv_kernel
+    cw_bf16 = c.conv_w_dtype == "bf16"
+    cwdt = DTYPE_MAP[c.conv_w_dtype]
+    NCS = 3 * K * W1                         # conv-state values of one head
+    NCS_R = -(-NCS // NUM_THREADS)
+    scale = K ** -0.5
+    eps = L2NORM_EPS
+    norm_eps = float(c.norm_eps)
+    beta_sig = c.beta_sigmoid
+
+    def kred(x):
+        """Sum over the K lanes of the warp (all of K for this lane's columns)."""
+        for o in KOFS:
+            x = x + cute.arch.shuffle_sync_bfly(x, offset=o)
+        return x
+
+    def vred(x):
+        for o in VOFS:
+            x = x + cute.arch.shuffle_sync_bfly(x, offset=o)
+        return x
+
+    def sigmoid(x):
+        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=True))
+
+    def bf16_round(x):
+        return x.to(BFloat16).to(Float32)
+
+    @cute.jit
+    def window(mX, mCS, b: Int32, ch: Int32, s: Int32) -> Float32:
+        """Element s of channel ch of cat(conv_state, qkv^T): the conv's input sequence."""
+        x = Float32(0.0)
+        if s < W1:
+            x = mCS[b, ch, s].to(Float32)
+        else:
+            x = mX[b, s - W1, ch].to(Float32)
+        return x
+
+    @cute.jit
+    def conv_out(mX, mCS, mCW, b: Int32, ch: Int32, t: Int32) -> Float32:
+        """bf16(SiLU(conv)) of channel ch at token t, as KDAReference.short_conv rounds it."""
+        acc = Float32(0.0)
+        for i in cutlass.range_constexpr(WK):
+            acc = acc + mCW[ch, i].to(Float32) * window(mX, mCS, b, ch, t + i)
+        if cutlass.const_expr(cw_bf16):
+            acc = bf16_round(acc)
+        return bf16_round(acc * sigmoid(acc))
+
+    @cute.jit
+    def tile(ptrs, tile_id: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = tid % 32
+        warp = tid // 32
+        vl = lane % LV
+        kl = lane // LV
+        bh = tile_id // VSPLIT
+        sl = tile_id % VSPLIT
+        b = bh // H
+        h = bh % H
+        c4 = (sl * VS + warp * CW + vl * 4) // 4      # this lane's 4-column group in [0, V/4)
+        k0 = kl * RK
+
+        mS = gmem_tensor(ptrs[idx["state"]], sdt, (B, H, K, V // 4, 4), s_align)
+        mG = gmem_tensor(ptrs[idx["g"]], gdt, (B, T, H, LK, RK), g_align)
+        mBeta = gmem_tensor(ptrs[idx["beta"]], BFloat16, (B, T, H), 2)
+        mO = gmem_tensor(ptrs[idx["o"]], odt, (B, T, H, V // 4, 4), o_align)
+        if cutlass.const_expr(conv):
+            mX = gmem_tensor(ptrs[idx["qkv"]], BFloat16, (B, T, 3 * C), 2)
+            mCS = gmem_tensor(ptrs[idx["conv_state"]], BFloat16, (B, 3 * C, W1), 2)
+            mCW = gmem_tensor(ptrs[idx["conv_w"]], cwdt, (3 * C, WK), 2 if cw_bf16 else 4)
+        else:
+            mQ = gmem_tensor(ptrs[idx["q"]], BFloat16, (B, T, H, LK, RK), in_align)
+            mK = gmem_tensor(ptrs[idx["k"]], BFloat16, (B, T, H, LK, RK), in_align)
+            mV = gmem_tensor(ptrs[idx["v"]], BFloat16, (B, T, H, V // 4, 4), 8)
+        rate = Float32(1.0)
+        if cutlass.const_expr(not log_decay):
+            mDt = gmem_tensor(ptrs[idx["dt_bias"]], Float32, (H, LK, RK), min(16, RK * 4))
+            mA = gmem_tensor(ptrs[idx["a_log"]], Float32, (H,), 4)
+            rate = cute.math.exp(mA[h], fastmath=False)
+        if cutlass.const_expr(commit == "per_token"):
+            mSO = gmem_tensor(ptrs[idx["states_out"]], sdt, (B, T, H, K, V // 4, 4), s_align)
+        if cutlass.const_expr(out_norm):
+            mGate = gmem_tensor(ptrs[idx["out_gate"]], BFloat16, (B, T, H, V // 4, 4), 8)
+            mNw = gmem_tensor(ptrs[idx["norm_w"]], BFloat16, (V // 4, 4), 8)
+
+        n_tok = Int32(T)
+        if cutlass.const_expr(commit == "accepted"):
+            mN = gmem_tensor(ptrs[idx["n_accepted"]], Int32, (B,), 4)
+            n_tok = mN[b]
+            if n_tok > T:
+                n_tok = Int32(T)
+            if n_tok < 0:
+                n_tok = Int32(0)
+
+        # the state slice: all loads issued at once (RK x 16 bytes in flight per thread)
+        rS = cute.make_rmem_tensor((RK, 4), Float32)
+        for j in cutlass.range_constexpr(RK):
+            rS[j, None].store(mS[b, h, k0 + j, c4, None].load().to(Float32))
+
+        rq = cute.make_rmem_tensor((RK,), Float32)
+        rk = cute.make_rmem_tensor((RK,), Float32)
+        rd = cute.make_rmem_tensor((RK,), Float32)
+        rv = cute.make_rmem_tensor((4,), Float32)
+        racc = cute.make_rmem_tensor((4,), Float32)
+        for t in cutlass.range(n_tok, unroll=1):
+            # -- inputs of this token: q, k rows k0.., v columns, gate -> decay, beta
+            if cutlass.const_expr(conv):
+                for j in cutlass.range_constexpr(RK):
+                    rq[j] = conv_out(mX, mCS, mCW, b, h * K + k0 + j, t)
+                    rk[j] = conv_out(mX, mCS, mCW, b, C + h * K + k0 + j, t)
+                for e in cutlass.range_constexpr(4):
+                    rv[e] = conv_out(mX, mCS, mCW, b, 2 * C + c4 * 4 + e + h * K, t)
+            else:
+                rq.store(mQ[b, t, h, kl, None].load().to(Float32))
+                rk.store(mK[b, t, h, kl, None].load().to(Float32))
+                rv.store(mV[b, t, h, c4, None].load().to(Float32))
+            rd.store(mG[b, t, h, kl, None].load().to(Float32))
+            if cutlass.const_expr(not log_decay):
+                dt = mDt[h, kl, None].load()
+                for j in cutlass.range_constexpr(RK):
+                    x = rd[j] + dt[j]
+                    a = Float32(0.0)
+                    if cutlass.const_expr(sigmoid_gate):
+                        a = Float32(lb) * sigmoid(rate * x)
+                    else:
+                        # softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow, no branch
+                        sp = cute.arch.fmax(x, Float32(0.0)) + cute.math.log1p(
+                            cute.math.exp(-cute.math.absf(x), fastmath=False), fastmath=False)
+                        a = -rate * sp
+                    rd[j] = a
+            for j in cutlass.range_constexpr(RK):
+                rd[j] = cute.math.exp(rd[j], fastmath=False)
+            qs = Float32(0.0)
+            ks = Float32(0.0)
+            for j in cutlass.range_constexpr(RK):
+                qs = qs + rq[j] * rq[j]
+                ks = ks + rk[j] * rk[j]
+            qn = cute.math.rsqrt(kred(qs) + Float32(eps)) * Float32(scale)
+            kn = cute.math.rsqrt(kred(ks) + Float32(eps))
+            beta = mBeta[b, t, h].to(Float32)
+            if cutlass.const_expr(beta_sig):
+                beta = sigmoid(beta)
+
+            # -- decay, then k^T S (sum over K: thread rows, then the K lanes)
+            racc.fill(0.0)
+            for j in cutlass.range_constexpr(RK):
+                d = rd[j]
+                kj = rk[j] * kn
+                for e in cutlass.range_constexpr(4):
+                    s = rS[j, e] * d
+                    rS[j, e] = s
+                    racc[e] = racc[e] + s * kj
+            for e in cutlass.range_constexpr(4):
+                rv[e] = beta * (rv[e] - kred(racc[e]))          # delta
+            # -- S += k delta^T, o = q^T S
+            racc.fill(0.0)
+            for j in cutlass.range_constexpr(RK):
+                kj = rk[j] * kn
+                qj = rq[j] * qn
+                for e in cutlass.range_constexpr(4):
+                    s = rS[j, e] + kj * rv[e]
+                    rS[j, e] = s
+                    racc[e] = racc[e] + s * qj
+            for e in cutlass.range_constexpr(4):
+                racc[e] = kred(racc[e])
+
+            if cutlass.const_expr(out_norm):
+                # RMSNorm(bf16(o)) over all V: columns lanes, then the 8 warps through scratch
+                ss = Float32(0.0)
+                for e in cutlass.range_constexpr(4):
+                    racc[e] = bf16_round(racc[e])
+                    ss = ss + racc[e] * racc[e]
+                ss = vred(ss)
+                if lane == 0:
+                    scratch[warp] = ss
+                cute.arch.sync_threads()
+                tot = Float32(0.0)
+                for w in cutlass.range_constexpr(NW):
+                    tot = tot + scratch[w]
+                cute.arch.sync_threads()
+                rstd = cute.math.rsqrt(tot / Float32(V) + Float32(norm_eps))
+                gate = mGate[b, t, h, c4, None].load().to(Float32)
+                nw = mNw[c4, None].load().to(Float32)
+                for e in cutlass.range_constexpr(4):
+                    racc[e] = racc[e] * rstd * nw[e] * sigmoid(gate[e])
+            if kl == 0:
+                mO[b, t, h, c4, None].store(racc.load().to(odt))
+            if cutlass.const_expr(commit == "per_token"):
+                for j in cutlass.range_constexpr(RK):
+                    mSO[b, t, h, k0 + j, c4, None].store(rS[j, None].load().to(sdt))
+
+        if cutlass.const_expr(write_state):
+            if n_tok > 0:
+                for j in cutlass.range_constexpr(RK):
+                    mS[b, h, k0 + j, c4, None].store(rS[j, None].load().to(sdt))
+            if cutlass.const_expr(conv):
+                # new conv state = window columns n_tok .. n_tok+W1-1 of the head's 3K channels,
+                # spread over all threads; read everything before anyone overwrites it
+                rc = cute.make_rmem_tensor((NCS_R,), Float32)
+                for r in cutlass.range_constexpr(NCS_R):
+                    i = tid + NUM_THREADS * r
+                    if i < NCS:
+                        chl = i // W1
+                        rc[r] = window(mX, mCS, b, (chl // K) * C + h * K + chl % K, n_tok + i % W1)
+                cute.arch.sync_threads()
+                for r in cutlass.range_constexpr(NCS_R):
+                    i = tid + NUM_THREADS * r
+                    if i < NCS:
+                        chl = i // W1
+                        mCS[b, (chl // K) * C + h * K + chl % K, i % W1] = rc[r].to(BFloat16)
+
+    return tile

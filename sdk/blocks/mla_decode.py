@@ -1,0 +1,509 @@
+"""MLA decode attention in absorbed form over a paged latent cache, split-KV (FlashMLA-like).
+
+Absorbed MLA (DeepSeek-V2 appendix; kimi_linear / glm5_next decode): with per-head W_UK [nope,
+kv_lora] and W_UV [v, kv_lora] (rows of `kv_b_proj`), the per-head keys/values never exist:
+
+    q_lat[h]  = q_nope[h] @ W_UK[h]                          [kv_lora]   (MLAHeadProjBlock)
+    q[h]      = [q_lat[h], q_pe[h]]                          [kv_lora + rope] = [d_qk]
+    s[h, n]   = (q[h] . cache[n]) * softmax_scale * scale_factor
+    o_lat[h]  = softmax(s[h]) @ cache[:, :kv_lora]           [kv_lora]   (this block + combine)
+    o[h]      = W_UV[h] @ o_lat[h]                           [v]         (MLAHeadProjBlock)
+
+All heads of the GPU's shard read the same latent row per token (MQA-like), so one tile loads a
+KV chunk once for all its query rows: rows = (query token t, head h), r = t * heads + h.
+
+Blocks here:
+- `MLADecodeBlock` (the core): tile = (sequence b, KV split s). It walks its split's part of the
+  sequence in chunks of `chunk` tokens, through a `stages`-deep cp.async pipeline of KV chunks
+  gathered row by row through the page table; QK^T and PV on the tensor cores (warp MMA
+  m16n8k16 bf16, fp32 accumulate); online softmax; writes the split's normalised partial output
+  o_part[b, s] (fp32) and its log-sum-exp lse_part[b, s] (natural log of the scaled scores).
+- `MLACombineBlock`: tile = (sequence b, query token t): merges the S splits by their lse into
+  out[b, t] (bf16, the latent output o_lat) and lse[b, t] (fp32).
+
+Work split inside the core tile (8 warps): for QK^T warp w owns tokens [8 (w % NWN), +8) of the
+chunk and the k-slice (w // NWN) of d_qk (NWN = chunk / 8 token groups, NWK = 8 / NWN k-slices);
+the partial scores go to shared memory; after one barrier every warp reads the whole chunk's
+scores (summing the k-slices), does the same online softmax redundantly (cheap: chunk x rows
+exps) and multiplies P by its own 1/8 of the value columns (d_v / 8 columns per warp). Two
+barriers per chunk. Masking: token n of the sequence is visible to query t iff
+n <= len - T + t (causal among the T new tokens, which are the last T of the context).
+
+Formats:
+- q [B, T, H, d_qk] bf16; cache [num_pages, page_size, d_qk] (token n of sequence b lives in page
+  block_table[b, n // page_size], row n % page_size); block_table [B, max_pages] int32;
+  seq_lens [B] int32 = context length including the T new tokens (ragged).
+- kv_dtype "bf16", or "fp8_e4m3" with fp32 scales kv_scale [num_pages, page_size, d_qk / scale_group]:
+  one scale per token per `scale_group` (default 64) columns. Why this granularity: a token's
+  scales are fixed when it is appended (no re-quantisation of a page), 64 divides both 576
+  (Kimi K3: 9 groups, 36 B of scales per 576 B row = +6%) and 512 (GLM-5.3); the rope part gets
+  its own group(s). The device tile stages the fp8 rows, then dequantises the chunk into a bf16
+  buffer (value * scale, exact e4m3 -> bf16 then one bf16 rounding) for the same MMA path.
+- o_part [B, S, T*H, d_v] fp32, lse_part [B, S, T*H] fp32 (-inf and zeros for a split with no
+  visible token); out [B, T, H, d_v] bf16 and lse [B, T, H] fp32 after the combine.
+
+Split-KV: the sequence's chunks [0, ceil(len / chunk)) are cut into `num_splits` equal ranges of
+whole chunks (a static count: the megakernel's tile count is static); splits past the end write
+lse = -inf. `choose_splits()` picks a count for (batch, context, SMs).
+
+Supported: rows = T * heads <= 32 (padded to 16 / 32 MMA rows), d_qk a multiple of 16 * NWK,
+d_v = kv_lora a multiple of 128, rope 0 (NoPE: GLM-5.3) or any multiple of 16, page_size >= 1.
+Not yet: rows > 32 (T > 2 at 12 heads), a per-step dynamic split scheduler for ragged batches
+(FlashMLA's tile-scheduler metadata), DSA sparse selection (design: the loader already maps a
+chunk row to a cache row through one function, `token -> page row`; a selected-index list
+replaces the contiguous `token = chunk_start + j` and the causal mask by the index's position),
+fp8 MMA (fp8 query), wgmma / tcgen05 variants, the fused W_UV epilogue.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import NUM_THREADS, Block, Cost, OperandSpec
+
+NUM_WARPS = NUM_THREADS // 32
+LOG2_E = 1.4426950408889634
+
+
+def choose_splits(batch: int, context: int, num_sms: int = 132, chunk: int = 32,
+                  min_chunks_per_split: int = 8) -> int:
+    """KV splits per sequence: enough tiles to cover the SMs about once, but every split at least
+    `min_chunks_per_split` chunks long (each split costs a partial-output write and a combine read
+    of rows x d_v x 4 B, and a pipeline fill)."""
+    by_sms = max(1, num_sms // max(1, batch))
+    by_len = max(1, (context // chunk) // min_chunks_per_split)
+    return max(1, min(by_sms, by_len))
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    heads: int                         # query heads of this GPU's shard (Kimi K3 TP8: 12)
+    softmax_scale: float               # base scale, e.g. (nope + rope) ** -0.5 of the unabsorbed head
+    batch: int = 1
+    q_tokens: int = 1                  # T new tokens per sequence (MTP / speculative: T > 1)
+    kv_lora: int = 512                 # latent width = d_v
+    rope: int = 64                     # shared rope key part (0 = NoPE)
+    scale_factor: float = 1.0          # extra factor on the scale (YaRN: mscale ** 2)
+    page_size: int = 64
+    num_pages: int = 1024              # pool size: static shape of the cache operand
+    max_seq_len: int = 4096            # -> block table width
+    num_splits: int = 1
+    kv_dtype: str = "bf16"             # "bf16" | "fp8_e4m3"
+    scale_group: int = 64              # fp8: columns per fp32 scale (per token)
+    chunk: int = 32                    # tokens per pipeline stage (16, 32 or 64)
+    stages: int = 0                    # pipeline depth; 0 = auto (what fits in ~200 KB, 2..8)
+
+
+class MLADecodeBlock(Block):
+    name = "mla_decode"
+    Config = MLADecodeConfig
+
+    # -- static facts --------------------------------------------------------------------------
+    @property
+    def d_qk(self) -> int:
+        return self.config.kv_lora + self.config.rope
+
+    @property
+    def d_v(self) -> int:
+        return self.config.kv_lora
+
+    @property
+    def rows(self) -> int:
+        return self.config.q_tokens * self.config.heads
+
+    @property
+    def m_pad(self) -> int:
+        return 16 * math.ceil(self.rows / 16)
+
+    @property
+    def nwn(self) -> int:                 # warps along the chunk's tokens in QK^T
+        return self.config.chunk // 8
+
+    @property
+    def nwk(self) -> int:                 # warps along d_qk in QK^T
+        return NUM_WARPS // self.nwn
+
+    @property
+    def stages(self) -> int:
+        c = self.config
+        if c.stages:
+            return c.stages
+        # auto: as many stages as fit in ~200 KB (H200 / B200 allow 227 KB), 2..8
+        fixed = self._smem_bytes(0)
+        per = self._smem_bytes(1) - fixed
+        return max(2, min(8, (200 * 1024 - fixed) // per))
+
+    @property
+    def fp8(self) -> bool:
+        return self.config.kv_dtype == "fp8_e4m3"
+
+    @property
+    def max_pages(self) -> int:
+        return math.ceil(self.config.max_seq_len / self.config.page_size)
+
+    @property
+    def scale(self) -> float:
+        return self.config.softmax_scale * self.config.scale_factor
+
+    def smem_bytes(self) -> int:
+        return self._smem_bytes(self.stages)
+
+    def _smem_bytes(self, stages: int) -> int:
+        c = self.config
+        rs = self.d_qk + 8                       # padded bf16 row: conflict-free ldmatrix
+        b = self.m_pad * rs * 2                  # sQ
+        b += self.nwk * self.m_pad * c.chunk * 4                           # sS partial scores
+        if self.fp8:
+            b += stages * c.chunk * (self.d_qk + 16)                       # fp8 stages
+            b += stages * c.chunk * (self.d_qk // c.scale_group) * 4       # their scales
+            b += c.chunk * rs * 2                                          # dequantised chunk
+        else:
+            b += stages * c.chunk * rs * 2
+        return b
+
+    def check(self):
+        c = self.config
+        if c.kv_dtype not in ("bf16", "fp8_e4m3"):
+            self.unsupported(f"mla_decode: kv dtype {c.kv_dtype!r} (supported: bf16, fp8_e4m3)")
+        if c.chunk not in (16, 32, 64):
+            self.unsupported(f"mla_decode: chunk={c.chunk} (supported: 16, 32, 64)")
+        if not 1 <= self.rows <= 32:
+            self.unsupported(f"mla_decode: q_tokens x heads = {self.rows} rows (supported: 1..32)")
+        if c.kv_lora % (8 * NUM_WARPS * 2):
+            self.unsupported(f"mla_decode: kv_lora={c.kv_lora} must be a multiple of {16 * NUM_WARPS}")
+        if c.rope % 16:
+            self.unsupported(f"mla_decode: rope={c.rope} must be a multiple of 16 (or 0)")
+        if self.d_qk % (16 * self.nwk):
+            self.unsupported(f"mla_decode: d_qk={self.d_qk} must split into {self.nwk} multiples of 16")
+        if self.fp8 and (self.d_qk % c.scale_group or c.scale_group % 16):
+            self.unsupported(f"mla_decode fp8: scale_group={c.scale_group} must divide d_qk={self.d_qk} "
+                             f"and be a multiple of 16")
+        if c.num_splits < 1 or c.batch < 1 or c.q_tokens < 1:
+            self.unsupported("mla_decode: batch, q_tokens and num_splits must be >= 1")
+        if self.smem_bytes() > 227 * 1024:
+            self.unsupported(f"mla_decode: {self.smem_bytes()} B of shared memory > 227 KiB "
+                             f"(lower stages or chunk)")
+
+    def operand_specs(self):
+        c = self.config
+        kvdt = c.kv_dtype
+        specs = [OperandSpec("q", (c.batch, c.q_tokens, c.heads, self.d_qk), "bf16"),
+                 OperandSpec("kv", (c.num_pages, c.page_size, self.d_qk), kvdt)]
+        if self.fp8:
+            specs.append(OperandSpec("kv_scale", (c.num_pages, c.page_size, self.d_qk // c.scale_group), "fp32"))
+        specs += [OperandSpec("block_table", (c.batch, self.max_pages), "int32"),
+                  OperandSpec("seq_lens", (c.batch,), "int32"),
+                  OperandSpec("o_part", (c.batch, c.num_splits, self.rows, self.d_v), "fp32", output=True),
+                  OperandSpec("lse_part", (c.batch, c.num_splits, self.rows), "fp32", output=True)]
+        return specs
+
+    def num_tiles(self) -> int:
+        return self.config.batch * self.config.num_splits
+
+    def cost(self, context: int | None = None) -> Cost:
+        """Per tile at `context` tokens per sequence (default max_seq_len): its share of the KV
+        rows, the query, the partial outputs."""
+        c = self.config
+        ctx = context or c.max_seq_len
+        toks = math.ceil(ctx / c.num_splits)
+        row = self.d_qk * (1 if self.fp8 else 2) + (4 * self.d_qk // c.scale_group if self.fp8 else 0)
+        b = toks * (row + 4) + self.rows * self.d_qk * 2 + self.rows * (self.d_v + 1) * 4
+        return Cost(bytes=b, flops=2 * toks * self.rows * (self.d_qk + self.d_v))
+
+    def kv_bytes(self, seq_lens) -> int:
+        """Bytes of cache rows (and scales) the whole op must read: its bandwidth floor."""
+        c = self.config
+        row = self.d_qk * (1 if self.fp8 else 2) + (4 * self.d_qk // c.scale_group if self.fp8 else 0)
+        return int(sum(int(x) for x in seq_lens)) * row
+
+    # -- torch faces ---------------------------------------------------------------------------
+    def split_range(self, length: int, split: int) -> tuple[int, int]:
+        """Token range [lo, hi) of `split` for a sequence of `length` tokens (whole chunks)."""
+        c = self.config
+        n_chunks = -(-length // c.chunk)
+        per = -(-n_chunks // c.num_splits)
+        lo = min(split * per, n_chunks) * c.chunk
+        hi = min(min((split + 1) * per, n_chunks) * c.chunk, length)
+        return lo, max(lo, hi)
+
+    def gather_kv(self, t: dict, b: int, lo: int, hi: int) -> torch.Tensor:
+        """fp32 cache rows of tokens [lo, hi) of sequence b (fp8: dequantised, bf16-rounded)."""
+        c = self.config
+        n = torch.arange(lo, hi)
+        pages = t["block_table"][b].long().cpu()[n // c.page_size].to(t["kv"].device)
+        offs = (n % c.page_size).to(t["kv"].device)
+        rows = t["kv"][pages, offs].float()
+        if self.fp8:
+            sc = t["kv_scale"][pages, offs].float()
+            # the format's value: bf16(e4m3 * scale), what the device feeds its bf16 MMAs
+            rows = (rows * sc.repeat_interleave(c.scale_group, dim=-1)).to(torch.bfloat16).float()
+        return rows
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, lo: int, length: int):
+        """q [T*H, d_qk] fp32 over rows kv [n, d_qk] fp32 of tokens lo.. : (o [rows, d_v]
+        normalised, lse [rows]) with the causal rule; empty -> zeros, -inf."""
+        c = self.config
+        rows = q.shape[0]
+        if kv.shape[0] == 0:
+            return torch.zeros(rows, self.d_v), torch.full((rows,), float("-inf"))
+        s = (q @ kv.T) * self.scale
+        tok = torch.arange(lo, lo + kv.shape[0])
+        qpos = length - c.q_tokens + torch.arange(rows) // c.heads
+        s = s.masked_fill(tok[None, :] > qpos[:, None], float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse[:, None].clamp_min(-1e30))
+        p = torch.nan_to_num(p, nan=0.0)
+        o = p @ kv[:, :self.d_v]
+        return o, lse
+
+    def reference(self, **t) -> dict[str, torch.Tensor]:
+        """The definition: per split, the normalised partial attention and its lse (fp32)."""
+        c = self.config
+        o_part = torch.zeros(c.batch, c.num_splits, self.rows, self.d_v)
+        lse_part = torch.full((c.batch, c.num_splits, self.rows), float("-inf"))
+        for b in range(c.batch):
+            length = int(t["seq_lens"][b])
+            q = t["q"][b].float().reshape(self.rows, self.d_qk).cpu()
+            for s in range(c.num_splits):
+                lo, hi = self.split_range(length, s)
+                kv = self.gather_kv(t, b, lo, hi).cpu()
+                o_part[b, s], lse_part[b, s] = self._attend(q, kv, lo, length)
+        return {"o_part": o_part, "lse_part": lse_part}
+
+    def emulate_tile(self, t: dict, tile: int) -> None:
+        """Torch twin of one tile: same split bounds, chunk by chunk online softmax in fp32 with
+        the same bf16 rounding of P and of the dequantised fp8 rows as the device."""
+        c = self.config
+        b, s = divmod(tile, c.num_splits)
+        length = int(t["seq_lens"][b])
+        lo, hi = self.split_range(length, s)
+        q = t["q"][b].float().reshape(self.rows, self.d_qk).cpu()
+        qpos = length - c.q_tokens + torch.arange(self.rows) // c.heads
+        m = torch.full((self.rows,), float("-inf"))
+        l = torch.zeros(self.rows)
+        acc = torch.zeros(self.rows, self.d_v)
+        for c0 in range(lo, hi, c.chunk):
+            kv = self.gather_kv(t, b, c0, min(c0 + c.chunk, hi)).cpu()
+            sc = (q @ kv.T) * self.scale
+            tok = torch.arange(c0, c0 + kv.shape[0])
+            sc = sc.masked_fill(tok[None, :] > qpos[:, None], float("-inf"))
+            m_new = torch.maximum(m, sc.max(dim=-1).values)
+            m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(sc - m_use[:, None])
+            alpha = torch.exp(m - m_use)
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[:, None] + p.to(torch.bfloat16).float() @ kv[:, :self.d_v]
+            m = m_new
+        ok = l > 0
+        o = torch.where(ok[:, None], acc / l.clamp_min(1e-30)[:, None], torch.zeros_like(acc))
+        lse = torch.where(ok, m + torch.log(l.clamp_min(1e-30)), torch.full_like(l, float("-inf")))
+        t["o_part"][b, s] = o.to(t["o_part"].dtype).to(t["o_part"].device)
+        t["lse_part"][b, s] = lse.to(t["lse_part"].dtype).to(t["lse_part"].device)
+
+    # -- device face ---------------------------------------------------------------------------
+    def _build_device_tile(self):
+        from ._mla_cute import build_mla_decode_tile
+        return build_mla_decode_tile(self)
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MLACombineConfig:
+    heads: int
+    batch: int = 1
+    q_tokens: int = 1
+    d_v: int = 512
+    num_splits: int = 1
+
+
+class MLACombineBlock(Block):
+    """out[b, t, h] = sum_s w_s o_part[b, s, t*H+h] with w = softmax over s of lse_part; lse too.
+    A tile is one (sequence, query token): heads x d_v outputs; each thread owns d_v / 256 columns
+    of each head row. Supported: d_v a multiple of 256."""
+    name = "mla_combine"
+    Config = MLACombineConfig
+
+    @property
+    def rows(self) -> int:
+        return self.config.q_tokens * self.config.heads
+
+    def check(self):
+        c = self.config
+        if c.d_v % NUM_THREADS:
+            self.unsupported(f"mla_combine: d_v={c.d_v} must be a multiple of {NUM_THREADS}")
+        if c.num_splits < 1:
+            self.unsupported("mla_combine: num_splits >= 1")
+
+    def operand_specs(self):
+        c = self.config
+        return [OperandSpec("o_part", (c.batch, c.num_splits, self.rows, c.d_v), "fp32"),
+                OperandSpec("lse_part", (c.batch, c.num_splits, self.rows), "fp32"),
+                OperandSpec("out", (c.batch, c.q_tokens, c.heads, c.d_v), "bf16", output=True),
+                OperandSpec("lse", (c.batch, c.q_tokens, c.heads), "fp32", output=True)]
+
+    def num_tiles(self) -> int:
+        return self.config.batch * self.config.q_tokens
+
+    def cost(self) -> Cost:
+        c = self.config
+        return Cost(bytes=c.heads * (c.num_splits * (c.d_v + 1) * 4 + c.d_v * 2 + 4),
+                    flops=2 * c.heads * c.num_splits * c.d_v)
+
+    @staticmethod
+    def combine(o_part: torch.Tensor, lse_part: torch.Tensor):
+        """o_part [..., S, R, d_v], lse_part [..., S, R] -> (o [..., R, d_v], lse [..., R]) fp32."""
+        lse = torch.logsumexp(lse_part.float(), dim=-2)
+        w = torch.exp(lse_part.float() - lse.unsqueeze(-2).clamp_min(-1e30))
+        w = torch.nan_to_num(w, nan=0.0)
+        o = (w.unsqueeze(-1) * o_part.float()).sum(dim=-3)
+        return o, lse
+
+    def reference(self, **t):
+        c = self.config
+        o, lse = self.combine(t["o_part"], t["lse_part"])
+        return {"out": o.view(c.batch, c.q_tokens, c.heads, c.d_v),
+                "lse": lse.view(c.batch, c.q_tokens, c.heads)}
+
+    def emulate_tile(self, t, tile):
+        c = self.config
+        b, tq = divmod(tile, c.q_tokens)
+        rows = slice(tq * c.heads, (tq + 1) * c.heads)
+        o, lse = self.combine(t["o_part"][b, :, rows], t["lse_part"][b, :, rows])
+        t["out"][b, tq] = o.to(t["out"].dtype)
+        t["lse"][b, tq] = lse.to(t["lse"].dtype)
+
+    def _build_device_tile(self):
+        from ._mla_cute import build_mla_combine_tile
+        return build_mla_combine_tile(self)
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MLAHeadProjConfig:
+    """y[m, h, n] = sum_k x[m, h, k] * w[h, n, k]: the per-head absorption GEMVs.
+    W_UK: x = q_nope [.., nope], w[h] = W_UK[h]^T [kv_lora, nope], y = q_lat (written into the
+    first kv_lora columns of the attention query, row stride y_stride = d_qk).
+    W_UV: x = o_lat [.., kv_lora], w[h] = W_UV[h] [v, kv_lora], y = o [.., v]."""
+    heads: int
+    n: int
+    k: int
+    m: int = 1                          # tokens (batch x q_tokens)
+    x_stride: int = 0                   # elements between heads' x rows (0 = k)
+    y_stride: int = 0                   # elements between heads' y rows (0 = n)
+    rows_per_tile: int = 64
+
+
+class MLAHeadProjBlock(Block):
+    """Per-head GEMV on the CUDA cores: a tile = `rows_per_tile` output features of one head, for
+    all m tokens; one warp per output feature at a time, lanes over k in 8-element (16 B) loads,
+    fp32 accumulation. Supported: k a multiple of 8 (k <= 8 * 32 * 8), n a multiple of
+    rows_per_tile, m <= 64, bf16 in and out."""
+    name = "mla_head_proj"
+    Config = MLAHeadProjConfig
+
+    @property
+    def xs(self) -> int:
+        return self.config.x_stride or self.config.k
+
+    @property
+    def ys(self) -> int:
+        return self.config.y_stride or self.config.n
+
+    def check(self):
+        c = self.config
+        if c.k % 8 or c.k > 8 * 32 * 8:
+            self.unsupported(f"mla_head_proj: k={c.k} must be a multiple of 8 and <= 2048")
+        if c.n % c.rows_per_tile or c.rows_per_tile % NUM_WARPS:
+            self.unsupported(f"mla_head_proj: n={c.n}, rows_per_tile={c.rows_per_tile}")
+        if not 1 <= c.m <= 64:
+            self.unsupported(f"mla_head_proj: m={c.m} (supported 1..64)")
+        if self.xs < c.k or self.ys < c.n or self.xs % 8 or self.ys % 2:
+            self.unsupported("mla_head_proj: strides must be >= the row widths, x 8-aligned")
+
+    def operand_specs(self):
+        c = self.config
+        return [OperandSpec("x", (c.m, c.heads, self.xs), "bf16"),
+                OperandSpec("w", (c.heads, c.n, c.k), "bf16"),
+                OperandSpec("y", (c.m, c.heads, self.ys), "bf16", output=True)]
+
+    def num_tiles(self) -> int:
+        return self.config.heads * (self.config.n // self.config.rows_per_tile)
+
+    def cost(self) -> Cost:
+        c = self.config
+        r = c.rows_per_tile
+        return Cost(bytes=r * c.k * 2 + c.m * c.k * 2 + c.m * r * 2, flops=2 * r * c.k * c.m)
+
+    def reference(self, **t):
+        c = self.config
+        x = t["x"].float()[..., :c.k]
+        y = torch.einsum("mhk,hnk->mhn", x, t["w"].float())
+        out = t["y"].float().clone() if "y" in t else torch.zeros(c.m, c.heads, self.ys)
+        out[..., :c.n] = y
+        return {"y": out}
+
+    def emulate_tile(self, t, tile):
+        c = self.config
+        per = c.n // c.rows_per_tile
+        h, j = divmod(tile, per)
+        rows = slice(j * c.rows_per_tile, (j + 1) * c.rows_per_tile)
+        y = t["x"][:, h, :c.k].float() @ t["w"][h, rows].float().T
+        t["y"][:, h, rows] = y.to(t["y"].dtype)
+
+    def _build_device_tile(self):
+        from ._mla_cute import build_head_proj_tile
+        return build_head_proj_tile(self)
+
+
+# ------------------------------------------------------------------------------------------------
+def quantize_kv_fp8(kv: torch.Tensor, group: int = 64):
+    """bf16/fp32 cache rows [..., d] -> (e4m3 [..., d], fp32 scales [..., d / group]): per token
+    per group, scale = amax / 448."""
+    x = kv.float()
+    g = x.unflatten(-1, (-1, group))
+    scale = (g.abs().amax(-1) / 448.0).clamp_min(1e-12)
+    q = (g / scale.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scale
+
+
+def absorbed_attention(q: torch.Tensor, kv_rows: torch.Tensor, seq_lens, q_tokens: int, heads: int,
+                       d_v: int, scale: float):
+    """fp32 absorbed MLA decode over dense per-sequence rows: q [B, T, H, d_qk], kv_rows a list
+    of [len_b, d_qk] -> (o_lat [B, T, H, d_v], lse [B, T, H]). The oracle of the blocks above."""
+    f = lambda x: x if x.dtype == torch.float64 else x.float()      # fp32, or fp64 when given
+    outs, lses = [], []
+    for b, length in enumerate(int(x) for x in seq_lens):
+        kv = f(kv_rows[b])
+        qb = f(q[b]).reshape(q_tokens * heads, -1)
+        s = (qb @ kv.T) * scale
+        qpos = length - q_tokens + torch.arange(q_tokens * heads, device=s.device) // heads
+        s = s.masked_fill(torch.arange(length, device=s.device)[None, :] > qpos[:, None], float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        outs.append((torch.softmax(s, -1) @ kv[:, :d_v]).view(q_tokens, heads, d_v))
+        lses.append(lse.view(q_tokens, heads))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def absorb_weights(kv_b_proj: torch.Tensor, heads: int, nope: int, v: int):
+    """kv_b_proj.weight [H*(nope+v), kv_lora] -> (W_UK^T [H, kv_lora, nope], W_UV [H, v, kv_lora]):
+    the operand `w` of MLAHeadProjBlock for the q absorption and for the output."""
+    w = kv_b_proj.view(heads, nope + v, -1)
+    return w[:, :nope].transpose(1, 2).contiguous(), w[:, nope:].contiguous()
+
+
+def mla_compile_cases() -> list:
+    """Representative static configs for the no-GPU compile checks (sdk/compile.py)."""
+    k3 = 192 ** -0.5
+    return [
+        MLADecodeBlock(MLADecodeConfig(heads=12, softmax_scale=k3, batch=1, num_splits=132,
+                                       num_pages=2048, max_seq_len=131072)),             # Kimi K3 TP8
+        MLADecodeBlock(MLADecodeConfig(heads=6, softmax_scale=k3, batch=8, q_tokens=2, num_splits=16,
+                                       kv_dtype="fp8_e4m3", num_pages=4096, max_seq_len=32768)),
+        MLADecodeBlock(MLADecodeConfig(heads=8, softmax_scale=256 ** -0.5, rope=0, batch=64, num_splits=2,
+                                       num_pages=32768, max_seq_len=32768, chunk=64, stages=2)),  # GLM-5.3 TP8
+        MLACombineBlock(MLACombineConfig(heads=12, batch=1, num_splits=132)),
+        MLAHeadProjBlock(MLAHeadProjConfig(heads=12, n=512, k=128, m=8, y_stride=576)),   # W_UK
+        MLAHeadProjBlock(MLAHeadProjConfig(heads=12, n=128, k=512, m=8, rows_per_tile=32)),  # W_UV
+    ]

@@ -1,0 +1,480 @@
+"""MoE router blocks: the gate GEMV (`RouterLogitsBlock`) and the selection + dispatch table
+(`RouterSelectBlock`). Two blocks because the gate GEMV is wide (Kimi K3: 896 x 7168 fp32 =
+25.7 MB, ~6 us of bandwidth: it must spread over many SMs) while the selection is a few
+microseconds of register work over all tokens in one CTA.
+
+RouterLogitsBlock:  logits[m, e] = sum_k x[m, k] * W[e, k]   (W fp32 or bf16, x bf16, fp32 out)
+    A tile is `rows_per_tile` experts over the full hidden size; each warp owns one row at a time
+    (16-byte vector loads, fp32 accumulation, warp-shuffle reduction), like `GemvBlock`, which
+    has no fp32-weight path (Kimi K3's router is fp32).
+
+RouterSelectBlock (one tile) per token, in the order of `sdk/reference/moe.py:route()`:
+    scores  = sigmoid | softmax | sqrt(softplus) of the logits
+    choice  = scores + correction bias                  (selection only)
+    group-limited top-k: keep the `topk_group` best of `n_group` groups (a group's score is the
+              sum of its two best choices), mask the others
+    ids     = top-k of choice (or, hash routing: tid2eid[input_ids[m]])
+    weights = scores[ids], renormalised (norm_topk_prob), times routed_scaling_factor
+  then the dispatch table of THIS rank's experts (local ids `le = id - local_start`,
+  0 <= le < num_local):
+    counts[le]      tokens routed to local expert le this step (0: the expert is not hit)
+    hits[0]         H, the number of hit local experts; hits[1..H] their local ids, ascending
+    tok[le, i]      token of the i-th assignment of expert le (i < counts[le])
+    slot[le, i]     its assignment slot m * top_k + j (row of the `act` buffer and of topk_w)
+  and topk_ids [M, k] (global expert ids), topk_w [M, k] fp32 (the final weights).
+
+  Reset: the tile zeroes `counts` itself before filling it (a CTA barrier in between), and
+  overwrites `hits`; the consumers wait on the tile's counter, so nothing is reset by the host
+  and back-to-back launches (CUDA-graph replays) see only their own step's table.
+  Order inside one expert's list: the device appends with atomics (any order); the order does
+  not change any result (each assignment's rows are independent and the combine sums each
+  token's experts in the fixed `hits` order). The torch twin appends in token order.
+
+Tie rule (selection): among equal `choice` values the LOWER expert index wins, for the experts
+and for the groups (argmax with index tie-break). torch.topk gives no tie guarantee; the tests
+check this rule directly.
+
+Supported: E a multiple of 32 (each lane holds E/32 scores in registers), E <= 1024, top_k <= 32,
+num_local <= 256 (one thread per local expert), M = 1..64, n_group dividing E. Not: a NaN logit
+(undefined order), the bf16 logits of DeepSeek-V4's `router_logits_dtype = "model"` (the kernel
+computes fp32 logits from the bf16 gate weight; only near-ties can select differently).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import NUM_THREADS, Block, Cost, OperandSpec
+
+SCORING = ("sigmoid", "softmax", "sqrtsoftplus")
+
+
+@dataclass(frozen=True)
+class RouterLogitsConfig:
+    num_experts: int
+    hidden: int
+    m: int = 1
+    weight_dtype: str = "fp32"           # "fp32" | "bf16"
+    rows_per_tile: int = 8
+    unroll: int = 4                      # 16-byte loads per lane in flight per row
+
+
+class RouterLogitsBlock(Block):
+    name = "router_logits"
+    Config = RouterLogitsConfig
+
+    @property
+    def elems_per_load(self) -> int:
+        return 4 if self.config.weight_dtype == "fp32" else 8
+
+    def check(self):
+        c = self.config
+        if c.weight_dtype not in ("fp32", "bf16"):
+            self.unsupported(f"router_logits: weight dtype {c.weight_dtype!r} (supported: fp32, bf16)")
+        if not 1 <= c.m <= 64:
+            self.unsupported(f"router_logits: m={c.m} tokens (supported: 1..64)")
+        if c.hidden % (self.elems_per_load * 32):
+            self.unsupported(f"router_logits: hidden={c.hidden} must be a multiple of {self.elems_per_load * 32}")
+        if c.num_experts % c.rows_per_tile or c.rows_per_tile % (NUM_THREADS // 32):
+            self.unsupported(f"router_logits: {c.num_experts} experts, rows_per_tile={c.rows_per_tile}: "
+                             f"rows must divide the experts and be a multiple of {NUM_THREADS // 32}")
+
+    def operand_specs(self):
+        c = self.config
+        return [OperandSpec("w", (c.num_experts, c.hidden), c.weight_dtype),
+                OperandSpec("x", (c.m, c.hidden), "bf16"),
+                OperandSpec("logits", (c.m, c.num_experts), "fp32", output=True)]
+
+    def num_tiles(self) -> int:
+        return self.config.num_experts // self.config.rows_per_tile
+
+    def cost(self) -> Cost:
+        c = self.config
+        wb = 4 if c.weight_dtype == "fp32" else 2
+        r = c.rows_per_tile
+        return Cost(bytes=r * c.hidden * wb + c.m * c.hidden * 2 + c.m * r * 4, flops=2 * r * c.hidden * c.m)
+
+    def weight_bytes(self) -> int:
+        c = self.config
+        return c.num_experts * c.hidden * (4 if c.weight_dtype == "fp32" else 2)
+
+    def reference(self, **t):
+        return {"logits": t["x"].float() @ t["w"].float().T}
+
+    def emulate_tile(self, t, tile):
+        r = slice(tile * self.config.rows_per_tile, (tile + 1) * self.config.rows_per_tile)
+        t["logits"][:, r] = t["x"].float() @ t["w"][r].float().T
+
+    def _build_device_tile(self):
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Float32, Int32
+
+        from ._cute import DTYPE_MAP, gmem_tensor
+
+        c = self.config
+        E = self.elems_per_load
+        U = c.unroll
+        nch = c.hidden // (E * 32)               # loads per lane per row
+        n_main, tail = nch // U, nch % U
+        R, NW, M, K = c.rows_per_tile, NUM_THREADS // 32, c.m, c.hidden
+        MG = min(M, 8)
+        wdt = DTYPE_MAP[c.weight_dtype]
+        xal = 2 * E                              # bytes of one x chunk (E bf16)
+
+        @cute.jit
+        def tile(ptrs, t: Int32, scratch):
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            warp = tid // 32
+            mW = gmem_tensor(ptrs[0], wdt, (c.num_experts, K // E, E), 16)
+            mX = gmem_tensor(ptrs[1], cutlass.BFloat16, (M, K // E, E), xal)
+            mY = gmem_tensor(ptrs[2], Float32, (M, c.num_experts), 4)
+            acc = cute.make_rmem_tensor((MG,), Float32)
+            for g in cutlass.range((M + MG - 1) // MG, unroll=1):
+                for r in cutlass.range(warp, R, NW):
+                    row = t * R + r
+                    acc.fill(0.0)
+                    for it in cutlass.range(n_main):
+                        ch0 = it * (32 * U) + lane
+                        wl = [mW[row, ch0 + 32 * u, None].load() for u in range(U)]
+                        for u in cutlass.range_constexpr(U):
+                            wf = wl[u].to(Float32)
+                            for mm in cutlass.range_constexpr(MG):
+                                if g * MG + mm < M:
+                                    xv = mX[g * MG + mm, ch0 + 32 * u, None].load().to(Float32)
+                                    acc[mm] = acc[mm] + (wf * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    for u in cutlass.range_constexpr(tail):
+                        ch = n_main * (32 * U) + 32 * u + lane
+                        wf = mW[row, ch, None].load().to(Float32)
+                        for mm in cutlass.range_constexpr(MG):
+                            if g * MG + mm < M:
+                                xv = mX[g * MG + mm, ch, None].load().to(Float32)
+                                acc[mm] = acc[mm] + (wf * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    for mm in cutlass.range_constexpr(MG):
+                        a = cute.arch.warp_reduction_sum(acc[mm])
+                        if (lane == 0) & (g * MG + mm < M):
+                            mY[g * MG + mm, row] = a
+
+        return tile
+
+
+@dataclass(frozen=True)
+class RouterSelectConfig:
+    num_experts: int
+    top_k: int
+    m: int = 1
+    scoring: str = "sigmoid"
+    correction_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    hash_routed: bool = False
+    vocab: int = 0                       # rows of tid2eid (hash routing)
+    local_start: int = 0                 # this rank's experts: [local_start, local_start + num_local)
+    num_local: int = 0                   # 0 = all experts
+
+
+def route_rule(cfg: RouterSelectConfig, logits: torch.Tensor, bias: torch.Tensor | None,
+               hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection rule the device implements, in torch (fp32): `route()` of the reference with
+    the tie rule made explicit (lower index wins). Returns (weights [M, k] fp32, ids [M, k] int64)
+    with ids of each token in selection order (best first)."""
+    x = logits.float()
+    if cfg.scoring == "sigmoid":
+        scores = x.sigmoid()
+    elif cfg.scoring == "softmax":
+        scores = x.softmax(dim=-1)
+    else:
+        scores = F.softplus(x).sqrt()
+    m, e = scores.shape
+    if hash_ids is not None:
+        ids = hash_ids.long()
+    else:
+        choice = scores + (bias.float() if bias is not None else 0.0)
+        # a stable descending sort: among equal values the lower index comes first
+        if cfg.n_group > 1:
+            g = choice.view(m, cfg.n_group, e // cfg.n_group)
+            gs = g.sort(dim=-1, descending=True, stable=True)[0][..., :2].sum(-1)
+            keep = gs.sort(dim=-1, descending=True, stable=True)[1][:, :cfg.topk_group]
+            mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(e // cfg.n_group, dim=1), float("-inf"))
+        ids = choice.sort(dim=-1, descending=True, stable=True)[1][:, :cfg.top_k]
+    w = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * cfg.routed_scaling_factor, ids
+
+
+class RouterSelectBlock(Block):
+    name = "router_select"
+    Config = RouterSelectConfig
+
+    @property
+    def num_local(self) -> int:
+        return self.config.num_local or self.config.num_experts
+
+    def check(self):
+        c = self.config
+        if c.scoring not in SCORING:
+            self.unsupported(f"router_select: scoring {c.scoring!r} (supported: {SCORING})")
+        if c.num_experts % 32 or c.num_experts > 1024:
+            self.unsupported(f"router_select: {c.num_experts} experts (supported: multiples of 32, <= 1024)")
+        if not 1 <= c.top_k <= 32:
+            self.unsupported(f"router_select: top_k={c.top_k} (supported: 1..32)")
+        if not 1 <= c.m <= 64:
+            self.unsupported(f"router_select: m={c.m} tokens (supported: 1..64)")
+        if not 1 <= self.num_local <= NUM_THREADS or c.local_start + self.num_local > c.num_experts:
+            self.unsupported(f"router_select: local experts [{c.local_start}, +{self.num_local}) "
+                             f"(supported: at most {NUM_THREADS}, inside the {c.num_experts} experts)")
+        if c.n_group > 1 and (c.num_experts % c.n_group or not 1 <= c.topk_group <= c.n_group
+                              or c.n_group > 32 or c.num_experts // c.n_group < 2):
+            self.unsupported(f"router_select: n_group={c.n_group}, topk_group={c.topk_group}")
+        if c.hash_routed and c.vocab <= 0:
+            self.unsupported("router_select: hash routing needs vocab > 0 (rows of tid2eid)")
+
+    def operand_specs(self):
+        c = self.config
+        L, M, k = self.num_local, c.m, c.top_k
+        return [OperandSpec("logits", (M, c.num_experts), "fp32"),
+                OperandSpec("bias", (c.num_experts,), "fp32", optional=not c.correction_bias),
+                OperandSpec("tid2eid", (max(c.vocab, 1), k), "int32", optional=not c.hash_routed),
+                OperandSpec("input_ids", (M,), "int32", optional=not c.hash_routed),
+                OperandSpec("topk_ids", (M, k), "int32", output=True),
+                OperandSpec("topk_w", (M, k), "fp32", output=True),
+                OperandSpec("counts", (L,), "int32", output=True),
+                OperandSpec("hits", (L + 1,), "int32", output=True),
+                OperandSpec("tok", (L, M), "int32", output=True),
+                OperandSpec("slot", (L, M), "int32", output=True)]
+
+    def num_tiles(self) -> int:
+        return 1
+
+    def cost(self) -> Cost:
+        c = self.config
+        L = self.num_local
+        b = c.m * c.num_experts * 4 + c.m * c.top_k * 8 * 2 + L * (8 + 8 * c.m)
+        # the work is latency, not bytes: ~ (E/32 + 20) instructions per selected expert per token
+        # on one warp; counted as bytes at one SM's share so the scheduler sees its length.
+        lat_ns = 200 + (c.m + 7) // 8 * c.top_k * (c.num_experts // 32 + 40) * 0.7
+        return Cost(bytes=max(b, int(lat_ns * 4260 / 132)), flops=c.m * c.num_experts * 10)
+
+    # -- torch faces ---------------------------------------------------------------------------
+    def _select(self, t):
+        c = self.config
+        hash_ids = None
+        if c.hash_routed:
+            hash_ids = t["tid2eid"][t["input_ids"].long()].long()
+        return route_rule(c, t["logits"], t.get("bias") if c.correction_bias else None, hash_ids)
+
+    def reference(self, **t):
+        w, ids = self._select(t)
+        return {"topk_ids": ids.to(torch.int32), "topk_w": w}
+
+    def emulate_tile(self, t, tile):
+        c = self.config
+        w, ids = self._select(t)
+        t["topk_ids"].copy_(ids.to(torch.int32))
+        t["topk_w"].copy_(w)
+        t["counts"].zero_()
+        hits = []
+        for le in range(self.num_local):
+            m_idx, j_idx = torch.where(ids == c.local_start + le)      # token order
+            n = len(m_idx)
+            t["counts"][le] = n
+            if n:
+                hits.append(le)
+                t["tok"][le, :n] = m_idx.to(torch.int32)
+                t["slot"][le, :n] = (m_idx * c.top_k + j_idx).to(torch.int32)
+        t["hits"][0] = len(hits)
+        if hits:
+            t["hits"][1:1 + len(hits)] = torch.tensor(hits, dtype=torch.int32)
+
+    # -- device face ---------------------------------------------------------------------------
+    def _build_device_tile(self):
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Float32, Int32
+
+        from ._cute import gmem_tensor
+
+        c = self.config
+        E, M, K = c.num_experts, c.m, c.top_k
+        NE = E // 32
+        L = self.num_local
+        NW = NUM_THREADS // 32
+        G = E // c.n_group if c.n_group > 1 else E
+        NG = c.n_group
+        grouped = c.n_group > 1
+        scoring = c.scoring
+        has_bias = c.correction_bias
+        hashed = c.hash_routed
+        renorm = c.norm_topk_prob
+        scale = float(c.routed_scaling_factor)
+        lo = c.local_start
+        NEG = -math.inf
+
+        def sel_f(cond, a, b):
+            return Float32(cutlass.select_(cond, a, b))
+
+        def sel_i(cond, a, b):
+            return Int32(cutlass.select_(cond, a, b))
+
+        @cute.jit
+        def score_of(x: Float32, mx: Float32, inv_sum: Float32) -> Float32:
+            s = Float32(0.0)
+            if cutlass.const_expr(scoring == "sigmoid"):
+                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=False))
+            elif cutlass.const_expr(scoring == "softmax"):
+                s = cute.math.exp(x - mx, fastmath=False) * inv_sum
+            else:
+                # softplus, overflow-safe: max(x, 0) + log1p(exp(-|x|)) (= torch's within fp32)
+                sp = cute.arch.fmax(x, Float32(0.0)) + cute.math.log1p(
+                    cute.math.exp(-cute.math.absf(x), fastmath=False), fastmath=False)
+                s = cute.math.sqrt(sp, fastmath=False)
+            return s
+
+        @cute.jit
+        def argmax_bfly(v: Float32, e: Int32):
+            """Warp-wide (value, index) max; ties: lower index. Every lane gets the result."""
+            for off in cutlass.range_constexpr(5):
+                ov = cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
+                oe = cute.arch.shuffle_sync_bfly(e, offset=16 >> off)
+                take = (ov > v) | ((ov == v) & (oe < e))
+                v = sel_f(take, ov, v)
+                e = sel_i(take, oe, e)
+            return v, e
+
+        @cute.jit
+        def tile(ptrs, t: Int32, scratch):
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            warp = tid // 32
+            mLg = gmem_tensor(ptrs[0], Float32, (M, E), 4)
+            mIds = gmem_tensor(ptrs[4], Int32, (M, K), 4)
+            mTw = gmem_tensor(ptrs[5], Float32, (M, K), 4)
+            mTok = gmem_tensor(ptrs[8], Int32, (L, M), 4)
+            mSlot = gmem_tensor(ptrs[9], Int32, (L, M), 4)
+            mHits = gmem_tensor(ptrs[7], Int32, (L + 1,), 4)
+            cnt = cute.make_ptr(Int32, ptrs[6], cute.AddressSpace.gmem, assumed_align=4)
+            # 1. reset this step's counts (consumers of the previous step finished with the launch)
+            for le in cutlass.range(tid, L, NUM_THREADS):
+                cute.arch.store(cnt + le, Int32(0), sem="relaxed", scope="gpu")
+            cute.arch.sync_threads()
+            # 2. per token: scores, selection, weights, dispatch (one warp per token)
+            sc = cute.make_rmem_tensor((NE,), Float32)
+            ch = cute.make_rmem_tensor((NE,), Float32)
+            for m in cutlass.range(warp, M, NW):
+                mx = Float32(NEG)
+                for i in cutlass.range_constexpr(NE):
+                    sc[i] = mLg[m, i * 32 + lane]
+                    mx = cute.arch.fmax(mx, sc[i])
+                inv_sum = Float32(1.0)
+                if cutlass.const_expr(scoring == "softmax"):
+                    mx = cute.arch.warp_reduction_max(mx)
+                    ssum = Float32(0.0)
+                    for i in cutlass.range_constexpr(NE):
+                        ssum = ssum + cute.math.exp(sc[i] - mx, fastmath=False)
+                    inv_sum = Float32(1.0) / cute.arch.warp_reduction_sum(ssum)
+                my_e = Int32(0)            # lane j < K: the j-th selected expert of token m
+                if cutlass.const_expr(hashed):
+                    mT = gmem_tensor(ptrs[2], Int32, (c.vocab, K), 4)
+                    mIn = gmem_tensor(ptrs[3], Int32, (M,), 4)
+                    if lane < K:
+                        my_e = mT[mIn[m], lane]
+                else:
+                    for i in cutlass.range_constexpr(NE):
+                        v = score_of(sc[i], mx, inv_sum)
+                        if cutlass.const_expr(has_bias):
+                            mB = gmem_tensor(ptrs[1], Float32, (E,), 4)
+                            v = v + mB[i * 32 + lane]
+                        ch[i] = v
+                    if cutlass.const_expr(grouped):
+                        # group score = sum of its two best choices; keep the topk_group best groups
+                        gsc = cute.make_rmem_tensor((NG,), Float32)
+                        for g in cutlass.range_constexpr(NG):
+                            b1 = Float32(NEG)
+                            b2 = Float32(NEG)
+                            for i in cutlass.range_constexpr(NE):
+                                inside = (i * 32 + lane) // G == g
+                                v = sel_f(inside, ch[i], Float32(NEG))
+                                b2 = cute.arch.fmax(b2, cute.arch.fmin(b1, v))
+                                b1 = cute.arch.fmax(b1, v)
+                            for off in cutlass.range_constexpr(5):
+                                o1 = cute.arch.shuffle_sync_bfly(b1, offset=16 >> off)
+                                o2 = cute.arch.shuffle_sync_bfly(b2, offset=16 >> off)
+                                b2 = cute.arch.fmax(cute.arch.fmax(b2, o2), cute.arch.fmin(b1, o1))
+                                b1 = cute.arch.fmax(b1, o1)
+                            gsc[g] = b1 + b2
+                        keep = cute.make_rmem_tensor((NG,), Int32)
+                        keep.fill(0)
+                        for r in cutlass.range_constexpr(c.topk_group):
+                            bv = Float32(NEG)
+                            bg = Int32(NG)
+                            for g in cutlass.range_constexpr(NG):
+                                better = (keep[g] == 0) & ((gsc[g] > bv) | (bg == NG))
+                                bv = sel_f(better, gsc[g], bv)
+                                bg = sel_i(better, Int32(g), bg)
+                            for g in cutlass.range_constexpr(NG):
+                                keep[g] = sel_i(bg == g, Int32(1), keep[g])
+                        for i in cutlass.range_constexpr(NE):
+                            grp = (i * 32 + lane) // G
+                            kept = Int32(0)
+                            for g in cutlass.range_constexpr(NG):
+                                kept = sel_i(grp == g, keep[g], kept)
+                            ch[i] = sel_f(kept != 0, ch[i], Float32(NEG))
+                    for j in cutlass.range_constexpr(K):
+                        bv = Float32(NEG)
+                        be = Int32(E)
+                        for i in cutlass.range_constexpr(NE):
+                            # ascending index within the lane: strict > keeps the lower index
+                            better = (ch[i] > bv) | (be == E)
+                            bv = sel_f(better, ch[i], bv)
+                            be = sel_i(better, Int32(i * 32) + lane, be)
+                        bv, be = argmax_bfly(bv, be)
+                        for i in cutlass.range_constexpr(NE):
+                            ch[i] = sel_f(be == i * 32 + lane, Float32(NEG), ch[i])
+                        my_e = sel_i(lane == j, be, my_e)
+                # weights: the score of each selected expert (recomputed from its logit)
+                my_w = Float32(0.0)
+                if lane < K:
+                    my_w = score_of(mLg[m, my_e], mx, inv_sum)
+                if cutlass.const_expr(renorm):
+                    tot = cute.arch.warp_reduction_sum(my_w)
+                    my_w = my_w / (tot + Float32(1e-20))
+                my_w = my_w * Float32(scale)
+                if lane < K:
+                    mIds[m, lane] = my_e
+                    mTw[m, lane] = my_w
+                    le = my_e - lo
+                    if (le >= 0) & (le < L):
+                        pos = cute.arch.atomic_add(cnt + le, Int32(1), sem="relaxed", scope="gpu")
+                        mTok[le, pos] = m
+                        mSlot[le, pos] = m * K + lane
+            cute.arch.sync_threads()
+            # 3. hit list: local experts with tokens, ascending (ballot + popc prefix)
+            n_hit = Int32(0)
+            if tid < L:
+                n_hit = cute.arch.load(cnt + tid, Int32, sem="relaxed", scope="gpu")
+            hit = n_hit > 0
+            ballot = cute.arch.vote_ballot_sync(hit)
+            if lane == 0:
+                scratch[warp] = Float32(cute.arch.popc(ballot))
+            cute.arch.sync_threads()
+            before = Int32(0)
+            total = Int32(0)
+            for w in cutlass.range_constexpr(NW):
+                n = Int32(scratch[w])
+                before = before + sel_i(w < warp, n, Int32(0))
+                total = total + n
+            if hit:
+                mHits[1 + before + cute.arch.popc(ballot & cute.arch.lanemask_lt())] = tid
+            if tid == 0:
+                mHits[0] = total
+            cute.arch.sync_threads()
+
+        return tile

@@ -1,0 +1,400 @@
+"""A full MoE layer (router -> routed experts -> combine, + shared expert) in ONE megakernel launch.
+
+    logits  = x @ W_router^T                                  RouterLogitsBlock  (E/8 tiles)
+    select  : scores, bias, groups, top-k / hash, weights,    RouterSelectBlock  (1 tile)
+              dispatch table of this rank's experts
+    shared  : act_s = swiglu(x); shared = act_s @ W_down^T    GemvBlock x2       (dense, fp32 out)
+    gateup  : act[a] = swiglu_e(x[tok(a)]) for hit experts    ExpertsBlock gateup (I/8 tiles)
+    down    : out = shared + sum_a topk_w[a] * down_e(act[a])  ExpertsBlock down  (D/8 tiles)
+
+Dependencies (counters): select waits logits; gateup waits select; shared-down waits shared-gateup;
+down waits gateup and shared-down. The shared expert and the router run side by side; no host
+round trip anywhere (the dispatch table lives in global memory; see sdk/blocks/router.py).
+
+Expert parallelism is simulated on one GPU: the router scores all experts, the layer holds the
+experts [rank * num_local, (rank + 1) * num_local) only, tokens routed elsewhere are skipped
+(their contribution would come from the other ranks' combine; EP dispatch/combine across GPUs
+is a later step, docs/moe.md). The shared expert is this rank's TP shard (its output is a
+partial sum, all-reduced by a later instruction) or replicated, as the preset says.
+
+`reference(cfg, weights, x, input_ids)` is sdk/reference/moe.py's routing (`route()`) and expert
+math on the dequantised weights, the non-local experts skipped; on tiny configs the tests also
+check it against `MoEReference.forward` itself, with the non-local experts' weights zero.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..blocks.experts import ExpertsBlock, ExpertsConfig, dequant_experts, quantize_fp8_experts, quantize_mxfp4
+from ..blocks.gemv import GemvBlock, GemvConfig
+from ..blocks.router import RouterLogitsBlock, RouterLogitsConfig, RouterSelectBlock, RouterSelectConfig
+from ..reference.common import swiglu
+from ..reference.moe import route
+from ..spec import MoESpec
+from .program import Program
+
+
+@dataclass(frozen=True)
+class MoELayerConfig:
+    hidden: int = 1024
+    num_experts: int = 64
+    top_k: int = 4
+    intermediate: int = 256
+    num_local: int = 0                   # experts on this rank; 0 = all
+    rank: int = 0                        # this rank's experts start at rank * num_local
+    shared_intermediate: int = 0         # 0 = no shared expert
+    scoring: str = "sigmoid"
+    correction_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    hash_routed: bool = False
+    vocab: int = 0
+    swiglu_limit: float | None = None
+    batch: int = 1
+    expert_dtype: str = "bf16"           # "bf16" | "fp8_e4m3" | "mxfp4"
+    router_dtype: str = "fp32"           # "fp32" | "bf16"
+    shared_dtype: str = "bf16"           # "bf16" | "fp8_e4m3" (GemvBlock's formats)
+    router_rows: int = 8
+    expert_rows: int = 8
+    shared_rows: int = 8
+
+    @property
+    def local(self) -> int:
+        return self.num_local or self.num_experts
+
+    @property
+    def local_start(self) -> int:
+        return self.rank * self.local
+
+    def moe_spec(self) -> MoESpec:
+        """The reference's spec of this layer (sdk/spec.py)."""
+        return MoESpec(num_experts=self.num_experts, top_k=self.top_k, expert_intermediate_size=self.intermediate,
+                       num_shared_experts=1 if self.shared_intermediate else 0,
+                       shared_intermediate_size=self.shared_intermediate, scoring=self.scoring,
+                       correction_bias=self.correction_bias, n_group=self.n_group, topk_group=self.topk_group,
+                       norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.routed_scaling_factor,
+                       hash_routed=self.hash_routed, activation="silu", swiglu_limit=self.swiglu_limit)
+
+
+def expected_hits(cfg: MoELayerConfig) -> float:
+    """Expected distinct local experts hit per step (uniform routing): for the scheduler's costs."""
+    e, k, m = cfg.num_experts, cfg.top_k, cfg.batch
+    return cfg.local * (1.0 - (1.0 - k / e) ** m)
+
+
+# Each model's per-GPU MoE shard (issue 4). EP shards of the experts; the shared expert is the TP8
+# shard where GemvBlock's shapes allow it (K a multiple of 256 for bf16), else replicated.
+PRESETS = {
+    # Kimi K3: 896 experts top-16, I 3072, EP16 -> 56 local; sigmoid + bias, no groups, no scale;
+    # shared expert I 6144 TP8 -> 768 (SiTU in the real model: SwiGLU here, docs/moe.md)
+    "kimi_k3": dict(hidden=7168, num_experts=896, top_k=16, intermediate=3072, num_local=56,
+                    shared_intermediate=768, scoring="sigmoid", correction_bias=True,
+                    routed_scaling_factor=1.0, router_dtype="fp32"),
+    # DeepSeek-V4.1-Flash: 384 experts top-6, I 2304, EP8 -> 48 local; sqrt(softplus) + bias,
+    # renorm, x1.5, clamp 10; shared I 2304 replicated (2304 / 8 = 288 does not fit GemvBlock)
+    "deepseek_v41_flash": dict(hidden=5120, num_experts=384, top_k=6, intermediate=2304, num_local=48,
+                               shared_intermediate=2304, scoring="sqrtsoftplus", correction_bias=True,
+                               routed_scaling_factor=1.5, swiglu_limit=10.0, router_dtype="bf16"),
+    # GLM-5.3: 288 experts top-8, I 2048, EP8 -> 36 local; sigmoid + bias, renorm, x2.5, clamp 10;
+    # shared I 2048 TP8 -> 256
+    "glm_53": dict(hidden=4096, num_experts=288, top_k=8, intermediate=2048, num_local=36,
+                   shared_intermediate=256, scoring="sigmoid", correction_bias=True,
+                   routed_scaling_factor=2.5, swiglu_limit=10.0, router_dtype="fp32"),
+}
+
+
+def preset(model: str, batch: int = 1, **overrides) -> MoELayerConfig:
+    return replace(MoELayerConfig(**PRESETS[model]), batch=batch, **overrides)
+
+
+def blocks(cfg: MoELayerConfig) -> dict:
+    d, m, L = cfg.hidden, cfg.batch, cfg.local
+    hits = expected_hits(cfg)
+    out = {
+        "logits": RouterLogitsBlock(RouterLogitsConfig(num_experts=cfg.num_experts, hidden=d, m=m,
+                                                       weight_dtype=cfg.router_dtype, rows_per_tile=cfg.router_rows)),
+        "select": RouterSelectBlock(RouterSelectConfig(
+            num_experts=cfg.num_experts, top_k=cfg.top_k, m=m, scoring=cfg.scoring,
+            correction_bias=cfg.correction_bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
+            norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
+            hash_routed=cfg.hash_routed, vocab=cfg.vocab, local_start=cfg.local_start, num_local=L)),
+        "gateup": ExpertsBlock(ExpertsConfig(stage="gateup", hidden=d, intermediate=cfg.intermediate,
+                                             num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
+                                             swiglu_limit=cfg.swiglu_limit, rows_per_tile=cfg.expert_rows,
+                                             expected_hits=round(hits, 2))),
+        "down": ExpertsBlock(ExpertsConfig(stage="down", hidden=d, intermediate=cfg.intermediate,
+                                           num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
+                                           shared=bool(cfg.shared_intermediate), rows_per_tile=cfg.expert_rows,
+                                           expected_hits=round(hits, 2))),
+    }
+    if cfg.shared_intermediate:
+        s = cfg.shared_intermediate
+        out["shared_gateup"] = GemvBlock(GemvConfig(n=s, k=d, m=m, rows_per_tile=cfg.shared_rows,
+                                                    weight_dtype=cfg.shared_dtype, swiglu=True,
+                                                    swiglu_limit=cfg.swiglu_limit))
+        out["shared_down"] = GemvBlock(GemvConfig(n=d, k=s, m=m, rows_per_tile=cfg.shared_rows,
+                                                  weight_dtype=cfg.shared_dtype, out_dtype="fp32"))
+    return out
+
+
+def _expert_buffers(prog, name, shape, fmt):
+    e, n, k = shape
+    if fmt == "mxfp4":
+        prog.buffer(name + ".weight", (e, n, k // 8), "int32", "weight")
+        prog.buffer(name + ".scale", (e, n, k // 128), "int32", "weight")
+    else:
+        prog.buffer(name + ".weight", shape, fmt, "weight")
+        if fmt == "fp8_e4m3":
+            prog.buffer(name + ".scale", (e, n // 128, k // 128), "fp32", "weight")
+
+
+def build_program(cfg: MoELayerConfig) -> Program:
+    d, m, k, L, E, I = cfg.hidden, cfg.batch, cfg.top_k, cfg.local, cfg.num_experts, cfg.intermediate
+    b = blocks(cfg)
+    prog = Program()
+    prog.buffer("x", (m, d), "bf16", "input")
+    prog.buffer("router.weight", (E, d), cfg.router_dtype, "weight")
+    if cfg.correction_bias:
+        prog.buffer("router.bias", (E,), "fp32", "weight")
+    if cfg.hash_routed:
+        prog.buffer("input_ids", (m,), "int32", "input")
+        prog.buffer("router.tid2eid", (cfg.vocab, k), "int32", "weight")
+    _expert_buffers(prog, "experts.gate_up", (L, 2 * I, d), cfg.expert_dtype)
+    _expert_buffers(prog, "experts.down", (L, d, I), cfg.expert_dtype)
+    for name, shape, dt in (("logits", (m, E), "fp32"), ("topk_ids", (m, k), "int32"), ("topk_w", (m, k), "fp32"),
+                            ("counts", (L,), "int32"), ("hits", (L + 1,), "int32"), ("tok", (L, m), "int32"),
+                            ("slot", (L, m), "int32"), ("act", (m * k, I), "bf16")):
+        prog.buffer(name, shape, dt)
+    prog.buffer("out", (m, d), "bf16", "output")
+
+    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "logits": "logits"}, label="router.logits")
+    sb = {"logits": "logits", "topk_ids": "topk_ids", "topk_w": "topk_w", "counts": "counts", "hits": "hits",
+          "tok": "tok", "slot": "slot"}
+    if cfg.correction_bias:
+        sb["bias"] = "router.bias"
+    if cfg.hash_routed:
+        sb.update({"tid2eid": "router.tid2eid", "input_ids": "input_ids"})
+    sel = prog.op(b["select"], sb, waits=[lg], label="router.select")
+    table = {"counts": "counts", "hits": "hits", "tok": "tok", "slot": "slot"}
+
+    def wb(name):
+        out = {"w": name + ".weight"}
+        if cfg.expert_dtype != "bf16":
+            out["w_scale"] = name + ".scale"
+        return out
+
+    gu = prog.op(b["gateup"], {**wb("experts.gate_up"), **table, "x": "x", "act": "act"}, waits=[sel],
+                 label="experts.gateup")
+    down_b = {**wb("experts.down"), **table, "act": "act", "topk_w": "topk_w", "out": "out"}
+    waits = [gu]
+    if cfg.shared_intermediate:
+        s, fp8 = cfg.shared_intermediate, cfg.shared_dtype == "fp8_e4m3"
+        for name, shape in (("shared.gate", (s, d)), ("shared.up", (s, d)), ("shared.down", (d, s))):
+            prog.buffer(name + ".weight", shape, cfg.shared_dtype, "weight")
+            if fp8:
+                prog.buffer(name + ".scale", (shape[0] // 128, shape[1] // 128), "fp32", "weight")
+        prog.buffer("shared_act", (m, s), "bf16")
+        prog.buffer("shared_out", (m, d), "fp32")
+        g = {"w_gate": "shared.gate.weight", "w_up": "shared.up.weight", "x": "x", "y": "shared_act"}
+        dn = {"w": "shared.down.weight", "x": "shared_act", "y": "shared_out"}
+        if fp8:
+            g.update({"w_gate_scale": "shared.gate.scale", "w_up_scale": "shared.up.scale"})
+            dn["w_scale"] = "shared.down.scale"
+        sg = prog.op(b["shared_gateup"], g, label="shared.gateup")
+        sd = prog.op(b["shared_down"], dn, waits=[sg], label="shared.down")
+        waits.append(sd)
+        down_b["shared"] = "shared_out"
+    prog.op(b["down"], down_b, waits=waits, label="experts.down")
+    return prog
+
+
+# -- weights and reference ---------------------------------------------------------------------
+def make_weights(cfg: MoELayerConfig, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
+    """Random weights of this rank in the kernel's layout (generated on `device`), scaled so
+    that logits and activations are O(1)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    d, k, L, E, I = cfg.hidden, cfg.top_k, cfg.local, cfg.num_experts, cfg.intermediate
+
+    def rnd(*shape, std=1.0):
+        return torch.randn(*shape, generator=g, device=device) * std
+
+    w = {"router.weight": rnd(E, d, std=d ** -0.5).to(torch.float32 if cfg.router_dtype == "fp32" else torch.bfloat16)}
+    if cfg.correction_bias:
+        w["router.bias"] = rnd(E, std=0.05)
+    if cfg.hash_routed:
+        w["router.tid2eid"] = torch.stack([torch.randperm(E, generator=g, device=device)[:k]
+                                           for _ in range(cfg.vocab)]).to(torch.int32)
+    for name, shape, fan_in in (("experts.gate_up", (L, 2 * I, d), d), ("experts.down", (L, d, I), I)):
+        # generated per expert: the full bf16 tensor of a real shard is several GB
+        full = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        for e in range(L):
+            full[e] = rnd(*shape[1:], std=fan_in ** -0.5).to(torch.bfloat16)
+        if cfg.expert_dtype == "fp8_e4m3":
+            w[name + ".weight"], w[name + ".scale"] = quantize_fp8_experts(full)
+        elif cfg.expert_dtype == "mxfp4":
+            q = [quantize_mxfp4(full[e]) for e in range(L)]
+            w[name + ".weight"] = torch.stack([a for a, _ in q])
+            w[name + ".scale"] = torch.stack([s for _, s in q])
+        else:
+            w[name + ".weight"] = full
+        del full
+    if cfg.shared_intermediate:
+        from .mlp_stack import quantize_fp8
+        s = cfg.shared_intermediate
+        for name, shape, fan_in in (("shared.gate", (s, d), d), ("shared.up", (s, d), d), ("shared.down", (d, s), s)):
+            t = rnd(*shape, std=fan_in ** -0.5).to(torch.bfloat16)
+            if cfg.shared_dtype == "fp8_e4m3":
+                w[name + ".weight"], w[name + ".scale"] = quantize_fp8(t)
+            else:
+                w[name + ".weight"] = t
+    return w
+
+
+def _shared_dense(cfg, weights, name):
+    t = weights[name + ".weight"].float()
+    s = weights.get(name + ".scale")
+    if s is not None:
+        t = t * s.float().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return t
+
+
+def local_expert_weights(cfg: MoELayerConfig, weights: dict, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (gate_up [2I, D], down [D, I]) of local expert e, dequantised."""
+    out = []
+    for name in ("experts.gate_up", "experts.down"):
+        w = weights[name + ".weight"][e]
+        s = weights.get(name + ".scale")
+        out.append(dequant_experts(w[None], s[e][None] if s is not None else None, cfg.expert_dtype)[0])
+    return out[0], out[1]
+
+
+def router_logits(cfg: MoELayerConfig, weights: dict, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), weights["router.weight"].float())
+
+
+def reference(cfg: MoELayerConfig, weights: dict, x: torch.Tensor, input_ids: torch.Tensor | None = None,
+              routing: tuple | None = None) -> torch.Tensor:
+    """fp32 [M, D]: sdk/reference/moe.py's route() and expert math, this rank's experts only.
+    `routing` = (weights, ids) replaces the router (to check the experts on the kernel's own routing)."""
+    spec = cfg.moe_spec()
+    xf = x.float()
+    if routing is None:
+        hashed = weights["router.tid2eid"][input_ids.long()].long() if cfg.hash_routed else None
+        rw, ids = route(spec, router_logits(cfg, weights, x), weights.get("router.bias"), hashed)
+    else:
+        rw, ids = routing
+    out = torch.zeros_like(xf)
+    lo = cfg.local_start
+    for e in torch.unique(ids).tolist():
+        if not lo <= e < lo + cfg.local:
+            continue                        # another rank's expert
+        gu, dn = local_expert_weights(cfg, weights, e - lo)
+        tok, slot = torch.where(ids == e)
+        gate, up = F.linear(xf[tok], gu).chunk(2, dim=-1)
+        y = F.linear(swiglu(gate, up, "silu", cfg.swiglu_limit), dn)
+        out.index_add_(0, tok, y * rw[tok, slot, None].float())
+    if cfg.shared_intermediate:
+        gate = xf @ _shared_dense(cfg, weights, "shared.gate").T
+        up = xf @ _shared_dense(cfg, weights, "shared.up").T
+        out = out + swiglu(gate, up, "silu", cfg.swiglu_limit) @ _shared_dense(cfg, weights, "shared.down").T
+    return out
+
+
+def reference_weights_full(cfg: MoELayerConfig, weights: dict) -> dict[str, torch.Tensor]:
+    """The layer's weights in sdk/reference/moe.py's names and layout (fp32), all E experts, the
+    non-local ones zero: `MoEReference(...).forward` on these equals this rank's output."""
+    d, E, I = cfg.hidden, cfg.num_experts, cfg.intermediate
+    lo, L = cfg.local_start, cfg.local
+    gu = torch.zeros(E, 2 * I, d)
+    dn = torch.zeros(E, d, I)
+    for e in range(L):
+        gu[lo + e], dn[lo + e] = local_expert_weights(cfg, weights, e)
+    w = {"gate.weight": weights["router.weight"].float(), "experts.gate_up_proj": gu, "experts.down_proj": dn}
+    if cfg.correction_bias:
+        w["gate.e_score_correction_bias"] = weights["router.bias"].float()
+    if cfg.hash_routed:
+        w["gate.tid2eid"] = weights["router.tid2eid"].long()
+    if cfg.shared_intermediate:
+        for n in ("gate", "up", "down"):
+            w[f"shared_experts.{n}_proj.weight"] = _shared_dense(cfg, weights, f"shared.{n}")
+    return w
+
+
+def moe_reference_forward(cfg: MoELayerConfig, weights: dict, x: torch.Tensor,
+                          input_ids: torch.Tensor | None = None, full: dict | None = None) -> torch.Tensor:
+    """`MoEReference.forward` (the oracle class itself) on this layer, fp32. `full`: the result of
+    `reference_weights_full(cfg, weights)` if already made."""
+    from ..reference.common import StepInfo
+    from ..reference.moe import MoEReference
+    layer = types.SimpleNamespace(mlp=cfg.moe_spec())
+    ref = MoEReference(None, layer, full if full is not None else reference_weights_full(cfg, weights))
+    m = x.shape[0]
+    ids = input_ids if input_ids is not None else torch.zeros(m, dtype=torch.long)
+    step = StepInfo(start=torch.zeros(m, dtype=torch.long), positions=torch.zeros(m, 1, dtype=torch.long),
+                    input_ids=ids.long().reshape(m, 1))
+    return ref.forward(x.float().reshape(m, 1, -1), step).reshape(m, -1)
+
+
+def weight_bytes_hit(cfg: MoELayerConfig, prog: Program, hit_local: int) -> dict:
+    """The floor's bytes: router + shared weights + the hit experts' weights + activations."""
+    b = blocks(cfg)
+    router = b["logits"].weight_bytes() + (cfg.num_experts * 4 if cfg.correction_bias else 0)
+    experts = hit_local * (b["gateup"].expert_weight_bytes() + b["down"].expert_weight_bytes())
+    shared = 0
+    if cfg.shared_intermediate:
+        shared = b["shared_gateup"].weight_bytes() + b["shared_down"].weight_bytes()
+    act = cfg.batch * cfg.hidden * 2 * 2
+    return {"router": router, "experts": int(experts), "shared": shared, "activations": act,
+            "total": int(router + experts + shared + act)}
+
+
+# -- compile checks (CPU, no GPU) ---------------------------------------------------------------
+def moe_block_cases() -> list:
+    """Representative MoE block variants (real shard shapes, every format and stage)."""
+    k3, v4, glm = preset("kimi_k3", 1), preset("deepseek_v41_flash", 8, expert_dtype="mxfp4"), \
+        preset("glm_53", 64, expert_dtype="fp8_e4m3")
+    b3, b4, bg = blocks(k3), blocks(v4), blocks(glm)
+    return [b3["logits"], b3["select"], b4["select"], b3["gateup"], b4["gateup"], b4["down"], bg["gateup"], bg["down"]]
+
+
+def moe_megakernel_cases() -> list:
+    return [MoELayerConfig(hidden=1024, num_experts=64, top_k=4, intermediate=256, num_local=16, batch=8,
+                           correction_bias=True, shared_intermediate=256, expert_dtype="mxfp4", swiglu_limit=10.0)]
+
+
+def compile_check(archs, num_sms: int = 132, blocks_too: bool = False) -> dict:
+    """Compile the MoE megakernel case(s) (and, with blocks_too, the MoE blocks' standalone
+    kernels, which sdk.compile.compile_check already covers) for each arch; the report format of
+    sdk.compile.compile_check ({arch: {case: seconds | "error: ..."}})."""
+    import time
+
+    from ..blocks._cute import standalone
+    from ..schedule import schedule
+    from .kernel import compile_megakernel
+    report: dict = {}
+    for arch in archs:
+        res = report.setdefault(arch, {})
+        for block in (moe_block_cases() if blocks_too else []):
+            name = f"{block.name} {block.config}"
+            t0 = time.time()
+            try:
+                standalone(block, arch)
+                res[name] = round(time.time() - t0, 3)
+            except Exception as exc:
+                res[name] = f"error: {type(exc).__name__}: {exc}"
+        for cfg in moe_megakernel_cases():
+            name = f"megakernel moe_layer {cfg}"
+            t0 = time.time()
+            try:
+                prog = build_program(cfg)
+                compile_megakernel(prog.opcodes.blocks, num_sms, schedule(prog, num_sms).max_len, timing=True, arch=arch)
+                res[name] = round(time.time() - t0, 3)
+            except Exception as exc:
+                res[name] = f"error: {type(exc).__name__}: {exc}"
+    return report

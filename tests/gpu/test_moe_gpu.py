@@ -1,0 +1,244 @@
+"""GPU tests of the MoE blocks and the one-launch MoE layer (the H200): each model's real per-GPU
+shard at batch 1, 8, 64 against sdk/reference/moe.py's routing and expert math (fp32), fresh
+random inputs, every scratch/output buffer poisoned before each launch, several launches per
+runtime (counter epochs; the dispatch table is never reset by the host); the router's selection
+and dispatch table against its torch rule (ties included); skewed and all-experts routing.
+Run: `pytest -m gpu tests/gpu/test_moe_gpu.py`."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+BF16_TOL = 1e-2
+POISON = ("logits", "topk_ids", "topk_w", "act", "shared_act", "shared_out", "out", "tok", "slot", "hits", "counts")
+
+
+def _need_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        pytest.skip("CuTe DSL (nvidia-cutlass-dsl) not importable")
+
+
+def rel_err(got, ref):
+    got, ref = got.float(), ref.float()
+    assert torch.isfinite(got).all(), "non-finite values in the output (poison not overwritten?)"
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def _runtime(cfg, seed=0):
+    from sdk.megakernel.moe_layer import build_program, make_weights
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.megakernel.runtime import MegakernelRuntime
+    prog = build_program(cfg)
+    tensors = PyVM.alloc(prog, device="cuda")
+    weights = make_weights(cfg, seed=seed, device="cuda")
+    tensors.update(weights)
+    return MegakernelRuntime(prog, tensors), weights
+
+
+def _poison(t):
+    for name in POISON:
+        if name in t:
+            if t[name].dtype.is_floating_point:
+                t[name].fill_(float("nan"))
+            else:
+                t[name].fill_(-7)
+
+
+def _launch(rt, cfg, x, ids=None):
+    _poison(rt.tensors)
+    rt.tensors["x"].copy_(x)
+    if cfg.hash_routed:
+        rt.tensors["input_ids"].copy_(ids)
+    rt.run()
+    return rt.tensors["out"]
+
+
+def _check_routing(cfg, weights, rt, x, ids=None):
+    """The kernel's experts per token equal the oracle's (route()), except on tokens whose k-th and
+    (k+1)-th choices are within 1e-4 (fp32 logits summed in another order may swap those)."""
+    from sdk.megakernel.moe_layer import router_logits
+    from sdk.reference.moe import route
+    logits = router_logits(cfg, weights, x)
+    hashed = weights["router.tid2eid"][ids.long()].long() if cfg.hash_routed else None
+    w_ref, ids_ref = route(cfg.moe_spec(), logits, weights.get("router.bias"), hashed)
+    got = rt.tensors["topk_ids"].long()
+    same = (got.sort(-1)[0] == ids_ref.sort(-1)[0]).all(-1)
+    if not cfg.hash_routed:
+        choice = {"sigmoid": logits.sigmoid(), "softmax": logits.softmax(-1),
+                  "sqrtsoftplus": torch.nn.functional.softplus(logits).sqrt()}[cfg.scoring]
+        if cfg.correction_bias:
+            choice = choice + weights["router.bias"]
+        top = choice.topk(cfg.top_k + 1, dim=-1)[0]
+        near_tie = (top[:, -2] - top[:, -1]) < 1e-4
+        same = same | near_tie
+    assert same.all(), f"tokens {torch.where(~same)[0].tolist()} routed differently from route()"
+    # weights of matching experts: equal to fp32 rounding
+    o_ref, o = ids_ref.sort(-1)[1], got.sort(-1)[1]
+    ok = (got.sort(-1)[0] == ids_ref.sort(-1)[0]).all(-1)
+    assert torch.allclose(w_ref.gather(1, o_ref)[ok], rt.tensors["topk_w"].gather(1, o)[ok], rtol=1e-4, atol=1e-6)
+    return (got.sort(-1)[0] == ids_ref.sort(-1)[0]).all()
+
+
+def _run_standalone(block, tensors):
+    import cuda.bindings.driver as cuda
+
+    from sdk.blocks._cute import standalone
+    fn = standalone(block)
+    ptrs = [0 if tensors.get(n) is None else tensors[n].data_ptr() for n in block.operands()]
+    optab = torch.tensor(ptrs, dtype=torch.int64, device="cuda")
+    fn(optab.data_ptr(), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("case", ["ties", "groups_ties", "random_kimi", "softmax_ep"])
+def test_router_select_matches_rule(case):
+    """The select tile on given logits: ids in selection order and weights equal the torch rule
+    (ties: lower index first), the dispatch table equal up to the order inside each list."""
+    _need_gpu()
+    from sdk.blocks.router import RouterSelectBlock, RouterSelectConfig
+    m = 8
+    if case == "ties":
+        cfg = RouterSelectConfig(num_experts=64, top_k=4, m=m)
+        logits = (torch.arange(64).float() % 4).repeat(m, 1)
+        logits[1] = 0.0
+        logits[2, [7, 9, 30, 50, 63]] = 9.0
+    elif case == "groups_ties":
+        cfg = RouterSelectConfig(num_experts=256, top_k=8, m=m, n_group=8, topk_group=4, correction_bias=True)
+        logits = torch.randn(m, 256).round()               # many exact ties
+    elif case == "random_kimi":
+        cfg = RouterSelectConfig(num_experts=896, top_k=16, m=m, correction_bias=True, local_start=56, num_local=56)
+        logits = torch.randn(m, 896)
+    else:
+        cfg = RouterSelectConfig(num_experts=384, top_k=6, m=m, scoring="softmax", routed_scaling_factor=1.5,
+                                 local_start=96, num_local=48)
+        logits = torch.randn(m, 384) * 3
+    block = RouterSelectBlock(cfg)
+    t = {k: v.cuda() for k, v in block.alloc_operands().items()}
+    t["logits"] = logits.cuda()
+    if cfg.correction_bias:
+        t["bias"] = (torch.randn(cfg.num_experts) * 0.1).cuda() if case != "groups_ties" else torch.zeros(cfg.num_experts, device="cuda")
+    for n in ("topk_ids", "tok", "slot", "hits", "counts"):
+        t[n].fill_(-7)
+    t["topk_w"].fill_(float("nan"))
+    _run_standalone(block, t)
+    ref = {k: v.clone() for k, v in t.items()}
+    block.emulate_tile(ref, 0)
+    assert torch.equal(t["topk_ids"], ref["topk_ids"])
+    assert torch.allclose(t["topk_w"], ref["topk_w"], rtol=1e-5, atol=1e-7)
+    assert torch.equal(t["counts"], ref["counts"])
+    n_hit = int(ref["hits"][0])
+    assert torch.equal(t["hits"][:1 + n_hit], ref["hits"][:1 + n_hit])
+    for le in range(block.num_local):
+        n = int(ref["counts"][le])
+        assert sorted(t["tok"][le, :n].tolist()) == ref["tok"][le, :n].tolist()
+        assert sorted(t["slot"][le, :n].tolist()) == ref["slot"][le, :n].tolist()
+
+
+@pytest.mark.parametrize("fmt,kind", [("bf16", "groups_softmax"), ("fp8_e4m3", "hash_sqrtsoftplus"),
+                                      ("mxfp4", "groups_softmax")])
+def test_moe_layer_formats_and_routing_kinds(fmt, kind):
+    _need_gpu()
+    from sdk.megakernel.moe_layer import MoELayerConfig, moe_reference_forward
+    kw = dict(hidden=2048, num_experts=128, top_k=6, intermediate=512, num_local=32, rank=1, batch=8,
+              expert_dtype=fmt, shared_intermediate=512, swiglu_limit=7.0, routed_scaling_factor=1.5)
+    if kind == "groups_softmax":
+        kw.update(scoring="softmax", n_group=8, topk_group=3, correction_bias=True)
+    else:
+        kw.update(scoring="sqrtsoftplus", hash_routed=True, vocab=1000)
+    cfg = MoELayerConfig(**kw)
+    rt, weights = _runtime(cfg, seed=7)
+    cpu_w = {k: v.cpu() for k, v in weights.items()}
+    for step in range(3):
+        x = torch.randn(cfg.batch, cfg.hidden, device="cuda").to(torch.bfloat16)
+        ids = torch.randint(0, 1000, (cfg.batch,), dtype=torch.int32, device="cuda")
+        out = _launch(rt, cfg, x, ids)
+        _check_routing(cfg, weights, rt, x, ids)
+        ref = moe_reference_forward(cfg, cpu_w, x.cpu(), ids.cpu())       # the oracle class itself
+        assert rel_err(out.cpu(), ref) <= BF16_TOL, f"step {step}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_moe_layer_skew_all_tokens_one_expert(fmt):
+    """Every token on one local expert (64 tokens: 8 groups of 8 through the same expert)."""
+    _need_gpu()
+    from sdk.megakernel.moe_layer import MoELayerConfig, reference
+    cfg = MoELayerConfig(hidden=2048, num_experts=128, top_k=4, intermediate=512, num_local=32, rank=2, batch=64,
+                         correction_bias=True, expert_dtype=fmt, shared_intermediate=512)
+    rt, weights = _runtime(cfg, seed=3)
+    weights["router.bias"].zero_()
+    weights["router.bias"][70] = 100.0
+    x = torch.randn(cfg.batch, cfg.hidden, device="cuda").to(torch.bfloat16)
+    out = _launch(rt, cfg, x)
+    assert int(rt.tensors["counts"][70 - 64]) == 64
+    assert sorted(rt.tensors["tok"][6].tolist()) == list(range(64))
+    assert rel_err(out, reference(cfg, weights, x)) <= BF16_TOL
+
+
+def test_moe_layer_every_local_expert_hit():
+    _need_gpu()
+    from sdk.megakernel.moe_layer import MoELayerConfig, reference
+    cfg = MoELayerConfig(hidden=2048, num_experts=64, top_k=4, intermediate=512, batch=16, hash_routed=True,
+                         vocab=16, scoring="sigmoid")
+    rt, weights = _runtime(cfg, seed=4)
+    weights["router.tid2eid"].copy_(torch.arange(64, dtype=torch.int32, device="cuda").reshape(16, 4))
+    ids = torch.arange(16, dtype=torch.int32, device="cuda")
+    x = torch.randn(cfg.batch, cfg.hidden, device="cuda").to(torch.bfloat16)
+    out = _launch(rt, cfg, x, ids)
+    assert int(rt.tensors["hits"][0]) == 64 and rt.tensors["hits"][1:].tolist() == list(range(64))
+    assert rel_err(out, reference(cfg, weights, x, ids)) <= BF16_TOL
+
+
+def test_moe_layer_cuda_graph_replays():
+    """Launches captured in a CUDA graph and replayed: each replay is a new epoch and sees only
+    its own step's dispatch table (no host reset between replays)."""
+    _need_gpu()
+    from sdk.megakernel.moe_layer import MoELayerConfig, reference
+    cfg = MoELayerConfig(hidden=2048, num_experts=128, top_k=8, intermediate=512, num_local=32, batch=8,
+                         correction_bias=True, shared_intermediate=512)
+    rt, weights = _runtime(cfg, seed=5)
+    xs = [torch.randn(cfg.batch, cfg.hidden, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    rt.tensors["x"].copy_(xs[0])
+    rt.run()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        rt.launch(s)
+    torch.cuda.synchronize()
+    for x in xs[1:] + xs[:1]:
+        rt.tensors["x"].copy_(x)
+        rt.tensors["out"].fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        rt.check()
+        assert rel_err(rt.tensors["out"], reference(cfg, weights, x)) <= BF16_TOL
+
+
+REAL = {"kimi_k3": "bf16", "deepseek_v41_flash": "mxfp4", "glm_53": "fp8_e4m3"}
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("model", list(REAL))
+def test_moe_layer_real_shard_one_launch(model, batch):
+    """The per-GPU shard of each model (router over all experts, this rank's experts, shared
+    expert) in one launch; two launches with fresh inputs (epochs 1, 2)."""
+    _need_gpu()
+    from sdk.megakernel.moe_layer import preset, reference
+    cfg = preset(model, batch, expert_dtype=REAL[model])
+    rt, weights = _runtime(cfg, seed=batch)
+    for step in range(2):
+        x = torch.randn(batch, cfg.hidden, device="cuda").to(torch.bfloat16)
+        out = _launch(rt, cfg, x)
+        exact_routing = _check_routing(cfg, weights, rt, x)
+        routing = (rt.tensors["topk_w"].float(), rt.tensors["topk_ids"].long())
+        err = rel_err(out, reference(cfg, weights, x, routing=routing))
+        assert err <= BF16_TOL, f"step {step}: relative error {err:.3e} (kernel's routing)"
+        if exact_routing:
+            err = rel_err(out, reference(cfg, weights, x))
+            assert err <= BF16_TOL, f"step {step}: relative error {err:.3e} (oracle routing)"
+        hits = int(rt.tensors["hits"][0])
+        assert hits == int((rt.tensors["counts"] > 0).sum())

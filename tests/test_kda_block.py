@@ -1,0 +1,252 @@
+"""KDA decode block on CPU: its per-tile emulation (what the PyVM runs) equals its whole-op
+reference; its reference equals the model oracle (`sdk/reference/kda.py` KDAReference, itself
+proven equal to transformers) on a tiny layer; the speculative commit modes equal running the
+accepted tokens one decode step at a time; compile checks of the device tile for every target arch."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sdk.blocks.kda import KDABlock, KDAConfig
+from sdk.errors import UnsupportedConfigError
+
+def make_inputs(block, seed=0, n_accepted=None):
+    return block.random_operands(seed=seed, n_accepted=n_accepted)
+
+
+def emulate(block, t):
+    t = {k: v.clone() for k, v in t.items()}
+    for tile in range(block.num_tiles()):
+        block.emulate_tile(t, tile)
+    return t
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def assert_matches(block, got, ref):
+    """Every output of `ref` (fp32) equals `got` (operand dtypes) up to the storage rounding."""
+    for name, r in ref.items():
+        g = got[name]
+        fin = torch.isfinite(r)
+        assert torch.equal(torch.isfinite(g), fin), f"{name}: written where it should not be (or not written)"
+        r = r.to(g.dtype).float()          # the storage rounding both sides share
+        assert rel(g[fin], r[fin]) <= 1e-5, f"{name}: relative error {rel(g[fin], r[fin]):.2e}"
+
+
+TINY = dict(batch=3, heads=2, head_dim=64)
+VARIANTS = [
+    dict(),
+    dict(v_split=2, gate_kind="softplus"),
+    dict(state_dtype="bf16", tokens=2),
+    dict(tokens=3, commit="none", gate_kind="log_decay", out_dtype="fp32"),
+    dict(tokens=3, v_split=2, commit="accepted"),
+    dict(tokens=3, v_split=2, commit="per_token", state_dtype="bf16"),
+    dict(conv=True, out_norm=True, tokens=2),
+    dict(conv=True, conv_w_dtype="fp32", tokens=4, commit="accepted", gate_kind="softplus"),
+    dict(conv=True, out_norm=True, tokens=3, commit="per_token", norm_eps=1e-5),
+]
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "base")
+def test_emulated_tiles_equal_reference(kw):
+    block = KDABlock(KDAConfig(**TINY, **kw))
+    t = make_inputs(block, seed=1)
+    assert_matches(block, emulate(block, t), block.reference(**t))
+
+
+def test_pyvm_two_steps_equal_reference():
+    """The block as an op of a megakernel program, run by the PyVM for two decode steps (the
+    state and conv state carried in place between launches)."""
+    from sdk.megakernel.program import Program, encode
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.schedule import schedule, validate
+    block = KDABlock(KDAConfig(**TINY, conv=True, out_norm=True))
+    prog = Program()
+    for s in block.operand_specs():
+        prog.buffer(s.name, s.shape, s.dtype, role="output" if s.output else "input")
+    prog.op(block, {s.name: s.name for s in block.operand_specs()}, label="kda")
+    sched = schedule(prog, 4)
+    validate(prog, sched.per_sm)
+    words, lengths = encode(prog, sched.per_sm)
+    vm = PyVM(prog, words, lengths, PyVM.alloc(prog))
+    state = None
+    for step in range(2):
+        t = make_inputs(block, seed=10 + step)
+        if state is not None:
+            t["state"], t["conv_state"] = state
+        ref = block.reference(**t)
+        for k, v in t.items():
+            vm.tensors[k].copy_(v)
+        vm.step(seed=step)
+        assert_matches(block, vm.tensors, ref)
+        state = (vm.tensors["state"].clone(), vm.tensors["conv_state"].clone())
+
+
+# ------------------------------------------------------------------ the block = the model oracle
+def _oracle_layer(gate_kind, seed=0):
+    """A tiny KDAReference (2 heads x 32, hidden 64, full-rank output gate as Kimi K3)."""
+    from sdk.reference.kda import KDAReference
+    from sdk.spec import KDASpec
+    H, K, D = 2, 32, 64
+    spec = KDASpec(num_heads=H, head_dim=K, gate_kind=gate_kind, a_log_flat=True, output_gate_full_rank=True)
+    model = SimpleNamespace(norm_eps=1e-5, hidden_size=D)
+    layer = SimpleNamespace(attention=spec)
+    g = torch.Generator().manual_seed(seed)
+    w = {}
+    for name, shape in KDAReference.expected_weights(model, layer).items():
+        w[name] = (torch.randn(shape, generator=g) * shape[-1] ** -0.5).to(torch.bfloat16)
+    w["forget_gate.dt_bias"] = 0.5 * torch.randn(H * K, generator=g)
+    w["forget_gate.A_log"] = torch.empty(H).uniform_(1, 16, generator=g).log()
+    w["o_norm.weight"] = (1 + 0.1 * torch.randn(K, generator=g)).to(torch.bfloat16)
+    w["conv1d.weight"] = (0.5 * torch.randn(3 * H * K, 1, 4, generator=g)).to(torch.bfloat16)
+    return KDAReference(model, layer, w), w
+
+
+@pytest.mark.parametrize("gate_kind", ["sigmoid", "softplus"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_block_equals_model_oracle(gate_kind, tokens):
+    """Projections done in torch (as the megakernel's GEMVs would), the block (conv + recurrence +
+    gated norm fused) in between, o_proj after: equals KDAReference.forward and its cache. The
+    oracle rounds sigmoid(beta) to bf16 (transformers does), the block keeps it fp32: a <= 1e-2
+    difference of the bf16 output, well above the block's own <= 1e-5 fp32 agreement."""
+    ref_layer, w = _oracle_layer(gate_kind)
+    B, H, K, D = 2, 2, 32, 64
+    block = KDABlock(KDAConfig(batch=B, heads=H, head_dim=K, tokens=tokens, gate_kind=gate_kind, conv=True,
+                               out_norm=True, norm_eps=1e-5))
+    cache = ref_layer.new_cache(B, 16, "cpu", torch.bfloat16)
+    cache["conv"].normal_()
+    cache["state"].normal_(std=0.3)
+    x = torch.randn(B, tokens, D).to(torch.bfloat16)
+    t = {"qkv": torch.cat([F.linear(x, w[f"{n}_proj.weight"]) for n in "qkv"], -1),
+         "conv_state": cache["conv"].clone(), "conv_w": w["conv1d.weight"][:, 0],
+         "g": F.linear(F.linear(x, w["forget_gate.f_a_proj.weight"]), w["forget_gate.f_b_proj.weight"]).view(B, tokens, H, K),
+         "dt_bias": w["forget_gate.dt_bias"], "a_log": w["forget_gate.A_log"],
+         "beta": F.linear(x, w["b_proj.weight"]), "state": cache["state"].clone(),
+         "out_gate": F.linear(x, w["g_proj.weight"]).view(B, tokens, H, K), "norm_w": w["o_norm.weight"],
+         "o": torch.full((B, tokens, H, K), float("nan"), dtype=torch.bfloat16)}
+    got = emulate(block, t)
+    out = F.linear(got["o"].reshape(B, tokens, H * K), w["o_proj.weight"])
+    want = ref_layer.forward(x, cache, None)           # KDA reads no positions
+    assert rel(out, want) <= 1e-2
+    assert torch.equal(got["conv_state"], cache["conv"])
+    assert rel(got["state"], cache["state"]) <= 1e-2
+
+
+# ------------------------------------------------------------------ speculative commit semantics
+def _single_steps(kw, t, j, b):
+    """Run the first j tokens of sequence b as j plain decode steps (T=1, commit all), with an
+    fp32 state (the multi-token tile keeps the state in fp32 registers between its tokens and
+    rounds it to the storage dtype once, when it writes it)."""
+    one = KDABlock(KDAConfig(**{**TINY, **kw, "batch": 1, "tokens": 1, "commit": "all", "state_dtype": "fp32"}))
+    state = t["state"][b:b + 1].float()
+    conv_state = t["conv_state"][b:b + 1].clone() if "conv_state" in t else None
+    outs = []
+    for i in range(j):
+        s = {}
+        for spec in one.operand_specs():
+            src = t[spec.name]
+            if spec.name in ("dt_bias", "a_log", "conv_w", "norm_w"):
+                s[spec.name] = src
+            elif spec.name == "state":
+                s[spec.name] = state
+            elif spec.name == "conv_state":
+                s[spec.name] = conv_state
+            elif spec.name == "o":
+                s[spec.name] = torch.full(spec.shape, float("nan"), dtype=src.dtype)
+            else:
+                s[spec.name] = src[b:b + 1, i:i + 1]
+        s = emulate(one, s)
+        state, conv_state = s["state"], s.get("conv_state")
+        outs.append(s["o"][0, 0])
+    return state[0], (conv_state[0] if conv_state is not None else None), outs
+
+
+def close(got, want):
+    """Equal up to fp32 reduction order (one torch call over j tokens vs j calls) and the one
+    rounding to got's storage dtype."""
+    return rel(got, want.to(got.dtype)) <= 1e-5
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(conv=True, out_norm=True), dict(state_dtype="bf16", v_split=2)],
+                         ids=["core", "conv+norm", "bf16-state"])
+def test_verify_then_commit_equals_single_steps(kw):
+    """Pass 1 (commit="none") gives the T outputs and leaves the state; pass 2 (commit="accepted",
+    n_accepted[b] = j_b, different per sequence) re-runs j_b tokens and writes state and conv
+    state: both equal j_b plain decode steps; per_token's states_out[b, j-1] equals them too."""
+    T = 4
+    verify = KDABlock(KDAConfig(**TINY, **kw, tokens=T, commit="none"))
+    t = make_inputs(verify, seed=3)
+    got_v = emulate(verify, t)
+    assert torch.equal(got_v["state"], t["state"])
+    if "conv_state" in t:
+        assert torch.equal(got_v["conv_state"], t["conv_state"])
+    acc = [0, 2, 4]
+    commit = KDABlock(KDAConfig(**TINY, **kw, tokens=T, commit="accepted"))
+    tc = dict(t, n_accepted=torch.tensor(acc, dtype=torch.int32))
+    got_c = emulate(commit, tc)
+    per_tok = KDABlock(KDAConfig(**TINY, **kw, tokens=T, commit="per_token"))
+    tp = {k: v for k, v in t.items()}
+    so = next(s for s in per_tok.operand_specs() if s.name == "states_out")
+    tp["states_out"] = torch.full(so.shape, float("nan"), dtype=t["state"].dtype)
+    got_p = emulate(per_tok, tp)
+    for b, j in enumerate(acc):
+        state, conv_state, outs = _single_steps(kw, t, j, b)
+        assert close(got_c["state"][b], state)
+        if conv_state is not None:
+            assert torch.equal(got_c["conv_state"][b], conv_state)     # bf16 inputs, moved not computed
+        for i, o in enumerate(outs):
+            assert close(got_v["o"][b, i], o.float())
+            assert close(got_c["o"][b, i], o.float())
+        assert torch.isnan(got_c["o"][b, j:].float()).all()           # tokens not accepted: not written
+        if j:
+            assert close(got_p["states_out"][b, j - 1], state)
+    assert torch.equal(got_p["state"], t["state"])                     # per_token: state untouched
+
+
+# ------------------------------------------------------------------ static checks
+@pytest.mark.parametrize("kw", [dict(v_split=2, conv=True), dict(v_split=2, out_norm=True), dict(v_split=8),
+                                dict(head_dim=256), dict(tokens=17), dict(commit="later"),
+                                dict(gate_kind="exp"), dict(state_dtype="fp8_e4m3")])
+def test_unsupported_configs_fail_loudly(kw):
+    with pytest.raises(UnsupportedConfigError):
+        KDABlock(KDAConfig(**{**TINY, "head_dim": 128, **kw}))
+
+
+def test_registered_and_costed():
+    from sdk.blocks import builtin_blocks
+    assert KDABlock in builtin_blocks()
+    block = KDABlock(KDAConfig(batch=64, heads=12, head_dim=128))
+    # the floor: every state byte read once and written once
+    assert block.state_bytes() == 2 * 64 * 12 * 128 * 128 * 4
+    assert block.num_tiles() * block.cost().bytes >= block.state_bytes()
+    assert block.num_tiles() == 768
+
+
+COMPILE_VARIANTS = [
+    dict(batch=8, heads=12, tokens=4, v_split=4, state_dtype="bf16", commit="accepted", gate_kind="softplus"),
+    dict(batch=1, heads=8, tokens=3, v_split=2, commit="per_token", gate_kind="log_decay", out_dtype="fp32"),
+    dict(batch=2, heads=12, tokens=2, commit="none", conv=True, conv_w_dtype="fp32", out_norm=True),
+]
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+def test_compile_variants(arch):
+    """Variants beyond sdk/compile.py's cases (which test_blocks_compile covers)."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from sdk.blocks._cute import standalone
+    for kw in COMPILE_VARIANTS:
+        standalone(KDABlock(KDAConfig(**kw)), arch)
+
+
+def test_inlines_into_the_megakernel():
+    """The device tile compiles inside the persistent megakernel's dispatch loop, beside another
+    block (the 64-float scratch of the megakernel is enough: the tile uses 8)."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from sdk.blocks.rmsnorm import RMSNormBlock, RMSNormConfig
+    from sdk.megakernel.kernel import compile_megakernel
+    blocks = [RMSNormBlock(RMSNormConfig(d=7168, m=8)), KDABlock(KDAConfig(batch=8, heads=12, conv=True, out_norm=True))]
+    compile_megakernel(blocks, 132, 8, arch="sm_90a")

@@ -1,0 +1,193 @@
+"""MLA decode blocks on the CPU: the chain sdk/reference/mla.py (proven equal to transformers) ->
+absorbed form (`absorbed_attention`) -> the blocks' torch twins (`emulate_tile`, the PyVM's view of
+the device tiles) on paged, scattered, ragged caches; plus config checks. The device tiles are
+compile-checked in tests/test_blocks_compile.py (cases in sdk/compile.py) and run on the GPU in
+tests/gpu/test_mla_gpu.py."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sdk.blocks.mla_decode import (MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig,
+                                   MLAHeadProjBlock, MLAHeadProjConfig, absorb_weights, absorbed_attention,
+                                   choose_splits, quantize_kv_fp8)
+from sdk.errors import UnsupportedConfigError
+from sdk.reference.common import StepInfo
+from sdk.reference.mla import MLAReference
+from sdk.spec import MLASpec
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ---------------------------------------------------------------- reference -> absorbed form
+@pytest.mark.parametrize("rope", [16, 0])
+@pytest.mark.parametrize("T", [1, 3])
+def test_absorbed_form_equals_reference_attend(rope, T):
+    """MLAReference.attend (keys/values expanded through kv_b_proj) == absorbed attention over the
+    latent cache with W_UK folded into q and W_UV applied after, on a ragged batch."""
+    torch.manual_seed(0)
+    H, L, nope, v = 4, 32, 16, 24
+    spec = MLASpec(num_heads=H, kv_lora_rank=L, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                   v_head_dim=v, softmax_scale=0.0)
+    kv_b = torch.randn(H * (nope + v), L, dtype=torch.float64) * L ** -0.5
+    ref = MLAReference(None, SimpleNamespace(attention=spec), {"kv_b_proj.weight": kv_b})
+    B, maxlen = 3, 20
+    start = torch.tensor([5, 0, 12])
+    pos = start[:, None] + torch.arange(T)[None]
+    step = StepInfo(start=start, positions=pos, input_ids=torch.zeros(B, T, dtype=torch.long))
+    cache = {"latent": torch.randn(B, maxlen, L + rope, dtype=torch.float64)}
+    q_nope = torch.randn(B, T, H, nope, dtype=torch.float64)
+    q_pe = torch.randn(B, T, H, rope, dtype=torch.float64)
+    want = ref.attend(q_nope, q_pe, cache, step)                        # [B, T, H, v]
+
+    w_uk_t, w_uv = absorb_weights(kv_b, H, nope, v)                    # [H, L, nope], [H, v, L]
+    q_lat = torch.einsum("bthd,hld->bthl", q_nope, w_uk_t)
+    q = torch.cat([q_lat, q_pe], -1)
+    lens = start + T
+    rows = [cache["latent"][b, :int(lens[b])] for b in range(B)]
+    o_lat, _ = absorbed_attention(q, rows, lens, T, H, L, ref.scale)
+    got = torch.einsum("bthl,hvl->bthv", o_lat.double(), w_uv)
+    # the reference takes its softmax in fp32 (as transformers does), the rest is fp64 here
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_head_proj_block_is_the_absorption():
+    torch.manual_seed(1)
+    H, L, nope, v, m = 3, 128, 16, 24, 2
+    kv_b = torch.randn(H * (nope + v), L)
+    w_uk_t, w_uv = absorb_weights(kv_b, H, nope, v)
+    blk = MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=L, k=nope, m=m, y_stride=L + 64, rows_per_tile=64))
+    x = torch.randn(m, H, nope).to(torch.bfloat16)
+    y = torch.full((m, H, L + 64), float("nan"), dtype=torch.bfloat16)
+    t = {"x": x, "w": w_uk_t.to(torch.bfloat16), "y": y}
+    for tile in range(blk.num_tiles()):
+        blk.emulate_tile(t, tile)
+    want = torch.einsum("mhd,hld->mhl", x.float(), w_uk_t.to(torch.bfloat16).float())
+    assert rel(t["y"][..., :L], want) < 1e-2
+    assert torch.isnan(t["y"][..., L:]).all()          # rope columns of the query are left alone
+    assert rel(blk.reference(**{**t, "y": y.clone()})["y"][..., :L], want) < 1e-6
+
+
+# ---------------------------------------------------------------- paged cache helpers
+def make_case(cfg: MLADecodeConfig, lens, seed=0):
+    """Random q, a page pool with every sequence's pages scattered at random, the block table."""
+    g = torch.Generator().manual_seed(seed)
+    blk = MLADecodeBlock(cfg)
+    d = blk.d_qk
+    B = cfg.batch
+    need = [-(-int(x) // cfg.page_size) for x in lens]
+    assert sum(need) <= cfg.num_pages
+    perm = torch.randperm(cfg.num_pages, generator=g)
+    bt = torch.full((B, blk.max_pages), -1, dtype=torch.int32)     # unused entries: invalid ids
+    k = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = perm[k:k + n].int()
+        k += n
+    pool = torch.randn(cfg.num_pages, cfg.page_size, d, generator=g)
+    t = {"q": torch.randn(B, cfg.q_tokens, cfg.heads, d, generator=g).to(torch.bfloat16),
+         "block_table": bt, "seq_lens": torch.tensor(lens, dtype=torch.int32)}
+    if blk.fp8:
+        t["kv"], t["kv_scale"] = quantize_kv_fp8(pool, cfg.scale_group)
+    else:
+        t["kv"] = pool.to(torch.bfloat16)
+    t["o_part"] = torch.full((B, cfg.num_splits, blk.rows, blk.d_v), float("nan"))
+    t["lse_part"] = torch.full((B, cfg.num_splits, blk.rows), float("nan"))
+    return blk, t
+
+
+def dense_rows(blk, t):
+    return [blk.gather_kv(t, b, 0, int(t["seq_lens"][b])) for b in range(blk.config.batch)]
+
+
+def run_emulated(blk, t):
+    c = blk.config
+    for tile in range(blk.num_tiles()):
+        blk.emulate_tile(t, tile)
+    comb = MLACombineBlock(MLACombineConfig(heads=c.heads, batch=c.batch, q_tokens=c.q_tokens,
+                                            d_v=blk.d_v, num_splits=c.num_splits))
+    out = {"o_part": t["o_part"], "lse_part": t["lse_part"],
+           "out": torch.full((c.batch, c.q_tokens, c.heads, blk.d_v), float("nan"), dtype=torch.bfloat16),
+           "lse": torch.full((c.batch, c.q_tokens, c.heads), float("nan"))}
+    for tile in range(comb.num_tiles()):
+        comb.emulate_tile(out, tile)
+    return out
+
+
+CASES = [
+    # heads, T, rope, splits, page, lens, kv dtype, chunk
+    (12, 1, 64, 4, 64, [1, 100, 300], "bf16", 32),
+    (6, 2, 64, 3, 16, [2, 65, 257], "bf16", 32),
+    (8, 4, 0, 5, 64, [4, 31, 190], "bf16", 64),          # GLM-5.3: NoPE, 512 latent
+    (12, 2, 64, 7, 64, [3, 200, 129], "fp8_e4m3", 32),    # more splits than chunks for short rows
+    (8, 1, 0, 2, 32, [1, 77], "fp8_e4m3", 16),
+]
+
+
+@pytest.mark.parametrize("heads,T,rope,splits,page,lens,kvd,chunk", CASES)
+def test_emulated_decode_and_combine_equal_absorbed_attention(heads, T, rope, splits, page, lens, kvd, chunk):
+    cfg = MLADecodeConfig(heads=heads, softmax_scale=192 ** -0.5, scale_factor=1.3, batch=len(lens), q_tokens=T,
+                          rope=rope, page_size=page, num_pages=40, max_seq_len=512, num_splits=splits,
+                          kv_dtype=kvd, chunk=chunk)
+    blk, t = make_case(cfg, lens)
+    want_o, want_lse = absorbed_attention(t["q"], dense_rows(blk, t), t["seq_lens"], T, heads, blk.d_v, blk.scale)
+    out = run_emulated(blk, t)
+    assert torch.isfinite(t["o_part"]).all()
+    assert rel(out["out"], want_o) < 1e-2
+    assert torch.allclose(out["lse"], want_lse, atol=1e-4, rtol=1e-4)
+    # the block's definition (exact per split) agrees with its chunked twin
+    ref = blk.reference(**t)
+    assert torch.equal(torch.isinf(ref["lse_part"]), torch.isinf(t["lse_part"]))
+    fin = torch.isfinite(ref["lse_part"])
+    assert torch.allclose(ref["lse_part"][fin], t["lse_part"][fin], atol=1e-4, rtol=1e-4)
+    assert rel(t["o_part"], ref["o_part"]) < 1e-2
+
+
+def test_fp8_cache_roundtrip_is_close():
+    x = torch.randn(5, 64, 576)
+    q, s = quantize_kv_fp8(x, 64)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 64, 9)
+    back = q.float() * s.repeat_interleave(64, -1)
+    assert rel(back, x) < 0.05
+
+
+def test_causal_among_new_tokens():
+    """T=3 new tokens: query 0 must not see tokens 1 and 2 of this step."""
+    cfg = MLADecodeConfig(heads=2, softmax_scale=0.1, batch=1, q_tokens=3, rope=0, kv_lora=256,
+                          page_size=16, num_pages=4, max_seq_len=64, chunk=64)
+    blk, t = make_case(cfg, [3])
+    out = run_emulated(blk, t)
+    rows = dense_rows(blk, t)[0]
+    # query 0 sees only token 0: its output is that token's latent
+    assert rel(out["out"][0, 0, 0], rows[0, :256]) < 1e-2
+    p = torch.softmax((t["q"][0, 1, 1].float() @ rows[:2].T) * 0.1, -1)
+    assert rel(out["out"][0, 1, 1], p @ rows[:2, :256]) < 1e-2
+
+
+def test_choose_splits():
+    assert choose_splits(1, 131072) == 132
+    assert choose_splits(64, 32768) == 2
+    assert choose_splits(1, 100) == 1
+
+
+@pytest.mark.parametrize("kw", [dict(heads=40), dict(heads=12, q_tokens=3), dict(heads=8, chunk=48),
+                                dict(heads=8, kv_dtype="int8"), dict(heads=8, rope=8),
+                                dict(heads=8, kv_dtype="fp8_e4m3", scale_group=128, rope=64)])
+def test_unsupported_configs_fail_loudly(kw):
+    with pytest.raises(UnsupportedConfigError):
+        MLADecodeBlock(MLADecodeConfig(softmax_scale=0.1, **kw))
+
+
+def test_operands_and_cost():
+    blk = MLADecodeBlock(MLADecodeConfig(heads=12, softmax_scale=0.1, batch=2, num_splits=4, kv_dtype="fp8_e4m3"))
+    assert blk.operands() == ["q", "kv", "kv_scale", "block_table", "seq_lens", "o_part", "lse_part"]
+    assert blk.num_tiles() == 8
+    assert blk.kv_bytes([1000, 24]) == 1024 * (576 + 36)
+    assert blk.cost(4096).bytes > 1024 * (576 + 36)
+
+
+def test_blocks_are_registered():
+    from sdk.blocks import builtin_blocks
+    assert {MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock} <= set(builtin_blocks())

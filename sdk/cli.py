@@ -41,7 +41,7 @@ def cmd_plan(args) -> int:
     print(f"{'layer':>5} {'kind':<12} {'weights':>11} {'KV/state':>11} {'floor µs':>9}  ops")
     for l in p.layers:
         print(f"{l.index:>5} {l.kind:<12} {_fmt_bytes(l.weight_bytes):>11} {_fmt_bytes(l.kv_bytes):>11} "
-              f"{p.floor_us(l):>9.2f}  {', '.join(o.name for o in l.ops) if args.ops else len(l.ops)}")
+              f"{p.floor_us(l):>9.2f}  {len(l.ops) if args.brief else ', '.join(o.name for o in l.ops)}")
     print(f"{'head':>5} {'lm_head':<12} {_fmt_bytes(p.head.weight_bytes):>11} {'':>11} {p.floor_us(p.head):>9.2f}")
     print(f"step: {_fmt_bytes(p.total_bytes)} per GPU -> floor {p.step_floor_us:.1f} µs, "
           f"{p.tokens_per_s:,.0f} tok/s at batch {p.batch} (activations and all-reduce not counted)")
@@ -111,7 +111,7 @@ def cmd_demo(args) -> int:
         print()
         rc |= cmd_plan(argparse.Namespace(model=name, config="full", tp=shard.tp if shard else 1,
                                           ep=shard.ep if shard else 1, batch=1, ctx=32768, gpu="h200",
-                                          weights="native", ops=False))
+                                          weights="native", brief=True))
     if not args.skip_compile:
         print()
         rc |= cmd_compile_check(argparse.Namespace(arch="sm_90a,sm_100a,sm_103a"))
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--ctx", type=int, default=4096)
     pl.add_argument("--gpu", default="h200", choices=["h200", "b200", "gb300"])
     pl.add_argument("--weights", default="native", help="native | bf16 | fp8_block128 | mxfp4 | nvfp4")
-    pl.add_argument("--ops", action="store_true", help="list the ops of each layer")
+    pl.add_argument("--brief", action="store_true", help="count each layer's ops instead of naming them")
     pl.set_defaults(fn=cmd_plan)
 
     r = sub.add_parser("run", help="a random-weight model end to end")

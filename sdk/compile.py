@@ -34,7 +34,12 @@ def block_cases():
                              residual="fp32")),
         KDABlock(KDAConfig(batch=64, heads=12, conv=True, out_norm=True)),
         KDABlock(KDAConfig(batch=1, heads=8, v_split=4, tokens=4, commit="accepted", state_dtype="bf16")),
-    ] + _moe_block_cases() + _mla_block_cases()
+    ] + _moe_block_cases() + _mla_block_cases() + _allreduce_block_cases()
+
+
+def _allreduce_block_cases():
+    from .blocks.allreduce import allreduce_compile_cases   # one-shot, two-shot halves, wire dtypes
+    return allreduce_compile_cases()
 
 
 def _mla_block_cases():

@@ -22,7 +22,11 @@ from .program import encode
 
 class MegakernelRuntime:
     def __init__(self, program, tensors: dict[str, torch.Tensor], *, num_sms: int | None = None,
-                 timing: bool = False, timeout_s: float = 2.0, device="cuda"):
+                 timing: bool = False, timeout_s: float = 2.0, device="cuda",
+                 error: torch.Tensor | None = None):
+        # error: use this int32[ERROR_WORDS] tensor as the error word (blocks that wait on other
+        # GPUs, e.g. the all-reduce, bind the same tensor as an operand, so that their timeout
+        # stops this launch's other CTAs too); default: a fresh one.
         self.program = program
         self.device = torch.device(device)
         if num_sms is None:
@@ -45,7 +49,10 @@ class MegakernelRuntime:
         self.words = torch.from_numpy(words).to(dev)
         self.lengths = torch.from_numpy(lengths).to(dev)
         self.counters = torch.zeros(program.num_counters, dtype=torch.int32, device=dev)
-        self.error = torch.zeros(isa.ERROR_WORDS, dtype=torch.int32, device=dev)
+        if error is not None and (error.dtype != torch.int32 or error.numel() != isa.ERROR_WORDS
+                                  or error.device != self.counters.device):
+            raise ValueError(f"error word: want int32[{isa.ERROR_WORDS}] on {dev}, got {error.dtype}{list(error.shape)}")
+        self.error = error if error is not None else torch.zeros(isa.ERROR_WORDS, dtype=torch.int32, device=dev)
         ptrs = [0 if n is None else tensors[n].data_ptr() for n in program.optab]
         self.optab = torch.tensor(ptrs + [0], dtype=torch.int64, device=dev)
         self.timing = timing

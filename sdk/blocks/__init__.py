@@ -13,8 +13,11 @@ def builtin_blocks() -> list[type]:
     from .experts import ExpertsBlock
     from .router import RouterLogitsBlock, RouterSelectBlock
     from .mla_decode import MLACombineBlock, MLADecodeBlock, MLAHeadProjBlock
+    from .mhc import MHCMixBlock, MHCPostBlock, MHCPreBlock
+    from .dsv4_attention import DSV4CombineBlock, DSV4DecodeBlock
     return [RMSNormBlock, GemvBlock, KDABlock, RouterLogitsBlock, RouterSelectBlock, ExpertsBlock,
-            MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock]
+            MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock, MHCMixBlock, MHCPreBlock, MHCPostBlock,
+            DSV4DecodeBlock, DSV4CombineBlock]
 
 
 __all__ = ["Block", "Cost", "OperandSpec", "NUM_THREADS", "builtin_blocks"]

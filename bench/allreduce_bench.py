@@ -1,0 +1,139 @@
+"""All-reduce instruction latency vs message size, N virtual ranks on ONE GPU.
+
+    python -m bench.allreduce_bench --out DIR [--ranks 8] [--quick]
+
+IMPORTANT: on one GPU the "peer" stores of the virtual ranks go to local HBM (through L2), not
+over NVLink. This measures the instruction's own overhead - pushes, fence.sys, flag round trip,
+reduction, residual, fused RMSNorm, and the counter hop to the next op - not the interconnect.
+Add the link time (bytes / NVLink bandwidth) for a multi-GPU estimate (docs/gb300-nvl72-plan.md).
+
+Method: per (algorithm, size), one program per rank with K fused all-reduces in a chain (each
+op waits for the previous one: resid += sum of partials, out = rmsnorm(resid)), launched on the
+N ranks' streams (num_sms // N CTAs each) with the per-instruction globaltimer record. All ranks
+share the GPU's clock, so per all-reduce j: end_j = last tile end over all ranks; the reported
+latency is (end_{K-1} - end_0) / (K - 1): the steady-state time per all-reduce in a dependent
+chain, launch skew excluded. Median over R launches. Also: the span of one op (first tile start
+to last tile end over all ranks, median over ops), and the wall time per launch (CUDA events,
+includes the N host launches), for context.
+
+Message = M tokens x D=4096 bf16 (8 KB per token): 8 KB .. 1 MB. JSON: commit, command, GPU,
+ranks, note, per (algo, bytes): us per all-reduce, op span, wall us.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+
+def _commit() -> str:
+    c = os.environ.get("GIT_COMMIT")
+    if c:
+        return c
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def measure(n: int, m: int, d: int, algo: str, k: int, reps: int) -> dict:
+    from sdk.comm import VirtualRanks
+    from sdk.comm.runtime import TPRuntime
+    from sdk.megakernel.tp_stack import build_allreduce_chain
+    prog, comm = build_allreduce_chain(n, m, d, k, algo=algo)
+    bufs = VirtualRanks(n, comm.layout, "cuda")
+    T = [comm.alloc_rank_tensors(bufs, r, "cuda") for r in range(n)]
+    for t in T:
+        t["partial"].copy_(torch.randn(m, d, device="cuda").to(torch.bfloat16) * 1e-3)
+        t["norm.weight"].fill_(1.0)
+    t0 = time.time()
+    rt = TPRuntime(prog, comm, bufs, T, timing=True)
+    rt.run()                                   # compile + first launch
+    compile_s = time.time() - t0
+    # every instruction's (SM, list index, chain position of its all-reduce); same on all ranks
+    op_of = {o: j for j, rec in enumerate(comm.records) for o in rec["ops"]}
+    idx = [(s, jj, op_of[prog.instructions[i].op_index])
+           for s, lst in enumerate(rt.runtimes[0].schedule.per_sm) for jj, i in enumerate(lst)]
+    S_, J_, A_ = (np.array(v) for v in zip(*idx))
+    lat, span, wall = [], [], []
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        ev0.record()
+        rt.launch()
+        ev1.record()
+        torch.cuda.synchronize()
+        rt.check()
+        wall.append(ev0.elapsed_time(ev1) * 1e3)
+        start = np.full(k, np.inf)
+        end = np.zeros(k)
+        raw = [t.numpy() for t in rt.timing_raw()]
+        base = int(raw[0][S_[0], J_[0], 0])        # int64 ns since boot: subtract before float
+        for tim in raw:
+            tim = (tim - base).astype(np.float64)
+            np.minimum.at(start, A_, tim[S_, J_, 0])
+            np.maximum.at(end, A_, tim[S_, J_, 1])
+        lat.append((end[-1] - end[0]) / (k - 1) / 1e3)
+        span.append(float(np.median(end - start)) / 1e3)
+    return {"algo": algo, "m": m, "d": d, "bytes": m * d * 2, "ranks": n, "chain": k,
+            "us_per_allreduce": round(statistics.median(lat), 3), "op_span_us": round(statistics.median(span), 3),
+            "wall_us_per_launch": round(statistics.median(wall), 2), "tiles": [len(prog.ops[o].instructions)
+                                                                              for o in comm.records[0]["ops"]],
+            "compile_s": round(compile_s, 2)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8])
+    ap.add_argument("--d", type=int, default=4096)
+    ap.add_argument("--chain", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="fewer sizes (8 KB, 64 KB, 256 KB, 1 MB)")
+    args = ap.parse_args(argv)
+    ms = [1, 8, 32, 128] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]
+    gpu = torch.cuda.get_device_name()
+    print(f"GPU {gpu}; virtual ranks {args.ranks}: peer stores go to LOCAL HBM (no NVLink): this is the "
+          f"all-reduce instruction's overhead, not the interconnect")
+    rows = []
+    for n in args.ranks:
+        for algo in ("oneshot", "twoshot"):
+            for m in ms:
+                try:
+                    r = measure(n, m, args.d, algo, args.chain, args.reps)
+                except Exception as exc:          # e.g. a size two-shot cannot tile: record, go on
+                    r = {"algo": algo, "m": m, "d": args.d, "bytes": m * args.d * 2, "ranks": n,
+                         "error": f"{type(exc).__name__}: {exc}"}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    res = {"bench": "allreduce", "commit": _commit(), "command": " ".join([sys.executable, "-m", "bench.allreduce_bench"]
+                                                                          + (argv if argv is not None else sys.argv[1:])),
+           "gpu": gpu, "torch": torch.__version__,
+           "note": "virtual ranks on one GPU: peer stores land in local HBM, so this is the instruction's "
+                   "overhead (pushes, fence.sys, flag round trip, reduce, residual, RMSNorm, counter hop), "
+                   "not NVLink", "results": rows}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "allreduce_bench.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\nall-reduce latency (us per fused all-reduce in a chain; op span in parentheses), D={args.d} bf16")
+    print(f"{'ranks':>5} {'bytes':>9} " + " ".join(f"{a:>18}" for a in ("oneshot", "twoshot")))
+    for n in args.ranks:
+        for m in ms:
+            cells = []
+            for algo in ("oneshot", "twoshot"):
+                r = next(x for x in rows if x["ranks"] == n and x["m"] == m and x["algo"] == algo)
+                cells.append(f"{r['us_per_allreduce']:8.2f} ({r['op_span_us']:6.2f})" if "error" not in r
+                             else f"{'error':>18}")
+            print(f"{n:>5} {m * args.d * 2:>9} " + " ".join(f"{c:>18}" for c in cells))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Benchmark of the DeepSeek-V4 attention decode blocks (core split-KV tiles + sink/un-rope combine)
+at V4.1-Flash's per-GPU shape (TP8: 8 heads x 512, window 128), batch 1 / 8 / 64: HCA (ratio 128)
+and CSA (top-512 of ratio-4 entries) at 32K and 128K context, and sliding-window-only layers;
+beside the same work in PyTorch under a CUDA graph (gather of the keys, bf16 matmuls, fp32 masked
+softmax with the sink) and the floor: bytes of window + new + compressed KV rows read (weights
+not included) / the copy bandwidth measured in this run (bench/megakernel_bench.copy_bandwidth).
+
+    python -m bench.dsv4_bench --out bench/results/h200 [--quick]
+
+Timing: both launches of many calls in one CUDA graph, rotating over enough cache copies to
+exceed the L2; median of replays. JSON (dsv4_bench.json): commit, command, GPU, copy bandwidth,
+per case us, GB/s, fraction of floor, torch graph us, speed-up, rel err of the timed config.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from bench.megakernel_bench import L2_FLUSH_BYTES, _commit, copy_bandwidth, timed
+
+HEADS, HD, W = 8, 512, 128
+
+
+def _stream():
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def bench_case(mode, ctx, batch, copy_bw, quick=False):
+    from sdk.blocks._cute import standalone
+    from sdk.blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock,
+                                           DSV4DecodeConfig, choose_splits)
+    ratio = {"swa": 1, "hca": 128, "csa": 4}[mode]
+    start = ctx - 1
+    E = max(1, ctx // ratio)
+    probe = DSV4DecodeBlock(DSV4DecodeConfig(heads=HEADS, mode=mode, batch=batch, ratio=ratio, max_entries=E))
+    splits = choose_splits(batch, probe.keys_of(start))
+    core = DSV4DecodeBlock(DSV4DecodeConfig(**{**probe.config.__dict__, "num_splits": splits}))
+    comb = DSV4CombineBlock(DSV4CombineConfig(heads=HEADS, batch=batch, num_splits=splits))
+    kvb = core.kv_bytes([start] * batch)
+    copies = max(1, -(-L2_FLUSH_BYTES // kvb))
+    # one CSA comp cache holds all ctx/4 entries (the indexer's view) but the attention reads 512
+    comp_entries = E if mode != "csa" else E
+    per_copy = batch * (W + 1 + comp_entries) * HD * 2
+    copies = min(copies, max(1, (8 << 30) // per_copy))
+    r = lambda *s: torch.randn(*s, device="cuda").to(torch.bfloat16)
+    q = r(batch, 1, HEADS, HD)
+    bufs = [{"window": r(batch, W, HD), "new_kv": r(batch, 1, HD), "comp": r(batch, comp_entries, HD)}
+            for _ in range(copies)]
+    starts = torch.full((batch,), start, dtype=torch.int32, device="cuda")
+    idx = None
+    if mode == "csa":
+        idx = torch.stack([torch.randperm(E, device="cuda")[:512] for _ in range(batch)]).int().view(batch, 1, 512)
+    o_part = torch.empty(batch, 1, splits, core.rows, HD, device="cuda")
+    lse_part = torch.empty(batch, 1, splits, core.rows, device="cuda")
+    ang = torch.randn(batch, 1, 32, device="cuda")
+    cs, sn = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    sinks = torch.randn(HEADS, device="cuda")
+    out = torch.empty(batch, 1, HEADS, HD, dtype=torch.bfloat16, device="cuda")
+    t0 = time.time()
+    fc, fm = standalone(core), standalone(comb)
+    compile_s = time.time() - t0
+    tabs = []
+    for bf in bufs:
+        ops = {"q": q, **bf, "index": idx, "start": starts, "o_part": o_part, "lse_part": lse_part}
+        tabs.append(torch.tensor([ops[n].data_ptr() if ops.get(n) is not None else 0 for n in core.operands()],
+                                 dtype=torch.int64, device="cuda"))
+    ops = {"o_part": o_part, "lse_part": lse_part, "sinks": sinks, "cos": cs, "sin": sn, "out": out}
+    ctab = torch.tensor([ops[n].data_ptr() for n in comb.operands()], dtype=torch.int64, device="cuda")
+
+    def call(tab):
+        fc(tab.data_ptr(), _stream())
+        fm(ctab.data_ptr(), _stream())
+    out.fill_(float("nan"))
+    call(tabs[0])
+    torch.cuda.synchronize()
+    err = None
+    if batch <= 8:
+        cpu = {"q": q, **bufs[0], "index": idx, "start": starts, "sinks": sinks, "cos": cs, "sin": sn}
+        cpu = {k: v.cpu() for k, v in cpu.items() if v is not None}
+        cpu.update(core.reference(**cpu))
+        want = comb.reference(**cpu)["out"]
+        err = ((out.float().cpu() - want).norm() / want.norm()).item()
+    us, mode_t = timed([lambda t=t: call(t) for t in tabs] * max(2, (2 if quick else 8) // copies))
+
+    # unfused PyTorch: gather the keys, scores, masked softmax with the sink, PV
+    def torch_step(bf):
+        nc = {"swa": 0, "hca": (start + 1) // ratio, "csa": 512}[mode]
+        qq = q.view(batch, HEADS, HD)
+
+        def step():
+            keys = [bf["window"], bf["new_kv"]]
+            if mode == "hca":
+                keys.append(bf["comp"][:, :nc])
+            elif mode == "csa":
+                keys.append(torch.gather(bf["comp"], 1, idx.view(batch, 512, 1).long().expand(-1, -1, HD)))
+            k = torch.cat(keys, 1)
+            s = torch.matmul(qq, k.transpose(1, 2)).float() * HD ** -0.5
+            s = torch.cat([s, sinks.view(1, HEADS, 1).expand(batch, -1, -1)], -1)
+            p = torch.softmax(s, -1)[..., :-1].to(torch.bfloat16)
+            return torch.matmul(p, k)
+        return step
+    torch_us = None
+    try:
+        torch_us, _ = timed([torch_step(bf) for bf in bufs[:4]] * 2)
+    except torch.OutOfMemoryError:
+        pass
+    floor_us = kvb / (copy_bw * 1e3)
+    rec = {"case": f"v41flash_tp8 {mode} B={batch} ctx={ctx}", "mode": mode, "batch": batch, "context": ctx,
+           "heads": HEADS, "num_splits": splits, "chunk": core.config.chunk, "stages": core.stages,
+           "kv_bytes": kvb, "us": us, "gbs": kvb / (us * 1e3), "floor_us": floor_us,
+           "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
+           "speedup_vs_torch_graph": torch_us / us if torch_us else None, "timing_mode": mode_t,
+           "rel_err": err, "l2_rotation_copies": copies, "compile_s": round(compile_s, 2)}
+    del bufs, tabs
+    torch.cuda.empty_cache()
+    return rec
+
+
+def cases(quick):
+    out = []
+    for mode in ("hca", "csa"):
+        for ctx in ((32768,) if quick else (32768, 131072)):
+            for batch in (1, 8, 64):
+                out.append((mode, ctx, batch))
+    out += [("swa", 4096, 1), ("swa", 4096, 64)]
+    return out
+
+
+def run(out_dir=None, quick=False):
+    torch.cuda.init()
+    gpu = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    res = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "gpu": gpu,
+           "torch": torch.__version__, "copy_bandwidth_gbs": bw, "cases": []}
+    for mode, ctx, batch in cases(quick):
+        try:
+            rec = bench_case(mode, ctx, batch, bw["copy"], quick)
+        except Exception as exc:
+            rec = {"case": f"v41flash_tp8 {mode} B={batch} ctx={ctx}", "error": f"{type(exc).__name__}: {exc}"}
+            torch.cuda.empty_cache()
+        res["cases"].append(rec)
+        print(json.dumps(rec), flush=True)
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, "dsv4_bench.json"), "w") as f:
+                json.dump(res, f, indent=1)
+    print(f"copy bandwidth {bw['copy']:.0f} GB/s")
+    print(f"{'case':40s} {'us':>8s} {'GB/s':>7s} {'floor':>6s} {'torch us':>9s} {'speedup':>7s} {'err':>8s}")
+    for r in res["cases"]:
+        if "error" in r:
+            print(f"{r['case']:40s} ERROR {r['error'][:120]}")
+            continue
+        tu = f"{r['torch_graph_us']:.1f}" if r["torch_graph_us"] else "-"
+        sp = f"{r['speedup_vs_torch_graph']:.2f}x" if r["speedup_vs_torch_graph"] else "-"
+        er = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
+        print(f"{r['case']:40s} {r['us']:8.1f} {r['gbs']:7.0f} {r['fraction_of_floor']:6.2f} {tu:>9s} {sp:>7s} {er:>8s}")
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    run(a.out, a.quick)
+
+
+if __name__ == "__main__":
+    main()

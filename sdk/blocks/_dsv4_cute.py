@@ -1,0 +1,366 @@
+"""CuTe DSL device tiles of the DeepSeek-V4 attention decode blocks (`dsv4_attention.py` documents
+the key space, the masks and the formats). Imports cutlass: imported only when a tile is built.
+
+The core tile is MLADecodeBlock's tensor-core tile (`_mla_cute.py`: warp MMA m16n8k16, ldmatrix,
+online softmax, cp.async pipeline of KV chunks) with K = V = the whole 512-wide row and two
+changes: a chunk row comes from one of three sources (ring slot, this call's token, compressed
+entry - HCA in order, CSA through the index list) and the mask is the per-row visibility rule of
+the key (window position, causal among new tokens, compressed readiness). bf16 caches only.
+"""
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import warp as cwarp
+from cutlass.memory import SmemAllocator
+
+from ._cute import gmem_tensor
+from ._mla_cute import LOG2_E, a_view, mn_view, quad_max, quad_sum
+from .base import NUM_THREADS
+
+NUM_WARPS = NUM_THREADS // 32
+
+
+def build_dsv4_decode_tile(block):
+    c = block.config
+    B, T, H = c.batch, c.q_tokens, c.heads
+    TQ, G = block.tq, block.groups
+    R = block.rows
+    MP = 16 * math.ceil(R / 16)
+    D = c.head_dim
+    W = c.window
+    E = max(c.max_entries, 1)
+    K = max(c.topk, 1)
+    NCM = block.n_comp_max
+    MODE = c.mode
+    RATIO = c.ratio
+    CH = c.chunk
+    NWN = CH // 8
+    NWK = NUM_WARPS // NWN
+    KS = D // NWK
+    DVW = D // NUM_WARPS
+    ST = block.stages
+    S = c.num_splits
+    RS = D + 8
+    PIECES = D // 8
+    NPIECE = CH * PIECES
+    PPT = -(-NPIECE // NUM_THREADS)
+    scale_log2 = block.scale * LOG2_E
+    scale_nat = block.scale
+    NEG_INF = -math.inf
+
+    @cute.jit
+    def key_row(mIdx, b, g, start, j):
+        """(source 0 ring / 1 new / 2 comp, row in that source, compressed entry or -1) of key j."""
+        src = Int32(0)
+        row = j
+        ent = Int32(-1)
+        if j >= W:
+            src = Int32(1)
+            row = j - W
+            if j >= W + T:
+                src = Int32(2)
+                row = j - W - T
+                if cutlass.const_expr(MODE == "csa"):
+                    row = mIdx[b, g, j - W - T]
+                ent = row
+                if row < 0:
+                    row = Int32(0)
+                if row > E - 1:
+                    row = Int32(E - 1)
+        return src, row, ent
+
+    @cute.jit
+    def load_chunk(mRing, mNew, mComp, mIdx, b, g, start, nk, ci, st, sStage, tid, g2s):
+        """cp.async keys ci*CH + i into stage st. Keys past nk re-read key nk - 1 (finite data;
+        the mask drops them)."""
+        for k in cutlass.range_constexpr(PPT):
+            i = tid + k * NUM_THREADS
+            if i < NPIECE:
+                jj = i // PIECES
+                p = i % PIECES
+                j = ci * CH + jj
+                if j > nk - 1:
+                    j = nk - 1
+                src, row, ent = key_row(mIdx, b, g, start, j)
+                if src == 0:
+                    cute.copy(g2s, mRing[b, row, p, None], sStage[st, jj, p, None])
+                elif src == 1:
+                    cute.copy(g2s, mNew[b, row, p, None], sStage[st, jj, p, None])
+                else:
+                    if cutlass.const_expr(NCM > 0):
+                        cute.copy(g2s, mComp[b, row, p, None], sStage[st, jj, p, None])
+
+    @cute.jit
+    def visible(mIdx, b, g, start, nk, j, tq):
+        """Key j visible to the tile's query tq (0 .. TQ-1)."""
+        qp = start + g * TQ + tq
+        ok = j < nk
+        if j < W:
+            last = start - 1
+            pos = last - (last - j + W) % W
+            ok = ok and pos >= 0 and pos > qp - W
+        elif j < W + T:
+            ok = ok and (j - W) <= qp - start
+        else:
+            src, row, ent = key_row(mIdx, b, g, start, j)
+            ok = ok and ent >= 0 and ent < (qp + 1) // RATIO and ent < E
+        return ok
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = tid % 32
+        wid = tid // 32
+        s = t % S
+        bg = t // S
+        g = bg % G
+        b = bg // G
+
+        mQ = gmem_tensor(ptrs[0], BFloat16, (B, T * H, D // 8, 8), 16)
+        mRing = gmem_tensor(ptrs[1], BFloat16, (B, W, PIECES, 8), 16)
+        mNew = gmem_tensor(ptrs[2], BFloat16, (B, T, PIECES, 8), 16)
+        mComp = None
+        if cutlass.const_expr(NCM > 0):
+            mComp = gmem_tensor(ptrs[3], BFloat16, (B, E, PIECES, 8), 16)
+        mIdx = None
+        if cutlass.const_expr(MODE == "csa"):
+            mIdx = gmem_tensor(ptrs[4], Int32, (B, T, K), 4)
+        mStart = gmem_tensor(ptrs[5], Int32, (B,), 4)
+        mO = gmem_tensor(ptrs[6], Float32, (B, G, S, R, D), 4)
+        mL = gmem_tensor(ptrs[7], Float32, (B, G, S, R), 4)
+
+        smem = SmemAllocator()
+        sQ = smem.allocate_tensor(BFloat16, cute.make_layout((MP, D), stride=(RS, 1)), byte_alignment=128)
+        sS = smem.allocate_tensor(Float32, cute.make_layout((NWK, MP, CH), stride=(MP * CH, CH, 1)),
+                                  byte_alignment=16)
+        skv = smem.allocate_tensor(BFloat16, cute.make_layout((ST, CH, RS), stride=(CH * RS, RS, 1)),
+                                   byte_alignment=128)
+        sStage = cute.make_tensor(skv.iterator, cute.make_layout((ST, CH, PIECES, 8), stride=(CH * RS, RS, 8, 1)))
+        sKV = cute.make_tensor(skv.iterator, cute.make_layout((ST, CH, D), stride=(CH * RS, RS, 1)))
+        sKVt = cute.make_tensor(skv.iterator, cute.make_layout((ST, D, CH), stride=(CH * RS, 1, RS)))
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                  num_bits_per_copy=128)
+
+        # ---- the key count of this (sequence, group) and the split's chunk range --------------
+        start = mStart[b]
+        nk = Int32(W + T + NCM)
+        if cutlass.const_expr(MODE == "hca"):
+            ready = (start + T) // RATIO
+            if ready > E:
+                ready = Int32(E)
+            nk = W + T + ready
+        n_chunks = (nk + CH - 1) // CH
+        per = (n_chunks + S - 1) // S
+        c_lo = s * per
+        if c_lo > n_chunks:
+            c_lo = n_chunks
+        c_hi = c_lo + per
+        if c_hi > n_chunks:
+            c_hi = n_chunks
+
+        for k in cutlass.range_constexpr(ST - 1):
+            if c_lo + k < c_hi:
+                load_chunk(mRing, mNew, mComp, mIdx, b, g, start, nk, c_lo + k, k, sStage, tid, g2s)
+            cute.arch.cp_async_commit_group()
+
+        sQv = cute.make_tensor(sQ.iterator, cute.make_layout((MP, D // 8, 8), stride=(RS, 8, 1)))
+        for i in cutlass.range(tid, MP * (D // 8), NUM_THREADS, unroll=1):
+            r = i // (D // 8)
+            p = i % (D // 8)
+            if r < R:
+                sQv[r, p, None].store(mQ[b, g * TQ * H + r, p, None].load())
+            else:
+                sQv[r, p, None].fill(0.0)
+
+        mma_op = cwarp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+        tiled_qk = cute.make_tiled_mma(mma_op, (1, 1, 1))
+        tiled_pv = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(16, 16, 16))
+        thr_qk = tiled_qk.get_slice(lane)
+        thr_pv = tiled_pv.get_slice(lane)
+        cpy_q = cute.make_tiled_copy_A(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_qk)
+        cpy_k = cute.make_tiled_copy_B(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 2), BFloat16), tiled_qk)
+        cpy_v = cute.make_tiled_copy_B(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(True, 4), BFloat16), tiled_pv)
+        thr_cq = cpy_q.get_slice(lane)
+        thr_ck = cpy_k.get_slice(lane)
+        thr_cv = cpy_v.get_slice(lane)
+
+        nw = wid % NWN
+        kp = wid // NWN
+        sQk = cute.local_tile(sQ, (MP, KS), (0, kp))
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQk))
+        tSsQ = thr_cq.partition_S(sQk)
+        tSrQv = thr_cq.retile(tSrQ)
+
+        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((MP, DVW)), Float32)
+        accO.fill(0.0)
+        accO_mn = mn_view(accO)
+        NROW = cute.size(accO_mn, mode=[0])
+        row_max = cute.make_rmem_tensor((NROW,), Float32)
+        row_sum = cute.make_rmem_tensor((NROW,), Float32)
+        row_max.fill(NEG_INF)
+        row_sum.fill(0.0)
+
+        cS = thr_pv.partition_C(cute.make_identity_tensor((MP, CH)))
+
+        for ci in cutlass.range(c_lo, c_hi, unroll=1):
+            it = ci - c_lo
+            st = it % ST
+            cute.arch.cp_async_wait_group(ST - 2)
+            cute.arch.sync_threads()
+            nxt = ci + ST - 1
+            if nxt < c_hi:
+                load_chunk(mRing, mNew, mComp, mIdx, b, g, start, nk, nxt, (it + ST - 1) % ST, sStage, tid, g2s)
+            cute.arch.cp_async_commit_group()
+
+            sKw = cute.local_tile(sKV[st, None, None], (8, KS), (nw, kp))
+            tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKw))
+            tSsK = thr_ck.partition_S(sKw)
+            tSrKv = thr_ck.retile(tSrK)
+            accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, 8)), Float32)
+            accS.fill(0.0)
+            for k in cutlass.range_constexpr(KS // 16):
+                cute.copy(cpy_q, tSsQ[None, None, k], tSrQv[None, None, k])
+                cute.copy(cpy_k, tSsK[None, None, k], tSrKv[None, None, k])
+                cute.gemm(tiled_qk, accS, tSrQ[None, None, k], tSrK[None, None, k], accS)
+            tSsS = thr_qk.partition_C(cute.local_tile(sS[kp, None, None], (MP, 8), (0, nw)))
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                tSsS[i] = accS[i]
+            cute.arch.sync_threads()
+
+            accP = cute.make_rmem_tensor(thr_pv.partition_shape_C((MP, CH)), Float32)
+            tPs0 = thr_pv.partition_C(sS[0, None, None])
+            for i in cutlass.range_constexpr(cute.size(accP)):
+                accP[i] = tPs0[i]
+            for kk in cutlass.range_constexpr(1, NWK):
+                tPsk = thr_pv.partition_C(sS[kk, None, None])
+                for i in cutlass.range_constexpr(cute.size(accP)):
+                    accP[i] = accP[i] + tPsk[i]
+            # every key's visibility per row (window, causal, compressed readiness / selection)
+            for i in cutlass.range_constexpr(cute.size(accP)):
+                m_, n_ = cS[i]
+                tq = m_ // H
+                if tq > TQ - 1:
+                    tq = TQ - 1
+                if not visible(mIdx, b, g, start, nk, ci * CH + n_, tq):
+                    accP[i] = NEG_INF
+            accP_mn = mn_view(accP)
+            for r in cutlass.range_constexpr(NROW):
+                row = accP_mn[r, None].load()
+                mx = quad_max(row.reduce(cute.ReductionOp.MAX, NEG_INF, 0))
+                m_new = cute.arch.fmax(row_max[r], mx)
+                m_use = m_new
+                if m_new == NEG_INF:
+                    m_use = Float32(0.0)
+                p = cute.math.exp2(row * scale_log2 - m_use * scale_log2, fastmath=True)
+                alpha = cute.math.exp2(row_max[r] * scale_log2 - m_use * scale_log2, fastmath=True)
+                row_sum[r] = row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                accO_mn[r, None] = accO_mn[r, None].load() * alpha
+                row_max[r] = m_new
+                accP_mn[r, None] = p
+
+            rP = cute.make_rmem_tensor(accP.layout, BFloat16)
+            rP.store(accP.load().to(BFloat16))
+            tOrP = a_view(rP)
+            sVt = cute.local_tile(sKVt[st, None, None], (DVW, CH), (wid, 0))
+            tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+            tOsV = thr_cv.partition_S(sVt)
+            tOrVv = thr_cv.retile(tOrV)
+            for k in cutlass.range_constexpr(CH // 16):
+                cute.copy(cpy_v, tOsV[None, None, k], tOrVv[None, None, k])
+                cute.gemm(tiled_pv, accO, tOrP[None, None, k], tOrV[None, None, k], accO)
+
+        cute.arch.cp_async_wait_group(0)
+
+        cO_mn = mn_view(thr_pv.partition_C(cute.make_identity_tensor((MP, DVW))))
+        for r in cutlass.range_constexpr(NROW):
+            l = quad_sum(row_sum[r])
+            inv = Float32(0.0)
+            lse = Float32(NEG_INF)
+            if l > Float32(0.0):
+                inv = Float32(1.0) / l
+                lse = row_max[r] * scale_nat + cute.math.log(l, fastmath=False)
+            m_ = cO_mn[r, 0][0]
+            if m_ < R:
+                for cc in cutlass.range_constexpr(cute.size(accO_mn, mode=[1])):
+                    mO[b, g, s, m_, wid * DVW + cO_mn[r, cc][1]] = accO_mn[r, cc] * inv
+                if wid == 0 and lane % 4 == 0:
+                    mL[b, g, s, m_] = lse
+        cute.arch.sync_threads()
+
+    return tile
+
+
+def build_dsv4_combine_tile(block):
+    c = block.config
+    B, T, H, D, S = c.batch, c.q_tokens, c.heads, c.head_dim, c.num_splits
+    G, R = block.groups, block.rows
+    PTG = c.per_token_groups
+    CPT = D // NUM_THREADS               # consecutive columns per thread
+    RD = c.rope_dim
+    R2 = max(RD // 2, 1)
+    NEG_INF = -math.inf
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        b = t // T
+        tq = t % T
+        g = Int32(0)
+        r0 = tq * H
+        if cutlass.const_expr(PTG):
+            g = tq
+            r0 = Int32(0)
+        mO = gmem_tensor(ptrs[0], Float32, (B, G, S, R, NUM_THREADS, CPT), 4)
+        mL = gmem_tensor(ptrs[1], Float32, (B, G, S, R), 4)
+        mSink = gmem_tensor(ptrs[2], Float32, (H,), 4)
+        mOut = gmem_tensor(ptrs[5], BFloat16, (B, T, H, NUM_THREADS, CPT), 2)
+        smem = SmemAllocator()
+        sL = smem.allocate_tensor(Float32, cute.make_layout((S, H), stride=(H, 1)), byte_alignment=16)
+        sM = smem.allocate_tensor(Float32, cute.make_layout((2, H), stride=(H, 1)), byte_alignment=16)
+        for i in cutlass.range(tid, S * H, NUM_THREADS, unroll=1):
+            sL[i // H, i % H] = mL[b, g, i // H, r0 + i % H]
+        cute.arch.sync_threads()
+        if tid < H:
+            sink = mSink[tid]
+            mx = sink
+            for sp in cutlass.range(S, unroll=1):
+                mx = cute.arch.fmax(mx, sL[sp, tid])
+            den = cute.math.exp(sink - mx, fastmath=False)          # the sink's share of the denominator
+            for sp in cutlass.range(S, unroll=1):
+                den = den + cute.math.exp(sL[sp, tid] - mx, fastmath=False)
+            sM[0, tid] = mx
+            sM[1, tid] = den
+        cute.arch.sync_threads()
+        col0 = tid * CPT
+        for h in cutlass.range(H, unroll=1):
+            mx = sM[0, h]
+            inv = Float32(1.0) / sM[1, h]
+            acc = cute.make_rmem_tensor((CPT,), Float32)
+            acc.fill(0.0)
+            for sp in cutlass.range(S, unroll=1):
+                w = cute.math.exp(sL[sp, h] - mx, fastmath=False) * inv
+                if w > Float32(0.0):
+                    acc.store(acc.load() + mO[b, g, sp, r0 + h, tid, None].load() * w)
+            res = cute.make_rmem_tensor((CPT,), Float32)
+            res.store(acc.load().to(BFloat16).to(Float32))          # the reference rounds o to bf16 first
+            if cutlass.const_expr(RD > 0):
+                if col0 >= D - RD:
+                    mCos = gmem_tensor(ptrs[3], BFloat16, (B, T, R2), 2)
+                    mSin = gmem_tensor(ptrs[4], BFloat16, (B, T, R2), 2)
+                    for pr in cutlass.range_constexpr(CPT // 2):
+                        i = (col0 - (D - RD)) // 2 + pr
+                        cs = mCos[b, tq, i].to(Float32)
+                        sn = mSin[b, tq, i].to(Float32)
+                        x0 = res[2 * pr]
+                        x1 = res[2 * pr + 1]
+                        res[2 * pr] = x0 * cs + x1 * sn       # rotate by -position: (x0, x1) R(-theta)
+                        res[2 * pr + 1] = x1 * cs - x0 * sn
+            mOut[b, tq, h, tid, None].store(res.load().to(BFloat16))
+        cute.arch.sync_threads()
+
+    return tile

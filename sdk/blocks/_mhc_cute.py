@@ -1,0 +1,255 @@
+"""CuTe DSL device tiles of the mHC blocks (`mhc.py` documents the math, the cut and the layout).
+Imports cutlass: imported only when a block's device tile is built."""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.memory import SmemAllocator
+
+from ._cute import DTYPE_MAP, block_sum, gmem_tensor
+from .base import NUM_THREADS
+
+NUM_WARPS = NUM_THREADS // 32
+
+
+def _align(dtype: str) -> int:
+    return 16 if dtype == "fp32" else 8          # bytes of a 4-element vector
+
+
+def _partials_helpers(R, N, D, DS, fn_dtype):
+    """(stage, partials): stage fn's slice in smem as fp32; one warp's partial dots of one token."""
+    VPL = DS // 128
+    V = DS // 4
+    NVEC = R * N * V
+    fdt = DTYPE_MAP[fn_dtype]
+
+    @cute.jit
+    def stage(fn_addr, t, sF, tid):
+        mF = gmem_tensor(fn_addr, fdt, (R, N, D // 4, 4), _align(fn_dtype))
+        for k in cutlass.range_constexpr(-(-NVEC // NUM_THREADS)):
+            i = tid + k * NUM_THREADS
+            if i < NVEC:
+                r = i // (N * V)
+                n = (i // V) % N
+                v = i % V
+                sF[r, n, v, None].store(mF[r, n, t * V + v, None].load().to(Float32))
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def partials(xs, sF, lane, mP, s, m):
+        """xs: this lane's N * VPL 4-vectors (fp32 values as stored) of token m; writes mP[s, m, :]."""
+        ss = Float32(0.0)
+        for q in cutlass.range_constexpr(N * VPL):
+            ss = ss + (xs[q] * xs[q]).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        for r in cutlass.range_constexpr(R):
+            acc = Float32(0.0)
+            for n in cutlass.range_constexpr(N):
+                for i in cutlass.range_constexpr(VPL):
+                    f = sF[r, n, lane + 32 * i, None].load()
+                    acc = acc + (xs[n * VPL + i] * f).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            acc = cute.arch.warp_reduction_sum(acc)
+            if lane == 0:
+                mP[s, m, r] = acc
+        ss = cute.arch.warp_reduction_sum(ss)
+        if lane == 0:
+            mP[s, m, R] = ss
+
+    return stage, partials
+
+
+def build_mix_tile(block):
+    c = block.config
+    M, N, D, DS, R, S = c.m, c.n, c.d, c.d_slice, c.rows, block.slices
+    VPL, V = DS // 128, DS // 4
+    sdt = DTYPE_MAP[c.stream_dtype]
+    stage, partials = _partials_helpers(R, N, D, DS, c.fn_dtype)
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = tid % 32
+        wid = tid // 32
+        mX = gmem_tensor(ptrs[0], sdt, (M, N, D // 4, 4), _align(c.stream_dtype))
+        mP = gmem_tensor(ptrs[2], Float32, (S, M, R + 1), 4)
+        smem = SmemAllocator()
+        sF = smem.allocate_tensor(Float32, cute.make_layout((R, N, V, 4), stride=(N * DS, DS, 4, 1)),
+                                  byte_alignment=16)
+        stage(ptrs[1], t, sF, tid)
+        for m in cutlass.range(wid, M, NUM_WARPS, unroll=1):
+            xs = []
+            for n in cutlass.range_constexpr(N):
+                for i in cutlass.range_constexpr(VPL):
+                    xs.append(mX[m, n, t * V + lane + 32 * i, None].load().to(Float32))
+            partials(xs, sF, lane, mP, t, m)
+        cute.arch.sync_threads()            # smem is reused by the next instruction
+
+    return tile
+
+
+def build_post_tile(block):
+    c = block.config
+    M, N, D, DS, S = c.m, c.n, c.d, c.d_slice, block.slices
+    R2 = c.next_rows
+    NEXT = R2 > 0
+    CW = (2 + N) * N
+    VPL, V = DS // 128, DS // 4
+    sdt = DTYPE_MAP[c.stream_dtype]
+    ydt = DTYPE_MAP[c.y_dtype]
+    stage, partials = _partials_helpers(max(R2, 1), N, D, DS, c.fn_dtype)
+
+    @cute.jit
+    def rnd(x):
+        """A scalar as stored in the stream dtype (the reference casts post / comb to it)."""
+        v = cute.make_rmem_tensor((1,), Float32)
+        v[0] = x
+        return v.load().to(sdt).to(Float32)[0]
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = tid % 32
+        wid = tid // 32
+        mX = gmem_tensor(ptrs[0], sdt, (M, N, D // 4, 4), _align(c.stream_dtype))
+        mY = gmem_tensor(ptrs[1], ydt, (M, D // 4, 4), _align(c.y_dtype))
+        mC = gmem_tensor(ptrs[2], Float32, (M, CW), 4)
+        mXo = gmem_tensor(ptrs[4], sdt, (M, N, D // 4, 4), _align(c.stream_dtype))
+        sF = None
+        mP = None
+        if cutlass.const_expr(NEXT):
+            mP = gmem_tensor(ptrs[5], Float32, (S, M, R2 + 1), 4)
+            smem = SmemAllocator()
+            sF = smem.allocate_tensor(Float32, cute.make_layout((R2, N, V, 4), stride=(N * DS, DS, 4, 1)),
+                                      byte_alignment=16)
+            stage(ptrs[3], t, sF, tid)      # weights first: their loads overlap the coefficient reads
+        for m in cutlass.range(wid, M, NUM_WARPS, unroll=1):
+            post = [rnd(mC[m, N + n]) for n in range(N)]
+            comb = [rnd(mC[m, 2 * N + q]) for q in range(N * N)]      # comb[j, n] at j * N + n
+            xs = [None] * (N * VPL)
+            for i in cutlass.range_constexpr(VPL):
+                v = t * V + lane + 32 * i
+                xj = [mX[m, j, v, None].load().to(Float32) for j in range(N)]
+                y = mY[m, v, None].load().to(Float32)
+                for n in cutlass.range_constexpr(N):
+                    acc = y * post[n]
+                    for j in cutlass.range_constexpr(N):
+                        acc = acc + xj[j] * comb[j * N + n]
+                    st = acc.to(sdt)
+                    mXo[m, n, v, None].store(st)
+                    xs[n * VPL + i] = st.to(Float32)
+            if cutlass.const_expr(NEXT):
+                partials(xs, sF, lane, mP, t, m)
+        cute.arch.sync_threads()
+
+    return tile
+
+
+def build_pre_tile(block):
+    c = block.config
+    M, N, D, S = c.m, c.n, c.d, c.slices
+    R = block.rows
+    CW = block.coef_width
+    KIND = c.kind
+    MEAN = KIND == "mean"
+    SUB = KIND == "sublayer"
+    NV = D // (4 * NUM_THREADS)
+    LOGN = {1: 0, 2: 1, 4: 2}[N]
+    sdt = DTYPE_MAP[c.stream_dtype]
+    odt = DTYPE_MAP[c.out_dtype]
+    NORM = c.out_norm
+    PRE_AT = 64                          # scratch words [64, 64 + N): the pre coefficients
+    eps = c.hc_eps
+    inv_nd = 1.0 / (N * D)
+
+    @cute.jit
+    def sigmoid(x):
+        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=False))
+
+    @cute.jit
+    def row_sum(v):                      # over comb's columns j: the low log2(N) lane bits
+        for k in cutlass.range_constexpr(LOGN):
+            v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << k, mask=-1, mask_and_clamp=31)
+        return v
+
+    @cute.jit
+    def col_sum(v):                      # over comb's rows i: the next log2(N) lane bits
+        for k in cutlass.range_constexpr(LOGN):
+            v = v + cute.arch.shuffle_sync_bfly(v, offset=N << k, mask=-1, mask_and_clamp=31)
+        return v
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = tid % 32
+        wid = tid // 32
+        mX = gmem_tensor(ptrs[0], sdt, (M, N, D // 4, 4), _align(c.stream_dtype))
+        mC = gmem_tensor(ptrs[5], Float32, (M, CW), 4)
+        mO = gmem_tensor(ptrs[6], odt, (M, D // 4, 4), _align(c.out_dtype))
+        if cutlass.const_expr(MEAN):
+            if tid < N:
+                scratch[PRE_AT + tid] = Float32(1.0 / N)
+                mC[t, tid] = Float32(1.0 / N)
+        else:
+            mP = gmem_tensor(ptrs[1], Float32, (S, M, R + 1), 4)
+            mB = gmem_tensor(ptrs[2], Float32, (R,), 4)
+            mS = gmem_tensor(ptrs[3], Float32, (3 if SUB else 1,), 4)
+            # 1. the slices' partials -> scratch[0 .. R]
+            if tid < R + 1:
+                acc = Float32(0.0)
+                for s in cutlass.range(S, unroll=1):
+                    acc = acc + mP[s, t, tid]
+                scratch[tid] = acc
+            cute.arch.sync_threads()
+            # 2. the coefficients, warp 0
+            if wid == 0:
+                rstd = cute.math.rsqrt(scratch[R] * Float32(inv_nd) + Float32(c.norm_eps), fastmath=False)
+                ln = lane % N
+                pre = sigmoid(scratch[ln] * rstd * mS[0] + mB[ln]) + Float32(eps)
+                if lane < N:
+                    scratch[PRE_AT + lane] = pre
+                    mC[t, lane] = pre
+                if cutlass.const_expr(SUB):
+                    post = Float32(2.0) * sigmoid(scratch[N + ln] * rstd * mS[1] + mB[N + ln])
+                    if lane < N:
+                        mC[t, N + lane] = post
+                    e = lane % (N * N)                     # lane (i, j) = (e // N, e % N)
+                    v = scratch[2 * N + e] * rstd * mS[2] + mB[2 * N + e]
+                    mx = v
+                    for k in cutlass.range_constexpr(LOGN):
+                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << k, mask=-1,
+                                                                            mask_and_clamp=31))
+                    ex = cute.math.exp(v - mx, fastmath=False)
+                    cm = ex / row_sum(ex) + Float32(eps)
+                    cm = cm / (col_sum(cm) + Float32(eps))
+                    for _ in cutlass.range(c.iters - 1, unroll=1):
+                        cm = cm / (row_sum(cm) + Float32(eps))
+                        cm = cm / (col_sum(cm) + Float32(eps))
+                    if lane < N * N:
+                        mC[t, 2 * N + lane] = cm
+        cute.arch.sync_threads()
+        # 3. collapse (rounded to the stream dtype) and the fused RMSNorm
+        pres = [scratch[PRE_AT + n] for n in range(N)]
+        vals = []
+        ss = Float32(0.0)
+        for j in cutlass.range_constexpr(NV):
+            ch = j * NUM_THREADS + tid
+            acc = mX[t, 0, ch, None].load().to(Float32) * pres[0]
+            for n in cutlass.range_constexpr(1, N):
+                acc = acc + mX[t, n, ch, None].load().to(Float32) * pres[n]
+            acc = acc.to(sdt).to(Float32)
+            vals.append(acc)
+            ss = ss + (acc * acc).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        if cutlass.const_expr(NORM):
+            mW = gmem_tensor(ptrs[4], Float32, (D // 4, 4), 16)
+            total = block_sum(ss, scratch)
+            rstd2 = cute.math.rsqrt(total / Float32(D) + Float32(c.out_eps), fastmath=False)
+            for j in cutlass.range_constexpr(NV):
+                ch = j * NUM_THREADS + tid
+                h = (vals[j] * rstd2).to(sdt).to(Float32)
+                mO[t, ch, None].store((h * mW[ch, None].load()).to(odt))
+        else:
+            for j in cutlass.range_constexpr(NV):
+                mO[t, j * NUM_THREADS + tid, None].store(vals[j].to(odt))
+        cute.arch.sync_threads()
+
+    return tile

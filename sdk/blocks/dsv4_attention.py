@@ -1,0 +1,360 @@
+"""DeepSeek-V4 attention decode core: split-KV over the sliding window + compressed KV, and a
+combine step that adds the per-head sink and undoes RoPE on the output's rope slice.
+
+The definition is the attention math of sdk/reference/dsv4_attention.py (DSV4AttentionReference,
+proven equal to transformers): one shared KV head of `head_dim` (K = V, partial RoPE already
+applied in the caches), H query heads (this GPU's shard), for query t of sequence b at
+qp = start_b + t the keys are
+
+    window: ring [B, W, hd], slot j holds position last - ((last - j) mod W), last = start - 1,
+            visible iff that position >= 0 and > qp - W                  (the tokens before this call)
+    new:    new_kv [B, T, hd], token t' visible iff t' <= t              (this call's tokens, causal)
+    comp:   HCA ("hca"): comp [B, E, hd] entries e < (qp + 1) // ratio
+            CSA ("csa"): the indexer's selection index [B, T, K] int32 (distinct entries, -1 = none),
+                         entry e visible iff 0 <= e < (qp + 1) // ratio
+            "swa": none
+    o = softmax over [q.k * scale for visible keys, sink_h] @ V, the sink's share dropped,
+    rounded to bf16, then the rope slice rotated by -qp (cos/sin operands, bf16 as the reference).
+
+Blocks:
+- `DSV4DecodeBlock`: tile = (sequence b, query group g, KV split s). A query group is all T tokens
+  (rows = T * H share one key list) except for CSA, whose selections differ per token (group =
+  one token, rows = H). The tile walks keys j in [0, W + T + n_comp) - ring slots, new tokens,
+  compressed entries - in chunks of `chunk` keys cut into `num_splits` ranges; writes the
+  normalised partial output and its lse (as MLADecodeBlock, whose tensor-core tile it shares:
+  `_dsv4_cute.py` is that tile with this module's key -> row map and visibility rule).
+- `DSV4CombineBlock`: tile = (sequence b, token t): merges the splits and the sink
+  (L = logsumexp(lse_1..S, sink_h), out = sum_s exp(lse_s - L) o_s), rounds to bf16 and un-ropes.
+
+Formats: q [B, T, H, hd] bf16 (post-RoPE); window / new_kv / comp bf16; start [B] int32 (tokens
+before this call, ragged); o_part [B, G, S, rows, hd] fp32, lse_part [B, G, S, rows] fp32;
+sinks [H] fp32; cos / sin [B, T, rope / 2] bf16 (the rope at each query's position); out
+[B, T, H, hd] bf16. The ring is written with this call's tokens AFTER the attention (another op:
+tiles of other splits may still read it).
+
+Supported: rows = (T or 1) * H <= 32 (TP8: 8 heads, T <= 4), head_dim a multiple of 256, T <= W,
+bf16 caches, chunk 16/32/64. Not yet: fp8 / fp4 cache formats (V4.1 SWA E4M3 + UE8M0 and
+compressed E2M1), H > 32 rows (TP1's 64 heads), the ring write fused in the combine, wgmma/tcgen05.
+The indexer (scores, top-k) is `docs/dsv4_attention.md`'s design, not a block yet.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import NUM_THREADS, Block, Cost, OperandSpec
+
+MODES = ("swa", "hca", "csa")
+
+
+def choose_splits(batch: int, keys: int, num_sms: int = 132, chunk: int = 32, min_chunks: int = 4) -> int:
+    """KV splits per (sequence, group): about one wave of tiles, at least `min_chunks` chunks each."""
+    by_sms = max(1, num_sms // max(1, batch))
+    by_len = max(1, (keys // chunk) // min_chunks)
+    return max(1, min(by_sms, by_len))
+
+
+@dataclass(frozen=True)
+class DSV4DecodeConfig:
+    heads: int                   # query heads of this GPU (V4.1-Flash TP8: 8)
+    mode: str = "hca"            # "swa" | "hca" | "csa"
+    batch: int = 1
+    q_tokens: int = 1
+    head_dim: int = 512
+    window: int = 128
+    ratio: int = 128             # compress ratio (HCA 128, CSA 4)
+    max_entries: int = 1024      # comp cache entries per sequence (max_seq_len // ratio)
+    topk: int = 512              # CSA: index list width
+    softmax_scale: float = 0.0   # 0: head_dim ** -0.5
+    num_splits: int = 1
+    chunk: int = 32
+    stages: int = 0              # 0: auto
+
+
+class DSV4DecodeBlock(Block):
+    name = "dsv4_decode"
+    Config = DSV4DecodeConfig
+
+    # -- static facts --------------------------------------------------------------------------
+    @property
+    def groups(self) -> int:
+        return self.config.q_tokens if self.config.mode == "csa" else 1
+
+    @property
+    def tq(self) -> int:                     # query tokens per group
+        return 1 if self.config.mode == "csa" else self.config.q_tokens
+
+    @property
+    def rows(self) -> int:
+        return self.tq * self.config.heads
+
+    @property
+    def scale(self) -> float:
+        return self.config.softmax_scale or self.config.head_dim ** -0.5
+
+    @property
+    def n_comp_max(self) -> int:
+        c = self.config
+        return {"swa": 0, "hca": c.max_entries, "csa": c.topk}[c.mode]
+
+    @property
+    def stages(self) -> int:
+        c = self.config
+        if c.stages:
+            return c.stages
+        fixed = self._smem(0)
+        return max(2, min(8, (200 * 1024 - fixed) // (self._smem(1) - fixed)))
+
+    def _smem(self, stages):
+        c = self.config
+        mp = 16 * math.ceil(self.rows / 16)
+        nwk = NUM_THREADS // 32 // (c.chunk // 8)
+        rs = c.head_dim + 8
+        return mp * rs * 2 + nwk * mp * c.chunk * 4 + stages * c.chunk * rs * 2
+
+    def check(self):
+        c = self.config
+        if c.mode not in MODES:
+            self.unsupported(f"dsv4_decode: mode {c.mode!r} (supported: {MODES})")
+        if c.chunk not in (16, 32, 64):
+            self.unsupported(f"dsv4_decode: chunk={c.chunk} (16, 32, 64)")
+        if not 1 <= self.rows <= 32:
+            self.unsupported(f"dsv4_decode: {self.rows} query rows per tile (supported 1..32: heads x T, "
+                             f"or heads for CSA)")
+        if c.head_dim % 256:
+            self.unsupported(f"dsv4_decode: head_dim={c.head_dim} must be a multiple of 256")
+        if not 1 <= c.q_tokens <= c.window:
+            self.unsupported(f"dsv4_decode: q_tokens={c.q_tokens} must be in 1..window")
+        if c.mode != "swa" and (c.ratio < 1 or c.max_entries < 1):
+            self.unsupported("dsv4_decode: compressed modes need ratio >= 1 and max_entries >= 1")
+        if c.num_splits < 1 or c.batch < 1:
+            self.unsupported("dsv4_decode: batch and num_splits >= 1")
+        if self._smem(self.stages) > 227 * 1024:
+            self.unsupported(f"dsv4_decode: {self._smem(self.stages)} B of shared memory")
+
+    def operand_specs(self):
+        c = self.config
+        hd, G, S = c.head_dim, self.groups, c.num_splits
+        return [OperandSpec("q", (c.batch, c.q_tokens, c.heads, hd), "bf16"),
+                OperandSpec("window", (c.batch, c.window, hd), "bf16"),
+                OperandSpec("new_kv", (c.batch, c.q_tokens, hd), "bf16"),
+                OperandSpec("comp", (c.batch, max(c.max_entries, 1), hd), "bf16", optional=c.mode == "swa"),
+                OperandSpec("index", (c.batch, c.q_tokens, max(c.topk, 1)), "int32", optional=c.mode != "csa"),
+                OperandSpec("start", (c.batch,), "int32"),
+                OperandSpec("o_part", (c.batch, G, S, self.rows, hd), "fp32", output=True),
+                OperandSpec("lse_part", (c.batch, G, S, self.rows), "fp32", output=True)]
+
+    def num_tiles(self) -> int:
+        return self.config.batch * self.groups * self.config.num_splits
+
+    def keys_of(self, start: int) -> int:
+        """Keys of a (sequence, group) with `start` tokens before this call: W + T + compressed."""
+        c = self.config
+        if c.mode == "hca":
+            nc = min(c.max_entries, (start + c.q_tokens) // c.ratio)
+        else:
+            nc = self.n_comp_max
+        return c.window + c.q_tokens + nc
+
+    def cost(self, start: int | None = None) -> Cost:
+        c = self.config
+        keys = self.keys_of(c.max_entries * c.ratio if start is None else start)
+        per = math.ceil(keys / c.num_splits)
+        b = per * c.head_dim * 2 + self.rows * c.head_dim * (2 + 4) + self.rows * 4
+        return Cost(bytes=b, flops=4 * per * self.rows * c.head_dim)
+
+    def kv_bytes(self, starts) -> int:
+        """Bytes of KV rows the whole op must read (window + new + compressed; the floor)."""
+        return sum(self.groups * self.keys_of(int(s)) for s in starts) * self.config.head_dim * 2
+
+    # -- torch faces ---------------------------------------------------------------------------
+    def key_rows(self, t: dict, b: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [nk, hd] fp32, visible [tq, nk] bool) of sequence b, query group g, in key order."""
+        c = self.config
+        W, T = c.window, c.q_tokens
+        start = int(t["start"][b])
+        nk = self.keys_of(start)
+        qp = start + g * self.tq + torch.arange(self.tq)                      # [tq]
+        last = start - 1
+        j = torch.arange(W)
+        ring_pos = last - torch.remainder(last - j, W)
+        vis = [(ring_pos[None] >= 0) & (ring_pos[None] > qp[:, None] - W)]
+        rows = [t["window"][b].float().cpu()]
+        vis.append(torch.arange(T)[None] <= (qp - start)[:, None])
+        rows.append(t["new_kv"][b].float().cpu())
+        ready = (qp + 1) // c.ratio if c.mode != "swa" else None
+        if c.mode == "hca":
+            e = torch.arange(nk - W - T)
+            vis.append(e[None] < ready[:, None])
+            rows.append(t["comp"][b, :nk - W - T].float().cpu())
+        elif c.mode == "csa":
+            e = t["index"][b, g].long().cpu()                                 # [K]
+            ok = (e[None] >= 0) & (e[None] < ready[:, None]) & (e[None] < c.max_entries)
+            vis.append(ok)
+            rows.append(t["comp"][b].float().cpu()[e.clamp(0, c.max_entries - 1)])
+        return torch.cat(rows), torch.cat(vis, dim=1)
+
+    def split_range(self, nk: int, split: int) -> tuple[int, int]:
+        c = self.config
+        n_chunks = -(-nk // c.chunk)
+        per = -(-n_chunks // c.num_splits)
+        lo = min(split * per, n_chunks) * c.chunk
+        return lo, max(lo, min(min((split + 1) * per, n_chunks) * c.chunk, nk))
+
+    def _q(self, t, b, g):
+        c = self.config
+        return t["q"][b, g * self.tq:(g + 1) * self.tq].float().cpu().reshape(self.rows, c.head_dim)
+
+    def _vis_rows(self, vis):
+        return vis.repeat_interleave(self.config.heads, dim=0)                 # [rows, nk]: row = tq * H + h
+
+    def reference(self, **t):
+        """The definition: per split, the normalised partial attention (fp32) and its lse."""
+        c = self.config
+        G, S = self.groups, c.num_splits
+        o = torch.zeros(c.batch, G, S, self.rows, c.head_dim)
+        lse = torch.full((c.batch, G, S, self.rows), float("-inf"))
+        for b in range(c.batch):
+            for g in range(G):
+                kv, vis = self.key_rows(t, b, g)
+                q = self._q(t, b, g)
+                vis = self._vis_rows(vis)
+                for s in range(S):
+                    lo, hi = self.split_range(kv.shape[0], s)
+                    if hi <= lo:
+                        continue
+                    sc = (q @ kv[lo:hi].T * self.scale).masked_fill(~vis[:, lo:hi], float("-inf"))
+                    l = torch.logsumexp(sc, -1)
+                    p = torch.nan_to_num(torch.exp(sc - l[:, None].clamp_min(-1e30)), nan=0.0)
+                    o[b, g, s], lse[b, g, s] = p @ kv[lo:hi], l
+        return {"o_part": o, "lse_part": lse}
+
+    def emulate_tile(self, t, tile):
+        """Torch twin of one tile: chunked online softmax in fp32, P rounded to bf16 (the MMA input)."""
+        c = self.config
+        bg, s = divmod(tile, c.num_splits)
+        b, g = divmod(bg, self.groups)
+        kv, vis = self.key_rows(t, b, g)
+        vis = self._vis_rows(vis)
+        q = self._q(t, b, g)
+        lo, hi = self.split_range(kv.shape[0], s)
+        m = torch.full((self.rows,), float("-inf"))
+        l = torch.zeros(self.rows)
+        acc = torch.zeros(self.rows, c.head_dim)
+        for c0 in range(lo, hi, c.chunk):
+            c1 = min(c0 + c.chunk, hi)
+            sc = (q @ kv[c0:c1].T).masked_fill(~vis[:, c0:c1], float("-inf"))
+            m_new = torch.maximum(m, sc.max(-1).values)
+            m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp((sc - m_use[:, None]) * self.scale)
+            alpha = torch.exp((m - m_use) * self.scale)
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[:, None] + p.to(torch.bfloat16).float() @ kv[c0:c1]
+            m = m_new
+        ok = l > 0
+        o = torch.where(ok[:, None], acc / l.clamp_min(1e-30)[:, None], torch.zeros_like(acc))
+        lse = torch.where(ok, m * self.scale + torch.log(l.clamp_min(1e-30)), torch.full_like(l, float("-inf")))
+        t["o_part"][b, g, s] = o.to(t["o_part"].device)
+        t["lse_part"][b, g, s] = lse.to(t["lse_part"].device)
+
+    def _build_device_tile(self):
+        from ._dsv4_cute import build_dsv4_decode_tile
+        return build_dsv4_decode_tile(self)
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DSV4CombineConfig:
+    heads: int
+    batch: int = 1
+    q_tokens: int = 1
+    head_dim: int = 512
+    num_splits: int = 1
+    per_token_groups: bool = False   # the core's groups: True for CSA (group = token)
+    rope_dim: int = 64               # trailing channels to un-rope (0: none)
+
+
+class DSV4CombineBlock(Block):
+    """out[b, t, h] = unrope(bf16(sum_s exp(lse_s - L) o_s)), L = logsumexp(lse_1..S, sink_h).
+    A tile is one (sequence, token); thread i owns head_dim / 256 consecutive columns of each
+    head row. Supported: head_dim a multiple of 256, rope_dim even and <= head_dim."""
+    name = "dsv4_combine"
+    Config = DSV4CombineConfig
+
+    @property
+    def groups(self) -> int:
+        return self.config.q_tokens if self.config.per_token_groups else 1
+
+    @property
+    def rows(self) -> int:
+        c = self.config
+        return c.heads * (1 if c.per_token_groups else c.q_tokens)
+
+    def check(self):
+        c = self.config
+        if c.head_dim % NUM_THREADS or c.rope_dim % 2 or c.rope_dim > c.head_dim:
+            self.unsupported(f"dsv4_combine: head_dim={c.head_dim} (multiple of {NUM_THREADS}), rope_dim={c.rope_dim}")
+        if (c.head_dim // NUM_THREADS) % 2 and c.rope_dim:
+            self.unsupported("dsv4_combine: columns per thread must be even to un-rope pairs")
+
+    def operand_specs(self):
+        c = self.config
+        r2 = max(c.rope_dim // 2, 1)
+        return [OperandSpec("o_part", (c.batch, self.groups, c.num_splits, self.rows, c.head_dim), "fp32"),
+                OperandSpec("lse_part", (c.batch, self.groups, c.num_splits, self.rows), "fp32"),
+                OperandSpec("sinks", (c.heads,), "fp32"),
+                OperandSpec("cos", (c.batch, c.q_tokens, r2), "bf16", optional=not c.rope_dim),
+                OperandSpec("sin", (c.batch, c.q_tokens, r2), "bf16", optional=not c.rope_dim),
+                OperandSpec("out", (c.batch, c.q_tokens, c.heads, c.head_dim), "bf16", output=True)]
+
+    def num_tiles(self) -> int:
+        return self.config.batch * self.config.q_tokens
+
+    def cost(self) -> Cost:
+        c = self.config
+        return Cost(bytes=c.heads * (c.num_splits * (c.head_dim + 1) * 4 + c.head_dim * 2),
+                    flops=2 * c.heads * c.num_splits * c.head_dim)
+
+    def _one(self, t, b, tq):
+        c = self.config
+        g, r0 = (tq, 0) if c.per_token_groups else (0, tq * c.heads)
+        op = t["o_part"][b, g, :, r0:r0 + c.heads].float()                    # [S, H, hd]
+        lp = t["lse_part"][b, g, :, r0:r0 + c.heads].float()                  # [S, H]
+        sink = t["sinks"].float()[None]
+        L = torch.logsumexp(torch.cat([lp, sink]), dim=0)                     # [H]
+        w = torch.nan_to_num(torch.exp(lp - L[None]), nan=0.0)
+        o = (w[..., None] * op).sum(0).to(torch.bfloat16).float()            # the reference's .to(x.dtype)
+        if c.rope_dim:
+            cos = t["cos"][b, tq].float().repeat_interleave(2)
+            sin = t["sin"][b, tq].float().repeat_interleave(2)
+            r = o[:, -c.rope_dim:]
+            rot = torch.stack((-r[:, 1::2], r[:, 0::2]), dim=-1).flatten(-2)
+            o = torch.cat([o[:, :-c.rope_dim], r * cos - rot * sin], dim=-1)
+        return o
+
+    def reference(self, **t):
+        c = self.config
+        out = torch.stack([torch.stack([self._one(t, b, tq) for tq in range(c.q_tokens)]) for b in range(c.batch)])
+        return {"out": out}
+
+    def emulate_tile(self, t, tile):
+        b, tq = divmod(tile, self.config.q_tokens)
+        t["out"][b, tq] = self._one(t, b, tq).to(t["out"].dtype)
+
+    def _build_device_tile(self):
+        from ._dsv4_cute import build_dsv4_combine_tile
+        return build_dsv4_combine_tile(self)
+
+
+def dsv4_compile_cases() -> list:
+    """V4.1-Flash TP8 (8 heads, head_dim 512, window 128): HCA at 1M context, CSA top-512, SWA."""
+    return [
+        DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode="hca", batch=1, max_entries=8192, num_splits=16)),
+        DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode="csa", ratio=4, batch=8, q_tokens=2, max_entries=32768,
+                                         num_splits=4)),
+        DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode="swa", batch=64, q_tokens=4, chunk=64)),
+        DSV4CombineBlock(DSV4CombineConfig(heads=8, batch=1, num_splits=16)),
+        DSV4CombineBlock(DSV4CombineConfig(heads=8, batch=8, q_tokens=2, num_splits=4, per_token_groups=True)),
+    ]

@@ -1,0 +1,208 @@
+"""Fused all-reduce ops in a megakernel program, and their per-rank bindings.
+
+    prog = Program()
+    comm = CommProgram(prog, ranks=4)           # declares comm.params, comm.err
+    ...
+    last = comm.allreduce("partial", "resid", res="resid", norm_weight="norm.1", out="h",
+                          waits=[down_op], label="layers.0.allreduce")
+    # per rank r (VirtualRanks or TorchSymmetricMemory built from comm.layout):
+    tensors = comm.alloc_rank_tensors(bufs, r, device)   # locals zeroed, params set, peer views bound
+
+Every rank builds the SAME program (same buffer names, same instructions, same schedule); only
+the tensors bound to the names differ: the rank's own partial/residual, its own view of the
+symmetric regions (`*.self`) and its views of the peers' (`*.{k}`). The rank index is data
+(`comm.params[0]`), so all ranks share one compiled kernel.
+
+Algorithm by message size (`choose_algo`): one-shot moves (N-1) x the message out of every rank
+with one flag round trip; two-shot (reduce-scatter + all-gather) moves 2 (N-1)/N x the message
+with two. One-shot wins while (N-1)(1 - 2/N) B / link_bw < alpha (one extra round trip), i.e.
+below `crossover_bytes(N)`: ~430 KB at N = 8, ~170 KB at 16, ~33 KB at 72 with the assumed
+NVLink 5 figures (alpha 2.5 us, 900 GB/s per direction; docs/gb300-nvl72-plan.md). N <= 2: always
+one-shot (same bytes, one round trip fewer). Two-shot also needs the shards to fit its tiling
+(`AllReduceBlock.check`), otherwise one-shot. The figures are assumptions until measured on the
+NVLink machine; on one GPU both algorithms only measure instruction overhead.
+
+Receive buffers are shared by all all-reduce ops of a program through two "colors"
+(`comm.data.c0`, `comm.data.c1`, each sized for its largest op) used alternately by
+consecutive all-reduces, and double-buffered inside by epoch parity; see docs/allreduce.md for
+why that is enough. Requirement: each all-reduce op depends (transitively, through local
+counters) on the previous one, as in a layer chain.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..blocks.allreduce import PARAMS_WORDS, AllReduceBlock, AllReduceConfig
+from ..blocks.base import DTYPES
+from ..errors import UnsupportedConfigError
+from .buffers import SymmetricLayout
+
+ROUND_TRIP_US = 2.5        # assumed cost of one flag round trip incl. fence.sys (NVLink 5; to measure)
+LINK_GBS = 900.0           # NVLink 5 per GPU per direction (1.8 TB/s bidirectional, NVIDIA GB300 spec)
+PARAMS, ERR = "comm.params", "comm.err"
+_WB = {"bf16": 2, "fp32": 4}
+
+
+def crossover_bytes(ranks: int, round_trip_us: float = ROUND_TRIP_US, link_gbs: float = LINK_GBS) -> float:
+    """Message size above which two-shot beats one-shot (infinite for N <= 2)."""
+    if ranks <= 2:
+        return float("inf")
+    return round_trip_us * 1e-6 * link_gbs * 1e9 / ((ranks - 1) * (1 - 2 / ranks))
+
+
+def choose_algo(m: int, d: int, ranks: int, wire: str = "bf16", oneshot_max_bytes: float | None = None) -> str:
+    """"oneshot" for messages up to `oneshot_max_bytes` (default `crossover_bytes(ranks)`),
+    "twoshot" above when the message shards evenly over the ranks; else "oneshot"."""
+    limit = crossover_bytes(ranks) if oneshot_max_bytes is None else oneshot_max_bytes
+    if ranks == 1 or m * d * _WB[wire] <= limit:
+        return "oneshot"
+    try:
+        AllReduceBlock(AllReduceConfig(ranks=ranks, m=m, d=d, phase="rs", wire=wire))
+    except UnsupportedConfigError:
+        return "oneshot"
+    return "twoshot"
+
+
+class CommProgram:
+    def __init__(self, prog, ranks: int):
+        self.prog = prog
+        self.ranks = ranks
+        prog.buffer(PARAMS, (PARAMS_WORDS,), "int32", "input")
+        prog.buffer(ERR, (8,), "int32", "scratch")
+        self.symmetric: dict[str, tuple] = {}     # buffer -> (owner "self" | k, region, shape, dtype, offset)
+        self.locals: list[str] = []               # per-op epoch state / row counters (zeroed at reset)
+        self.flag_buffers: dict[str, str] = {}    # the rank's own flags buffer -> all-reduce label
+        self.records: list[dict] = []             # one per all-reduce: label, algo, bytes, ops
+        self._data_bytes = [0, 0]
+        self._flags: list[tuple[str, int]] = []
+        self._layout: SymmetricLayout | None = None
+
+    # -- building ---------------------------------------------------------------------------
+    def _sym(self, base: str, region: str, shape, dtype: str, offset: int = 0) -> dict:
+        """Program buffers for the rank's own view and the N peer views of a symmetric region."""
+        names = {}
+        for owner in ["self"] + list(range(self.ranks)):
+            name = f"{base}.{owner}"
+            self.prog.buffer(name, shape, dtype, "scratch")
+            self.symmetric[name] = (owner, region, tuple(shape), dtype, offset)
+            names[owner] = name
+        return names
+
+    def _local(self, name, shape):
+        self.prog.buffer(name, shape, "int32", "scratch")
+        self.locals.append(name)
+        return name
+
+    def allreduce(self, partial: str, resid_out: str, *, res: str | None = None, norm_weight: str | None = None,
+                  out: str | None = None, waits=(), label: str, algo: str = "auto", eps: float = 1e-6,
+                  tile_elems: int = 0, oneshot_max_bytes: float | None = None) -> int:
+        """resid_out = (res +) sum over ranks of partial; out = rmsnorm(resid_out) * norm_weight.
+        Returns the index of the (last) op, for later ops' waits."""
+        if self._layout is not None:
+            raise ValueError("the symmetric layout was already used; add all all-reduces first")
+        p = self.prog
+        m, d = p.buffers[partial].shape
+        wire = p.buffers[partial].dtype
+        N = self.ranks
+        if algo == "auto":
+            algo = choose_algo(m, d, N, wire, oneshot_max_bytes)
+        if algo not in ("oneshot", "twoshot"):
+            raise UnsupportedConfigError(f"all-reduce algorithm {algo!r} (auto, oneshot, twoshot)")
+        if (norm_weight is None) != (out is None):
+            raise ValueError(f"{label}: norm_weight and out go together")
+        color = len(self.records) % 2
+        region = f"comm.data.c{color}"
+        base = dict(ranks=N, m=m, d=d, wire=wire, residual=p.buffers[res].dtype if res else "",
+                    norm=norm_weight is not None, eps=eps, tile_elems=tile_elems)
+        tail = {"params": PARAMS, "err": ERR, "res": res, "norm_weight": norm_weight, "resid_out": resid_out,
+                "out": out}
+        wb = _WB[wire]
+        if algo == "oneshot":
+            blk = AllReduceBlock(AllReduceConfig(phase="oneshot", **base))
+            T = blk.num_tiles()
+            recv = self._sym(f"{label}.recv", region, (2, N, m, d), wire)
+            self._data_bytes[color] = max(self._data_bytes[color], 2 * N * m * d * wb)
+            self._flags.append((f"{label}.flags", T * N * 4))
+            flags = self._sym(f"{label}.flags", f"{label}.flags", (T, N), "int32")
+            b = {"partial": partial, "recv_self": recv["self"], "flags_self": flags["self"],
+                 "state": self._local(f"{label}.state", (T,)), **tail}
+            b.update({f"recv_{k}": recv[k] for k in range(N)})
+            b.update({f"flags_{k}": flags[k] for k in range(N)})
+            if "rowcnt" in blk.operands():
+                b["rowcnt"] = self._local(f"{label}.rowcnt", (m,))
+            op = p.op(blk, {k: v for k, v in b.items() if v is not None}, waits=waits, label=label)
+            self.flag_buffers[flags["self"]] = label
+            ops = [op]
+        else:
+            rs = AllReduceBlock(AllReduceConfig(phase="rs", **base))
+            ag = AllReduceBlock(AllReduceConfig(phase="ag", **base))
+            S, T = rs.shard, rs.rs_tiles
+            rsr = self._sym(f"{label}.rs_recv", region, (2, N, S), wire, 0)
+            agr = self._sym(f"{label}.ag_recv", region, (2, N, S), wire, 2 * N * S)
+            self._data_bytes[color] = max(self._data_bytes[color], 4 * N * S * wb)
+            self._flags += [(f"{label}.rs_flags", T * N * 4), (f"{label}.ag_flags", T * N * 4)]
+            rsf = self._sym(f"{label}.rs_flags", f"{label}.rs_flags", (T, N), "int32")
+            agf = self._sym(f"{label}.ag_flags", f"{label}.ag_flags", (T, N), "int32")
+            b1 = {"partial": partial, "rs_recv_self": rsr["self"], "rs_flags_self": rsf["self"],
+                  "state": self._local(f"{label}.rs.state", (T,)), "params": PARAMS, "err": ERR}
+            for k in range(N):
+                b1.update({f"rs_recv_{k}": rsr[k], f"rs_flags_{k}": rsf[k], f"ag_recv_{k}": agr[k],
+                           f"ag_flags_{k}": agf[k]})
+            op1 = p.op(rs, b1, waits=waits, label=label + ".rs")
+            b2 = {"ag_recv_self": agr["self"], "ag_flags_self": agf["self"],
+                  "state": self._local(f"{label}.ag.state", (m,)), **tail}
+            # the ag tiles wait (locally) for the rs op: every rank then runs all its rs tiles
+            # before any ag tile can occupy a CTA, so no rank's rs tile queues behind a spinning
+            # ag tile (docs/allreduce.md: deadlock freedom)
+            op = p.op(ag, {k: v for k, v in b2.items() if v is not None}, waits=[op1], label=label + ".ag")
+            self.flag_buffers[rsf["self"]] = label + ".rs"
+            self.flag_buffers[agf["self"]] = label + ".ag"
+            ops = [op1, op]
+        self.records.append({"label": label, "algo": algo, "bytes": m * d * wb, "color": color, "ops": ops})
+        return ops[-1]
+
+    # -- binding ------------------------------------------------------------------------------
+    @property
+    def layout(self) -> SymmetricLayout:
+        """The symmetric region layout (fixed on first use)."""
+        if self._layout is None:
+            lay = SymmetricLayout()
+            for c in (0, 1):
+                if self._data_bytes[c]:
+                    lay.add(f"comm.data.c{c}", self._data_bytes[c], "data")
+            for name, nbytes in self._flags:
+                lay.add(name, nbytes, "flags")
+            self._layout = lay
+        return self._layout
+
+    def bind(self, bufs, rank: int) -> dict[str, torch.Tensor]:
+        """The symmetric program buffers of `rank`: its own and its peers' views."""
+        out = {}
+        for name, (owner, region, shape, dtype, offset) in self.symmetric.items():
+            o = rank if owner == "self" else owner
+            out[name] = bufs.view(o, rank, region, shape, DTYPES[dtype], offset)
+        return out
+
+    def alloc_rank_tensors(self, bufs, rank: int, device, timeout_s: float = 1.0) -> dict[str, torch.Tensor]:
+        """Every buffer of the program for `rank`: symmetric views bound, everything else zeroed
+        (callers then fill inputs and weights); params = [rank, flag-wait timeout in us]."""
+        t = {}
+        for b in self.prog.buffers.values():
+            if b.name not in self.symmetric:
+                t[b.name] = torch.zeros(b.shape, dtype=DTYPES[b.dtype], device=device)
+        t.update(self.bind(bufs, rank))
+        t[PARAMS][0] = rank
+        t[PARAMS][1] = int(timeout_s * 1e6)
+        return t
+
+    def flag_ids(self, tensors: dict[str, torch.Tensor]) -> dict[int, str]:
+        """Low 31 bits of the rank's own flag arrays' addresses -> all-reduce op label (what the
+        error word's flag_id field holds)."""
+        return {tensors[n].data_ptr() % (1 << 31): lbl for n, lbl in self.flag_buffers.items()}
+
+    def reset(self, bufs, tensors_per_rank) -> None:
+        """Zero flags (symmetric), epoch states and row counters (local) of the local ranks."""
+        bufs.zero_flags()
+        for r in bufs.local_ranks:
+            for n in self.locals:
+                tensors_per_rank[r][n].zero_()

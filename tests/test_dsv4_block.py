@@ -1,0 +1,182 @@
+"""DeepSeek-V4 attention decode blocks on the CPU: the chain sdk/reference/dsv4_attention.py
+(DSV4AttentionReference, proven equal to transformers) -> the blocks' definition (reference()) ->
+their torch twins (emulate_tile + the combine) on ragged batches, T = 1 and 3, SWA / HCA / CSA.
+
+The reference layer is built with o_a = o_b = identity (one group, rank = H * hd = hidden), so its
+output IS the attention output after the inverse RoPE; q, kv and the selection are captured from
+the same layer. Device tiles: compile-checked in tests/test_blocks_compile.py, run in
+tests/gpu/test_dsv4_gpu.py."""
+import pytest
+import torch
+
+from sdk.blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock, DSV4DecodeConfig,
+                                       choose_splits)
+from sdk.errors import UnsupportedConfigError
+from sdk.reference.common import StepInfo
+from sdk.reference.dsv4_attention import DSV4AttentionReference, Rope, rms_norm_v4
+from sdk.spec import DSAIndexerSpec, DSV4AttentionSpec, RopeSpec
+
+
+class _Layer:
+    def __init__(self, attention):
+        self.attention = attention
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def build(mode, H=2, hd=512, W=8, ratio=4, topk=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rope = RopeSpec(dim=64, theta=10000.0, interleaved=True)
+    spec = DSV4AttentionSpec(num_heads=H, head_dim=hd, q_lora_rank=32, rope_dim=64, sliding_window=W,
+                             compress_ratio={"swa": 0, "hca": ratio, "csa": ratio}[mode],
+                             indexer=DSAIndexerSpec(num_heads=2, head_dim=96, topk=topk) if mode == "csa" else None,
+                             o_groups=1, o_lora_rank=H * hd, compress_overlap=mode == "csa",
+                             rope=rope, compress_rope=rope)
+    D = H * hd
+    shapes = DSV4AttentionReference.expected_weights(type("M", (), {"hidden_size": D})(), _Layer(spec))
+    w = {k: torch.randn(*s, generator=g) * (s[-1] ** -0.5 if len(s) == 2 else 0.5) for k, s in shapes.items()}
+    for k in w:
+        if k.endswith("norm.weight"):
+            w[k] = 1 + 0.1 * torch.randn(w[k].shape, generator=g)
+    w["o_a_proj.weight"] = torch.eye(D)
+    w["o_b_proj.weight"] = torch.eye(D)
+    return spec, w, DSV4AttentionReference(None, _Layer(spec), w)
+
+
+def run_reference(ref, spec, w, starts, T, seed=1):
+    """Prefill each sequence to its start (ragged, one token at a time: exercises the compressors),
+    then one T-token call; returns the block inputs captured from that call and its output."""
+    g = torch.Generator().manual_seed(seed)
+    B, D = len(starts), spec.num_heads * spec.head_dim
+    cache = ref.new_cache(B, 64, "cpu", torch.float32)
+    lengths = torch.zeros(B, dtype=torch.long)
+    for _ in range(max(starts)):               # prefill: rows that are done feed their own positions again? no:
+        active = lengths < torch.tensor(starts)   # only advance sequences still below their start
+        if not active.any():
+            break
+        x = torch.randn(B, 1, D, generator=g)
+        # sequences already at their start are run on a scratch copy of their caches (discarded)
+        saved = {k: v.clone() for k, v in cache.items()}
+        ref.forward(x, cache, StepInfo(start=lengths.clone(), positions=lengths[:, None].clone(),
+                                       input_ids=torch.zeros(B, 1, dtype=torch.long)))
+        for k in cache:
+            cache[k][~active] = saved[k][~active]
+        lengths = lengths + active.long()
+    start = lengths.clone()
+    pos = start[:, None] + torch.arange(T)
+    step = StepInfo(start=start, positions=pos, input_ids=torch.zeros(B, T, dtype=torch.long))
+    x = torch.randn(B, T, D, generator=g)
+    # the call's q and kv, as the reference computes them (same helpers, same weights)
+    cos, sin = ref.rope.cos_sin(pos, x.dtype)
+    q_res = rms_norm_v4(x @ w["q_a_proj.weight"].T, w["q_a_norm.weight"], spec.norm_eps)
+    q = (q_res @ w["q_b_proj.weight"].T).view(B, T, spec.num_heads, spec.head_dim)
+    q = Rope.apply(rms_norm_v4(q, None, spec.norm_eps), cos[:, :, None], sin[:, :, None])
+    kv = Rope.apply(rms_norm_v4(x @ w["kv_proj.weight"].T, w["kv_norm.weight"], spec.norm_eps), cos, sin)
+    ring = cache["window"].clone()
+    sel = {}
+    if ref.indexer is not None:
+        orig = ref.select
+        ref.select = lambda *a: sel.setdefault("mask", orig(*a))
+    out = ref.forward(x, cache, step).view(B, T, spec.num_heads, spec.head_dim)
+    t = {"q": q, "window": ring, "new_kv": kv, "start": start.int(), "sinks": w["sinks"],
+         "cos": cos, "sin": sin}
+    if spec.compress_ratio:
+        t["comp"] = cache["comp_kv"].clone()
+    if "mask" in sel:
+        m = sel["mask"]                                              # [B, T, E]
+        idx = torch.full((B, T, spec.indexer.topk), -1, dtype=torch.int32)
+        for b in range(B):
+            for tq in range(T):
+                e = torch.nonzero(m[b, tq]).flatten()
+                idx[b, tq, :len(e)] = e.int()[torch.randperm(len(e))]    # any order
+        t["index"] = idx
+    return t, out
+
+
+def blocks_for(spec, mode, B, T, splits, chunk=16):
+    core = DSV4DecodeBlock(DSV4DecodeConfig(heads=spec.num_heads, mode=mode, batch=B, q_tokens=T,
+                                            head_dim=spec.head_dim, window=spec.sliding_window,
+                                            ratio=spec.compress_ratio or 1, max_entries=64 // (spec.compress_ratio or 1),
+                                            topk=spec.indexer.topk if spec.indexer else 1, num_splits=splits,
+                                            chunk=chunk))
+    comb = DSV4CombineBlock(DSV4CombineConfig(heads=spec.num_heads, batch=B, q_tokens=T, head_dim=spec.head_dim,
+                                              num_splits=splits, per_token_groups=mode == "csa", rope_dim=64))
+    return core, comb
+
+
+def run_blocks(core, comb, t, emulate=True):
+    c = core.config
+    t = dict(t)
+    t["o_part"] = torch.full((c.batch, core.groups, c.num_splits, core.rows, c.head_dim), float("nan"))
+    t["lse_part"] = torch.full((c.batch, core.groups, c.num_splits, core.rows), float("nan"))
+    if emulate:
+        for tile in range(core.num_tiles()):
+            core.emulate_tile(t, tile)
+    else:
+        t.update(core.reference(**t))
+    t["out"] = torch.full((c.batch, c.q_tokens, c.heads, c.head_dim), float("nan"), dtype=torch.bfloat16)
+    for tile in range(comb.num_tiles()):
+        comb.emulate_tile(t, tile)
+    return t
+
+
+CASES = [("swa", [0, 3, 11], 1, 1), ("swa", [5, 20], 3, 2), ("hca", [2, 9, 30], 1, 3), ("hca", [13, 40], 3, 4),
+         ("csa", [6, 25, 41], 1, 2), ("csa", [17, 33], 3, 3)]
+
+
+@pytest.mark.parametrize("mode,starts,T,splits", CASES)
+def test_blocks_equal_reference_attention(mode, starts, T, splits):
+    spec, w, ref = build(mode)
+    t, want = run_reference(ref, spec, w, starts, T)
+    core, comb = blocks_for(spec, mode, len(starts), T, splits)
+    # the blocks' definition on fp32 inputs: equal to the reference's attention up to the bf16
+    # roundings both apply to the output (o before the inverse RoPE, then after it)
+    exact = run_blocks(core, comb, t, emulate=False)
+    assert rel(exact["out"], want) < 8e-3
+    # the device's twin on bf16 storage (q, caches, cos/sin as the device reads them)
+    tb = {k: (v.to(torch.bfloat16) if k in ("q", "window", "new_kv", "comp", "cos", "sin") else v)
+          for k, v in t.items()}
+    got = run_blocks(core, comb, tb)
+    assert torch.isfinite(got["o_part"]).all() and not torch.isnan(got["lse_part"]).any()
+    err = rel(got["out"], want)
+    print(f"{mode} starts={starts} T={T}: rel err exact {rel(exact['out'], want):.2e}, emulated {err:.2e}")
+    assert err < 2e-2
+
+
+def test_sink_and_split_lse():
+    """A huge sink swallows the softmax: the output goes to 0; lse of splits combine exactly."""
+    spec, w, ref = build("hca")
+    t, _ = run_reference(ref, spec, w, [20], 1)
+    core, comb = blocks_for(spec, "hca", 1, 1, 3)
+    t1 = run_blocks(core, comb, {**t, "sinks": torch.full((2,), 1e4)}, emulate=False)
+    assert t1["out"].abs().max() == 0
+    core1, comb1 = blocks_for(spec, "hca", 1, 1, 1)
+    a = run_blocks(core, comb, t, emulate=False)["out"]
+    b = run_blocks(core1, comb1, t, emulate=False)["out"]
+    assert rel(a, b) < 1e-2
+
+
+def test_keys_and_bytes():
+    blk = DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode="hca", max_entries=8192))
+    assert blk.keys_of(131071) == 128 + 1 + 1024
+    assert blk.kv_bytes([131071]) == (128 + 1 + 1024) * 1024
+    csa = DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode="csa", ratio=4, q_tokens=2, max_entries=32768))
+    assert csa.groups == 2 and csa.rows == 8 and csa.keys_of(5) == 128 + 2 + 512
+    assert csa.operands() == ["q", "window", "new_kv", "comp", "index", "start", "o_part", "lse_part"]
+    assert choose_splits(1, 128 + 1 + 1024) == 9
+    assert choose_splits(64, 641) == 2
+
+
+@pytest.mark.parametrize("kw", [dict(heads=8, q_tokens=5), dict(heads=64), dict(heads=8, mode="dsa"),
+                                dict(heads=8, head_dim=192), dict(heads=8, chunk=48)])
+def test_unsupported_configs_fail_loudly(kw):
+    with pytest.raises(UnsupportedConfigError):
+        DSV4DecodeBlock(DSV4DecodeConfig(**kw))
+
+
+def test_blocks_are_registered():
+    from sdk.blocks import builtin_blocks
+    assert {DSV4DecodeBlock, DSV4CombineBlock} <= set(builtin_blocks())

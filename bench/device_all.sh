@@ -26,13 +26,13 @@ for part in $PARTS; do
         > "$WORK/suite/reference_gpu.log" 2>&1
       { grep -E "^SKIPPED" "$WORK/suite/cpu_suite.log" | cut -c1-160 | sort | uniq -c | head -n 8
         tail -n 1 "$WORK/suite/cpu_suite.log"; tail -n 1 "$WORK/suite/reference_gpu.log"; } > "$WORK/suite/summary.txt" ;;
-    megakernel) [ -f bench/gpu_session.sh ] && OUT="$WORK/megakernel" MK_BUDGET_S=${MK_BUDGET_S:-250} timeout 270 bash bench/gpu_session.sh > "$WORK/megakernel/session.log" 2>&1
+    megakernel) [ -f bench/gpu_session.sh ] && OUT="$WORK/megakernel" MK_BUDGET_S=${MK_BUDGET_S:-215} timeout 232 bash bench/gpu_session.sh > "$WORK/megakernel/session.log" 2>&1
       sed -n '/= summary/,$p' "$WORK/megakernel/session.log" > "$WORK/megakernel/summary.txt" ;;
-    moe) [ -f bench/moe_gpu_session.sh ] && OUT="$WORK/moe" MOE_BUDGET_S=${MOE_BUDGET_S:-160} timeout 175 bash bench/moe_gpu_session.sh > "$WORK/moe/session.log" 2>&1
+    moe) [ -f bench/moe_gpu_session.sh ] && OUT="$WORK/moe" MOE_BUDGET_S=${MOE_BUDGET_S:-145} timeout 158 bash bench/moe_gpu_session.sh > "$WORK/moe/session.log" 2>&1
       tail -n 25 "$WORK/moe/session.log" > "$WORK/moe/summary.txt" ;;
     mla_bench) OUT="$WORK/mla_bench" timeout 90 python -m bench.mla_bench --out "$WORK/mla_bench" --quick > "$WORK/mla_bench/session.log" 2>&1
       tail -n 25 "$WORK/mla_bench/session.log" > "$WORK/mla_bench/summary.txt" ;;
-    allreduce) [ -f bench/allreduce_gpu_session.sh ] && OUT="$WORK/allreduce" timeout 150 bash bench/allreduce_gpu_session.sh > "$WORK/allreduce/session.log" 2>&1
+    allreduce) [ -f bench/allreduce_gpu_session.sh ] && OUT="$WORK/allreduce" timeout 95 bash bench/allreduce_gpu_session.sh > "$WORK/allreduce/session.log" 2>&1
       tail -n 25 "$WORK/allreduce/session.log" > "$WORK/allreduce/summary.txt" ;;
     kda) [ -f bench/kda_gpu_session.sh ] && OUT="$WORK/kda" timeout 200 bash bench/kda_gpu_session.sh > "$WORK/kda/session.log" 2>&1
       tail -n 25 "$WORK/kda/session.log" > "$WORK/kda/summary.txt" ;;

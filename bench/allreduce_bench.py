@@ -23,24 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 import torch
 
-
-def _commit() -> str:
-    c = os.environ.get("GIT_COMMIT")
-    if c:
-        return c
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
+from bench.common import commit, write_json
 
 
 def measure(n: int, m: int, d: int, algo: str, k: int, reps: int) -> dict:
@@ -112,16 +102,13 @@ def main(argv=None):
                          "error": f"{type(exc).__name__}: {exc}"}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-    res = {"bench": "allreduce", "commit": _commit(), "command": " ".join([sys.executable, "-m", "bench.allreduce_bench"]
+    res = {"bench": "allreduce", "commit": commit(), "command": " ".join([sys.executable, "-m", "bench.allreduce_bench"]
                                                                           + (argv if argv is not None else sys.argv[1:])),
            "gpu": gpu, "torch": torch.__version__,
            "note": "virtual ranks on one GPU: peer stores land in local HBM, so this is the instruction's "
                    "overhead (pushes, fence.sys, flag round trip, reduce, residual, RMSNorm, counter hop), "
                    "not NVLink", "results": rows}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "allreduce_bench.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+    path = write_json(args.out, "allreduce_bench.json", res)
     print(f"\nall-reduce latency (us per fused all-reduce in a chain; op span in parentheses), D={args.d} bf16")
     print(f"{'ranks':>5} {'bytes':>9} " + " ".join(f"{a:>18}" for a in ("oneshot", "twoshot")))
     for n in args.ranks:

@@ -3,7 +3,7 @@ at V4.1-Flash's per-GPU shape (TP8: 8 heads x 512, window 128), batch 1 / 8 / 64
 and CSA (top-512 of ratio-4 entries) at 32K and 128K context, and sliding-window-only layers;
 beside the same work in PyTorch under a CUDA graph (gather of the keys, bf16 matmuls, fp32 masked
 softmax with the sink) and the floor: bytes of window + new + compressed KV rows read (weights
-not included) / the copy bandwidth measured in this run (bench/megakernel_bench.copy_bandwidth).
+not included) / the copy bandwidth measured in this run (bench/common.copy_bandwidth).
 
     python -m bench.dsv4_bench --out bench/results/h200 [--quick]
 
@@ -13,22 +13,15 @@ per case us, GB/s, fraction of floor, torch graph us, speed-up, rel err of the t
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 import time
 
 import torch
 
-from bench.megakernel_bench import L2_FLUSH_BYTES, _commit, copy_bandwidth, timed
+from bench.common import (L2_FLUSH_BYTES, arg_parser, command_line, commit, copy_bandwidth, cu_stream,
+                          print_case_table, timed, write_json)
 
 HEADS, HD, W = 8, 512, 128
-
-
-def _stream():
-    import cuda.bindings.driver as cuda
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
 def bench_case(mode, ctx, batch, copy_bw, quick=False):
@@ -74,8 +67,8 @@ def bench_case(mode, ctx, batch, copy_bw, quick=False):
     ctab = torch.tensor([ops[n].data_ptr() for n in comb.operands()], dtype=torch.int64, device="cuda")
 
     def call(tab):
-        fc(tab.data_ptr(), _stream())
-        fm(ctab.data_ptr(), _stream())
+        fc(tab.data_ptr(), cu_stream())
+        fm(ctab.data_ptr(), cu_stream())
     out.fill_(float("nan"))
     call(tabs[0])
     torch.cuda.synchronize()
@@ -136,7 +129,7 @@ def run(out_dir=None, quick=False):
     torch.cuda.init()
     gpu = torch.cuda.get_device_name()
     bw = copy_bandwidth()
-    res = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "gpu": gpu,
+    res = {"commit": commit(), "command": command_line(), "gpu": gpu,
            "torch": torch.__version__, "copy_bandwidth_gbs": bw, "cases": []}
     for mode, ctx, batch in cases(quick):
         try:
@@ -147,27 +140,14 @@ def run(out_dir=None, quick=False):
         res["cases"].append(rec)
         print(json.dumps(rec), flush=True)
         if out_dir:
-            os.makedirs(out_dir, exist_ok=True)
-            with open(os.path.join(out_dir, "dsv4_bench.json"), "w") as f:
-                json.dump(res, f, indent=1)
+            write_json(out_dir, "dsv4_bench.json", res)
     print(f"copy bandwidth {bw['copy']:.0f} GB/s")
-    print(f"{'case':40s} {'us':>8s} {'GB/s':>7s} {'floor':>6s} {'torch us':>9s} {'speedup':>7s} {'err':>8s}")
-    for r in res["cases"]:
-        if "error" in r:
-            print(f"{r['case']:40s} ERROR {r['error'][:120]}")
-            continue
-        tu = f"{r['torch_graph_us']:.1f}" if r["torch_graph_us"] else "-"
-        sp = f"{r['speedup_vs_torch_graph']:.2f}x" if r["speedup_vs_torch_graph"] else "-"
-        er = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
-        print(f"{r['case']:40s} {r['us']:8.1f} {r['gbs']:7.0f} {r['fraction_of_floor']:6.2f} {tu:>9s} {sp:>7s} {er:>8s}")
+    print_case_table(res["cases"], case_width=40, us_width=8)
     return res
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args(argv)
+    a = arg_parser(out_from_env=False).parse_args(argv)
     run(a.out, a.quick)
 
 

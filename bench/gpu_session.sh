@@ -4,17 +4,8 @@
 # In order: GPU tests (<= 270 s), compute-sanitizer memcheck + racecheck on small megakernel cases (if the
 # tool exists, <= 110 s each), the benchmarks (what is left of 525 s; JSON written after every case);
 # then a summary table. Budget: < 9 minutes in all.
-set -u
-cd "$(dirname "$0")/.."
-source .device/prelude.sh
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-START=$(date +%s)
-{
-  echo "commit $GIT_COMMIT"; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv
-  python -c "import torch, cutlass; print('torch', torch.__version__, 'cutlass-dsl', getattr(cutlass, '__version__', '?'))"
-} > "$OUT/env.txt" 2>&1
+source "$(dirname "$0")/session_lib.sh"
+session_begin env.txt
 
 echo "== GPU tests"
 timeout 270 python -m pytest -m gpu tests/gpu/test_megakernel_gpu.py -q -rA -p no:cacheprovider --durations=8 > "$OUT/gpu_tests.log" 2>&1
@@ -36,19 +27,15 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
 fi
 
 echo "== benchmarks"
-REMAIN=$(( ${MK_BUDGET_S:-525} - ($(date +%s) - START) ))
-QUICK=""
-if [ $REMAIN -lt 200 ]; then QUICK="--quick"; fi
-timeout $(( REMAIN > 30 ? REMAIN : 30 )) python -m bench.megakernel_bench --out "$OUT" $QUICK > "$OUT/bench.log" 2>&1
+session_budget ${MK_BUDGET_S:-525} 200 30
+timeout $LIMIT python -m bench.megakernel_bench --out "$OUT" $QUICK > "$OUT/bench.log" 2>&1
 BENCH_RC=$?
 if [ -f "$OUT/timeline_mlp_stack.json" ]; then
   python -m bench.timeline "$OUT/timeline_mlp_stack.json" -o "$OUT/timeline_mlp_stack.png" >> "$OUT/bench.log" 2>&1 \
     || echo "(timeline PNG not rendered here: render it on CPU with python -m bench.timeline)"
 fi
 
-echo
-echo "================ summary ($(( $(date +%s) - START )) s) ================"
-echo "gpu tests: rc=$TESTS_RC  $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/gpu_tests.log" | tail -n 1)"
+session_summary "summary" "$OUT/gpu_tests.log" '^[0-9]+ (passed|failed)|passed|failed'
 echo "sanitizer:$SAN"
 echo "bench: rc=$BENCH_RC"
 sed -n '/^copy bandwidth/,$p' "$OUT/bench.log" || tail -n 20 "$OUT/bench.log"

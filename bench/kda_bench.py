@@ -16,16 +16,12 @@ against the fp32 reference on the timed configuration.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.megakernel_bench import _commit, timed
+from bench.common import arg_parser, cu_stream, run_record, summary_lines, timed, write_json
 
 L2_FLUSH_BYTES = 128 << 20      # state copies per timed graph: 2.5x the H200's 50 MB L2
 MODELS = {"kimi_k3_tp8": 12, "glm53_tp8": 8}
@@ -37,11 +33,6 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     b = torch.empty_like(a)
     us, _ = timed([lambda: b.copy_(a)] * 10)
     return 2 * nbytes / (us * 1e3)
-
-
-def _stream():
-    import cuda.bindings.driver as cuda
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
 # ------------------------------------------------------------------ the torch baseline
@@ -111,7 +102,7 @@ def bench_case(model, heads, batch, variant, kw, copy_bw, check=True):
         ref = blocks[0].reference(**dict(t, state=states[0].clone(),
                                          **({"conv_state": conv_states[0].clone()} if conv_states else {})))
         t["o"].fill_(float("nan"))
-        fns[0](tables[0][0].data_ptr(), _stream())
+        fns[0](tables[0][0].data_ptr(), cu_stream())
         torch.cuda.synchronize()
         fin = torch.isfinite(ref["o"])
         err = ((t["o"].float()[fin] - ref["o"][fin]).norm() / ref["o"][fin].norm()).item()
@@ -122,7 +113,7 @@ def bench_case(model, heads, batch, variant, kw, copy_bw, check=True):
 
     def call(i):
         for fn, tab in zip(fns, tables[i]):
-            fn(tab.data_ptr(), _stream())
+            fn(tab.data_ptr(), cu_stream())
     us, mode = timed([lambda i=i: call(i) for i in range(copies)] * max(1, 128 // copies))
 
     def tcall(i):
@@ -177,11 +168,8 @@ def run(out_dir: str, quick: bool = False) -> dict:
         print(_line(r), flush=True)
         results.append(r)
         torch.cuda.empty_cache()
-    report = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-              "gpu": props.name, "sms": props.multi_processor_count, "copy_bw_gbs": copy_bw,
-              "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
-    with open(os.path.join(out_dir, "kda_bench.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    report = run_record(props, copy_bw, results)
+    write_json(out_dir, "kda_bench.json", report)
     return report
 
 
@@ -194,16 +182,11 @@ def _line(r) -> str:
 
 
 def summary(report) -> str:
-    lines = [f"copy bandwidth {report['copy_bw_gbs']:.0f} GB/s on {report['gpu']}"]
-    lines += [_line(r) for r in report["results"]]
-    return "\n".join(lines)
+    return summary_lines(report, _line)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/h200"))
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args(argv)
+    a = arg_parser(__doc__.splitlines()[0]).parse_args(argv)
     rep = run(a.out, quick=a.quick)
     print("\n" + summary(rep))
 

@@ -13,112 +13,14 @@ per-instruction timing record of one megakernel launch (JSON; render with bench/
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
 import torch
 
-L2_FLUSH_BYTES = 256 << 20     # working set per timed graph: several times the H200's 60 MB L2
-
-
-def _commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
-                                       cwd=os.path.dirname(__file__)).decode().strip()
-    except Exception:
-        return "unknown"
-
-
-def graph_time_us(calls, replays: int = 5) -> float:
-    """Median time per call (us) of `calls` (a list of zero-arg callables) captured in one CUDA
-    graph; falls back to timed eager calls if capture fails (reported by the caller via 'mode')."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls[:2]:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / len(calls))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def eager_time_us(calls, replays: int = 5) -> float:
-    for c in calls[:2]:
-        c()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for c in calls:
-            c()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / len(calls))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def timed(calls):
-    try:
-        return graph_time_us(calls), "cuda_graph"
-    except Exception as exc:  # capture unsupported: say so, time eagerly
-        print(f"  (graph capture failed: {type(exc).__name__}: {exc}; timing eager launches)")
-        torch.cuda.synchronize()
-        return eager_time_us(calls), "eager"
-
-
-def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 6) -> dict:
-    """Device-memory bandwidth, GB/s, from 2 GiB buffers (33x the L2), several timed reps each:
-      copy_*: (bytes read + bytes written) / time of a device-to-device copy, as elementwise
-              kernels on wide dtypes (vectorised 16-byte accesses) and as cudaMemcpy;
-      read:   bytes read / time of a sum over the buffer (what a GEMV does: read-only).
-    'copy' is the best copy variant: the floor's denominator. The first session's 2715 GB/s
-    came from a uint8 copy_ of 1 GiB (byte-wise elementwise kernel); DESIGN.md measured 4.26 TB/s."""
-    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    b = torch.empty_like(a)
-    out = {}
-    variants = {
-        "copy_memcpy": lambda: b.copy_(a),                                   # same dtype: cudaMemcpyAsync
-        "copy_fp32_kernel": lambda: torch.mul(a, 1.0, out=b),                # elementwise, 16-byte vectors
-        "copy_int64_kernel": lambda: torch.bitwise_not(a.view(torch.int64), out=b.view(torch.int64)),
-    }
-    for name, fn in variants.items():
-        us, _ = timed([fn] * reps)
-        out[name] = 2 * nbytes / (us * 1e3)
-    s = torch.empty((), dtype=torch.float32, device="cuda")
-    us, _ = timed([lambda: torch.sum(a, out=s)] * reps)
-    out["read"] = nbytes / (us * 1e3)
-    out["copy"] = max(v for k, v in out.items() if k.startswith("copy_"))
-    del a, b
-    torch.cuda.empty_cache()
-    return out
-
-
-def _stream():
-    import cuda.bindings.driver as cuda
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+from bench.common import (L2_FLUSH_BYTES, arg_parser, copy_bandwidth, cu_stream, run_record, summary_lines, timed,
+                          write_json)
 
 
 # ----------------------------------------------------------------------------------- GEMV
@@ -147,13 +49,13 @@ def bench_gemv(n, k, m, wd, copy_bw, max_stages=None):
         tables.append(torch.tensor(ptrs, dtype=torch.int64, device="cuda"))
     # correctness of the timed configuration (last copy), output poisoned first
     y.fill_(float("nan"))
-    fn(tables[-1].data_ptr(), _stream())
+    fn(tables[-1].data_ptr(), cu_stream())
     torch.cuda.synchronize()
     w, q, sc = copies_w[-1]
     ref_w = q.float() * sc.repeat_interleave(128, 0).repeat_interleave(128, 1) if q is not None else w.float()
     ref = x.float() @ ref_w.T
     err = ((y.float() - ref).norm() / ref.norm()).item()
-    us, mode = timed([lambda t=t: fn(t.data_ptr(), _stream()) for t in tables] * 4)
+    us, mode = timed([lambda t=t: fn(t.data_ptr(), cu_stream()) for t in tables] * 4)
     torch_us, _ = timed([lambda w=cw[0]: torch.matmul(x, w.t(), out=y) for cw in copies_w] * 4)
     floor_us = wbytes / (copy_bw * 1e3)
     return {"case": f"gemv n={n} k={k} m={m} {wd}" + (f" stages={stages}" if max_stages else ""),
@@ -283,14 +185,11 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
     if not 3800 <= copy_bw <= 4800 and "H200" in props.name:
         print(f"  WARNING: copy bandwidth {copy_bw:.0f} GB/s is off the H200's ~4260 GB/s measured in DESIGN.md")
     results = []
-    report = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-              "gpu": props.name, "sms": props.multi_processor_count, "copy_bw_gbs": copy_bw,
-              "bandwidth_gbs": bw, "floor_note": "floor = bytes that must move / copy_bw_gbs",
-              "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
+    report = run_record(props, copy_bw, results, bandwidth_gbs=bw,
+                        floor_note="floor = bytes that must move / copy_bw_gbs")
 
     def save():   # after every case: a run cut short by its time limit still leaves its results
-        with open(os.path.join(out_dir, "megakernel_bench.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(out_dir, "megakernel_bench.json", report)
 
     for n, k, m, wd, st in gemv_cases(quick):
         try:
@@ -320,15 +219,11 @@ def _line(r) -> str:
 
 
 def summary(report) -> str:
-    lines = [f"copy bandwidth {report['copy_bw_gbs']:.0f} GB/s on {report['gpu']}"]
-    lines += [_line(r) for r in report["results"]]
-    return "\n".join(lines)
+    return summary_lines(report, _line)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/h200"))
-    ap.add_argument("--quick", action="store_true")
+    ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--no-timeline", action="store_true")
     a = ap.parse_args(argv)
     rep = run(a.out, quick=a.quick, timeline=not a.no_timeline)

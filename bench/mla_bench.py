@@ -13,26 +13,19 @@ fraction of floor, torch graph us and the speed-up, rel err of the timed configu
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 import time
 
 import torch
 
-from bench.megakernel_bench import L2_FLUSH_BYTES, _commit, copy_bandwidth, timed
+from bench.common import (L2_FLUSH_BYTES, arg_parser, command_line, commit, copy_bandwidth, cu_stream,
+                          print_case_table, timed, write_json)
 
 SHARDS = {   # name: heads, rope, softmax scale
     "kimi_k3_tp8": (12, 64, 192 ** -0.5),
     "kimi_k3_tp16": (6, 64, 192 ** -0.5),
     "glm_53_tp8": (8, 0, 256 ** -0.5),
 }
-
-
-def _stream():
-    import cuda.bindings.driver as cuda
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
 def torch_decode_fn(q, kv, kv_scale, bt, lens_list, heads, T, d_v, scale, page):
@@ -110,8 +103,8 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False):
     # correctness of the timed configuration (copy 0), poisoned outputs
     for x in (o_part, lse_part, out, lse):
         x.fill_(float("nan"))
-    fn_dec(tables[0][1].data_ptr(), _stream())
-    fn_comb(ctab.data_ptr(), _stream())
+    fn_dec(tables[0][1].data_ptr(), cu_stream())
+    fn_comb(ctab.data_ptr(), cu_stream())
     torch.cuda.synchronize()
     err = None
     if batch * ctx <= 8 * 32768:
@@ -122,8 +115,8 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False):
         del rows
 
     def call(optab):
-        fn_dec(optab.data_ptr(), _stream())
-        fn_comb(ctab.data_ptr(), _stream())
+        fn_dec(optab.data_ptr(), cu_stream())
+        fn_comb(ctab.data_ptr(), cu_stream())
     reps = max(2, 8 // copies) if not quick else 2
     us, mode = timed([lambda o=o: call(o) for _, o in tables] * reps)
 
@@ -171,7 +164,7 @@ def run(out_dir: str | None = None, quick: bool = False) -> dict:
     gpu = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     print(f"GPU {gpu}")
-    res = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    res = {"commit": commit(), "command": command_line(),
            "gpu": gpu, "torch": torch.__version__, "copy_bandwidth_gbs": bw, "cases": []}
     for (shard, ctx, batch, kvd, T) in cases(quick):
         try:
@@ -182,27 +175,14 @@ def run(out_dir: str | None = None, quick: bool = False) -> dict:
         res["cases"].append(rec)
         print(json.dumps(rec), flush=True)
     print(f"copy bandwidth {bw['copy']:.0f} GB/s (read-only {bw['read']:.0f} GB/s)")
-    print(f"{'case':44s} {'us':>9s} {'GB/s':>7s} {'floor':>6s} {'torch us':>9s} {'speedup':>7s} {'err':>8s}")
-    for r in res["cases"]:
-        if "error" in r:
-            print(f"{r['case']:44s} ERROR {r['error'][:120]}")
-            continue
-        tu = f"{r['torch_graph_us']:.1f}" if r["torch_graph_us"] else "-"
-        sp = f"{r['speedup_vs_torch_graph']:.2f}x" if r["speedup_vs_torch_graph"] else "-"
-        er = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
-        print(f"{r['case']:44s} {r['us']:9.1f} {r['gbs']:7.0f} {r['fraction_of_floor']:6.2f} {tu:>9s} {sp:>7s} {er:>8s}")
+    print_case_table(res["cases"], case_width=44, us_width=9)
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "mla_bench.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(out_dir, "mla_bench.json", res)
     return res
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args(argv)
+    a = arg_parser(out_from_env=False).parse_args(argv)
     run(a.out, a.quick)
 
 

@@ -18,76 +18,19 @@ JSON (moe_bench.json): commit, command, GPU, copy bandwidth, and per case: us, G
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-
-
-def _commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        import subprocess
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
-                                       cwd=os.path.dirname(__file__)).decode().strip()
-    except Exception:
-        return "unknown"
-
-
-def _graph_us(calls, replays: int = 5) -> float:
-    """Median us per call of `calls` captured in one CUDA graph (warmed up on a side stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls[:2]:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / len(calls))
-    return sorted(times)[len(times) // 2]
-
-
-def timed(calls):
-    """(us per call, mode): under a CUDA graph, or eager (said in the record) if capture fails."""
-    try:
-        return _graph_us(calls), "cuda_graph"
-    except Exception as exc:
-        print(f"  (graph capture failed: {type(exc).__name__}: {exc}; timing eager calls)", flush=True)
-        torch.cuda.synchronize()
-        for c in calls[:2]:
-            c()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for c in calls:
-            c()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) * 1000 / len(calls), "eager"
+from bench.common import arg_parser, run_record, summary_lines, timed, write_json
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """(bytes read + written) / time of a 2 GiB device copy, the best of cudaMemcpy and a 16-byte
-    vectorised elementwise kernel (the same method as bench/megakernel_bench.py)."""
+    vectorised elementwise kernel (bench/common.copy_bandwidth's method, less its int64 variant)."""
     a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     b = torch.empty_like(a)
     best = 0.0
@@ -97,6 +40,7 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     del a, b
     torch.cuda.empty_cache()
     return best
+
 
 WORKING_SET = 256 << 20        # bytes touched between two uses of one weight copy (>> L2)
 MAX_COPIES = 12
@@ -247,23 +191,17 @@ def run(out_dir, cases, timeline=True) -> dict:
         print(_line(r), flush=True)
         results.append(r)
         # written after every case: a session cut short by its time limit keeps what ran
-        report = {"commit": _commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                  "gpu": props.name, "sms": props.multi_processor_count, "copy_bw_gbs": copy_bw,
-                  "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
-        with open(os.path.join(out_dir, "moe_bench.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        report = run_record(props, copy_bw, results)
+        write_json(out_dir, "moe_bench.json", report)
     return report
 
 
 def summary(report) -> str:
-    lines = [f"copy bandwidth {report['copy_bw_gbs']:.0f} GB/s on {report['gpu']}"]
-    return "\n".join(lines + [_line(r) for r in report["results"]])
+    return summary_lines(report, _line)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/h200"))
-    ap.add_argument("--quick", action="store_true")
+    ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--cases", default="", help="model:batch:format,... (overrides the default list)")
     ap.add_argument("--no-timeline", action="store_true")
     a = ap.parse_args(argv)

@@ -64,6 +64,17 @@ def megakernel_cases():
             MLPStackConfig(hidden=7168, intermediate=2048, layers=2, batch=8, weight_dtype="fp8_e4m3")]
 
 
+def time_case(res: dict, name: str, build) -> None:
+    """res[name] = the seconds `build()` took, or "error: ..." if it raised (a compile check
+    reports every case, never stops at the first failure)."""
+    t0 = time.time()
+    try:
+        build()
+        res[name] = round(time.time() - t0, 3)
+    except Exception as exc:
+        res[name] = f"error: {type(exc).__name__}: {exc}"
+
+
 def compile_check(archs=ARCHS, num_sms: int = 132) -> dict:
     """Compile every block case and the megakernel cases for each arch; never raises for a
     failed case (its entry says "error: ..."). Needs nvidia-cutlass-dsl, no GPU."""
@@ -75,23 +86,13 @@ def compile_check(archs=ARCHS, num_sms: int = 132) -> dict:
     for arch in archs:
         res = report.setdefault(arch, {})
         for block in block_cases():
-            name = f"{block.name} {block.config}"
-            t0 = time.time()
-            try:
-                standalone(block, arch)
-                res[name] = round(time.time() - t0, 3)
-            except Exception as exc:
-                res[name] = f"error: {type(exc).__name__}: {exc}"
+            time_case(res, f"{block.name} {block.config}", lambda: standalone(block, arch))
         for cfg in megakernel_cases():
-            name = f"megakernel mlp_stack {cfg}"
-            t0 = time.time()
-            try:
+            def build(cfg=cfg):
                 prog = build_program(cfg)
                 sched = schedule(prog, num_sms)
                 compile_megakernel(prog.opcodes.blocks, num_sms, sched.max_len, timing=True, arch=arch)
-                res[name] = round(time.time() - t0, 3)
-            except Exception as exc:
-                res[name] = f"error: {type(exc).__name__}: {exc}"
+            time_case(res, f"megakernel mlp_stack {cfg}", build)
     return report
 
 

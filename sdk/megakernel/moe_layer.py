@@ -372,29 +372,18 @@ def compile_check(archs, num_sms: int = 132, blocks_too: bool = False) -> dict:
     """Compile the MoE megakernel case(s) (and, with blocks_too, the MoE blocks' standalone
     kernels, which sdk.compile.compile_check already covers) for each arch; the report format of
     sdk.compile.compile_check ({arch: {case: seconds | "error: ..."}})."""
-    import time
-
     from ..blocks._cute import standalone
+    from ..compile import time_case
     from ..schedule import schedule
     from .kernel import compile_megakernel
     report: dict = {}
     for arch in archs:
         res = report.setdefault(arch, {})
         for block in (moe_block_cases() if blocks_too else []):
-            name = f"{block.name} {block.config}"
-            t0 = time.time()
-            try:
-                standalone(block, arch)
-                res[name] = round(time.time() - t0, 3)
-            except Exception as exc:
-                res[name] = f"error: {type(exc).__name__}: {exc}"
+            time_case(res, f"{block.name} {block.config}", lambda: standalone(block, arch))
         for cfg in moe_megakernel_cases():
-            name = f"megakernel moe_layer {cfg}"
-            t0 = time.time()
-            try:
+            def build(cfg=cfg):
                 prog = build_program(cfg)
                 compile_megakernel(prog.opcodes.blocks, num_sms, schedule(prog, num_sms).max_len, timing=True, arch=arch)
-                res[name] = round(time.time() - t0, 3)
-            except Exception as exc:
-                res[name] = f"error: {type(exc).__name__}: {exc}"
+            time_case(res, f"megakernel moe_layer {cfg}", build)
     return report

@@ -9,24 +9,11 @@ import time
 import pytest
 import torch
 
+from harness import need_gpu, rel_err
+
 pytestmark = pytest.mark.gpu
 
 BF16_TOL = 1e-2
-
-
-def _need_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    try:
-        import cutlass  # noqa: F401
-    except ImportError:
-        pytest.skip("CuTe DSL (nvidia-cutlass-dsl) not importable")
-
-
-def rel_err(got, ref):
-    got, ref = got.float(), ref.float()
-    assert torch.isfinite(got).all(), "non-finite values in the output (poison not overwritten?)"
-    return ((got - ref).norm() / ref.norm()).item()
 
 
 def _stack(n, algo, batch, layers=3, timeout_s=2.0, seed=0):
@@ -49,7 +36,7 @@ def test_tp_mlp_stack(n, algo, batch):
     """hidden 7168, intermediate 2048 sharded over n ranks, 3 layers (odd: the epoch parity of the
     receive buffers matters), 3 steps without host resets, fresh inputs, poisoned outputs; every
     rank's output equals the unsharded reference and the other ranks' bit for bit."""
-    _need_gpu()
+    need_gpu()
     from sdk.megakernel.mlp_stack import reference
     st, full, rt, comm = _stack(n, algo, batch)
     assert {r["algo"] for r in comm.records} == {algo}
@@ -86,7 +73,7 @@ def _chain(n, m, d, algo, k=3, wire="bf16", timeout_s=2.0):
 def test_allreduce_chain(n, algo, m, d, wire):
     """3 chained all-reduces per launch, 4 launches with fresh partials: resid and out equal the
     fp32 math (two-shot rounds the reduced shard to the wire dtype, as a bf16 all-reduce does)."""
-    _need_gpu()
+    need_gpu()
     from sdk.blocks.allreduce import AllReduceBlock, AllReduceConfig
     K = 3
     rt, nw = _chain(n, m, d, algo, K, wire)
@@ -114,7 +101,7 @@ def test_allreduce_chain(n, algo, m, d, wire):
 def test_missing_rank_times_out_and_recovers(algo):
     """Rank 3 of 4 is never launched: ranks 0-2 end in KernelTimeoutError naming rank 3 within
     ~the flag timeout (no hang); after it the runtime resets and a full run is correct."""
-    _need_gpu()
+    need_gpu()
     from sdk import KernelTimeoutError
     from sdk.blocks.allreduce import AllReduceBlock, AllReduceConfig
     m, d = (2, 4096) if algo == "oneshot" else (64, 4096)
@@ -146,7 +133,7 @@ def test_many_steps_no_reset():
     """20 launches back to back, no host synchronisation and no stream join between them: each
     rank's stream free-runs, so a fast rank starts launch k+1 while others finish launch k (the
     epochs and the parity buffers make that safe)."""
-    _need_gpu()
+    need_gpu()
     from sdk.blocks.allreduce import AllReduceBlock, AllReduceConfig
     n, m, d = 8, 1, 7168
     rt, nw = _chain(n, m, d, "oneshot", k=1)

@@ -3,30 +3,12 @@ standalone core + combine tiles against the blocks' fp32 definition (reference()
 to sdk/reference/dsv4_attention.py on the CPU), fresh random inputs (seed printed), ragged batches,
 NaN-poisoned outputs; HCA up to 1M tokens (8192 entries), CSA top-512 over up to 131072
 compressed positions, SWA; T = 1..4. Run: `pytest -m gpu tests/gpu/test_dsv4_gpu.py`."""
-import time
-
 import pytest
 import torch
 
+from harness import clock_seed, need_gpu, run_standalone
+
 pytestmark = pytest.mark.gpu
-_compiled = {}
-
-
-def _need_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    pytest.importorskip("cutlass")
-
-
-def launch(block, t):
-    import cuda.bindings.driver as cuda
-    from sdk.blocks._cute import standalone
-    if block not in _compiled:
-        _compiled[block] = standalone(block)
-    ptrs = [t[n].data_ptr() if n in t else 0 for n in block.operands()]
-    optab = torch.tensor(ptrs, dtype=torch.int64, device="cuda")
-    _compiled[block](optab.data_ptr(), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    torch.cuda.synchronize()
 
 
 def make_case(mode, starts, T, seed, heads=8, ratio=None, topk=512):
@@ -65,8 +47,8 @@ def make_case(mode, starts, T, seed, heads=8, ratio=None, topk=512):
 
 
 def check(core, comb, t, seed):
-    launch(core, t)
-    launch(comb, t)
+    run_standalone(core, t)
+    run_standalone(comb, t)
     assert torch.isfinite(t["o_part"]).all(), f"seed {seed}: NaN left in o_part"
     assert not torch.isnan(t["lse_part"]).any(), f"seed {seed}: NaN left in lse_part"
     cpu = {k: v.cpu() for k, v in t.items()}
@@ -81,25 +63,21 @@ def check(core, comb, t, seed):
     assert (t["lse_part"].cpu()[fin] - cpu["lse_part"][fin]).abs().max() < 2e-2, f"seed {seed}: lse"
 
 
-def _seed():
-    return int(time.time() * 1000) % (2 ** 31)
-
-
 @pytest.mark.parametrize("mode,starts,T", [
     ("swa", [0], 1), ("swa", [1, 127, 128, 5000], 1), ("swa", [3, 200], 4),
     ("hca", [0], 1), ("hca", [127, 128, 255, 4000], 1), ("hca", [1048575], 1), ("hca", [131072, 7, 65000], 2),
     ("csa", [10], 1), ("csa", [2047, 3, 100000], 1), ("csa", [524287], 1), ("csa", [4096, 300], 3),
 ])
 def test_dsv4_decode(mode, starts, T):
-    _need_gpu()
-    seed = _seed()
+    need_gpu()
+    seed = clock_seed()
     core, comb, t = make_case(mode, starts, T, seed)
     check(core, comb, t, seed)
 
 
 def test_dsv4_batch64_hca():
-    _need_gpu()
-    seed = _seed()
+    need_gpu()
+    seed = clock_seed()
     import random
     rnd = random.Random(seed)
     core, comb, t = make_case("hca", [rnd.randrange(0, 65536) for _ in range(64)], 1, seed)

@@ -4,34 +4,11 @@ turning an unsatisfiable dependency into KernelTimeoutError. Run: `pytest -m gpu
 import pytest
 import torch
 
+from harness import need_gpu, rel_err, run_standalone
+
 pytestmark = pytest.mark.gpu
 
 BF16_TOL = 1e-2     # relative Frobenius error vs the fp32 reference (the issue's bound)
-
-
-def _need_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    try:
-        import cutlass  # noqa: F401
-    except ImportError:
-        pytest.skip("CuTe DSL (nvidia-cutlass-dsl) not importable")
-
-
-def rel_err(got, ref):
-    got, ref = got.float(), ref.float()
-    assert torch.isfinite(got).all(), "non-finite values in the output (poison not overwritten?)"
-    return ((got - ref).norm() / ref.norm()).item()
-
-
-def run_standalone(block, tensors):
-    from sdk.blocks._cute import standalone
-    fn = standalone(block)
-    ptrs = [0 if tensors.get(n) is None else tensors[n].data_ptr() for n in block.operands()]
-    optab = torch.tensor(ptrs, dtype=torch.int64, device="cuda")
-    import cuda.bindings.driver as cuda
-    fn(optab.data_ptr(), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    torch.cuda.synchronize()
 
 
 def gemv_inputs(block, gen_seed):
@@ -63,7 +40,7 @@ def gemv_inputs(block, gen_seed):
 def test_gemv_block(m, wd, swiglu):
     """The persistent streaming GEMV (ring of cp.async chunks), tiles > SMs so CTAs walk several
     tiles and the ring crosses tile boundaries."""
-    _need_gpu()
+    need_gpu()
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     block = GemvBlock(GemvConfig(n=2048, k=2048, m=m, weight_dtype=wd, swiglu=swiglu,
                                  swiglu_limit=3.0 if swiglu else None))
@@ -80,7 +57,7 @@ def test_gemv_block_fused_norm_residual(m, wd, xdt, residual):
     """Fused RMSNorm prologue (x fp32 residual stream or bf16 input), fused residual epilogue
     aliased in place (res is y), like the MLP stack's ops; K=7168 so the x block (m=8) spans
     several chunks."""
-    _need_gpu()
+    need_gpu()
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     block = GemvBlock(GemvConfig(n=1024, k=7168, m=m, weight_dtype=wd, norm=True, x_dtype=xdt,
                                  residual=residual, out_dtype=residual))
@@ -96,7 +73,7 @@ def test_gemv_block_fused_norm_residual(m, wd, xdt, residual):
 @pytest.mark.parametrize("m", [1, 8, 64])
 @pytest.mark.parametrize("residual_in,src", [(False, ""), (True, ""), (False, "fp32")])
 def test_rmsnorm_block(m, residual_in, src):
-    _need_gpu()
+    need_gpu()
     from sdk.blocks.rmsnorm import RMSNormBlock, RMSNormConfig
     block = RMSNormBlock(RMSNormConfig(d=7168, m=m, residual_in=residual_in, src_dtype=src))
     src_dt = torch.float32 if (residual_in or src == "fp32") else torch.bfloat16
@@ -113,7 +90,7 @@ def test_rmsnorm_block(m, residual_in, src):
 
 def test_rmsnorm_block_without_resid_out():
     """write_resid=False (the MLP stack's norms): `out` only; resid_out is never touched."""
-    _need_gpu()
+    need_gpu()
     from sdk.blocks.rmsnorm import RMSNormBlock, RMSNormConfig
     block = RMSNormBlock(RMSNormConfig(d=7168, m=2, residual_in=False, src_dtype="fp32", write_resid=False))
     src = torch.randn(2, 7168, device="cuda")
@@ -140,7 +117,7 @@ def _stack_runtime(cfg, seed=0, **kw):
 def test_mlp_stack_one_launch(batch, fuse, wd):
     """hidden 7168, intermediate 2048, 4 layers in one launch per step; three steps (epochs).
     fuse: RMSNorm inside the gate/up tiles (None: the default for the batch)."""
-    _need_gpu()
+    need_gpu()
     from sdk.megakernel.mlp_stack import MLPStackConfig, reference
     cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype=wd, fuse_norm=fuse)
     rt, weights = _stack_runtime(cfg)
@@ -156,7 +133,7 @@ def test_mlp_stack_one_launch(batch, fuse, wd):
 
 
 def test_mlp_stack_swiglu_limit_large_intermediate():
-    _need_gpu()
+    need_gpu()
     from sdk.megakernel.mlp_stack import MLPStackConfig, reference
     cfg = MLPStackConfig(hidden=7168, intermediate=18432, layers=2, batch=1, swiglu_limit=7.0)
     rt, weights = _stack_runtime(cfg, seed=3)
@@ -170,7 +147,7 @@ def test_mlp_stack_swiglu_limit_large_intermediate():
 def test_unsatisfiable_dependency_raises_not_hangs():
     """A wait that can never be met ends in KernelTimeoutError naming the counter, fast; the
     runtime then recovers (counters reset) and runs correctly again."""
-    _need_gpu()
+    need_gpu()
     import time
 
     from sdk import KernelTimeoutError

@@ -2,45 +2,16 @@
 reference, fresh random inputs every run (seeded from the clock, seed printed on failure), pages
 scattered at random over the pool, ragged batches, outputs poisoned with NaN before each launch.
 Contexts 1 .. 131072. Run: `pytest -m gpu tests/gpu/test_mla_gpu.py`."""
-import time
-
 import pytest
 import torch
+
+from harness import clock_seed, need_gpu, rel_err, run_standalone
 
 pytestmark = pytest.mark.gpu
 
 BF16_TOL = 1e-2      # relative Frobenius error vs the fp32 reference (the issue's bound)
 K3_SCALE = 192 ** -0.5
 GLM_SCALE = 256 ** -0.5
-
-
-def _need_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    try:
-        import cutlass  # noqa: F401
-    except ImportError:
-        pytest.skip("CuTe DSL (nvidia-cutlass-dsl) not importable")
-
-
-def rel_err(got, ref):
-    got, ref = got.float(), ref.float()
-    assert torch.isfinite(got).all(), "non-finite values in the output (poison not overwritten?)"
-    return ((got - ref).norm() / ref.norm()).item()
-
-
-_compiled = {}
-
-
-def launch(block, tensors):
-    from sdk.blocks._cute import standalone
-    if block not in _compiled:
-        _compiled[block] = standalone(block)
-    ptrs = [tensors[n].data_ptr() for n in block.operands()]
-    optab = torch.tensor(ptrs, dtype=torch.int64, device="cuda")
-    import cuda.bindings.driver as cuda
-    _compiled[block](optab.data_ptr(), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    torch.cuda.synchronize()
 
 
 def make_case(cfg, lens, seed):
@@ -73,13 +44,13 @@ def run_decode(blk, t):
     """Core tiles then the combine, both standalone; returns (out bf16, lse fp32)."""
     from sdk.blocks.mla_decode import MLACombineBlock, MLACombineConfig
     c = blk.config
-    launch(blk, t)
+    run_standalone(blk, t)
     comb = MLACombineBlock(MLACombineConfig(heads=c.heads, batch=c.batch, q_tokens=c.q_tokens, d_v=blk.d_v,
                                             num_splits=c.num_splits))
     ct = {"o_part": t["o_part"], "lse_part": t["lse_part"],
           "out": torch.full((c.batch, c.q_tokens, c.heads, blk.d_v), float("nan"), dtype=torch.bfloat16, device="cuda"),
           "lse": torch.full((c.batch, c.q_tokens, c.heads), float("nan"), device="cuda")}
-    launch(comb, ct)
+    run_standalone(comb, ct)
     return ct["out"], ct["lse"]
 
 
@@ -98,16 +69,12 @@ def check(blk, t, seed):
     return err
 
 
-def _seed():
-    return int(time.time() * 1000) % (2 ** 31)
-
-
 @pytest.mark.parametrize("ctx", [1, 2, 63, 64, 65, 1000, 4097, 32768, 131072])
 def test_kimi_k3_tp8_single_sequence_contexts(ctx):
     """12 heads (Kimi K3 TP8), rope 64, bf16 cache, batch 1 from 1 to 131072 tokens."""
-    _need_gpu()
+    need_gpu()
     from sdk.blocks.mla_decode import MLADecodeConfig, choose_splits
-    seed = _seed()
+    seed = clock_seed()
     pages = -(-ctx // 64) + 3
     cfg = MLADecodeConfig(heads=12, softmax_scale=K3_SCALE, batch=1, num_splits=choose_splits(1, ctx),
                           num_pages=pages, max_seq_len=max(ctx, 64))
@@ -122,9 +89,9 @@ def test_kimi_k3_tp8_single_sequence_contexts(ctx):
 def test_ragged_batches(kvd, heads, T, rope, scale, chunk):
     """Ragged batch of 8 (1 .. 9000 tokens), T new tokens causal among themselves, YaRN-like
     scale factor, pages scattered; Kimi K3 (TP8 / TP16) and GLM-5.3 (NoPE, TP8) shards."""
-    _need_gpu()
+    need_gpu()
     from sdk.blocks.mla_decode import MLADecodeConfig
-    seed = _seed()
+    seed = clock_seed()
     g = torch.Generator().manual_seed(seed)
     lens = [T] + torch.randint(T, 9000, (7,), generator=g).tolist()
     cfg = MLADecodeConfig(heads=heads, softmax_scale=scale, scale_factor=1.21, batch=8, q_tokens=T, rope=rope,
@@ -136,9 +103,9 @@ def test_ragged_batches(kvd, heads, T, rope, scale, chunk):
 
 @pytest.mark.parametrize("page", [16, 128])
 def test_other_page_sizes_and_batch_64(page):
-    _need_gpu()
+    need_gpu()
     from sdk.blocks.mla_decode import MLADecodeConfig
-    seed = _seed()
+    seed = clock_seed()
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, 3000, (64,), generator=g).tolist()
     cfg = MLADecodeConfig(heads=12, softmax_scale=K3_SCALE, batch=64, page_size=page,
@@ -148,9 +115,9 @@ def test_other_page_sizes_and_batch_64(page):
 
 
 def test_fp8_long_context():
-    _need_gpu()
+    need_gpu()
     from sdk.blocks.mla_decode import MLADecodeConfig
-    seed = _seed()
+    seed = clock_seed()
     cfg = MLADecodeConfig(heads=12, softmax_scale=K3_SCALE, batch=2, num_pages=2 * 2048 + 4, max_seq_len=131072,
                           num_splits=66, kv_dtype="fp8_e4m3")
     blk, t = make_case(cfg, [131072, 70001], seed)
@@ -160,7 +127,7 @@ def test_fp8_long_context():
 def test_head_proj_blocks():
     """W_UK absorption writes the first kv_lora columns of the query rows; W_UV maps the latent
     output to v per head."""
-    _need_gpu()
+    need_gpu()
     from sdk.blocks.mla_decode import MLAHeadProjBlock, MLAHeadProjConfig
     for cfg in (MLAHeadProjConfig(heads=12, n=512, k=128, m=8, y_stride=576),
                 MLAHeadProjConfig(heads=8, n=256, k=512, m=3, rows_per_tile=32),
@@ -169,7 +136,7 @@ def test_head_proj_blocks():
         t = {"x": torch.randn(cfg.m, cfg.heads, blk.xs, device="cuda").to(torch.bfloat16),
              "w": (torch.randn(cfg.heads, cfg.n, cfg.k, device="cuda") * cfg.k ** -0.5).to(torch.bfloat16),
              "y": torch.full((cfg.m, cfg.heads, blk.ys), float("nan"), dtype=torch.bfloat16, device="cuda")}
-        launch(blk, t)
+        run_standalone(blk, t)
         want = torch.einsum("mhk,hnk->mhn", t["x"][..., :cfg.k].float(), t["w"].float())
         assert rel_err(t["y"][..., :cfg.n], want) <= BF16_TOL
         if blk.ys > cfg.n:
@@ -179,7 +146,7 @@ def test_head_proj_blocks():
 def test_chain_against_reference_mla():
     """q_nope -[W_UK]-> q_lat (into the query rows beside q_pe) -> decode + combine -[W_UV]-> per-head
     output == sdk/reference/mla.py MLAReference.attend (expanded keys/values) on the GPU."""
-    _need_gpu()
+    need_gpu()
     from types import SimpleNamespace
 
     from sdk.blocks.mla_decode import (MLACombineBlock, MLAHeadProjBlock, MLAHeadProjConfig, MLADecodeConfig,
@@ -187,7 +154,7 @@ def test_chain_against_reference_mla():
     from sdk.reference.common import StepInfo
     from sdk.reference.mla import MLAReference
     from sdk.spec import MLASpec
-    seed = _seed()
+    seed = clock_seed()
     torch.manual_seed(seed)
     H, L, nope, rope, v, T = 12, 512, 128, 64, 128, 2
     spec = MLASpec(num_heads=H, kv_lora_rank=L, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v)
@@ -201,11 +168,11 @@ def test_chain_against_reference_mla():
     q_nope = torch.randn(B, T, H, nope, device="cuda").to(torch.bfloat16)
     w_uk_t, w_uv = absorb_weights(kv_b, H, nope, v)
     uk = MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=L, k=nope, m=B * T, y_stride=L + rope))
-    launch(uk, {"x": q_nope.view(B * T, H, nope), "w": w_uk_t, "y": t["q"].view(B * T, H, L + rope)})
+    run_standalone(uk, {"x": q_nope.view(B * T, H, nope), "w": w_uk_t, "y": t["q"].view(B * T, H, L + rope)})
     out, _ = run_decode(blk, t)
     uv = MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=v, k=L, m=B * T, rows_per_tile=32))
     o = torch.full((B * T, H, v), float("nan"), dtype=torch.bfloat16, device="cuda")
-    launch(uv, {"x": out.view(B * T, H, L), "w": w_uv, "y": o})
+    run_standalone(uv, {"x": out.view(B * T, H, L), "w": w_uv, "y": o})
     # the reference over a dense cache holding the same rows
     dense = torch.zeros(B, max(lens), L + rope, device="cuda")
     for b, n in enumerate(lens):

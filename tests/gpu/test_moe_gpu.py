@@ -7,25 +7,12 @@ Run: `pytest -m gpu tests/gpu/test_moe_gpu.py`."""
 import pytest
 import torch
 
+from harness import need_gpu, rel_err, run_standalone
+
 pytestmark = pytest.mark.gpu
 
 BF16_TOL = 1e-2
 POISON = ("logits", "topk_ids", "topk_w", "act", "shared_act", "shared_out", "out", "tok", "slot", "hits", "counts")
-
-
-def _need_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    try:
-        import cutlass  # noqa: F401
-    except ImportError:
-        pytest.skip("CuTe DSL (nvidia-cutlass-dsl) not importable")
-
-
-def rel_err(got, ref):
-    got, ref = got.float(), ref.float()
-    assert torch.isfinite(got).all(), "non-finite values in the output (poison not overwritten?)"
-    return ((got - ref).norm() / ref.norm()).item()
 
 
 def _runtime(cfg, seed=0):
@@ -83,22 +70,11 @@ def _check_routing(cfg, weights, rt, x, ids=None):
     return (got.sort(-1)[0] == ids_ref.sort(-1)[0]).all()
 
 
-def _run_standalone(block, tensors):
-    import cuda.bindings.driver as cuda
-
-    from sdk.blocks._cute import standalone
-    fn = standalone(block)
-    ptrs = [0 if tensors.get(n) is None else tensors[n].data_ptr() for n in block.operands()]
-    optab = torch.tensor(ptrs, dtype=torch.int64, device="cuda")
-    fn(optab.data_ptr(), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    torch.cuda.synchronize()
-
-
 @pytest.mark.parametrize("case", ["ties", "groups_ties", "random_kimi", "softmax_ep"])
 def test_router_select_matches_rule(case):
     """The select tile on given logits: ids in selection order and weights equal the torch rule
     (ties: lower index first), the dispatch table equal up to the order inside each list."""
-    _need_gpu()
+    need_gpu()
     from sdk.blocks.router import RouterSelectBlock, RouterSelectConfig
     m = 8
     if case == "ties":
@@ -124,7 +100,7 @@ def test_router_select_matches_rule(case):
     for n in ("topk_ids", "tok", "slot", "hits", "counts"):
         t[n].fill_(-7)
     t["topk_w"].fill_(float("nan"))
-    _run_standalone(block, t)
+    run_standalone(block, t)
     ref = {k: v.clone() for k, v in t.items()}
     block.emulate_tile(ref, 0)
     assert torch.equal(t["topk_ids"], ref["topk_ids"])
@@ -141,7 +117,7 @@ def test_router_select_matches_rule(case):
 @pytest.mark.parametrize("fmt,kind", [("bf16", "groups_softmax"), ("fp8_e4m3", "hash_sqrtsoftplus"),
                                       ("mxfp4", "groups_softmax")])
 def test_moe_layer_formats_and_routing_kinds(fmt, kind):
-    _need_gpu()
+    need_gpu()
     from sdk.megakernel.moe_layer import MoELayerConfig, moe_reference_forward
     kw = dict(hidden=2048, num_experts=128, top_k=6, intermediate=512, num_local=32, rank=1, batch=8,
               expert_dtype=fmt, shared_intermediate=512, swiglu_limit=7.0, routed_scaling_factor=1.5)
@@ -164,7 +140,7 @@ def test_moe_layer_formats_and_routing_kinds(fmt, kind):
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_moe_layer_skew_all_tokens_one_expert(fmt):
     """Every token on one local expert (64 tokens: 8 groups of 8 through the same expert)."""
-    _need_gpu()
+    need_gpu()
     from sdk.megakernel.moe_layer import MoELayerConfig, reference
     cfg = MoELayerConfig(hidden=2048, num_experts=128, top_k=4, intermediate=512, num_local=32, rank=2, batch=64,
                          correction_bias=True, expert_dtype=fmt, shared_intermediate=512)
@@ -179,7 +155,7 @@ def test_moe_layer_skew_all_tokens_one_expert(fmt):
 
 
 def test_moe_layer_every_local_expert_hit():
-    _need_gpu()
+    need_gpu()
     from sdk.megakernel.moe_layer import MoELayerConfig, reference
     cfg = MoELayerConfig(hidden=2048, num_experts=64, top_k=4, intermediate=512, batch=16, hash_routed=True,
                          vocab=16, scoring="sigmoid")
@@ -195,7 +171,7 @@ def test_moe_layer_every_local_expert_hit():
 def test_moe_layer_cuda_graph_replays():
     """Launches captured in a CUDA graph and replayed: each replay is a new epoch and sees only
     its own step's dispatch table (no host reset between replays)."""
-    _need_gpu()
+    need_gpu()
     from sdk.megakernel.moe_layer import MoELayerConfig, reference
     cfg = MoELayerConfig(hidden=2048, num_experts=128, top_k=8, intermediate=512, num_local=32, batch=8,
                          correction_bias=True, shared_intermediate=512)
@@ -226,7 +202,7 @@ REAL = {"kimi_k3": "bf16", "deepseek_v41_flash": "mxfp4", "glm_53": "fp8_e4m3"}
 def test_moe_layer_real_shard_one_launch(model, batch):
     """The per-GPU shard of each model (router over all experts, this rank's experts, shared
     expert) in one launch; two launches with fresh inputs (epochs 1, 2)."""
-    _need_gpu()
+    need_gpu()
     from sdk.megakernel.moe_layer import preset, reference
     cfg = preset(model, batch, expert_dtype=REAL[model])
     rt, weights = _runtime(cfg, seed=batch)

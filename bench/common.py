@@ -1,0 +1,176 @@
+"""Helpers shared by the GPU benchmarks (bench/*_bench.py): timing under a CUDA graph (eager if
+capture fails), the device copy bandwidth that the floors divide by, the commit and command line
+recorded in each JSON, writing the JSON, and the summary lines the session scripts print.
+
+Importing this module does not touch CUDA (the benchmarks are imported on CPU-only machines too);
+every function here needs a GPU when called, except commit(), command_line(), write_json() and
+the summary helpers."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+L2_FLUSH_BYTES = 256 << 20     # working set per timed graph: several times the H200's 60 MB L2
+
+
+def commit() -> str:
+    """The commit measured: $GIT_COMMIT (the session scripts set it; the device copy has no .git),
+    else `git rev-parse HEAD` of this checkout, else 'unknown'."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
+                                       cwd=os.path.dirname(__file__)).decode().strip()
+    except Exception:
+        return "unknown"
+
+
+def command_line() -> str:
+    """How this process was started, for the JSON record: `python3 -m ... args`."""
+    return " ".join([os.path.basename(sys.executable)] + sys.argv)
+
+
+def arg_parser(description: str | None = None, out_from_env: bool = True) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --out (the folder for the JSON; by default $OUT, else
+    bench/results/h200; with out_from_env=False, none: no JSON) and --quick (fewer cases)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/h200") if out_from_env else None)
+    ap.add_argument("--quick", action="store_true")
+    return ap
+
+
+def run_record(props, copy_bw: float, results: list, **extra) -> dict:
+    """The head of a benchmark's JSON: commit, command, GPU (`props`: torch device properties), SM
+    count, copy bandwidth (GB/s), `extra`, torch version, time; then the per-case `results`."""
+    return {"commit": commit(), "command": command_line(), "gpu": props.name, "sms": props.multi_processor_count,
+            "copy_bw_gbs": copy_bw, **extra, "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "results": results}
+
+
+def cu_stream():
+    """The current torch stream as a CUstream, for the CuTe DSL compiled kernels."""
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def graph_time_us(calls, replays: int = 5) -> float:
+    """Median time per call (us) of `calls` (a list of zero-arg callables) captured in one CUDA
+    graph (warmed up on a side stream first); raises if capture fails (see timed())."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls[:2]:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(calls))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def eager_time_us(calls, replays: int = 5) -> float:
+    """Median time per call (us) of `calls` launched one by one (no graph)."""
+    for c in calls[:2]:
+        c()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for c in calls:
+            c()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(calls))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def timed(calls):
+    """(us per call, mode): under a CUDA graph ('cuda_graph'), or eager ('eager', said in the
+    record) if capture fails."""
+    try:
+        return graph_time_us(calls), "cuda_graph"
+    except Exception as exc:  # capture unsupported: say so, time eagerly
+        print(f"  (graph capture failed: {type(exc).__name__}: {exc}; timing eager launches)", flush=True)
+        torch.cuda.synchronize()
+        return eager_time_us(calls), "eager"
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 6) -> dict:
+    """Device-memory bandwidth, GB/s, from 2 GiB buffers (33x the L2), several timed reps each:
+      copy_*: (bytes read + bytes written) / time of a device-to-device copy, as elementwise
+              kernels on wide dtypes (vectorised 16-byte accesses) and as cudaMemcpy;
+      read:   bytes read / time of a sum over the buffer (what a GEMV does: read-only).
+    'copy' is the best copy variant: the floor's denominator. The first session's 2715 GB/s
+    came from a uint8 copy_ of 1 GiB (byte-wise elementwise kernel); DESIGN.md measured 4.26 TB/s."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    b = torch.empty_like(a)
+    out = {}
+    variants = {
+        "copy_memcpy": lambda: b.copy_(a),                                   # same dtype: cudaMemcpyAsync
+        "copy_fp32_kernel": lambda: torch.mul(a, 1.0, out=b),                # elementwise, 16-byte vectors
+        "copy_int64_kernel": lambda: torch.bitwise_not(a.view(torch.int64), out=b.view(torch.int64)),
+    }
+    for name, fn in variants.items():
+        us, _ = timed([fn] * reps)
+        out[name] = 2 * nbytes / (us * 1e3)
+    s = torch.empty((), dtype=torch.float32, device="cuda")
+    us, _ = timed([lambda: torch.sum(a, out=s)] * reps)
+    out["read"] = nbytes / (us * 1e3)
+    out["copy"] = max(v for k, v in out.items() if k.startswith("copy_"))
+    del a, b
+    torch.cuda.empty_cache()
+    return out
+
+
+def write_json(out_dir: str, name: str, obj) -> str:
+    """Write `obj` as indented JSON to out_dir/name (the folder made if missing); returns the path.
+    The benchmarks call it after every case, so a run cut short by its time limit keeps what ran."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+    return path
+
+
+def summary_lines(report, line) -> str:
+    """The lines a session script prints from a report with 'copy_bw_gbs', 'gpu' and 'results':
+    the copy bandwidth, then line(record) per case."""
+    lines = [f"copy bandwidth {report['copy_bw_gbs']:.0f} GB/s on {report['gpu']}"]
+    return "\n".join(lines + [line(r) for r in report["results"]])
+
+
+def print_case_table(records, case_width: int, us_width: int) -> None:
+    """One row per case: us, GB/s, fraction of the floor, torch graph us, speed-up, rel err ('-'
+    where not measured); an ERROR row for a case that failed."""
+    print(f"{'case':{case_width}s} {'us':>{us_width}s} {'GB/s':>7s} {'floor':>6s} {'torch us':>9s} {'speedup':>7s} "
+          f"{'err':>8s}")
+    for r in records:
+        if "error" in r:
+            print(f"{r['case']:{case_width}s} ERROR {r['error'][:120]}")
+            continue
+        tu = f"{r['torch_graph_us']:.1f}" if r["torch_graph_us"] else "-"
+        sp = f"{r['speedup_vs_torch_graph']:.2f}x" if r["speedup_vs_torch_graph"] else "-"
+        er = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
+        print(f"{r['case']:{case_width}s} {r['us']:{us_width}.1f} {r['gbs']:7.0f} {r['fraction_of_floor']:6.2f} "
+              f"{tu:>9s} {sp:>7s} {er:>8s}")

@@ -1,0 +1,55 @@
+"""Helpers shared by the GPU tests (tests/gpu/test_*_gpu.py): skip without a GPU or the CuTe DSL,
+run a block's standalone kernel on the current stream, relative error, a clock seed.
+
+Imported as `from harness import ...`: pytest puts this folder on sys.path for the test files in it
+(tests/gpu has no __init__.py). Nothing here touches CUDA at import, so the tests still collect on
+a machine without a GPU."""
+import time
+
+import pytest
+import torch
+
+
+def need_gpu():
+    """Skip the calling test unless a CUDA GPU and the CuTe DSL are there."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        pytest.skip("CuTe DSL (nvidia-cutlass-dsl) not importable")
+
+
+# Compiled standalone kernels by block: blocks with equal static config compile to the same code
+# (Block.__eq__ / __hash__ compare key()), so one compile serves every test that uses that config.
+_compiled = {}
+
+
+def run_standalone(block, tensors):
+    """Launch `block`'s standalone kernel (one tile per CTA, or persistent for a streaming block) on
+    the current stream with the operand pointers of `tensors` and wait for it. An operand missing
+    from `tensors` or None goes in as a null pointer (the block's optional operands)."""
+    import cuda.bindings.driver as cuda
+
+    from sdk.blocks._cute import standalone
+    if block not in _compiled:
+        _compiled[block] = standalone(block)
+    ptrs = [0 if tensors.get(n) is None else tensors[n].data_ptr() for n in block.operands()]
+    optab = torch.tensor(ptrs, dtype=torch.int64, device="cuda")
+    _compiled[block](optab.data_ptr(), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    torch.cuda.synchronize()
+
+
+def rel_err(got, ref, *, check_finite=True, min_norm=0.0):
+    """Relative Frobenius error |got - ref| / |ref| in fp32. check_finite: assert `got` is all
+    finite first (a NaN-poisoned output the kernel did not overwrite). min_norm: floor of |ref|,
+    for references that may be all zero (0.0: no floor)."""
+    got, ref = got.float(), ref.float()
+    if check_finite:
+        assert torch.isfinite(got).all(), "non-finite values in the output (poison not overwritten?)"
+    return ((got - ref).norm() / ref.norm().clamp_min(min_norm)).item()
+
+
+def clock_seed() -> int:
+    """A fresh seed from the clock: every run tests new inputs; the tests print it on failure."""
+    return int(time.time() * 1000) % (2 ** 31)

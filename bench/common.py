@@ -135,7 +135,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 6) -> dict:
         us, _ = timed([fn] * reps)
         out[name] = 2 * nbytes / (us * 1e3)
     s = torch.empty((), dtype=torch.float32, device="cuda")
-    us, _ = timed([lambda: torch.sum(a, out=s)] * reps)
+    us, _ = timed([lambda: torch.sum(a, dim=0, out=s)] * reps)
     out["read"] = nbytes / (us * 1e3)
     out["copy"] = max(v for k, v in out.items() if k.startswith("copy_"))
     del a, b

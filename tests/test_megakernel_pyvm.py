@@ -15,13 +15,9 @@ TINY = dict(hidden=1024, intermediate=512, layers=3)
 
 def _vm(cfg, num_sms=8, seed=0):
     prog = build_program(cfg)
-    sched = schedule(prog, num_sms)
-    validate(prog, sched.per_sm)
-    words, lengths = encode(prog, sched.per_sm)
-    tensors = PyVM.alloc(prog)
     weights = make_weights(cfg, seed=seed)
-    tensors.update(weights)
-    return prog, sched, PyVM(prog, words, lengths, tensors), weights
+    vm, sched = PyVM.from_program(prog, num_sms, weights)
+    return prog, sched, vm, weights
 
 
 @pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])

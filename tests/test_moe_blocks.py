@@ -28,13 +28,9 @@ def rel(a, b):
 
 def _vm(cfg, num_sms=8, seed=0):
     prog = build_program(cfg)
-    sched = schedule(prog, num_sms)
-    validate(prog, sched.per_sm)
-    words, lengths = encode(prog, sched.per_sm)
-    tensors = PyVM.alloc(prog)
     weights = make_weights(cfg, seed=seed)
-    tensors.update(weights)
-    return PyVM(prog, words, lengths, tensors), weights, sched
+    vm, sched = PyVM.from_program(prog, num_sms, weights)
+    return vm, weights, sched
 
 
 def _poison(t):

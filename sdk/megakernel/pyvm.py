@@ -21,6 +21,19 @@ from . import isa
 
 
 class PyVM:
+    @classmethod
+    def from_program(cls, program, num_sms: int, weights: dict[str, torch.Tensor]):
+        """Schedule `program` on `num_sms` SMs, validate and encode it, and return (PyVM, schedule)
+        with freshly allocated buffers plus `weights` bound."""
+        from ..schedule import schedule, validate
+        from .program import encode
+        sched = schedule(program, num_sms)
+        validate(program, sched.per_sm)
+        words, lengths = encode(program, sched.per_sm)
+        tensors = cls.alloc(program)
+        tensors.update(weights)
+        return cls(program, words, lengths, tensors), sched
+
     def __init__(self, program, words: np.ndarray, lengths: np.ndarray, tensors: dict[str, torch.Tensor]):
         self.program = program
         self.words = words

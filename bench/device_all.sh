@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 session runs, in one call (from the repo root, with .device/ carried):
-#   bash bench/device_all.sh [part ...]     parts: suite megakernel moe kda mla (default: all present)
+#   bash bench/device_all.sh [part ...]     parts: suite megakernel moe mla_bench allreduce kda mla dsv4
+# DEVICE_ALL_S (default 570) bounds the whole call: a part gets at most what is left of it.
 # Each part writes into its own folder; everything is packed into $OUT/results.tgz (the device
 # returns at most 8 files), and each part's summary is printed at the end.
 set -u
@@ -15,6 +16,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=c
 python -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$WORK/env.txt" 2>&1
 cat "$WORK/env.txt"
 START=$(date +%s)
+DEADLINE=$(( START + ${DEVICE_ALL_S:-570} ))
+# left N: N, or what is left before the deadline if less (at least 5 s)
+left() { local r=$(( DEADLINE - $(date +%s) )); r=$(( r < $1 ? r : $1 )); echo $(( r > 5 ? r : 5 )); }
 for part in $PARTS; do
   T0=$(date +%s)
   mkdir -p "$WORK/$part"
@@ -26,17 +30,19 @@ for part in $PARTS; do
         > "$WORK/suite/reference_gpu.log" 2>&1
       { grep -E "^SKIPPED" "$WORK/suite/cpu_suite.log" | cut -c1-160 | sort | uniq -c | head -n 8
         tail -n 1 "$WORK/suite/cpu_suite.log"; tail -n 1 "$WORK/suite/reference_gpu.log"; } > "$WORK/suite/summary.txt" ;;
-    megakernel) [ -f bench/gpu_session.sh ] && OUT="$WORK/megakernel" MK_BUDGET_S=${MK_BUDGET_S:-215} timeout 232 bash bench/gpu_session.sh > "$WORK/megakernel/session.log" 2>&1
+    megakernel) [ -f bench/gpu_session.sh ] && OUT="$WORK/megakernel" MK_BUDGET_S=${MK_BUDGET_S:-215} timeout $(left 232) bash bench/gpu_session.sh > "$WORK/megakernel/session.log" 2>&1
       sed -n '/= summary/,$p' "$WORK/megakernel/session.log" > "$WORK/megakernel/summary.txt" ;;
-    moe) [ -f bench/moe_gpu_session.sh ] && OUT="$WORK/moe" MOE_BUDGET_S=${MOE_BUDGET_S:-145} timeout 158 bash bench/moe_gpu_session.sh > "$WORK/moe/session.log" 2>&1
+    moe) [ -f bench/moe_gpu_session.sh ] && OUT="$WORK/moe" MOE_BUDGET_S=${MOE_BUDGET_S:-145} timeout $(left 158) bash bench/moe_gpu_session.sh > "$WORK/moe/session.log" 2>&1
       tail -n 25 "$WORK/moe/session.log" > "$WORK/moe/summary.txt" ;;
-    mla_bench) OUT="$WORK/mla_bench" timeout 90 python -m bench.mla_bench --out "$WORK/mla_bench" --quick > "$WORK/mla_bench/session.log" 2>&1
+    mla_bench) OUT="$WORK/mla_bench" timeout $(left 90) python -m bench.mla_bench --out "$WORK/mla_bench" --quick > "$WORK/mla_bench/session.log" 2>&1
       tail -n 25 "$WORK/mla_bench/session.log" > "$WORK/mla_bench/summary.txt" ;;
-    allreduce) [ -f bench/allreduce_gpu_session.sh ] && OUT="$WORK/allreduce" timeout 95 bash bench/allreduce_gpu_session.sh > "$WORK/allreduce/session.log" 2>&1
+    allreduce) [ -f bench/allreduce_gpu_session.sh ] && OUT="$WORK/allreduce" timeout $(left 95) bash bench/allreduce_gpu_session.sh > "$WORK/allreduce/session.log" 2>&1
       tail -n 25 "$WORK/allreduce/session.log" > "$WORK/allreduce/summary.txt" ;;
-    kda) [ -f bench/kda_gpu_session.sh ] && OUT="$WORK/kda" timeout 200 bash bench/kda_gpu_session.sh > "$WORK/kda/session.log" 2>&1
+    kda) [ -f bench/kda_gpu_session.sh ] && OUT="$WORK/kda" timeout $(left 200) bash bench/kda_gpu_session.sh > "$WORK/kda/session.log" 2>&1
       tail -n 25 "$WORK/kda/session.log" > "$WORK/kda/summary.txt" ;;
-    mla) [ -f bench/mla_gpu_session.sh ] && OUT="$WORK/mla" timeout 200 bash bench/mla_gpu_session.sh > "$WORK/mla/session.log" 2>&1
+    dsv4) [ -f bench/dsv4_gpu_session.sh ] && OUT="$WORK/dsv4" timeout $(left 175) bash bench/dsv4_gpu_session.sh > "$WORK/dsv4/session.log" 2>&1
+      tail -n 25 "$WORK/dsv4/session.log" > "$WORK/dsv4/summary.txt" ;;
+    mla) [ -f bench/mla_gpu_session.sh ] && OUT="$WORK/mla" timeout $(left 200) bash bench/mla_gpu_session.sh > "$WORK/mla/session.log" 2>&1
       tail -n 25 "$WORK/mla/session.log" > "$WORK/mla/summary.txt" ;;
   esac
   echo "[$part: $(( $(date +%s) - T0 )) s]" >> "$WORK/$part/summary.txt"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 session runs, in one call (from the repo root, with .device/ carried):
-#   bash bench/device_all.sh [part ...]     parts: suite megakernel moe mla_bench allreduce kda mla dsv4
+#   bash bench/device_all.sh [part ...]     parts: suite megakernel moe mla_bench allreduce kda mla dsv4 indexer ep
 # DEVICE_ALL_S (default 570) bounds the whole call: a part gets at most what is left of it.
 # Each part writes into its own folder; everything is packed into $OUT/results.tgz (the device
 # returns at most 8 files), and each part's summary is printed at the end.
@@ -30,9 +30,9 @@ for part in $PARTS; do
         > "$WORK/suite/reference_gpu.log" 2>&1
       { grep -E "^SKIPPED" "$WORK/suite/cpu_suite.log" | cut -c1-160 | sort | uniq -c | head -n 8
         tail -n 1 "$WORK/suite/cpu_suite.log"; tail -n 1 "$WORK/suite/reference_gpu.log"; } > "$WORK/suite/summary.txt" ;;
-    megakernel) [ -f bench/gpu_session.sh ] && OUT="$WORK/megakernel" MK_BUDGET_S=${MK_BUDGET_S:-215} timeout $(left 232) bash bench/gpu_session.sh > "$WORK/megakernel/session.log" 2>&1
+    megakernel) [ -f bench/gpu_session.sh ] && OUT="$WORK/megakernel" MK_BUDGET_S=${MK_BUDGET_S:-215} timeout $(left $(( ${MK_BUDGET_S:-215} + 17 ))) bash bench/gpu_session.sh > "$WORK/megakernel/session.log" 2>&1
       sed -n '/= summary/,$p' "$WORK/megakernel/session.log" > "$WORK/megakernel/summary.txt" ;;
-    moe) [ -f bench/moe_gpu_session.sh ] && OUT="$WORK/moe" MOE_BUDGET_S=${MOE_BUDGET_S:-145} timeout $(left 158) bash bench/moe_gpu_session.sh > "$WORK/moe/session.log" 2>&1
+    moe) [ -f bench/moe_gpu_session.sh ] && OUT="$WORK/moe" MOE_BUDGET_S=${MOE_BUDGET_S:-145} timeout $(left $(( ${MOE_BUDGET_S:-145} + 13 ))) bash bench/moe_gpu_session.sh > "$WORK/moe/session.log" 2>&1
       tail -n 25 "$WORK/moe/session.log" > "$WORK/moe/summary.txt" ;;
     mla_bench) OUT="$WORK/mla_bench" timeout $(left 90) python -m bench.mla_bench --out "$WORK/mla_bench" --quick > "$WORK/mla_bench/session.log" 2>&1
       tail -n 25 "$WORK/mla_bench/session.log" > "$WORK/mla_bench/summary.txt" ;;
@@ -42,6 +42,10 @@ for part in $PARTS; do
       tail -n 25 "$WORK/kda/session.log" > "$WORK/kda/summary.txt" ;;
     dsv4) [ -f bench/dsv4_gpu_session.sh ] && OUT="$WORK/dsv4" timeout $(left 175) bash bench/dsv4_gpu_session.sh > "$WORK/dsv4/session.log" 2>&1
       tail -n 25 "$WORK/dsv4/session.log" > "$WORK/dsv4/summary.txt" ;;
+    indexer) [ -f bench/indexer_gpu_session.sh ] && OUT="$WORK/indexer" timeout $(left 130) bash bench/indexer_gpu_session.sh > "$WORK/indexer/session.log" 2>&1
+      tail -n 25 "$WORK/indexer/session.log" > "$WORK/indexer/summary.txt" ;;
+    ep) [ -f bench/ep_gpu_session.sh ] && OUT="$WORK/ep" timeout $(left 130) bash bench/ep_gpu_session.sh > "$WORK/ep/session.log" 2>&1
+      tail -n 25 "$WORK/ep/session.log" > "$WORK/ep/summary.txt" ;;
     mla) [ -f bench/mla_gpu_session.sh ] && OUT="$WORK/mla" timeout $(left 200) bash bench/mla_gpu_session.sh > "$WORK/mla/session.log" 2>&1
       tail -n 25 "$WORK/mla/session.log" > "$WORK/mla/summary.txt" ;;
   esac

@@ -96,7 +96,8 @@ def torch_stack_calls(cfg, weights, x):
 
 def _stack_name(cfg) -> str:
     return (f"mlp_stack L={cfg.layers} I={cfg.intermediate} B={cfg.batch} {cfg.weight_dtype}"
-            + ("" if cfg.fuse_norm is None else f" fuse_norm={cfg.fuse_norm}"))
+            + ("" if cfg.fuse_norm is None else f" fuse_norm={cfg.fuse_norm}")
+            + (f" rows={cfg.gateup_rows}/{cfg.down_rows}" if cfg.gateup_rows or cfg.down_rows else ""))
 
 
 def bench_stack(cfg, copy_bw, timeline_path=None):
@@ -125,7 +126,9 @@ def bench_stack(cfg, copy_bw, timeline_path=None):
     torch_us, _ = timed([step] * reps)
     floor_us = wbytes / (copy_bw * 1e3)
     rec = {"case": _stack_name(cfg),
-           "fuse_norm": cfg.norm_fused, "gateup_rows": cfg.gateup_rows, "down_rows": cfg.down_rows,
+           "fuse_norm": cfg.norm_fused,
+           "rows_per_tile": [b.config.rows_per_tile for b in prog.opcodes.blocks if hasattr(b.config, "rows_per_tile")],
+           "max_instructions_per_sm": rt.max_len,
            "ring": dict(zip(("stage_bytes", "stages", "x_bytes"), ring_geometry(prog.opcodes.blocks))),
            "kind": "mlp_stack", "hidden": cfg.hidden, "intermediate": cfg.intermediate,
            "layers": cfg.layers, "batch": cfg.batch, "weight_dtype": cfg.weight_dtype,
@@ -150,16 +153,17 @@ def bench_stack(cfg, copy_bw, timeline_path=None):
 
 def stack_cases(quick: bool):
     from sdk.megakernel.mlp_stack import MLPStackConfig
-    cases = [MLPStackConfig(intermediate=2048, layers=8, batch=1)]
+    cases = [MLPStackConfig(intermediate=2048, layers=8, batch=1),
+             MLPStackConfig(intermediate=2048, layers=8, batch=1, gateup_rows=8, down_rows=16),  # v2's tiles
+             MLPStackConfig(intermediate=18432, layers=4, batch=1),
+             MLPStackConfig(intermediate=2048, layers=8, batch=8),
+             MLPStackConfig(intermediate=2048, layers=8, batch=1, weight_dtype="fp8_e4m3")]
     if not quick:
         cases += [MLPStackConfig(intermediate=4096, layers=8, batch=1),
                   MLPStackConfig(intermediate=12288, layers=4, batch=1),
-                  MLPStackConfig(intermediate=18432, layers=4, batch=1),
                   MLPStackConfig(intermediate=2048, layers=16, batch=1),
                   MLPStackConfig(intermediate=2048, layers=8, batch=1, fuse_norm=False),
-                  MLPStackConfig(intermediate=2048, layers=8, batch=8),
                   MLPStackConfig(intermediate=2048, layers=8, batch=64),
-                  MLPStackConfig(intermediate=2048, layers=8, batch=1, weight_dtype="fp8_e4m3"),
                   MLPStackConfig(intermediate=18432, layers=4, batch=1, weight_dtype="fp8_e4m3")]
     return cases
 

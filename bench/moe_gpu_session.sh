@@ -7,8 +7,9 @@ source "$(dirname "$0")/session_lib.sh"
 session_begin moe_env.txt
 
 echo "== MoE GPU tests"
-timeout 150 python -m pytest -m gpu tests/gpu/test_moe_gpu.py -v -p no:cacheprovider --durations=10 \
-  > "$OUT/moe_gpu_tests.log" 2>&1
+# MOE_TESTS: a -k expression selecting tests (default: all); each test at most 60 s
+timeout $(( ${MOE_BUDGET_S:-225} * 2 / 3 )) python -m pytest -m gpu tests/gpu/test_moe_gpu.py -v -p no:cacheprovider \
+  --durations=10 --timeout 60 ${MOE_TESTS:+-k "$MOE_TESTS"} > "$OUT/moe_gpu_tests.log" 2>&1
 TESTS_RC=$?
 grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/moe_gpu_tests.log" | head -30
 

@@ -34,7 +34,13 @@ def block_cases():
                              residual="fp32")),
         KDABlock(KDAConfig(batch=64, heads=12, conv=True, out_norm=True)),
         KDABlock(KDAConfig(batch=1, heads=8, v_split=4, tokens=4, commit="accepted", state_dtype="bf16")),
-    ] + _moe_block_cases() + _mla_block_cases() + _allreduce_block_cases() + _dsv4_block_cases()
+    ] + _moe_block_cases() + _mla_block_cases() + _allreduce_block_cases() + _dsv4_block_cases() \
+      + _indexer_block_cases()
+
+
+def _indexer_block_cases():
+    from .blocks.indexer import indexer_compile_cases       # GLM-5.3 DSA + V4.1-Flash CSA scores / top-k
+    return indexer_compile_cases()
 
 
 def _dsv4_block_cases():

@@ -15,9 +15,12 @@ def builtin_blocks() -> list[type]:
     from .mla_decode import MLACombineBlock, MLADecodeBlock, MLAHeadProjBlock
     from .mhc import MHCMixBlock, MHCPostBlock, MHCPreBlock
     from .dsv4_attention import DSV4CombineBlock, DSV4DecodeBlock
+    from .indexer import IndexScoreBlock, TopKBlock
+    from .ep import EPCombineBlock, EPDispatchBlock, EPTableBlock
     return [RMSNormBlock, GemvBlock, KDABlock, RouterLogitsBlock, RouterSelectBlock, ExpertsBlock,
             MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock, MHCMixBlock, MHCPreBlock, MHCPostBlock,
-            DSV4DecodeBlock, DSV4CombineBlock]
+            DSV4DecodeBlock, DSV4CombineBlock, IndexScoreBlock, TopKBlock, EPDispatchBlock, EPTableBlock,
+            EPCombineBlock]
 
 
 __all__ = ["Block", "Cost", "OperandSpec", "NUM_THREADS", "builtin_blocks"]

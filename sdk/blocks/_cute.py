@@ -5,6 +5,7 @@ only inside functions that build device code (never at `import sdk`).
   raw int64 device address (operand-table entries are raw addresses).
 - `smem_tensor(addr, dtype, shape)`: the same over a shared-memory address (ring stages).
 - `block_sum(value, scratch)`, `block_sum_multi(values, scratch)`: fp32 sums over the CTA.
+- `producer_slot()`: this thread's index among the threads that issue the ring's copies (-1: none).
 - `stream_tile(...)`: one tile of a streaming block through the smem ring (the chunk loop shared
   by the megakernel and the standalone kernel).
 - `standalone(block, arch)`: the block's own kernel for tests and benchmarks: one CTA per tile,
@@ -18,7 +19,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from .base import NUM_THREADS, SCRATCH_WORDS, ring_geometry
+from .base import NUM_THREADS, PRODUCER_FIRST, SCRATCH_WORDS, ring_geometry
 
 DTYPE_MAP = {
     "bf16": cutlass.BFloat16,
@@ -74,16 +75,18 @@ def block_sum_multi(values, scratch: cute.Tensor):
 
 @cute.jit
 def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
-                ptrs, t, ring_base, sx, scratch, cseq, p0, p1, p2, produce):
+                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce):
     """Run one tile of a streaming block. Consumer chunk number cseq (over the CTA's whole
     stream) sits in stage cseq % stages; after a chunk is consumed its stage is refilled with
     chunk cseq + stages of the stream (`produce`, which may belong to a later instruction).
     One cp.async group is committed per chunk, so wait_group(stages - 1) means "the oldest
     chunk has landed" for this thread; the barrier after it makes every thread's copies visible.
-    Returns the advanced (cseq, producer state p0, p1, p2)."""
-    st = faces.begin(ptrs, t, sx, scratch)
+    `fresh` = 0: the previous streaming tile of this CTA was of the same op (its staged
+    activations are still in sx; see sdk/blocks/base.py). Returns the advanced (cseq, producer
+    state p0, p1, p2)."""
+    st = faces.begin(ptrs, t, sx, scratch, fresh)
     for ch in cutlass.range(nch, unroll=1):
-        faces.prep(ptrs, t, ch, st, sx, scratch)
+        faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
         cute.arch.cp_async_wait_group(stages - 1)
         cute.arch.sync_threads()
         faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
@@ -92,6 +95,13 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
         cseq = cseq + 1
     faces.end(ptrs, t, st, scratch)
     return cseq, p0, p1, p2
+
+
+@cute.jit
+def producer_slot():
+    """(index among the ring's producer threads, or -1 for warp 0, which issues no copies)."""
+    tid, _, _ = cute.arch.thread_idx()
+    return tid - PRODUCER_FIRST
 
 
 @cute.jit
@@ -192,7 +202,8 @@ def _standalone_stream(block, arch, num_ctas, max_stages):
         cseq = Int32(0)
         for j in cutlass.range(mine, unroll=1):
             cseq, pi, pc, ps = stream_tile(
-                faces, nch, P, stage_bytes, ptrs, bid + G * j, ring_base, sx, scratch, cseq, pi, pc, ps,
+                faces, nch, P, stage_bytes, ptrs, bid + G * j, ring_base, sx, scratch,
+                Int32(cutlass.select_(j == 0, 1, 0)), cseq, pi, pc, ps,
                 lambda a, b, c: produce(ptrs, bid, mine, ring_base, a, b, c))
         cute.arch.cp_async_wait_group(0)
 

@@ -63,6 +63,9 @@ def build_mla_decode_tile(block):
     c = block.config
     B, T, H = c.batch, c.q_tokens, c.heads
     R, MP = block.rows, block.m_pad
+    SPARSE = block.sparse                # DSA: keys = each query token's index list
+    TR = block.tile_rows                 # query rows of one tile (H when sparse)
+    IW = max(c.index_width, 1)
     DQK, DV = block.d_qk, block.d_v
     CH, NWN, NWK = c.chunk, block.nwn, block.nwk
     KS = DQK // NWK                      # d_qk slice of one warp in QK^T
@@ -87,20 +90,35 @@ def build_mla_decode_tile(block):
     scale_log2 = block.scale * LOG2_E
     scale_nat = block.scale
     n_ops_kv = 3 if FP8 else 2           # index of block_table in the operand list
+    n_ops_out = n_ops_kv + (3 if SPARSE else 2)   # index of o_part (sparse: index list before it)
     NEG_INF = -math.inf
+    HIDDEN = 0x7FFFFFFF                  # sparse mask: a token no query sees
 
     @cute.jit
-    def load_chunk(mKV, mSc, mBT, b, length, ci, st, sStage, sScSt, tid, g2s, g2s4):
-        """cp.async the cache rows of chunk ci (tokens ci*CH + j) into stage st. Rows past the end
-        of the sequence are clamped to its last token (finite data; the mask drops them)."""
+    def token_of(mIdx, b, tq, length, nk, ci, j):
+        """Cache token of chunk row j: ci*CH + j (dense) or the index list's entry there (sparse),
+        clamped to a real token of the sequence (finite data; the mask drops the extras)."""
+        tok = ci * CH + j
+        if tok > nk - 1:
+            tok = nk - 1
+        if cutlass.const_expr(SPARSE):
+            tok = mIdx[b, tq, tok]
+            if tok < 0:
+                tok = Int32(0)
+        if tok > length - 1:
+            tok = length - 1
+        return tok
+
+    @cute.jit
+    def load_chunk(mKV, mSc, mBT, mIdx, b, tq, length, nk, ci, st, sStage, sScSt, sTok, tid, g2s, g2s4):
+        """cp.async the cache rows of chunk ci into stage st (sparse: and the chunk's tokens for
+        the mask into sTok[st], plain stores: read after the barriers the chunk passes)."""
         for k in cutlass.range_constexpr(PPT):
             i = tid + k * NUM_THREADS
             if i < NPIECE:
                 j = i // PIECES
                 p = i % PIECES
-                tok = ci * CH + j
-                if tok > length - 1:
-                    tok = length - 1
+                tok = token_of(mIdx, b, tq, length, nk, ci, j)
                 row = mBT[b, tok // PS] * PS + tok % PS
                 cute.copy(g2s, mKV[row, p, None], sStage[st, j, p, None])
         if cutlass.const_expr(FP8):
@@ -109,19 +127,31 @@ def build_mla_decode_tile(block):
                 if i < NSC:
                     j = i // NG
                     gi = i % NG
-                    tok = ci * CH + j
-                    if tok > length - 1:
-                        tok = length - 1
+                    tok = token_of(mIdx, b, tq, length, nk, ci, j)
                     row = mBT[b, tok // PS] * PS + tok % PS
                     cute.copy(g2s4, mSc[row, gi, None], sScSt[st, j, gi, None])
+        if cutlass.const_expr(SPARSE):
+            for j in cutlass.range(tid, CH, NUM_THREADS, unroll=1):
+                e = ci * CH + j
+                tok = Int32(HIDDEN)
+                if e < nk:
+                    v = mIdx[b, tq, e]
+                    if v >= 0:
+                        tok = v
+                sTok[st, j] = tok
 
     @cute.jit
     def tile(ptrs, t: Int32, scratch):
         tid, _, _ = cute.arch.thread_idx()
         lane = tid % 32
         wid = tid // 32
-        b = t // S
         s = t % S
+        b = t // S
+        tq = Int32(0)                           # sparse: the tile's query token
+        if cutlass.const_expr(SPARSE):
+            tq = b % T
+            b = b // T
+        row0 = tq * H                           # the tile's first query row (0 when dense)
 
         mQ = gmem_tensor(ptrs[0], BFloat16, (B, R, DQK // 8, 8), 16)
         mKV = gmem_tensor(ptrs[1], kvdt, (NP * PS, PIECES, EP), 16)
@@ -130,8 +160,11 @@ def build_mla_decode_tile(block):
             mSc = gmem_tensor(ptrs[2], Float32, (NP * PS, NG, 1), 4)
         mBT = gmem_tensor(ptrs[n_ops_kv], Int32, (B, MAXP), 4)
         mLen = gmem_tensor(ptrs[n_ops_kv + 1], Int32, (B,), 4)
-        mO = gmem_tensor(ptrs[n_ops_kv + 2], Float32, (B, S, R, DV), 4)
-        mL = gmem_tensor(ptrs[n_ops_kv + 3], Float32, (B, S, R), 4)
+        mIdx = None
+        if cutlass.const_expr(SPARSE):
+            mIdx = gmem_tensor(ptrs[n_ops_kv + 2], Int32, (B, T, IW), 4)
+        mO = gmem_tensor(ptrs[n_ops_out], Float32, (B, S, R, DV), 4)
+        mL = gmem_tensor(ptrs[n_ops_out + 1], Float32, (B, S, R), 4)
 
         smem = SmemAllocator()
         sQ = smem.allocate_tensor(BFloat16, cute.make_layout((MP, DQK), stride=(RS, 1)), byte_alignment=128)
@@ -153,6 +186,9 @@ def build_mla_decode_tile(block):
                                        byte_alignment=128)
             sStage = cute.make_tensor(skv.iterator, cute.make_layout((ST, CH, PIECES, EP),
                                                                      stride=(CH * RS, RS, EP, 1)))
+        sTok = None
+        if cutlass.const_expr(SPARSE):
+            sTok = smem.allocate_tensor(Int32, cute.make_layout((ST, CH), stride=(CH, 1)), byte_alignment=16)
         NBUF = 1 if FP8 else ST
         sKV = cute.make_tensor(skv.iterator, cute.make_layout((NBUF, CH, DQK), stride=(CH * RS, RS, 1)))
         sKVt = cute.make_tensor(skv.iterator, cute.make_layout((NBUF, DQK, CH), stride=(CH * RS, 1, RS)))
@@ -163,7 +199,10 @@ def build_mla_decode_tile(block):
 
         # ---- split bounds (whole chunks), the query rows ---------------------------------------
         length = mLen[b]
-        n_chunks = (length + CH - 1) // CH
+        nk = length                             # keys walked: tokens, or index-list positions
+        if cutlass.const_expr(SPARSE):
+            nk = Int32(IW)
+        n_chunks = (nk + CH - 1) // CH
         per = (n_chunks + S - 1) // S
         c_lo = s * per
         if c_lo > n_chunks:
@@ -175,15 +214,16 @@ def build_mla_decode_tile(block):
         # pipeline prologue first (the KV stream matters, Q is small)
         for k in cutlass.range_constexpr(ST - 1):
             if c_lo + k < c_hi:
-                load_chunk(mKV, mSc, mBT, b, length, c_lo + k, k, sStage, sScSt, tid, g2s, g2s4)
+                load_chunk(mKV, mSc, mBT, mIdx, b, tq, length, nk, c_lo + k, k, sStage, sScSt, sTok, tid,
+                           g2s, g2s4)
             cute.arch.cp_async_commit_group()
 
         sQv = cute.make_tensor(sQ.iterator, cute.make_layout((MP, DQK // 8, 8), stride=(RS, 8, 1)))
         for i in cutlass.range(tid, MP * (DQK // 8), NUM_THREADS, unroll=1):
             r = i // (DQK // 8)
             p = i % (DQK // 8)
-            if r < R:
-                sQv[r, p, None].store(mQ[b, r, p, None].load())
+            if r < TR:
+                sQv[r, p, None].store(mQ[b, row0 + r, p, None].load())
             else:
                 sQv[r, p, None].fill(0.0)
 
@@ -225,7 +265,8 @@ def build_mla_decode_tile(block):
             cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
             nxt = ci + ST - 1
             if nxt < c_hi:
-                load_chunk(mKV, mSc, mBT, b, length, nxt, (it + ST - 1) % ST, sStage, sScSt, tid, g2s, g2s4)
+                load_chunk(mKV, mSc, mBT, mIdx, b, tq, length, nk, nxt, (it + ST - 1) % ST, sStage, sScSt, sTok,
+                           tid, g2s, g2s4)
             cute.arch.cp_async_commit_group()
             buf = st
             if cutlass.const_expr(FP8):
@@ -268,13 +309,19 @@ def build_mla_decode_tile(block):
                 tPsk = thr_pv.partition_C(sS[kk, None, None])
                 for i in cutlass.range_constexpr(cute.size(accP)):
                     accP[i] = accP[i] + tPsk[i]
-            if (ci + 1) * CH > length - T:      # chunk reaches the new tokens or the end
+            if cutlass.const_expr(SPARSE):
+                # the chunk's tokens (HIDDEN for -1 / past the list): causal rule of query tq
                 for i in cutlass.range_constexpr(cute.size(accP)):
                     m_, n_ = cS[i]
-                    tq = m_ // H
-                    if tq > T - 1:
-                        tq = T - 1
-                    if ci * CH + n_ > length - T + tq:
+                    if sTok[st, n_] > length - T + tq:
+                        accP[i] = NEG_INF
+            elif (ci + 1) * CH > length - T:    # chunk reaches the new tokens or the end
+                for i in cutlass.range_constexpr(cute.size(accP)):
+                    m_, n_ = cS[i]
+                    tqd = m_ // H
+                    if tqd > T - 1:
+                        tqd = T - 1
+                    if ci * CH + n_ > length - T + tqd:
                         accP[i] = NEG_INF
             accP_mn = mn_view(accP)
             for r in cutlass.range_constexpr(NROW):
@@ -315,11 +362,11 @@ def build_mla_decode_tile(block):
                 inv = Float32(1.0) / l
                 lse = row_max[r] * scale_nat + cute.math.log(l, fastmath=False)
             m_ = cO_mn[r, 0][0]
-            if m_ < R:
+            if m_ < TR:
                 for cc in cutlass.range_constexpr(cute.size(accO_mn, mode=[1])):
-                    mO[b, s, m_, wid * DVW + cO_mn[r, cc][1]] = accO_mn[r, cc] * inv
+                    mO[b, s, row0 + m_, wid * DVW + cO_mn[r, cc][1]] = accO_mn[r, cc] * inv
                 if wid == 0 and lane % 4 == 0:
-                    mL[b, s, m_] = lse
+                    mL[b, s, row0 + m_] = lse
         cute.arch.sync_threads()                # smem is reused by the next instruction
 
     return tile

@@ -21,13 +21,23 @@ dependency is met: weights never depend on activations). Such a block declares
 `x_smem_bytes()` (smem it needs for staged activations), and its `device_stream()` returns a
 `StreamFaces` of five device functions, all called by all NUM_THREADS threads:
 
-    issue(ptrs, tile, c, stage_addr)            cp.async of chunk c into the stage (no commit)
-    state = begin(ptrs, tile, sx, scratch)      after the tile's dependencies are met
-    prep(ptrs, tile, c, state, sx, scratch)     before chunk c's stage barrier (stage activations)
+    issue(ptrs, tile, c, stage_addr)            cp.async of chunk c into the stage (no commit),
+                                                by the PRODUCER threads only (`producer_slot()`)
+    state = begin(ptrs, tile, sx, scratch, fresh)   after the tile's dependencies are met
+    prep(ptrs, tile, c, state, sx, scratch, fresh)  before chunk c's stage barrier (stage activations)
     consume(ptrs, tile, c, stage_addr, state, sx)   chunk c has landed and is visible
     end(ptrs, tile, state, scratch)             epilogue (reductions, output stores)
 
-The megakernel owns the ring, the commit/wait accounting and the barriers (docs/writing-a-block.md).
+`fresh` is 0 when the CTA's previous streaming tile belonged to the same op (same operand-table
+entries) and nothing else streamed in between: the activations that tile staged in `sx` are
+still there and still current (every tile of an op waits for the same counters, and a program
+never overwrites an op's inputs before all its tiles are done), so a block may skip staging
+them again. The megakernel owns the ring, the commit/wait accounting and the barriers
+(docs/writing-a-block.md).
+
+Only warps 1.. issue the ring's copies (`PRODUCER_FIRST`): warp 0's thread 0 does the waits and
+the release signals, and a release fence waits for the issuing thread's outstanding memory
+operations - with no cp.async of its own in flight it does not wait for the ring.
 
 Operands are device pointers (int64) in an operand table; their order is `operands()`, their
 shapes and dtypes are static (`operand_specs()`), so a kernel never takes per-layer arguments.
@@ -57,19 +67,23 @@ STATS_OFFSET = 8 * 64
 # small static allocations): the weight ring takes what the staged activations leave.
 SMEM_BUDGET = 220 * 1024
 MAX_STAGES = 16
+# Threads that issue the weight ring's cp.async copies: all but warp 0 (see the module docstring).
+PRODUCER_FIRST = 32
+PRODUCER_THREADS = NUM_THREADS - PRODUCER_FIRST
 
 
-def ring_geometry(blocks, max_stages: int | None = None) -> tuple[int, int, int]:
+def ring_geometry(blocks, max_stages: int | None = None, reserved: int = 0) -> tuple[int, int, int]:
     """(stage bytes, number of stages, activation smem bytes) of the smem ring that serves these
     blocks; (0, 0, 0) when none streams. Stages are sized for the largest chunk of any block;
-    as many as fit (at most `max_stages`, default MAX_STAGES)."""
+    as many as fit (at most `max_stages`, default MAX_STAGES) beside `reserved` bytes of other
+    shared memory (the megakernel's instruction records)."""
     stream = [b for b in blocks if b.stream_chunks() > 0]
     if not stream:
         return 0, 0, 0
     up = lambda v: -(-v // 128) * 128
     stage = up(max(b.chunk_bytes() for b in stream))
     xbytes = up(max(max(b.x_smem_bytes() for b in stream), 16))
-    free = SMEM_BUDGET - xbytes - 4 * SCRATCH_WORDS - 256
+    free = SMEM_BUDGET - xbytes - 4 * SCRATCH_WORDS - 256 - reserved
     stages = min(max_stages or MAX_STAGES, free // stage)
     if stages < 2:
         raise UnsupportedConfigError(f"smem ring: {stage} B stages and {xbytes} B of activations leave room "

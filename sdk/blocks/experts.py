@@ -31,6 +31,11 @@ Weight formats (per local expert e; `w` is gate_up [E, 2I, D] for "gateup", down
   e2m1 is decoded with integer ops into fp16 bit patterns (exact, no sm_100 instruction), so
   the same code runs on sm_90a and sm_100a; ue8m0 scales above 2^113 are not supported.
 
+Expert parallelism (sdk/blocks/ep.py): `rows` decouples the rows of x and of the tok/slot tables
+(the N*M rows an owner rank received) from M, and the down stage's `scatter` mode writes each
+assignment's row alone and unweighted (out[slot], [rows * top_k, hidden]) for the source rank
+to weigh and sum; then rows may exceed 64.
+
 Supported: M = 1..64, top_k <= 32, K (hidden for gate/up, I for down) a multiple of the
 elements per 16-byte load (8 bf16, 16 fp8, 32 mxfp4) and, for fp8, of 128. Not yet: the
 tensor-core path for large per-expert token counts (a group of 8 re-reads the expert's rows
@@ -65,6 +70,13 @@ class ExpertsConfig:
     rows_per_tile: int = 8
     unroll: int = 0                      # 16-byte loads per lane in flight per row; 0 = auto
     expected_hits: float = 1.0           # hit local experts per step: for cost() only
+    # expert parallelism (sdk/blocks/ep.py): the experts of an owner rank read the rows that the
+    # N ranks dispatched to it. rows: rows of x (gateup) and columns of tok/slot (0 = m); act
+    # has rows * top_k rows. scatter (down only): out is [rows * top_k, hidden] and each
+    # assignment's row is written alone, unweighted (out[slot] = down_e(act[slot])): the source
+    # rank weighs and sums (EPCombineBlock); no per-token combine, so rows may exceed 64.
+    rows: int = 0
+    scatter: bool = False
 
 
 # -- host-side formats -------------------------------------------------------------------------
@@ -142,6 +154,10 @@ class ExpertsBlock(Block):
         return ELEMS_PER_LOAD[self.config.weight_dtype]
 
     @property
+    def rows_in(self) -> int:            # tokens the dispatch table can name (m, or rows under EP)
+        return self.config.rows or self.config.m
+
+    @property
     def unroll(self) -> int:
         c = self.config
         if c.unroll:
@@ -174,10 +190,16 @@ class ExpertsBlock(Block):
             self.unsupported(f"experts: out dtype {c.out_dtype!r}")
         if c.stage == "down" and c.swiglu_limit is not None:
             self.unsupported("experts: swiglu_limit belongs to the gateup stage")
+        if c.rows and not (c.m <= c.rows <= 72 * 64):
+            self.unsupported(f"experts: rows={c.rows} (supported: m..{72 * 64})")
+        if c.rows > 64 and c.stage == "down" and not c.scatter:
+            self.unsupported(f"experts: rows={c.rows} > 64 needs scatter (the per-token combine holds 64 tokens)")
+        if c.scatter and (c.stage != "down" or c.shared):
+            self.unsupported("experts: scatter is a down-stage mode without a shared-expert input")
 
     def operand_specs(self):
         c = self.config
-        E, N, K, M, L = c.num_local, self.n_rows, self.k_dim, c.m, c.num_local
+        E, N, K, M, L = c.num_local, self.n_rows, self.k_dim, self.rows_in, c.num_local
         fmt = c.weight_dtype
         if fmt == "mxfp4":
             specs = [OperandSpec("w", (E, N, K // 8), "int32"), OperandSpec("w_scale", (E, N, K // 128), "int32")]
@@ -192,9 +214,9 @@ class ExpertsBlock(Block):
                       OperandSpec("act", (M * c.top_k, c.intermediate), "bf16", output=True)]
         else:
             specs += [OperandSpec("act", (M * c.top_k, c.intermediate), "bf16"),
-                      OperandSpec("topk_w", (M, c.top_k), "fp32"),
+                      OperandSpec("topk_w", (M, c.top_k), "fp32", optional=c.scatter),
                       OperandSpec("shared", (M, c.hidden), "fp32", optional=not c.shared),
-                      OperandSpec("out", (M, c.hidden), c.out_dtype, output=True)]
+                      OperandSpec("out", (M * c.top_k if c.scatter else M, c.hidden), c.out_dtype, output=True)]
         return specs
 
     def num_tiles(self) -> int:
@@ -257,6 +279,12 @@ class ExpertsBlock(Block):
                 g = x @ wd[:R].T
                 u = x @ wd[R:].T
                 t["act"][slots, rows] = swiglu_ref(g, u, "silu", c.swiglu_limit).to(t["act"].dtype)
+        elif c.scatter:
+            for le in hit:
+                n = int(t["counts"][le])
+                slots = t["slot"][le, :n].long()
+                wd = self._dequant_rows(t, le, torch.arange(tile * R, (tile + 1) * R))
+                t["out"][slots, rows] = (t["act"][slots].float() @ wd.T).to(t["out"].dtype)
         else:
             M = c.m
             acc = torch.zeros(M, R)
@@ -290,7 +318,8 @@ class ExpertsBlock(Block):
         n_tail = (rem + 31) // 32                  # per-lane tail loads (predicated)
         R = c.rows_per_tile
         NW = NUM_THREADS // 32
-        M, KT, L, I, D = c.m, c.top_k, c.num_local, c.intermediate, c.hidden
+        M, KT, L, I, D = self.rows_in, c.top_k, c.num_local, c.intermediate, c.hidden
+        scatter = c.scatter
         gateup = c.stage == "gateup"
         nw = 2 if gateup else 1
         limit = c.swiglu_limit
@@ -416,7 +445,7 @@ class ExpertsBlock(Block):
             else:
                 mX = gmem_tensor(ptrs[6], cutlass.BFloat16, (xrows, K // 8, 8), 16)
                 mTw = gmem_tensor(ptrs[7], Float32, (M * KT,), 4)
-                mOut = gmem_tensor(ptrs[9], odt, (M, D), 4 if c.out_dtype == "fp32" else 2)
+                mOut = gmem_tensor(ptrs[9], odt, (M * KT if scatter else M, D), 4 if c.out_dtype == "fp32" else 2)
             n_hit = mHits[0]
             acc = cute.make_rmem_tensor((nw, GMAX), Float32)
             xr = cute.make_rmem_tensor((GMAX,), Int32)       # input rows of the group
@@ -465,6 +494,9 @@ class ExpertsBlock(Block):
                                 a = a / (Float32(1.0) + cute.math.exp(-a, fastmath=True)) * b
                                 if (lane == 0) & (g < ng):
                                     mAct[sl[g], row] = a.to(cutlass.BFloat16)
+                            elif cutlass.const_expr(scatter):
+                                if (lane == 0) & (g < ng):
+                                    mOut[sl[g], row] = a.to(odt)
                             else:
                                 if g < ng:
                                     v = a * mTw[sl[g]]
@@ -473,7 +505,7 @@ class ExpertsBlock(Block):
                                         o0 = o0 + v
                                     if m_tok == lane + 32:
                                         o1 = o1 + v
-                if cutlass.const_expr(not gateup):
+                if cutlass.const_expr(not gateup and not scatter):
                     for half in cutlass.range_constexpr(2):
                         m_out = lane + 32 * half
                         if m_out < M:

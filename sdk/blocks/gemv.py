@@ -2,17 +2,23 @@
 streaming block (its weights flow through the megakernel's shared-memory ring).
 
 Supported:
-- weights bf16, or fp8-e4m3 with fp32 128x128 block scales `scale[n // 128, k // 128]` (the
-  DeepSeek / Kimi checkpoint format: `weight_scale_inv`, multiplied in);
+- weights bf16, fp32 (routers: Kimi K3's gate is fp32), or fp8-e4m3 with fp32 128x128 block
+  scales `scale[n // 128, k // 128]` (the DeepSeek / Kimi checkpoint format: `weight_scale_inv`,
+  multiplied in);
 - x bf16 or fp32 [M, K]; y bf16 or fp32 [M, N]; fp32 accumulation;
 - fused SwiGLU epilogue (`swiglu=True`): two weights (gate, up) and
   y = act(gate(x)) * up(x), with the optional clamp limit (gate <= limit, |up| <= limit);
 - fused RMSNorm prologue (`norm=True`): the tile computes rstd[m] = rsqrt(mean(x[m]^2) + eps)
   over the whole row itself and uses x_n = x * rstd * norm_weight (rounded to bf16, like a
   separate norm op's bf16 output) - no norm op, no dependency hop, no one-CTA critical path;
-  the cost is M x K reads of x per tile from L2 (cheap at small M: 28 KB at M=1, K=7168);
+  the cost is M x K reads of x per tile from L2 (cheap at small M: 28 KB at M=1, K=7168). At
+  M <= 2 it is one pass (x and the norm weight held in registers, one round trip);
 - fused residual epilogue (`residual="bf16"|"fp32"`): y = res + x @ W^T; `res` may alias `y`
-  (the residual stream updated in place: each element is read and written by one thread).
+  (the residual stream updated in place: each element is read and written by one thread); the
+  residual rows are loaded in the prologue when they fit in registers (rows/warp x M <= 16).
+- activations staged once per op per SM when the whole x fits in smem (`fresh` = 0: the previous
+  tile of the CTA was of the same op; see sdk/blocks/base.py).
+- `balanced_config()`: the rows per tile that finish the op soonest on the GPU's SMs.
 
 A tile is `rows_per_tile` (R) output rows over the full K. Its weights are cut into chunks of
 R rows x `chunk_k` (KC) columns (~16 KB), copied by cp.async into ring stages laid out
@@ -33,10 +39,13 @@ from dataclasses import dataclass
 import torch
 
 from ..reference.common import swiglu as swiglu_ref
-from .base import NUM_THREADS, STATS_OFFSET, Block, Cost, OperandSpec, StreamFaces
+from ..errors import UnsupportedConfigError
+from .base import NUM_THREADS, PRODUCER_THREADS, STATS_OFFSET, Block, Cost, OperandSpec, StreamFaces
 
 CHUNK_TARGET_BYTES = 16 * 1024      # weight bytes per ring stage
+CHUNK_MAX_BYTES = 32 * 1024         # ... at most, for tiles too tall for the target
 X_SMEM_MAX = 64 * 1024              # staged activations per tile at a time
+MERGED_NORM_MAX_M = 2               # fused norm in one pass (x held in registers) up to this batch
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,34 @@ class GemvConfig:
     scale_block: int = 128
 
 
+TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
+MAX_ACCUMULATORS = 128              # fp32 accumulators per thread (rows per warp x weights x tokens)
+
+
+def balanced_config(config: GemvConfig, num_sms: int = 132, max_rows: int = 64) -> GemvConfig:
+    """`config` with the rows_per_tile that finishes the op soonest on `num_sms` SMs: the most
+    tiles any SM gets x (the tile's weight bytes + TILE_OVERHEAD_BYTES), among the legal row
+    counts up to `max_rows` that keep at most MAX_ACCUMULATORS per thread; ties go to taller
+    tiles (fewer of them)."""
+    import dataclasses
+    best, best_key = None, None
+    warps = NUM_THREADS // 32
+    for r in range(8, max_rows + 1, 8):
+        if r // warps * (2 if config.swiglu else 1) * config.m > MAX_ACCUMULATORS and r > warps:
+            continue
+        try:
+            cand = GemvBlock(dataclasses.replace(config, rows_per_tile=r, chunk_k=0))
+        except UnsupportedConfigError:
+            continue
+        per_tile = cand.nw * r * config.k * cand.wbytes + TILE_OVERHEAD_BYTES
+        key = (-(-cand.num_tiles() // num_sms) * per_tile, -r)
+        if best_key is None or key < best_key:
+            best, best_key = cand.config, key
+    if best is None:
+        raise UnsupportedConfigError(f"gemv: no legal rows_per_tile <= {max_rows} for {config}")
+    return best
+
+
 class GemvBlock(Block):
     name = "gemv"
     Config = GemvConfig
@@ -64,7 +101,7 @@ class GemvBlock(Block):
     # -- static facts --------------------------------------------------------------------------
     @property
     def elems_per_load(self) -> int:
-        return 16 if self.config.weight_dtype == "fp8_e4m3" else 8
+        return {"fp8_e4m3": 16, "bf16": 8, "fp32": 4}[self.config.weight_dtype]
 
     @property
     def nw(self) -> int:
@@ -72,23 +109,27 @@ class GemvBlock(Block):
 
     @property
     def wbytes(self) -> int:
-        return 1 if self.config.weight_dtype == "fp8_e4m3" else 2
+        return {"fp8_e4m3": 1, "bf16": 2, "fp32": 4}[self.config.weight_dtype]
 
     @property
     def chunk_k(self) -> int:
         c = self.config
         if c.chunk_k:
             return c.chunk_k
-        # the widest chunk within CHUNK_TARGET_BYTES, preferring the fewest x re-stagings per tile
+        # the widest chunk within CHUNK_TARGET_BYTES, preferring the fewest x re-stagings per tile;
+        # tall tiles (many rows) take the narrowest legal chunk up to CHUNK_MAX_BYTES instead
         E = self.elems_per_load
         best, best_key = 0, None
-        for kc in (2048, 1024, 512, 256):
-            if c.k % kc == 0 and kc % (32 * E) == 0 and self.nw * c.rows_per_tile * kc * self.wbytes <= CHUNK_TARGET_BYTES \
-                    and (c.weight_dtype != "fp8_e4m3" or kc % 512 == 0):
-                kx = self._x_block(kc)
-                key = (kx, kc)
-                if kx and (best_key is None or key > best_key):
-                    best, best_key = kc, key
+        for limit in (CHUNK_TARGET_BYTES, CHUNK_MAX_BYTES):
+            for kc in (2048, 1024, 512, 256):
+                if c.k % kc == 0 and kc % (32 * E) == 0 and self.nw * c.rows_per_tile * kc * self.wbytes <= limit \
+                        and (c.weight_dtype != "fp8_e4m3" or kc % 512 == 0):
+                    kx = self._x_block(kc)
+                    key = (kx, kc)
+                    if kx and (best_key is None or key > best_key):
+                        best, best_key = kc, key
+            if best:
+                return best
         return best
 
     def _x_block(self, kc: int) -> int:
@@ -108,8 +149,8 @@ class GemvBlock(Block):
 
     def check(self):
         c = self.config
-        if c.weight_dtype not in ("bf16", "fp8_e4m3"):
-            self.unsupported(f"gemv: weight dtype {c.weight_dtype!r} (supported: bf16, fp8_e4m3)")
+        if c.weight_dtype not in ("bf16", "fp8_e4m3", "fp32"):
+            self.unsupported(f"gemv: weight dtype {c.weight_dtype!r} (supported: bf16, fp8_e4m3, fp32)")
         if c.out_dtype not in ("bf16", "fp32"):
             self.unsupported(f"gemv: out dtype {c.out_dtype!r} (supported: bf16, fp32)")
         if c.x_dtype not in ("bf16", "fp32"):
@@ -262,7 +303,7 @@ class GemvBlock(Block):
         from cutlass import BFloat16, Float32, Int32
         from cutlass.cute.nvgpu import cpasync
 
-        from ._cute import DTYPE_MAP, block_sum_multi, gmem_tensor, smem_tensor
+        from ._cute import DTYPE_MAP, block_sum_multi, gmem_tensor, producer_slot, smem_tensor
 
         c = self.config
         NT, NWARP = NUM_THREADS, NUM_THREADS // 32
@@ -294,18 +335,23 @@ class GemvBlock(Block):
         i_res = i_x + 1 + int(norm) if c.residual else -1
         i_y = i_x + 1 + int(norm) + int(bool(c.residual))
         XV = 16 // (2 if c.x_dtype == "bf16" else 4)   # x elements per 16-byte load (norm pass)
+        NP = PRODUCER_THREADS
+        XE = min(E, 8)                          # x elements per smem load in consume
+        whole_x = CPX == self.stream_chunks()   # x staged once per tile (at chunk 0): reusable
+        merged_norm = norm and whole_x and M <= MERGED_NORM_MAX_M
+        pre_res = c.residual is not None and RW * M <= 16   # residual prefetched in registers
 
         @cute.jit
         def issue(ptrs, t: Int32, ch: Int32, stage_addr):
-            tid, _, _ = cute.arch.thread_idx()
+            p = producer_slot()
             atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                        wdt, num_bits_per_copy=128)
             sW = smem_tensor(stage_addr, wdt, (nw, R, PITCH, E))
             for i in cutlass.range_constexpr(nw):
                 mW = gmem_tensor(ptrs[i_w[i]], wdt, (N, K // E, E), 16)
-                for j in cutlass.range_constexpr(-(-(R * KCU) // NT)):
-                    u = tid + NT * j
-                    if u < R * KCU:
+                for j in cutlass.range_constexpr(-(-(R * KCU) // NP)):
+                    u = p + NP * j
+                    if (p >= 0) & (u < R * KCU):
                         r = u // KCU
                         cu = u - r * KCU
                         cute.copy(atom, mW[t * R + r, ch * KCU + cu, None], sW[i, r, cu, None])
@@ -315,66 +361,117 @@ class GemvBlock(Block):
                 sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU, 4))
                 for i in cutlass.range_constexpr(nw):
                     mS = gmem_tensor(ptrs[i_s[i]], Float32, (N // SB, K // 512, 4), 16)
-                    if tid < SU:
-                        cute.copy(satom, mS[(t * R) // SB, ch * SU + tid, None], sS[i, tid, None])
+                    if (p >= 0) & (p < SU):
+                        cute.copy(satom, mS[(t * R) // SB, ch * SU + p, None], sS[i, p, None])
 
         @cute.jit
-        def begin(ptrs, t: Int32, sx, scratch):
+        def begin(ptrs, t: Int32, sx, scratch, fresh: Int32):
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            warp = tid // 32
             acc = cute.make_rmem_tensor((RW, nw, M), Float32)
             acc.fill(0.0)
+            # the residual rows of this tile, loaded now so the epilogue does not wait for them
+            resv = cute.make_rmem_tensor((RW, M), Float32)
+            if cutlass.const_expr(pre_res):
+                mR = gmem_tensor(ptrs[i_res], rdt, (M, N), 2 if c.residual == "bf16" else 4)
+                if lane == 0:
+                    for rr in cutlass.range_constexpr(RW):
+                        for m in cutlass.range_constexpr(M):
+                            resv[rr, m] = mR[m, t * R + warp + NWARP * rr].to(Float32)
             if cutlass.const_expr(norm):
-                # rstd of every token over the whole row, kept in scratch[STATS_OFFSET + m]
-                tid, _, _ = cute.arch.thread_idx()
-                mXv = gmem_tensor(ptrs[i_x], xdt, (M, K // XV, XV), 16)
-                NU = K // XV
-                sums = []
-                for m in cutlass.range_constexpr(M):
-                    s = Float32(0.0)
-                    for j in cutlass.range_constexpr(-(-NU // NT)):
+                need = fresh != 0
+                if cutlass.const_expr(not whole_x):
+                    need = fresh >= 0        # x blocks are re-staged per tile: always
+                if need:
+                    mXv = gmem_tensor(ptrs[i_x], xdt, (M, K // XV, XV), 16)
+                    NU = K // XV
+                    NJ = -(-NU // NT)
+                    if cutlass.const_expr(merged_norm):
+                        # one pass: x and the norm weight into registers (one round trip), the
+                        # sums of squares, then x * rstd * w as bf16 straight into sx
+                        mNWv = gmem_tensor(ptrs[i_nw], BFloat16, (K // XV, XV), 16)
+                        xr = cute.make_rmem_tensor((M, NJ, XV), Float32)
+                        wr = cute.make_rmem_tensor((NJ, XV), Float32)
+                        for j in cutlass.range_constexpr(NJ):
+                            u = tid + NT * j
+                            if u < NU:
+                                wr[j, None].store(mNWv[u, None].load().to(Float32))
+                                for m in cutlass.range_constexpr(M):
+                                    xr[m, j, None].store(mXv[m, u, None].load().to(Float32))
+                        sums = []
+                        for m in cutlass.range_constexpr(M):
+                            s_ = Float32(0.0)
+                            for j in cutlass.range_constexpr(NJ):
+                                if tid + NT * j < NU:
+                                    v = xr[m, j, None].load()
+                                    s_ = s_ + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                            sums.append(s_)
+                        tot = block_sum_multi(sums, scratch)
+                        sXv = smem_tensor(sx, BFloat16, (M, NU, XV))
+                        for m in cutlass.range_constexpr(M):
+                            rstd = cute.math.rsqrt(tot[m] / Float32(K) + Float32(eps), fastmath=False)
+                            for j in cutlass.range_constexpr(NJ):
+                                u = tid + NT * j
+                                if u < NU:
+                                    sXv[m, u, None].store((xr[m, j, None].load() * rstd * wr[j, None].load())
+                                                          .to(BFloat16))
+                    else:
+                        # rstd of every token over the whole row, kept in scratch[STATS_OFFSET + m]
+                        sums = []
+                        for m in cutlass.range_constexpr(M):
+                            s_ = Float32(0.0)
+                            for j in cutlass.range_constexpr(NJ):
+                                u = tid + NT * j
+                                if u < NU:
+                                    v = mXv[m, u, None].load().to(Float32)
+                                    s_ = s_ + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                            sums.append(s_)
+                        tot = block_sum_multi(sums, scratch)
+                        if tid == 0:
+                            for m in cutlass.range_constexpr(M):
+                                scratch[STATS_OFFSET + m] = cute.math.rsqrt(tot[m] / Float32(K) + Float32(eps),
+                                                                            fastmath=False)
+                        cute.arch.sync_threads()
+            return acc, resv
+
+        @cute.jit
+        def prep(ptrs, t: Int32, ch: Int32, state, sx, scratch, fresh: Int32):
+            # stage the next x block (bf16) when chunk ch starts one - unless the whole x is
+            # already in sx (staged by the previous tile of this op, or by the merged norm);
+            # the previous block's readers finished before the last chunk's closing barrier
+            if cutlass.const_expr(not merged_norm):
+                stage = ch % CPX == 0
+                if cutlass.const_expr(whole_x):
+                    stage = (ch == 0) & (fresh != 0)
+                if stage:
+                    tid, _, _ = cute.arch.thread_idx()
+                    xb = ch // CPX
+                    sX = smem_tensor(sx, BFloat16, (M, XU, 8))
+                    mX = gmem_tensor(ptrs[i_x], xdt, (M, K // 8, 8), 16)
+                    if cutlass.const_expr(norm):
+                        mNW = gmem_tensor(ptrs[i_nw], BFloat16, (K // 8, 8), 16)
+                    for j in cutlass.range_constexpr(-(-(M * XU) // NT)):
                         u = tid + NT * j
-                        if u < NU:
-                            v = mXv[m, u, None].load().to(Float32)
-                            s = s + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    sums.append(s)
-                tot = block_sum_multi(sums, scratch)
-                if tid == 0:
-                    for m in cutlass.range_constexpr(M):
-                        scratch[STATS_OFFSET + m] = cute.math.rsqrt(tot[m] / Float32(K) + Float32(eps),
-                                                                    fastmath=False)
-                cute.arch.sync_threads()
-            return acc
+                        if u < M * XU:
+                            m = u // XU
+                            ku = u - m * XU
+                            v = mX[m, xb * XU + ku, None].load().to(Float32)
+                            if cutlass.const_expr(norm):
+                                v = v * scratch[STATS_OFFSET + m] * mNW[xb * XU + ku, None].load().to(Float32)
+                            sX[m, ku, None].store(v.to(BFloat16))
 
         @cute.jit
-        def prep(ptrs, t: Int32, ch: Int32, acc, sx, scratch):
-            # stage the next x block (bf16) when chunk ch starts one; the previous block's
-            # readers finished before the last chunk's closing barrier
-            if ch % CPX == 0:
-                tid, _, _ = cute.arch.thread_idx()
-                xb = ch // CPX
-                sX = smem_tensor(sx, BFloat16, (M, XU, 8))
-                mX = gmem_tensor(ptrs[i_x], xdt, (M, K // 8, 8), 16)
-                if cutlass.const_expr(norm):
-                    mNW = gmem_tensor(ptrs[i_nw], BFloat16, (K // 8, 8), 16)
-                for j in cutlass.range_constexpr(-(-(M * XU) // NT)):
-                    u = tid + NT * j
-                    if u < M * XU:
-                        m = u // XU
-                        ku = u - m * XU
-                        v = mX[m, xb * XU + ku, None].load().to(Float32)
-                        if cutlass.const_expr(norm):
-                            v = v * scratch[STATS_OFFSET + m] * mNW[xb * XU + ku, None].load().to(Float32)
-                        sX[m, ku, None].store(v.to(BFloat16))
-
-        @cute.jit
-        def consume(ptrs, t: Int32, ch: Int32, stage_addr, acc, sx):
+        def consume(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):
+            acc = state[0]
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
             warp = tid // 32
             sW = smem_tensor(stage_addr, wdt, (nw, R, PITCH, E))
-            sX = smem_tensor(sx, BFloat16, (M, XU, 8))
-            xo = (ch % CPX) * XPC
+            sX = smem_tensor(sx, BFloat16, (M, KX // XE, XE))
+            xo = (ch % CPX) * (KC // XE)
             wr = cute.make_rmem_tensor((nw, RW, E), Float32)
-            xr = cute.make_rmem_tensor((E // 8, 8), Float32)
+            xr = cute.make_rmem_tensor((E // XE, XE), Float32)
             sc = cute.make_rmem_tensor((nw,), Float32)
             for cj in cutlass.range_constexpr(KCU // 32):
                 cu = lane + 32 * cj
@@ -386,19 +483,20 @@ class GemvBlock(Block):
                     for i in cutlass.range_constexpr(nw):
                         sc[i] = sS[i, cu // (SB // E)]
                 for m in cutlass.range_constexpr(M):
-                    for h in cutlass.range_constexpr(E // 8):
-                        xr[h, None].store(sX[m, xo + cu * (E // 8) + h, None].load().to(Float32))
+                    for h in cutlass.range_constexpr(E // XE):
+                        xr[h, None].store(sX[m, xo + cu * (E // XE) + h, None].load().to(Float32))
                     for i in cutlass.range_constexpr(nw):
                         for rr in cutlass.range_constexpr(RW):
                             d = Float32(0.0)
                             for e in cutlass.range_constexpr(E):
-                                d = d + wr[i, rr, e] * xr[e // 8, e % 8]
+                                d = d + wr[i, rr, e] * xr[e // XE, e % XE]
                             if cutlass.const_expr(fp8):
                                 d = d * sc[i]
                             acc[rr, i, m] = acc[rr, i, m] + d
 
         @cute.jit
-        def end(ptrs, t: Int32, acc, scratch):
+        def end(ptrs, t: Int32, state, scratch):
+            acc, resv = state
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
             warp = tid // 32
@@ -414,7 +512,9 @@ class GemvBlock(Block):
                             b = cute.arch.fmax(cute.arch.fmin(b, Float32(limit)), Float32(-limit))
                         a = a / (Float32(1.0) + cute.math.exp(-a, fastmath=True)) * b
                     if lane == 0:
-                        if cutlass.const_expr(rdt is not None):
+                        if cutlass.const_expr(pre_res):
+                            a = a + resv[rr, m]
+                        elif cutlass.const_expr(rdt is not None):
                             mR = gmem_tensor(ptrs[i_res], rdt, (M, N), 2 if c.residual == "bf16" else 4)
                             a = a + mR[m, row].to(Float32)
                         mY[m, row] = a.to(odt)

@@ -48,11 +48,19 @@ lse = -inf. `choose_splits()` picks a count for (batch, context, SMs).
 
 Supported: rows = T * heads <= 32 (padded to 16 / 32 MMA rows), d_qk a multiple of 16 * NWK,
 d_v = kv_lora a multiple of 128, rope 0 (NoPE: GLM-5.3) or any multiple of 16, page_size >= 1.
-Not yet: rows > 32 (T > 2 at 12 heads), a per-step dynamic split scheduler for ragged batches
-(FlashMLA's tile-scheduler metadata), DSA sparse selection (design: the loader already maps a
-chunk row to a cache row through one function, `token -> page row`; a selected-index list
-replaces the contiguous `token = chunk_start + j` and the causal mask by the index's position),
-fp8 MMA (fp8 query), wgmma / tcgen05 variants, the fused W_UV epilogue.
+Sparse (DSA, GLM-5.3: `index_width` = W > 0): every query token attends only to the tokens of its
+own index list index [B, T, W] int32 (TopKBlock's output: distinct tokens, any order, -1 = none),
+so a tile is (sequence b, query token t, split s) with rows = heads (t's rows t*H .. t*H+H-1 of
+o_part; the combine is unchanged). The tile walks list positions [0, W) instead of tokens: the
+loader maps position j -> token index[b, t, j] -> page row (clamped to a real token), and keeps
+each chunk's tokens in shared memory for the mask: visible iff 0 <= token <= len - T + t
+(the causal rule; -1 entries never are). Splits cut the W positions. A GLM-5.3 "shared" indexer
+layer passes the previous layer's list to the same operand.
+
+Not yet: rows > 32 (T > 2 at 12 heads; sparse: heads > 32), a per-step dynamic split scheduler
+for ragged batches (FlashMLA's tile-scheduler metadata), skipping a sparse list's -1 tail (the
+tile reads W rows whatever the context: a count operand would cut short contexts' work), fp8 MMA
+(fp8 query), wgmma / tcgen05 variants, the fused W_UV epilogue.
 """
 from __future__ import annotations
 
@@ -94,6 +102,7 @@ class MLADecodeConfig:
     scale_group: int = 64              # fp8: columns per fp32 scale (per token)
     chunk: int = 32                    # tokens per pipeline stage (16, 32 or 64)
     stages: int = 0                    # pipeline depth; 0 = auto (what fits in ~200 KB, 2..8)
+    index_width: int = 0               # DSA: entries of each query's index list (0 = dense attention)
 
 
 class MLADecodeBlock(Block):
@@ -114,8 +123,16 @@ class MLADecodeBlock(Block):
         return self.config.q_tokens * self.config.heads
 
     @property
+    def sparse(self) -> bool:
+        return self.config.index_width > 0
+
+    @property
+    def tile_rows(self) -> int:           # query rows of one tile: all T tokens, or one (sparse)
+        return self.config.heads if self.sparse else self.rows
+
+    @property
     def m_pad(self) -> int:
-        return 16 * math.ceil(self.rows / 16)
+        return 16 * math.ceil(self.tile_rows / 16)
 
     @property
     def nwn(self) -> int:                 # warps along the chunk's tokens in QK^T
@@ -161,6 +178,8 @@ class MLADecodeBlock(Block):
             b += c.chunk * rs * 2                                          # dequantised chunk
         else:
             b += stages * c.chunk * rs * 2
+        if self.sparse:
+            b += stages * c.chunk * 4                                      # each chunk's tokens
         return b
 
     def check(self):
@@ -169,8 +188,11 @@ class MLADecodeBlock(Block):
             self.unsupported(f"mla_decode: kv dtype {c.kv_dtype!r} (supported: bf16, fp8_e4m3)")
         if c.chunk not in (16, 32, 64):
             self.unsupported(f"mla_decode: chunk={c.chunk} (supported: 16, 32, 64)")
-        if not 1 <= self.rows <= 32:
-            self.unsupported(f"mla_decode: q_tokens x heads = {self.rows} rows (supported: 1..32)")
+        if not 1 <= self.tile_rows <= 32:
+            what = "heads" if self.sparse else "q_tokens x heads"
+            self.unsupported(f"mla_decode: {what} = {self.tile_rows} rows per tile (supported: 1..32)")
+        if c.index_width < 0:
+            self.unsupported("mla_decode: index_width >= 0")
         if c.kv_lora % (8 * NUM_WARPS * 2):
             self.unsupported(f"mla_decode: kv_lora={c.kv_lora} must be a multiple of {16 * NUM_WARPS}")
         if c.rope % 16:
@@ -194,33 +216,41 @@ class MLADecodeBlock(Block):
         if self.fp8:
             specs.append(OperandSpec("kv_scale", (c.num_pages, c.page_size, self.d_qk // c.scale_group), "fp32"))
         specs += [OperandSpec("block_table", (c.batch, self.max_pages), "int32"),
-                  OperandSpec("seq_lens", (c.batch,), "int32"),
-                  OperandSpec("o_part", (c.batch, c.num_splits, self.rows, self.d_v), "fp32", output=True),
+                  OperandSpec("seq_lens", (c.batch,), "int32")]
+        if self.sparse:
+            specs.append(OperandSpec("index", (c.batch, c.q_tokens, c.index_width), "int32"))
+        specs += [OperandSpec("o_part", (c.batch, c.num_splits, self.rows, self.d_v), "fp32", output=True),
                   OperandSpec("lse_part", (c.batch, c.num_splits, self.rows), "fp32", output=True)]
         return specs
 
     def num_tiles(self) -> int:
-        return self.config.batch * self.config.num_splits
+        c = self.config
+        return c.batch * c.num_splits * (c.q_tokens if self.sparse else 1)
 
     def cost(self, context: int | None = None) -> Cost:
-        """Per tile at `context` tokens per sequence (default max_seq_len): its share of the KV
-        rows, the query, the partial outputs."""
+        """Per tile at `context` tokens per sequence (default max_seq_len; sparse: the list
+        width): its share of the KV rows, the query, the partial outputs."""
         c = self.config
-        ctx = context or c.max_seq_len
+        ctx = c.index_width if self.sparse else (context or c.max_seq_len)
         toks = math.ceil(ctx / c.num_splits)
         row = self.d_qk * (1 if self.fp8 else 2) + (4 * self.d_qk // c.scale_group if self.fp8 else 0)
-        b = toks * (row + 4) + self.rows * self.d_qk * 2 + self.rows * (self.d_v + 1) * 4
-        return Cost(bytes=b, flops=2 * toks * self.rows * (self.d_qk + self.d_v))
+        r = self.tile_rows
+        b = toks * (row + 4 + (4 if self.sparse else 0)) + r * self.d_qk * 2 + r * (self.d_v + 1) * 4
+        return Cost(bytes=b, flops=2 * toks * r * (self.d_qk + self.d_v))
 
     def kv_bytes(self, seq_lens) -> int:
-        """Bytes of cache rows (and scales) the whole op must read: its bandwidth floor."""
+        """Bytes of cache rows (and scales) the whole op must read: its bandwidth floor (sparse:
+        min(W, len) selected rows per query token)."""
         c = self.config
         row = self.d_qk * (1 if self.fp8 else 2) + (4 * self.d_qk // c.scale_group if self.fp8 else 0)
+        if self.sparse:
+            return sum(min(c.index_width, int(x)) for x in seq_lens) * c.q_tokens * row
         return int(sum(int(x) for x in seq_lens)) * row
 
     # -- torch faces ---------------------------------------------------------------------------
     def split_range(self, length: int, split: int) -> tuple[int, int]:
-        """Token range [lo, hi) of `split` for a sequence of `length` tokens (whole chunks)."""
+        """Token range [lo, hi) of `split` for a sequence of `length` tokens (whole chunks);
+        sparse: the range of index-list positions (`length` = the list width)."""
         c = self.config
         n_chunks = -(-length // c.chunk)
         per = -(-n_chunks // c.num_splits)
@@ -230,8 +260,11 @@ class MLADecodeBlock(Block):
 
     def gather_kv(self, t: dict, b: int, lo: int, hi: int) -> torch.Tensor:
         """fp32 cache rows of tokens [lo, hi) of sequence b (fp8: dequantised, bf16-rounded)."""
+        return self.gather_tokens(t, b, torch.arange(lo, hi))
+
+    def gather_tokens(self, t: dict, b: int, n: torch.Tensor) -> torch.Tensor:
+        """fp32 cache rows of tokens n [k] (int64) of sequence b, as gather_kv."""
         c = self.config
-        n = torch.arange(lo, hi)
         pages = t["block_table"][b].long().cpu()[n // c.page_size].to(t["kv"].device)
         offs = (n % c.page_size).to(t["kv"].device)
         rows = t["kv"][pages, offs].float()
@@ -258,9 +291,23 @@ class MLADecodeBlock(Block):
         o = p @ kv[:, :self.d_v]
         return o, lse
 
+    def sparse_keys(self, t: dict, b: int, tq: int, lo: int, hi: int):
+        """(fp32 rows [hi - lo, d_qk], visible [hi - lo]) of index-list positions [lo, hi) of
+        query token tq of sequence b; invisible positions read a clamped real token."""
+        length = int(t["seq_lens"][b])
+        idx = t["index"][b, tq, lo:hi].long().cpu()
+        ok = (idx >= 0) & (idx <= length - self.config.q_tokens + tq)
+        return self.gather_tokens(t, b, idx.clamp(0, length - 1)).cpu(), ok
+
+    def _sparse_q(self, t, b, tq):
+        c = self.config
+        return t["q"][b, tq].float().reshape(c.heads, self.d_qk).cpu()
+
     def reference(self, **t) -> dict[str, torch.Tensor]:
         """The definition: per split, the normalised partial attention and its lse (fp32)."""
         c = self.config
+        if self.sparse:
+            return self._sparse_reference(t)
         o_part = torch.zeros(c.batch, c.num_splits, self.rows, self.d_v)
         lse_part = torch.full((c.batch, c.num_splits, self.rows), float("-inf"))
         for b in range(c.batch):
@@ -272,10 +319,55 @@ class MLADecodeBlock(Block):
                 o_part[b, s], lse_part[b, s] = self._attend(q, kv, lo, length)
         return {"o_part": o_part, "lse_part": lse_part}
 
+    def _sparse_reference(self, t):
+        c, H = self.config, self.config.heads
+        o_part = torch.zeros(c.batch, c.num_splits, self.rows, self.d_v)
+        lse_part = torch.full((c.batch, c.num_splits, self.rows), float("-inf"))
+        for b in range(c.batch):
+            for tq in range(c.q_tokens):
+                q = self._sparse_q(t, b, tq)
+                for s in range(c.num_splits):
+                    lo, hi = self.split_range(c.index_width, s)
+                    kv, ok = self.sparse_keys(t, b, tq, lo, hi)
+                    if not ok.any():
+                        continue
+                    sc = ((q @ kv.T) * self.scale).masked_fill(~ok[None], float("-inf"))
+                    lse = torch.logsumexp(sc, -1)
+                    o_part[b, s, tq * H:(tq + 1) * H] = torch.softmax(sc, -1) @ kv[:, :self.d_v]
+                    lse_part[b, s, tq * H:(tq + 1) * H] = lse
+        return {"o_part": o_part, "lse_part": lse_part}
+
+    def _emulate_sparse_tile(self, t: dict, tile: int) -> None:
+        c, H = self.config, self.config.heads
+        bt, s = divmod(tile, c.num_splits)
+        b, tq = divmod(bt, c.q_tokens)
+        lo, hi = self.split_range(c.index_width, s)
+        q = self._sparse_q(t, b, tq)
+        m = torch.full((H,), float("-inf"))
+        l = torch.zeros(H)
+        acc = torch.zeros(H, self.d_v)
+        for c0 in range(lo, hi, c.chunk):
+            kv, ok = self.sparse_keys(t, b, tq, c0, min(c0 + c.chunk, hi))
+            sc = ((q @ kv.T) * self.scale).masked_fill(~ok[None], float("-inf"))
+            m_new = torch.maximum(m, sc.max(dim=-1).values)
+            m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(sc - m_use[:, None])
+            alpha = torch.exp(m - m_use)
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[:, None] + p.to(torch.bfloat16).float() @ kv[:, :self.d_v]
+            m = m_new
+        ok = l > 0
+        o = torch.where(ok[:, None], acc / l.clamp_min(1e-30)[:, None], torch.zeros_like(acc))
+        lse = torch.where(ok, m + torch.log(l.clamp_min(1e-30)), torch.full_like(l, float("-inf")))
+        t["o_part"][b, s, tq * H:(tq + 1) * H] = o.to(t["o_part"].dtype).to(t["o_part"].device)
+        t["lse_part"][b, s, tq * H:(tq + 1) * H] = lse.to(t["lse_part"].dtype).to(t["lse_part"].device)
+
     def emulate_tile(self, t: dict, tile: int) -> None:
         """Torch twin of one tile: same split bounds, chunk by chunk online softmax in fp32 with
         the same bf16 rounding of P and of the dequantised fp8 rows as the device."""
         c = self.config
+        if self.sparse:
+            return self._emulate_sparse_tile(t, tile)
         b, s = divmod(tile, c.num_splits)
         length = int(t["seq_lens"][b])
         lo, hi = self.split_range(length, s)
@@ -506,4 +598,11 @@ def mla_compile_cases() -> list:
         MLACombineBlock(MLACombineConfig(heads=12, batch=1, num_splits=132)),
         MLAHeadProjBlock(MLAHeadProjConfig(heads=12, n=512, k=128, m=8, y_stride=576)),   # W_UK
         MLAHeadProjBlock(MLAHeadProjConfig(heads=12, n=128, k=512, m=8, rows_per_tile=32)),  # W_UV
+        # GLM-5.3 DSA TP8: NoPE, 8 heads over the 2048 + 15 tokens of each query's index list
+        MLADecodeBlock(MLADecodeConfig(heads=8, softmax_scale=256 ** -0.5, rope=0, batch=8, q_tokens=2,
+                                       num_splits=4, num_pages=16384, max_seq_len=131072, chunk=64,
+                                       index_width=2048 + 15)),
+        MLADecodeBlock(MLADecodeConfig(heads=8, softmax_scale=256 ** -0.5, rope=0, batch=1, num_splits=16,
+                                       kv_dtype="fp8_e4m3", num_pages=2048, max_seq_len=131072,
+                                       index_width=2048 + 15)),
     ]

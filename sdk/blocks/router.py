@@ -412,7 +412,7 @@ class RouterSelectBlock(Block):
                             gsc[g] = b1 + b2
                         keep = cute.make_rmem_tensor((NG,), Int32)
                         keep.fill(0)
-                        for r in cutlass.range_constexpr(c.topk_group):
+                        for r in cutlass.range(c.topk_group, unroll=1):
                             bv = Float32(NEG)
                             bg = Int32(NG)
                             for g in cutlass.range_constexpr(NG):
@@ -427,7 +427,9 @@ class RouterSelectBlock(Block):
                             for g in cutlass.range_constexpr(NG):
                                 kept = sel_i(grp == g, keep[g], kept)
                             ch[i] = sel_f(kept != 0, ch[i], Float32(NEG))
-                    for j in cutlass.range_constexpr(K):
+                    # a loop, not unrolled: K x NE unrolled compares are tens of thousands of
+                    # instructions run once each - instruction-fetch bound (28 us measured at K3)
+                    for j in cutlass.range(K, unroll=1):
                         bv = Float32(NEG)
                         be = Int32(E)
                         for i in cutlass.range_constexpr(NE):

@@ -75,6 +75,8 @@ class CommProgram:
         self.records: list[dict] = []             # one per all-reduce: label, algo, bytes, ops
         self._data_bytes = [0, 0]
         self._flags: list[tuple[str, int]] = []
+        self._extra: list[tuple[str, int, str]] = []   # regions of other ops (region())
+        self.op_kinds: dict[str, str] = {}          # flag label -> what the op is, for errors
         self._layout: SymmetricLayout | None = None
 
     # -- building ---------------------------------------------------------------------------
@@ -92,6 +94,28 @@ class CommProgram:
         self.prog.buffer(name, shape, "int32", "scratch")
         self.locals.append(name)
         return name
+
+    def local(self, name: str, shape) -> str:
+        """A per-rank int32 program buffer zeroed by reset() (an op's epoch state words)."""
+        return self._local(name, shape)
+
+    def region(self, base: str, shape, dtype: str, kind: str = "data", label: str | None = None,
+                  what: str = "op") -> dict:
+        """A symmetric region of its own, named `base`, for ops other than the all-reduce (EP
+        dispatch/combine, sdk/blocks/ep.py): program buffers `{base}.self` and `{base}.{k}` (rank
+        k's region seen from this rank) of `shape`; returns {"self" | k: buffer name}. kind
+        "flags": zeroed by reset(), and a flag-wait timeout on them is reported as `what` `label`."""
+        if self._layout is not None:
+            raise ValueError("the symmetric layout was already used; add all symmetric regions first")
+        n = 1
+        for v in shape:
+            n *= v
+        self._extra.append((base, n * DTYPES[dtype].itemsize, kind))
+        names = self._sym(base, base, shape, dtype)
+        if kind == "flags":
+            self.flag_buffers[names["self"]] = label or base
+            self.op_kinds[label or base] = what
+        return names
 
     def allreduce(self, partial: str, resid_out: str, *, res: str | None = None, norm_weight: str | None = None,
                   out: str | None = None, waits=(), label: str, algo: str = "auto", eps: float = 1e-6,
@@ -172,6 +196,8 @@ class CommProgram:
                     lay.add(f"comm.data.c{c}", self._data_bytes[c], "data")
             for name, nbytes in self._flags:
                 lay.add(name, nbytes, "flags")
+            for name, nbytes, kind in self._extra:
+                lay.add(name, nbytes, kind)
             self._layout = lay
         return self._layout
 

@@ -94,7 +94,8 @@ class TPRuntime:
             if err[0] == ERR_PEER_TIMEOUT:
                 f = dict(zip(PEER_ERROR_FIELDS, err))
                 op = self.flag_ids[r].get(f["flag_id"], "?")
-                msgs.append(f"rank {r}: all-reduce {op!r} tile {f['tile']} (SM {f['sm']}) waited "
+                what = getattr(self.comm, "op_kinds", {}).get(op, "all-reduce")
+                msgs.append(f"rank {r}: {what} {op!r} tile {f['tile']} (SM {f['sm']}) waited "
                             f"{self.timeout_s / 2:g} s for rank {f['peer']}'s flag >= {f['target']} (epoch "
                             f"{f['epoch']}), saw {f['seen']}: rank {f['peer']} never arrived")
             else:

@@ -4,10 +4,12 @@ One launch per decode step: grid = number of SMs, one CTA (NUM_THREADS threads) 
 walking its own instruction list (see `isa.py`):
 
     epoch = counters[EXIT] // num_ctas + 1
+    copy this CTA's instruction records (words + operand pointers) into shared memory
     fill the smem ring: issue the first `stages` weight chunks of this CTA's stream
     for each instruction of this CTA:
-        thread 0: for each dependency, bounded spin on an acquire load until
-                  counter >= epoch * expected (globaltimer-bounded; on expiry claim the error word)
+        thread 0: for each dependency not already met on this CTA, bounded spin on an acquire
+                  load until counter >= epoch * expected (globaltimer-bounded; on expiry claim
+                  the error word)
         barrier (makes thread 0's acquire cover the whole CTA's following reads)
         dispatch on the opcode to the block (all blocks inline into this kernel):
           plain block:     its device tile
@@ -22,6 +24,11 @@ the NEXT instructions' weights while the CTA waits on a dependency or runs a pla
 never depend on activations, only the activations (read after the wait) do. cp.async copies
 complete on their own, so an early exit (error word) only waits for them; it never hangs.
 
+Instruction records live in shared memory for the whole launch (`records_geometry`): the words
+and operand pointers of every instruction are read once, at the start, in two round trips;
+afterwards the consumer and the producer read them from smem. (Read from global memory they
+cost a round trip or two per tile: each acquire wait invalidates the SM's L1.)
+
 No grid-wide barrier, no counter reset. A CTA leaves early (after the error word is set) instead
 of hanging. Optional timing record: globaltimer at start (after the wait) and end of every
 instruction, int64 [num_sms, max_len, 2].
@@ -35,11 +42,27 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..blocks._cute import gmem_tensor, stream_tile
+from ..blocks._cute import gmem_tensor, smem_tensor, stream_tile
 from ..blocks.base import NUM_THREADS, SCRATCH_WORDS, ring_geometry
+from ..errors import UnsupportedConfigError
 from . import isa
 
 OPTAB_EXTENT = 1 << 24        # static extent of the operand table view (never bounds-checked)
+RECORDS_MAX_BYTES = 48 * 1024  # shared memory for the instruction records of one CTA
+
+
+def records_geometry(blocks, max_len: int) -> tuple[int, int]:
+    """(operand slots per record, smem bytes of all records) of a CTA's instruction records:
+    WORDS int32 words + NOPS int64 operand pointers per instruction, NOPS = the most operands of
+    any block. The runtime pads the operand table with NOPS null entries (every record reads
+    NOPS pointers, whatever its block uses)."""
+    nops = max([len(b.operands()) for b in blocks] + [1])
+    nbytes = max_len * (4 * isa.WORDS + 8 * nops)
+    if nbytes > RECORDS_MAX_BYTES:
+        raise UnsupportedConfigError(
+            f"megakernel: {max_len} instructions on one SM need {nbytes} B of shared memory for their "
+            f"records ({nops} operands each); the limit is {RECORDS_MAX_BYTES} B - use more, larger tiles")
+    return nops, nbytes
 
 
 def build(blocks, num_sms: int, max_len: int, timing: bool):
@@ -48,8 +71,10 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
     nch = [b.stream_chunks() for b in blocks]
     tiles = [None if nch[k] else b.device_tile() for k, b in enumerate(blocks)]
     faces = [b.device_stream() if nch[k] else None for k, b in enumerate(blocks)]
-    stage_bytes, P, xbytes = ring_geometry(blocks)
     S, L, W = num_sms, max_len, isa.WORDS
+    NOPS, rec_bytes = records_geometry(blocks, max_len)
+    stage_bytes, P, xbytes = ring_geometry(blocks, reserved=rec_bytes)
+    NT = NUM_THREADS
 
     @cute.jit
     def wait_counter(cbase, ctr: Int32, target: Int32, ebase, timeout_ns: Int64, sm: Int32,
@@ -83,38 +108,68 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
         return r
 
     @cute.jit
-    def next_streaming(mI, sm: Int32, n: Int32, i: Int32) -> Int32:
+    def next_streaming(sW, n: Int32, i: Int32) -> Int32:
         """The first instruction at index >= i of this CTA's list that streams weights (n: none)."""
         done = Int32(0)
         while done == 0:
             if i >= n:
                 done = Int32(1)
             else:
-                if chunks_of(mI[sm, i, isa.OPCODE]) > 0:
+                if chunks_of(sW[i, isa.OPCODE]) > 0:
                     done = Int32(1)
                 else:
                     i = i + 1
         return i
 
     @cute.jit
-    def produce(mI, mOps, sm: Int32, n: Int32, ring_base, pi: Int32, pc: Int32, ps: Int32):
+    def produce(sW, sP, n: Int32, ring_base, pi: Int32, pc: Int32, ps: Int32):
         """Issue chunk pc of instruction pi (the producer position) into stage ps % P, advance.
         Always commits one cp.async group (empty once the stream is exhausted)."""
         if pi < n:
-            op = mI[sm, pi, isa.OPCODE]
-            base = mI[sm, pi, isa.OPERANDS]
-            t = mI[sm, pi, isa.TILE]
+            op = sW[pi, isa.OPCODE]
+            t = sW[pi, isa.TILE]
             addr = ring_base + (ps % P) * stage_bytes
             for k in cutlass.range_constexpr(len(blocks)):
                 if cutlass.const_expr(nch[k] > 0):
                     if op == k:
-                        faces[k].issue([mOps[base + j] for j in range(nops[k])], t, pc, addr)
+                        faces[k].issue([sP[pi, j] for j in range(nops[k])], t, pc, addr)
             pc = pc + 1
             if pc >= chunks_of(op):
                 pc = Int32(0)
-                pi = next_streaming(mI, sm, n, pi + 1)
+                pi = next_streaming(sW, n, pi + 1)
         cute.arch.cp_async_commit_group()
         return pi, pc, ps + 1
+
+    @cute.jit
+    def load_records(pI: Int64, mOps, sm: Int32, n: Int32, sW, sP):
+        """All threads: this CTA's n instruction records into smem, in two round trips (the
+        words, then the operand pointers they index). Loads first, stores after, so each
+        thread's loads are all in flight at once."""
+        tid, _, _ = cute.arch.thread_idx()
+        mIv = gmem_tensor(pI, Int32, (S, L * W // 4, 4), 16)
+        sWv = smem_tensor(sW.iterator.toint(), Int32, (L * W // 4, 4))
+        NWU = -(-(L * W // 4) // NT)
+        wr = cute.make_rmem_tensor((NWU, 4), Int32)
+        for j in cutlass.range_constexpr(NWU):
+            if tid + NT * j < n * (W // 4):
+                wr[j, None].store(mIv[sm, tid + NT * j, None].load())
+        for j in cutlass.range_constexpr(NWU):
+            if tid + NT * j < n * (W // 4):
+                sWv[tid + NT * j, None].store(wr[j, None].load())
+        cute.arch.sync_threads()
+        NPU = -(-(L * NOPS) // NT)
+        pr = cute.make_rmem_tensor((NPU,), Int64)
+        for j in cutlass.range_constexpr(NPU):
+            u = tid + NT * j
+            if u < n * NOPS:
+                r = u // NOPS
+                pr[j] = mOps[sW[r, isa.OPERANDS] + (u - r * NOPS)]
+        for j in cutlass.range_constexpr(NPU):
+            u = tid + NT * j
+            if u < n * NOPS:
+                r = u // NOPS
+                sP[r, u - r * NOPS] = pr[j]
+        cute.arch.sync_threads()
 
     @cute.kernel
     def kernel(pI: Int64, pN: Int64, pC: Int64, pE: Int64, pT: Int64, pTim: Int64, timeout_ns: Int64):
@@ -123,13 +178,15 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
         flags = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         tid, _, _ = cute.arch.thread_idx()
         sm, _, _ = cute.arch.block_idx()
-        mI = gmem_tensor(pI, Int32, (S, L, W), 16)
         mN = gmem_tensor(pN, Int32, (S,), 4)
         mOps = gmem_tensor(pT, Int64, (OPTAB_EXTENT,), 8)
         mTim = gmem_tensor(pTim, Int64, (S, L, 2), 8)
         cbase = cute.make_ptr(Int32, pC, cute.AddressSpace.gmem, assumed_align=4)
         ebase = cute.make_ptr(Int32, pE, cute.AddressSpace.gmem, assumed_align=4)
         n = mN[sm]
+        sP = smem.allocate_tensor(Int64, cute.make_layout((L, NOPS), stride=(NOPS, 1)), byte_alignment=16)
+        sW = smem.allocate_tensor(Int32, cute.make_layout((L, W), stride=(W, 1)), byte_alignment=16)
+        load_records(pI, mOps, sm, n, sW, sP)
         ring_base = Int32(0)
         sx = Int32(0)
         pi, pc, ps, cseq = Int32(0), Int32(0), Int32(0), Int32(0)
@@ -139,9 +196,9 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
             ring_base = ring.iterator.toint()
             sx = xs.iterator.toint()
             # fill the ring before anything waits: these are the first instructions' weights
-            pi = next_streaming(mI, sm, n, Int32(0))
+            pi = next_streaming(sW, n, Int32(0))
             for _ in cutlass.range_constexpr(P):
-                pi, pc, ps = produce(mI, mOps, sm, n, ring_base, pi, pc, ps)
+                pi, pc, ps = produce(sW, sP, n, ring_base, pi, pc, ps)
 
         if tid == 0:
             flags[1] = cute.arch.load(cbase, Int32, sem="acquire", scope="gpu") // S + 1
@@ -149,16 +206,21 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
         epoch = flags[1]
         i = Int32(0)
         ok = Int32(1)
+        last_c, last_t = Int32(-1), Int32(0)    # thread 0: a wait already met on this CTA
+        staged = Int32(-1)                      # operand base of the last streaming tile
         while i < n and ok != 0:
-            op = mI[sm, i, isa.OPCODE]
-            base = mI[sm, i, isa.OPERANDS]
-            t = mI[sm, i, isa.TILE]
+            op = sW[i, isa.OPCODE]
+            base = sW[i, isa.OPERANDS]
+            t = sW[i, isa.TILE]
             if tid == 0:
                 st = Int32(1)
                 for (cw, ew) in ((isa.WAIT0, isa.EXPECT0), (isa.WAIT1, isa.EXPECT1)):
-                    c = mI[sm, i, cw]
-                    if c >= 0 and st == 1:
-                        st = wait_counter(cbase, c, mI[sm, i, ew] * epoch, ebase, timeout_ns, sm, i, op, epoch)
+                    c = sW[i, cw]
+                    target = sW[i, ew] * epoch
+                    # counters only grow: a (counter, target) met before is still met
+                    if (c >= 0) & (st == 1) & ((c != last_c) | (target > last_t)):
+                        st = wait_counter(cbase, c, target, ebase, timeout_ns, sm, i, op, epoch)
+                        last_c, last_t = c, target
                 flags[0] = st
                 if cutlass.const_expr(timing):
                     mTim[sm, i, 0] = cute.arch.globaltimer()
@@ -167,17 +229,19 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
             if ok != 0:
                 for k in cutlass.range_constexpr(len(blocks)):
                     if op == k:
-                        ptrs = [mOps[base + j] for j in range(nops[k])]
+                        ptrs = [sP[i, j] for j in range(nops[k])]
                         if cutlass.const_expr(nch[k] == 0):
                             tiles[k](ptrs, t, scratch)
                         else:
+                            fresh = Int32(cutlass.select_(base == staged, 0, 1))
                             cseq, pi, pc, ps = stream_tile(
-                                faces[k], nch[k], P, stage_bytes, ptrs, t, ring_base, sx, scratch,
+                                faces[k], nch[k], P, stage_bytes, ptrs, t, ring_base, sx, scratch, fresh,
                                 cseq, pi, pc, ps,
-                                lambda a, b, c: produce(mI, mOps, sm, n, ring_base, a, b, c))
+                                lambda a, b, c: produce(sW, sP, n, ring_base, a, b, c))
+                            staged = base
                 cute.arch.sync_threads()
                 if tid == 0:
-                    sig = mI[sm, i, isa.SIGNAL]
+                    sig = sW[i, isa.SIGNAL]
                     if sig >= 0:
                         cute.arch.atomic_add(cbase + sig, Int32(1), sem="release", scope="gpu")
                     if cutlass.const_expr(timing):

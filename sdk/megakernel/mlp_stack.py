@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks.gemv import GemvBlock, GemvConfig
+from ..blocks.gemv import GemvBlock, GemvConfig, balanced_config
 from ..blocks.rmsnorm import RMSNormBlock, RMSNormConfig
 from .program import Program
 
@@ -44,13 +44,20 @@ class MLPStackConfig:
     weight_dtype: str = "bf16"          # "bf16" | "fp8_e4m3"
     eps: float = 1e-6
     swiglu_limit: float | None = None
-    gateup_rows: int = 8                # rows (of gate, and of up) per gate/up tile
-    down_rows: int = 16                 # rows per down tile
+    gateup_rows: int = 0                # rows (of gate, and of up) per gate/up tile; 0 = balanced
+    down_rows: int = 0                  # rows per down tile; 0 = balanced
+    num_sms: int = 132                  # SMs the balanced tiles are cut for
     fuse_norm: bool | None = None       # RMSNorm inside the gate/up tiles; None = batch <= 2
 
     @property
     def norm_fused(self) -> bool:
         return self.batch <= 2 if self.fuse_norm is None else self.fuse_norm
+
+
+def gemv_block(gc: GemvConfig, rows: int, num_sms: int) -> GemvBlock:
+    """The GEMV block of `gc` with `rows` rows per tile, or (rows = 0) the balanced count."""
+    import dataclasses
+    return GemvBlock(dataclasses.replace(gc, rows_per_tile=rows) if rows else balanced_config(gc, num_sms))
 
 
 def _names(l):
@@ -71,13 +78,14 @@ def build_program(cfg: MLPStackConfig) -> Program:
     fp8 = wd == "fp8_e4m3"
 
     def gateup(first):
-        return GemvBlock(GemvConfig(n=i, k=d, m=m, rows_per_tile=cfg.gateup_rows, weight_dtype=wd, swiglu=True,
-                                    swiglu_limit=cfg.swiglu_limit, norm=fused, norm_eps=cfg.eps,
-                                    x_dtype=("bf16" if first else "fp32") if fused else "bf16"))
+        return gemv_block(GemvConfig(n=i, k=d, m=m, weight_dtype=wd, swiglu=True, swiglu_limit=cfg.swiglu_limit,
+                                     norm=fused, norm_eps=cfg.eps,
+                                     x_dtype=("bf16" if first else "fp32") if fused else "bf16"),
+                          cfg.gateup_rows, cfg.num_sms)
 
     def down(first):
-        return GemvBlock(GemvConfig(n=d, k=i, m=m, rows_per_tile=cfg.down_rows, weight_dtype=wd, out_dtype="fp32",
-                                    residual="bf16" if first else "fp32"))
+        return gemv_block(GemvConfig(n=d, k=i, m=m, weight_dtype=wd, out_dtype="fp32",
+                                     residual="bf16" if first else "fp32"), cfg.down_rows, cfg.num_sms)
 
     def norm(first):
         return RMSNormBlock(RMSNormConfig(d=d, m=m, eps=cfg.eps, residual_in=False,

@@ -13,8 +13,8 @@ round trip anywhere (the dispatch table lives in global memory; see sdk/blocks/r
 
 Expert parallelism is simulated on one GPU: the router scores all experts, the layer holds the
 experts [rank * num_local, (rank + 1) * num_local) only, tokens routed elsewhere are skipped
-(their contribution would come from the other ranks' combine; EP dispatch/combine across GPUs
-is a later step, docs/moe.md). The shared expert is this rank's TP shard (its output is a
+(their contribution would come from the other ranks' combine). The expert-parallel layer with
+in-kernel dispatch/combine across ranks is sdk/megakernel/ep_moe.py. The shared expert is this rank's TP shard (its output is a
 partial sum, all-reduced by a later instruction) or replicated, as the preset says.
 
 `reference(cfg, weights, x, input_ids)` is sdk/reference/moe.py's routing (`route()`) and expert

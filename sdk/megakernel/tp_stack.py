@@ -33,7 +33,7 @@ from ..blocks.gemv import GemvBlock, GemvConfig
 from ..blocks.rmsnorm import RMSNormBlock, RMSNormConfig
 from ..comm.ops import CommProgram
 from ..errors import UnsupportedConfigError
-from .mlp_stack import MLPStackConfig, _names
+from .mlp_stack import MLPStackConfig, _names, gemv_block
 from .program import Program
 
 
@@ -88,11 +88,12 @@ def build_program(cfg: TPStackConfig) -> tuple[Program, CommProgram]:
         if fp8:
             gb.update({"w_gate_scale": gn + ".weight_scale", "w_up_scale": un + ".weight_scale"})
             db["w_scale"] = dn + ".weight_scale"
-        g = prog.op(GemvBlock(GemvConfig(n=ish, k=d, m=m, rows_per_tile=s.gateup_rows, weight_dtype=wd, swiglu=True,
-                                         swiglu_limit=s.swiglu_limit, norm=norm_here, norm_eps=s.eps)),
+        g = prog.op(gemv_block(GemvConfig(n=ish, k=d, m=m, weight_dtype=wd, swiglu=True,
+                                          swiglu_limit=s.swiglu_limit, norm=norm_here, norm_eps=s.eps),
+                               s.gateup_rows, s.num_sms),
                     gb, waits=[prev] if prev is not None else [], label=f"layers.{l}.gateup")
-        dop = prog.op(GemvBlock(GemvConfig(n=d, k=ish, m=m, rows_per_tile=s.down_rows, weight_dtype=wd,
-                                           out_dtype=cfg.wire)), db, waits=[g], label=dn)
+        dop = prog.op(gemv_block(GemvConfig(n=d, k=ish, m=m, weight_dtype=wd, out_dtype=cfg.wire),
+                                 s.down_rows, s.num_sms), db, waits=[g], label=dn)
         last = l + 1 == s.layers
         prev = comm.allreduce("partial", "resid", res="x" if l == 0 else "resid",
                               norm_weight="final_norm.weight" if last else f"layers.{l + 1}.norm.weight",

@@ -1,0 +1,266 @@
+"""CuTe DSL device code of the EP blocks (imports cutlass: imported by `_EPBase._build_device_tile`
+only). The data layout, the flag protocol and why it is safe are in sdk/blocks/ep.py.
+
+All stores to peers are plain 16-byte vector stores; a tile publishes them with a CTA barrier,
+then thread 0's `fence.acq_rel.sys` and one `st.release.sys` of the epoch per rank (the
+all-reduce's pattern, sdk/blocks/allreduce.py). Waits are `ld.acquire.sys` polls by several
+threads at once (one round trip when everything has arrived), bounded by globaltimer and by the
+rank's error word.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from ._cute import DTYPE_MAP, gmem_tensor
+from .allreduce import ERR_PEER_TIMEOUT, PARAMS_WORDS
+from .base import NUM_THREADS, SCRATCH_WORDS
+
+_ST = SCRATCH_WORDS - 1          # scratch word: "every poll of the tile succeeded"
+NT = NUM_THREADS
+
+
+def build(block):
+    from .ep import EPCombineBlock, EPDispatchBlock, EPTableBlock
+    if isinstance(block, EPDispatchBlock):
+        return _dispatch(block)
+    if isinstance(block, EPTableBlock):
+        return _table(block)
+    if isinstance(block, EPCombineBlock):
+        return _combine(block)
+    raise TypeError(type(block).__name__)
+
+
+def _poll(N: int):
+    @cute.jit
+    def poll(fbase, idx: Int32, e: Int32, tmo: Int64, ebase, t: Int32, flag_id: Int32) -> Int32:
+        """One thread: bounded spin until flags[idx] >= e (flags [tiles, N]: the rank is idx % N).
+        1 = arrived, 0 = gave up (timeout: claims the error word; or another CTA already did)."""
+        status = Int32(1)
+        v = cute.arch.load(fbase + idx, Int32, sem="acquire", scope="sys")
+        if v < e:
+            t0 = cute.arch.globaltimer()
+            while v < e and status == 1:
+                v = cute.arch.load(fbase + idx, Int32, sem="acquire", scope="sys")
+                if v < e:
+                    if cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu") != 0:
+                        status = Int32(0)
+                    if cute.arch.globaltimer() - t0 > tmo:
+                        status = Int32(0)
+                        old = cute.arch.atomic_cas(ebase, cmp=Int32(0), val=Int32(ERR_PEER_TIMEOUT),
+                                                   sem="relaxed", scope="gpu")
+                        if old == 0:
+                            sm, _, _ = cute.arch.block_idx()
+                            for j, val in ((1, t), (2, flag_id), (3, sm), (4, v), (5, e), (6, idx % N), (7, e)):
+                                cute.arch.store(ebase + j, Int32(val), sem="relaxed", scope="gpu")
+        return status
+
+    return poll
+
+
+def _common(block):
+    c = block.config
+    ix = {n: i for i, n in enumerate(block.operands())}
+    return c, ix, c.ranks, c.m, c.hidden, c.top_k, block.local
+
+
+@cute.jit
+def _raise_flags(ptrs, first: cutlass.Constexpr, N: cutlass.Constexpr, idx: Int32, e: Int32):
+    """Thread 0, after a CTA barrier: make the CTA's stores visible system-wide, then store the
+    epoch into flag idx of every rank (operands first .. first + N - 1 are their flag arrays)."""
+    cute.arch.fence_acq_rel_sys()
+    for k in cutlass.range_constexpr(N):
+        fb = cute.make_ptr(Int32, ptrs[first + k], cute.AddressSpace.gmem, assumed_align=4)
+        cute.arch.store(fb + idx, e, sem="release", scope="sys")
+
+
+def _dispatch(b):
+    c, ix, N, M, D, K, L = _common(b)
+    C, W8, D8, T = b.chunks, b.cols // 8, D // 8, b.dispatch_tiles
+    NV = -(-W8 // NT)
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        mPar = gmem_tensor(ptrs[ix["params"]], Int32, (PARAMS_WORDS,), 4)
+        mSt = gmem_tensor(ptrs[ix["state"]], Int32, (T,), 4)
+        rank = mPar[0]
+        e = mSt[t] + 1
+        m = t // C
+        cc = t - m * C
+        mX = gmem_tensor(ptrs[ix["x"]], BFloat16, (M, D8, 8), 16)
+        mIds = gmem_tensor(ptrs[ix["topk_ids"]], Int32, (M, K), 4)
+        # owners of token m's experts, one bit per rank
+        mask = Int32(0)
+        for j in cutlass.range_constexpr(K):
+            mask = mask | (Int32(1) << (mIds[m, j] // L))
+        row = rank * M + m
+        # peer tensors made once, outside staged control flow (values made inside an `if` body
+        # cannot be used in another)
+        mR = [gmem_tensor(ptrs[ix[f"recv_x_{o}"]], BFloat16, (N * M, D8, 8), 16) for o in range(N)]
+        mMeta = [gmem_tensor(ptrs[ix[f"meta_{o}"]], Int32, (N * M, K), 4) for o in range(N)]
+        for o in cutlass.range_constexpr(N):
+            if ((mask >> o) & 1) != 0:
+                # the row is re-read per owner (from L1/L2): a vector loaded outside this staged
+                # `if` cannot be used inside it
+                for jv in cutlass.range_constexpr(NV):
+                    u = tid + NT * jv
+                    if u < W8:
+                        col = cc * W8 + u
+                        mR[o][row, col, None].store(mX[m, col, None].load())
+        if cc == 0:
+            # every rank gets all k entries (-1: not its expert), so no stale entry survives
+            if tid < K:
+                eid = mIds[m, tid]
+                for o in cutlass.range_constexpr(N):
+                    le = eid - o * L
+                    mMeta[o][row, tid] = Int32(cutlass.select_((le >= 0) & (le < L), le, Int32(-1)))
+        cute.arch.sync_threads()
+        if tid == 0:
+            _raise_flags(ptrs, ix["dflags_0"], N, t * N + rank, e)
+            mSt[t] = e
+
+    return tile
+
+
+def _table(b):
+    c, ix, N, M, D, K, L = _common(b)
+    NF = b.dispatch_tiles * N           # flags to poll
+    NA = N * M * K                      # metadata entries
+    NW = NT // 32
+    poll = _poll(N)
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = tid % 32
+        warp = tid // 32
+        mPar = gmem_tensor(ptrs[ix["params"]], Int32, (PARAMS_WORDS,), 4)
+        mSt = gmem_tensor(ptrs[ix["state"]], Int32, (1,), 4)
+        e = mSt[0] + 1
+        tmo = Int64(mPar[1]) * Int64(1000)
+        ebase = cute.make_ptr(Int32, ptrs[ix["err"]], cute.AddressSpace.gmem, assumed_align=4)
+        faddr = ptrs[ix["dflags_self"]]
+        fbase = cute.make_ptr(Int32, faddr, cute.AddressSpace.gmem, assumed_align=4)
+        flag_id = Int32(faddr % Int64(1 << 31))
+        if tid == 0:
+            scratch[_ST] = Float32(1.0)
+        cute.arch.sync_threads()
+        # every source's every dispatch tile: NF flags, polled NT at a time
+        st = Int32(1)
+        for i in cutlass.range(tid, NF, NT, unroll=1):
+            if st == 1:
+                st = poll(fbase, i, e, tmo, ebase, t, flag_id)
+        if st == 0:
+            scratch[_ST] = Float32(0.0)
+        cute.arch.sync_threads()
+        if scratch[_ST] > Float32(0.5):
+            cnt = cute.make_ptr(Int32, ptrs[ix["counts"]], cute.AddressSpace.gmem, assumed_align=4)
+            mMeta = gmem_tensor(ptrs[ix["meta_self"]], Int32, (NA,), 4)
+            mTok = gmem_tensor(ptrs[ix["tok"]], Int32, (L, N * M), 4)
+            mSlot = gmem_tensor(ptrs[ix["slot"]], Int32, (L, N * M), 4)
+            mHits = gmem_tensor(ptrs[ix["hits"]], Int32, (L + 1,), 4)
+            for le in cutlass.range(tid, L, NT):
+                cute.arch.store(cnt + le, Int32(0), sem="relaxed", scope="gpu")
+            cute.arch.sync_threads()
+            # the order inside an expert's list does not matter: every assignment has its own
+            # act / y row (slot) and the source sums in choice order
+            for a in cutlass.range(tid, NA, NT, unroll=1):
+                le = mMeta[a]
+                if le >= 0:
+                    pos = cute.arch.atomic_add(cnt + le, Int32(1), sem="relaxed", scope="gpu")
+                    mTok[le, pos] = a // K
+                    mSlot[le, pos] = a
+            cute.arch.sync_threads()
+            # hit list: local experts with assignments, ascending (ballot + popc prefix)
+            n_hit = Int32(0)
+            if tid < L:
+                n_hit = cute.arch.load(cnt + tid, Int32, sem="relaxed", scope="gpu")
+            hit = n_hit > 0
+            ballot = cute.arch.vote_ballot_sync(hit)
+            if lane == 0:
+                scratch[warp] = Float32(cute.arch.popc(ballot))
+            cute.arch.sync_threads()
+            before = Int32(0)
+            total = Int32(0)
+            for w in cutlass.range_constexpr(NW):
+                n = Int32(scratch[w])
+                before = before + Int32(cutlass.select_(w < warp, n, Int32(0)))
+                total = total + n
+            if hit:
+                mHits[1 + before + cute.arch.popc(ballot & cute.arch.lanemask_lt())] = tid
+            if tid == 0:
+                mHits[0] = total
+                mSt[0] = e
+            cute.arch.sync_threads()
+
+    return tile
+
+
+def _combine(b):
+    c, ix, N, M, D, K, L = _common(b)
+    C, W8, D8, T = b.chunks, b.cols // 8, D // 8, b.dispatch_tiles
+    NV = -(-W8 // NT)
+    wdt = DTYPE_MAP[c.wire]
+    odt = DTYPE_MAP[c.out_dtype]
+    has_shared = c.shared
+    poll = _poll(N)
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        mPar = gmem_tensor(ptrs[ix["params"]], Int32, (PARAMS_WORDS,), 4)
+        mSt = gmem_tensor(ptrs[ix["state"]], Int32, (T,), 4)
+        rank = mPar[0]
+        e = mSt[t] + 1
+        tmo = Int64(mPar[1]) * Int64(1000)
+        ebase = cute.make_ptr(Int32, ptrs[ix["err"]], cute.AddressSpace.gmem, assumed_align=4)
+        m = t // C
+        cc = t - m * C
+        # 1. as owner: return this rank's expert outputs for token m of every source
+        mY = gmem_tensor(ptrs[ix["y"]], wdt, (N * M * K, D8, 8), 16)
+        mMeta = gmem_tensor(ptrs[ix["meta_self"]], Int32, (N * M, K), 4)
+        mRs = [gmem_tensor(ptrs[ix[f"ret_{s}"]], wdt, (M * K, D8, 8), 16) for s in range(N)]
+        for s in cutlass.range_constexpr(N):
+            for j in cutlass.range(K, unroll=1):
+                if mMeta[s * M + m, j] >= 0:
+                    for jv in cutlass.range_constexpr(NV):
+                        u = tid + NT * jv
+                        if u < W8:
+                            col = cc * W8 + u
+                            mRs[s][m * K + j, col, None].store(mY[(s * M + m) * K + j, col, None].load())
+        cute.arch.sync_threads()
+        if tid == 0:
+            _raise_flags(ptrs, ix["cflags_0"], N, t * N + rank, e)
+            scratch[_ST] = Float32(1.0)
+        cute.arch.sync_threads()
+        # 2. as source: lanes k < N wait for owner k's returns of this tile
+        if tid < N:
+            faddr = ptrs[ix["cflags_self"]]
+            fbase = cute.make_ptr(Int32, faddr, cute.AddressSpace.gmem, assumed_align=4)
+            if poll(fbase, t * N + tid, e, tmo, ebase, t, Int32(faddr % Int64(1 << 31))) == 0:
+                scratch[_ST] = Float32(0.0)
+        cute.arch.sync_threads()
+        if scratch[_ST] > Float32(0.5):
+            # 3. out = shared + sum_j w_j * ret_j, j = 0..k-1 in order (fp32)
+            mRet = gmem_tensor(ptrs[ix["ret_self"]], wdt, (M * K, D8, 8), 16)
+            mW = gmem_tensor(ptrs[ix["topk_w"]], Float32, (M, K), 4)
+            mO = gmem_tensor(ptrs[ix["out"]], odt, (M, D8, 8), 16)
+            mSh = mO                   # no shared expert: never read
+            if cutlass.const_expr(has_shared):
+                mSh = gmem_tensor(ptrs[ix["shared"]], Float32, (M, D8, 8), 16)
+            for jv in cutlass.range_constexpr(NV):
+                u = tid + NT * jv
+                if u < W8:
+                    col = cc * W8 + u
+                    acc = mRet[m * K, col, None].load().to(Float32) * mW[m, 0]
+                    if cutlass.const_expr(has_shared):
+                        acc = mSh[m, col, None].load() + acc
+                    for j in cutlass.range_constexpr(1, K):
+                        acc = acc + mRet[m * K + j, col, None].load().to(Float32) * mW[m, j]
+                    mO[m, col, None].store(acc.to(odt))
+            if tid == 0:
+                mSt[t] = e
+
+    return tile

@@ -1,0 +1,354 @@
+"""CuTe DSL device tiles of the indexer blocks (`indexer.py` documents the math and the formats).
+Imports cutlass: imported only when a block's device tile is built.
+
+IndexScore: MLADecodeBlock's QK^T machinery (`_mla_cute.py`: one-warp tiled MMA m16n8k16 bf16,
+ldmatrix from 16-byte-padded shared rows, cp.async pipeline of key chunks) with one k-slice: warp
+w computes all T*H query rows x entries [8w, 8w + 8) of a 64-entry chunk over the whole head_dim,
+applies ReLU(. * scale) * w[row] in registers (coordinates from an identity tensor partitioned
+like the accumulator) and parks the products in shared memory; after one barrier the head sums
+are taken by 1-4 adjacent lanes per (token, entry) (butterfly shuffles) and stored coalesced.
+
+TopK: 256 threads per (sequence, token). Radix select on the uint32 image of the scores
+(u ^ 0xFFFFFFFF for negative floats, u | 0x80000000 otherwise: unsigned order = float order):
+4 passes of 8-bit histograms (shared-memory atomics) restricted to the entries that match the
+prefix found so far; warp 0 finds the bin that holds the k-th largest (lane l owns bins 8l..8l+7,
+a shuffle suffix sum over lanes). Then the threshold key is exact and `krem` of its ties are
+taken, lowest index first. Compaction: thread i owns a contiguous range of entries, counts
+(> threshold, == threshold), one block-wide exclusive scan (warp shuffles + 8 warp totals) gives
+its output offset; selected entries are written ascending, expanded to `expand` tokens each.
+"""
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Uint32
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import warp as cwarp
+from cutlass.memory import SmemAllocator
+
+from ._cute import gmem_tensor
+from .base import NUM_THREADS
+from .indexer import CHUNK, RADIX_BITS, RADIX_PASSES
+
+NUM_WARPS = NUM_THREADS // 32
+
+
+def build_index_score_tile(block):
+    c = block.config
+    B, T, H, D = c.batch, c.q_tokens, c.heads, c.head_dim
+    R, MP = block.rows, block.m_pad
+    E, RATIO, KPT, ST = c.max_entries, c.ratio, c.keys_per_tile, c.stages
+    NT = block.tiles_per_seq
+    CH = CHUNK
+    RS = D + 8                           # bf16 smem row stride (elements): +16 B, conflict-free ldmatrix
+    SS = CH + 8                          # fp32 row stride of the products
+    PIECES = D // 8
+    NPIECE = CH * PIECES
+    PPT = -(-NPIECE // NUM_THREADS)
+    NO = T * CH                          # (token, entry) outputs per chunk
+    P = max(1, NUM_THREADS // NO)        # lanes per output (a power of two: NO is a multiple of 64)
+    scale = block.scale
+    NEG_INF = -math.inf
+
+    @cute.jit
+    def load_chunk(mK, b, n, e0, st, sStage, tid, g2s):
+        """cp.async entries e0 .. e0+CH-1 into stage st; entries >= n re-read entry n-1 (finite
+        data, never stored)."""
+        for k in cutlass.range_constexpr(PPT):
+            i = tid + k * NUM_THREADS
+            if i < NPIECE:
+                j = i // PIECES
+                p = i % PIECES
+                e = e0 + j
+                if e > n - 1:
+                    e = n - 1
+                cute.copy(g2s, mK[b, e, p, None], sStage[st, j, p, None])
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = tid % 32
+        wid = tid // 32
+        b = t // NT
+        jt = t % NT
+
+        mQ = gmem_tensor(ptrs[0], BFloat16, (B, R, D // 8, 8), 16)
+        mW = gmem_tensor(ptrs[1], Float32, (B, R), 4)
+        mK = gmem_tensor(ptrs[2], BFloat16, (B, E, PIECES, 8), 16)
+        mStart = gmem_tensor(ptrs[3], Int32, (B,), 4)
+        mS = gmem_tensor(ptrs[4], Float32, (B, T, E), 4)
+
+        smem = SmemAllocator()
+        sQ = smem.allocate_tensor(BFloat16, cute.make_layout((MP, D), stride=(RS, 1)), byte_alignment=128)
+        skv = smem.allocate_tensor(BFloat16, cute.make_layout((ST, CH, RS), stride=(CH * RS, RS, 1)),
+                                   byte_alignment=128)
+        sP = smem.allocate_tensor(Float32, cute.make_layout((MP, CH), stride=(SS, 1)), byte_alignment=16)
+        sW = smem.allocate_tensor(Float32, cute.make_layout((MP,)), byte_alignment=16)
+        sStage = cute.make_tensor(skv.iterator, cute.make_layout((ST, CH, PIECES, 8), stride=(CH * RS, RS, 8, 1)))
+        sK = cute.make_tensor(skv.iterator, cute.make_layout((ST, CH, D), stride=(CH * RS, RS, 1)))
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                  num_bits_per_copy=128)
+
+        # ---- this tile's entries [lo, hi): n = entries visible to the last query token --------
+        start = mStart[b]
+        n = (start + T) // RATIO
+        if n > E:
+            n = Int32(E)
+        lo = jt * KPT
+        hi = lo + KPT
+        if hi > n:
+            hi = n
+        nch = Int32(0)
+        if hi > lo:
+            nch = (hi - lo + CH - 1) // CH
+
+        for k in cutlass.range_constexpr(ST - 1):
+            if k < nch:
+                load_chunk(mK, b, n, lo + k * CH, k, sStage, tid, g2s)
+            cute.arch.cp_async_commit_group()
+
+        sQv = cute.make_tensor(sQ.iterator, cute.make_layout((MP, D // 8, 8), stride=(RS, 8, 1)))
+        for i in cutlass.range(tid, MP * (D // 8), NUM_THREADS, unroll=1):
+            r = i // (D // 8)
+            p = i % (D // 8)
+            if r < R:
+                sQv[r, p, None].store(mQ[b, r, p, None].load())
+            else:
+                sQv[r, p, None].fill(0.0)
+        for r in cutlass.range(tid, MP, NUM_THREADS, unroll=1):
+            wr = Float32(0.0)
+            if r < R:
+                wr = mW[b, r]
+            sW[r] = wr
+
+        mma_op = cwarp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+        tiled_qk = cute.make_tiled_mma(mma_op, (1, 1, 1))
+        thr_qk = tiled_qk.get_slice(lane)
+        cpy_q = cute.make_tiled_copy_A(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_qk)
+        cpy_k = cute.make_tiled_copy_B(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 2), BFloat16), tiled_qk)
+        thr_cq = cpy_q.get_slice(lane)
+        thr_ck = cpy_k.get_slice(lane)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSsQ = thr_cq.partition_S(sQ)
+        tSrQv = thr_cq.retile(tSrQ)
+        cS = thr_qk.partition_C(cute.make_identity_tensor((MP, 8)))
+        tSsP = thr_qk.partition_C(cute.local_tile(sP, (MP, 8), (0, wid)))
+
+        for ci in cutlass.range(nch, unroll=1):
+            st = ci % ST
+            cute.arch.cp_async_wait_group(ST - 2)
+            cute.arch.sync_threads()            # chunk ci landed; everyone is done with ci - 1's products
+            nxt = ci + ST - 1
+            if nxt < nch:
+                load_chunk(mK, b, n, lo + nxt * CH, nxt % ST, sStage, tid, g2s)
+            cute.arch.cp_async_commit_group()
+
+            # ---- q . key for all rows x this warp's 8 entries, ReLU(. * scale) * w[row] ---------
+            sKw = cute.local_tile(sK[st, None, None], (8, D), (wid, 0))
+            tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKw))
+            tSsK = thr_ck.partition_S(sKw)
+            tSrKv = thr_ck.retile(tSrK)
+            accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, 8)), Float32)
+            accS.fill(0.0)
+            for k in cutlass.range_constexpr(D // 16):
+                cute.copy(cpy_q, tSsQ[None, None, k], tSrQv[None, None, k])
+                cute.copy(cpy_k, tSsK[None, None, k], tSrKv[None, None, k])
+                cute.gemm(tiled_qk, accS, tSrQ[None, None, k], tSrK[None, None, k], accS)
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                m_, n_ = cS[i]
+                tSsP[i] = cute.arch.fmax(accS[i] * scale, Float32(0.0)) * sW[m_]
+            cute.arch.sync_threads()            # all products of chunk ci in sP
+
+            # ---- head sums per (token, entry); -inf where the entry is not visible to the token --
+            e0 = lo + ci * CH
+            if cutlass.const_expr(P > 1):
+                o = tid // P
+                part = tid % P
+                tq = o // CH
+                j = o % CH
+                acc = Float32(0.0)
+                for h in cutlass.range(part, H, P, unroll=1):
+                    acc = acc + sP[tq * H + h, j]
+                for sh in cutlass.range_constexpr(int(math.log2(P))):
+                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=P >> (sh + 1), mask=-1, mask_and_clamp=31)
+                e = e0 + j
+                if part == 0 and e < hi:
+                    nt = (start + tq + 1) // RATIO
+                    if e >= nt:
+                        acc = Float32(NEG_INF)
+                    mS[b, tq, e] = acc
+            else:
+                for o in cutlass.range(tid, NO, NUM_THREADS, unroll=1):
+                    tq = o // CH
+                    j = o % CH
+                    acc = Float32(0.0)
+                    for h in cutlass.range(H, unroll=1):
+                        acc = acc + sP[tq * H + h, j]
+                    e = e0 + j
+                    if e < hi:
+                        nt = (start + tq + 1) // RATIO
+                        if e >= nt:
+                            acc = Float32(NEG_INF)
+                        mS[b, tq, e] = acc
+
+        cute.arch.cp_async_wait_group(0)        # nothing in flight when the tile ends
+        cute.arch.sync_threads()                # smem is reused by the next instruction
+
+    return tile
+
+
+def build_topk_tile(block):
+    c = block.config
+    B, T, E, K = c.batch, c.q_tokens, c.max_entries, c.k
+    RATIO, X, TAIL, WID = c.ratio, c.expand, c.tail, block.width
+    NB = 1 << RADIX_BITS
+    BPL = NB // 32                       # histogram bins per lane of warp 0
+    assert NB == NUM_THREADS             # one bin per thread when clearing
+
+    @cute.jit
+    def ordered(u: Uint32) -> Uint32:
+        """The uint32 key whose unsigned order is the fp32 order of the bits u; -0.0 is keyed as
+        +0.0 (scores of all-zero ReLUs with negative head weights are -0.0: a tie, not smaller)."""
+        r = u | Uint32(0x80000000)
+        if (u >> Uint32(31)) != Uint32(0):
+            r = u ^ Uint32(0xFFFFFFFF)
+        if u == Uint32(0x80000000):
+            r = r ^ Uint32(0xFFFFFFFF)       # -0.0: ~u = 0x7FFFFFFF -> +0.0's key 0x80000000
+        return r
+
+    @cute.jit
+    def scan2(a: Int32, e: Int32, sX, lane, wid):
+        """Block-wide exclusive prefix sums of (a, e) in thread order. Uses sX[2 : 2 + 2 * NUM_WARPS]."""
+        ia = a
+        ie = e
+        for sh in cutlass.range_constexpr(5):
+            off = 1 << sh
+            va = cute.arch.shuffle_sync_up(ia, offset=off, mask=-1, mask_and_clamp=0)
+            ve = cute.arch.shuffle_sync_up(ie, offset=off, mask=-1, mask_and_clamp=0)
+            if lane >= off:
+                ia = ia + va
+                ie = ie + ve
+        if lane == 31:
+            sX[2 + wid] = ia
+            sX[2 + NUM_WARPS + wid] = ie
+        cute.arch.sync_threads()
+        ba = Int32(0)
+        be = Int32(0)
+        for w in cutlass.range_constexpr(NUM_WARPS):
+            if w < wid:
+                ba = ba + sX[2 + w]
+                be = be + sX[2 + NUM_WARPS + w]
+        return ba + ia - a, be + ie - e
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = tid % 32
+        wid = tid // 32
+        b = t // T
+        tq = t % T
+        mU = gmem_tensor(ptrs[0], Uint32, (B, T, E), 4)
+        mStart = gmem_tensor(ptrs[1], Int32, (B,), 4)
+        mI = gmem_tensor(ptrs[2], Int32, (B, T, WID), 4)
+
+        smem = SmemAllocator()
+        sH = smem.allocate_tensor(Int32, cute.make_layout((NB,)), byte_alignment=16)
+        sX = smem.allocate_tensor(Int32, cute.make_layout((2 + 2 * NUM_WARPS,)), byte_alignment=16)
+
+        pos = mStart[b] + tq
+        n = (pos + 1) // RATIO
+        if n > E:
+            n = Int32(E)
+        take_all = n <= K
+        prefix = Uint32(0)
+        krem = Int32(K)
+
+        # ---- radix select: the k-th largest key (prefix) and how many of its ties to take ------
+        if not take_all:
+            mask = Uint32(0)
+            for p in cutlass.range_constexpr(RADIX_PASSES):
+                shift = 32 - RADIX_BITS * (p + 1)
+                sH[tid] = Int32(0)
+                cute.arch.sync_threads()
+                for e in cutlass.range(tid, n, NUM_THREADS, unroll=1):
+                    key = ordered(mU[b, tq, e])
+                    if (key & mask) == prefix:
+                        bin_ = Int32((key >> Uint32(shift)) & Uint32(NB - 1))
+                        cute.arch.atomic_add(sH.iterator + bin_, Int32(1), sem="relaxed", scope="cta")
+                cute.arch.sync_threads()
+                if wid == 0:
+                    mine = Int32(0)
+                    for i in cutlass.range_constexpr(BPL):
+                        mine = mine + sH[lane * BPL + i]
+                    incl = mine                  # entries in the bins of lanes >= lane
+                    for sh in cutlass.range_constexpr(5):
+                        off = 1 << sh
+                        v = cute.arch.shuffle_sync_down(incl, offset=off, mask=-1, mask_and_clamp=31)
+                        if lane + off < 32:
+                            incl = incl + v
+                    above = incl - mine          # entries in higher bins than this lane's
+                    for i in cutlass.range_constexpr(BPL):
+                        bi = lane * BPL + (BPL - 1 - i)
+                        h = sH[bi]
+                        if above < krem and above + h >= krem:
+                            sX[0] = bi
+                            sX[1] = krem - above
+                        above = above + h
+                cute.arch.sync_threads()
+                krem = sX[1]
+                prefix = prefix | (Uint32(sX[0]) << Uint32(shift))
+                mask = mask | Uint32((NB - 1) << shift)
+
+        # ---- compaction: contiguous ranges per thread, ascending output ----------------------
+        per = (n + NUM_THREADS - 1) // NUM_THREADS
+        lo = tid * per
+        hi = lo + per
+        if hi > n:
+            hi = n
+        n_gt = Int32(0)
+        n_eq = Int32(0)
+        for e in cutlass.range(lo, hi, unroll=1):
+            if take_all:
+                n_gt = n_gt + 1
+            else:
+                key = ordered(mU[b, tq, e])
+                if key > prefix:
+                    n_gt = n_gt + 1
+                elif key == prefix:
+                    n_eq = n_eq + 1
+        gt_before, eq_before = scan2(n_gt, n_eq, sX, lane, wid)
+        taken_before = eq_before
+        if taken_before > krem:
+            taken_before = krem
+        o = gt_before + taken_before
+        eb = eq_before
+        for e in cutlass.range(lo, hi, unroll=1):
+            take = take_all
+            if not take_all:
+                key = ordered(mU[b, tq, e])
+                if key > prefix:
+                    take = True
+                elif key == prefix:
+                    take = eb < krem
+                    eb = eb + 1
+            if take:
+                for i in cutlass.range_constexpr(X):
+                    mI[b, tq, o * X + i] = e * X + i
+                o = o + 1
+        nsel = n
+        if nsel > K:
+            nsel = Int32(K)
+        for i in cutlass.range(nsel * X + tid, K * X, NUM_THREADS, unroll=1):
+            mI[b, tq, i] = Int32(-1)
+        if cutlass.const_expr(TAIL):
+            count = (pos + 1) % X
+            for i in cutlass.range(tid, X - 1, NUM_THREADS, unroll=1):
+                v = Int32(-1)
+                if i < count:
+                    v = pos + 1 - count + i
+                mI[b, tq, K * X + i] = v
+        cute.arch.sync_threads()                # smem is reused by the next instruction
+
+    return tile

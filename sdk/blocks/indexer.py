@@ -1,0 +1,356 @@
+"""Lightning-indexer blocks: the per-entry index scores and their top-k selection, for GLM-5.3's DSA
+(k-pool indexer, sdk/reference/dsa.py) and DeepSeek-V4.1-Flash's CSA (compressed indexer keys,
+sdk/reference/dsv4_attention.py `select`). The sparse attention over the selection is
+MLADecodeBlock with `index_width` (GLM-5.3) or DSV4DecodeBlock in mode "csa" (V4).
+
+Both models score key entries the same way; they differ in what an entry is and what the
+selection expands to:
+
+    score[b, t, e] = sum_h w[b, t, h] * ReLU(q[b, t, h, :] . key[b, e, :] * scale)    e < n(t)
+    n(t)           = min(max_entries, (start_b + t + 1) // ratio)  entries visible to query t
+
+- GLM-5.3 (DSA): an entry is a complete pool of `kpool` tokens (the cache "index_pool_k",
+  ratio = kpool); H = 32, d = 128, scale = d^-0.5; w = weights_proj(x) * H^-0.5. The selection is
+  the top topk / kpool pools, expanded to their tokens, plus the tail: the (p+1) % kpool tokens of
+  the incomplete pool (p = the query's position).
+- V4.1-Flash (CSA): an entry is a compressed indexer key (the cache "index_keys", post-RoPE,
+  ratio = compress ratio 4); H = 64, d = 128; scale = d^-0.5 (ReLU commutes with a positive
+  scale); w = weights_proj(x) * H^-0.5. The selection is the top-512 entries, the index list
+  DSV4DecodeBlock (mode "csa") reads.
+q and w are computed by the GEMV blocks before these (q: indexer wq_b / q_b_proj of the q latent,
+plus RoPE for V4); this module starts at the scores. GLM-5.3's "shared" indexer layers run none
+of this: their MLADecodeBlock reads the previous layer's index list (same operand).
+
+Blocks:
+- `IndexScoreBlock`: tile = (sequence b, block of `keys_per_tile` entries). q [T*H, d] of the
+  sequence sits in shared memory; key entries stream through a `stages`-deep cp.async pipeline in
+  chunks of 64 (8 warps x 8 entries); q.k on the tensor cores (warp MMA m16n8k16 bf16, fp32
+  accumulate, MLADecodeBlock's QK^T path with one k-slice); ReLU(. * scale) * w[row] into shared
+  memory; the head sum per (token, entry) by 1-4 lanes each; fp32 scores to global. Entries
+  >= n(T-1) of the sequence are not written; entries in [n(t), n(T-1)) get -inf for query t.
+- `TopKBlock`: tile = (sequence b, query token t): the k largest of score[b, t, :n(t)] (ties ->
+  lower index) by a 4-pass radix select (8-bit histograms in shared memory over the order-
+  preserving uint32 image of the fp32 scores), then one compaction pass over per-thread
+  contiguous ranges: the selected entries are written in ascending order, -1 padded. Up to
+  2^31 entries per row in principle; tested to 131072.
+
+Index list format (`TopKBlock` output, [B, T, width] int32, a set: order carries no meaning to
+the consumers, entries distinct, -1 = none):
+- V4 CSA (expand = 1, no tail): width = k, selected entries ascending, then -1. Exactly what
+  DSV4DecodeBlock's "index" operand reads.
+- GLM-5.3 (expand = kpool, tail): width = topk + kpool - 1 = the reference's width. Positions
+  [0, k * kpool): the selected pools' tokens (pool m -> m*P .. m*P+P-1), pools ascending, -1
+  padded; positions [k*P, k*P + P - 1): the tail tokens, -1 padded. sdk/reference/dsa.py's list
+  has the same set (its order: pools by score, the tail right after the chosen pools).
+
+Supported: T * H <= 128 query rows per sequence (GLM TP-any: 32 heads x T <= 4; V4: 64 heads x
+T <= 2), head_dim a multiple of 16 (128 in both models), bf16 q / keys, contiguous batch-first key
+caches (as the references keep them), k <= 4096, any ratio >= 1.
+Not yet: fp8 / MXFP4 indexer keys (V4.1's 68 B entries), paged indexer caches, the pooling /
+compression of keys (cache updates, done by the reference's update paths today), the q / w GEMVs
+fused into the score tile, a fused score + top-k (scores stay in global / L2: at 131072 entries
+a row is 512 KB).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import NUM_THREADS, Block, Cost, OperandSpec
+
+CHUNK = 64                     # entries per pipeline stage: 8 warps x one n8 MMA block each
+RADIX_BITS = 8
+RADIX_PASSES = 32 // RADIX_BITS
+
+
+def visible_entries(start, t, ratio: int, max_entries: int):
+    """n(t): entries visible to query token t of a sequence with `start` tokens before the call."""
+    return min(max_entries, (int(start) + t + 1) // ratio)
+
+
+def choose_keys_per_tile(batch: int, entries: int, num_sms: int = 132) -> int:
+    """Entries per IndexScore tile: about one wave of tiles, at least 256 entries (each tile loads
+    the T*H x d query once: 16 KB at V4's 64 x 128, the cost of 64 key entries), a multiple of 64."""
+    per = -(-entries // max(1, num_sms // max(1, batch)))
+    return max(256, CHUNK * -(-per // CHUNK))
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class IndexScoreConfig:
+    heads: int                      # indexer heads (GLM-5.3: 32, V4.1-Flash: 64)
+    head_dim: int = 128
+    batch: int = 1
+    q_tokens: int = 1
+    max_entries: int = 8192         # key entries per sequence (max_seq_len // ratio)
+    ratio: int = 1                  # tokens per entry: GLM kpool, V4 compress ratio
+    scale: float = 0.0              # 0: head_dim ** -0.5
+    keys_per_tile: int = 512        # a multiple of 64
+    stages: int = 4                 # cp.async pipeline depth (chunks of 64 entries)
+
+
+class IndexScoreBlock(Block):
+    name = "index_score"
+    Config = IndexScoreConfig
+
+    @property
+    def rows(self) -> int:
+        return self.config.q_tokens * self.config.heads
+
+    @property
+    def m_pad(self) -> int:
+        return 16 * math.ceil(self.rows / 16)
+
+    @property
+    def scale(self) -> float:
+        return self.config.scale or self.config.head_dim ** -0.5
+
+    @property
+    def tiles_per_seq(self) -> int:
+        return -(-self.config.max_entries // self.config.keys_per_tile)
+
+    def smem_bytes(self) -> int:
+        c = self.config
+        rs = c.head_dim + 8                                   # padded bf16 rows: conflict-free ldmatrix
+        return (self.m_pad * rs * 2 + c.stages * CHUNK * rs * 2 + self.m_pad * (CHUNK + 8) * 4
+                + self.m_pad * 4)
+
+    def check(self):
+        c = self.config
+        if not 1 <= self.rows <= 128:
+            self.unsupported(f"index_score: q_tokens x heads = {self.rows} rows (supported 1..128)")
+        if c.head_dim % 16 or c.head_dim < 16:
+            self.unsupported(f"index_score: head_dim={c.head_dim} must be a multiple of 16")
+        if c.keys_per_tile % CHUNK or c.keys_per_tile < CHUNK:
+            self.unsupported(f"index_score: keys_per_tile={c.keys_per_tile} must be a multiple of {CHUNK}")
+        if c.ratio < 1 or c.max_entries < 1 or c.batch < 1 or c.q_tokens < 1:
+            self.unsupported("index_score: ratio, max_entries, batch, q_tokens >= 1")
+        if not 2 <= c.stages <= 8:
+            self.unsupported(f"index_score: stages={c.stages} (2..8)")
+        if self.smem_bytes() > 227 * 1024:
+            self.unsupported(f"index_score: {self.smem_bytes()} B of shared memory > 227 KiB")
+
+    def operand_specs(self):
+        c = self.config
+        return [OperandSpec("q", (c.batch, c.q_tokens, c.heads, c.head_dim), "bf16"),
+                OperandSpec("weights", (c.batch, c.q_tokens, c.heads), "fp32"),
+                OperandSpec("keys", (c.batch, c.max_entries, c.head_dim), "bf16"),
+                OperandSpec("start", (c.batch,), "int32"),
+                OperandSpec("scores", (c.batch, c.q_tokens, c.max_entries), "fp32", output=True)]
+
+    def num_tiles(self) -> int:
+        return self.config.batch * self.tiles_per_seq
+
+    def cost(self) -> Cost:
+        c = self.config
+        k = c.keys_per_tile
+        b = k * c.head_dim * 2 + self.rows * (c.head_dim * 2 + 4) + c.q_tokens * k * 4
+        return Cost(bytes=b, flops=2 * k * self.rows * c.head_dim + 2 * k * self.rows)
+
+    def key_bytes(self, starts) -> int:
+        """Bytes of key entries the whole op must read (its floor), plus the scores it writes."""
+        c = self.config
+        n = [visible_entries(s, c.q_tokens - 1, c.ratio, c.max_entries) for s in starts]
+        return sum(n) * (c.head_dim * 2 + 4 * c.q_tokens)
+
+    def n_written(self, start) -> int:
+        """Entries of the sequence whose scores are written: n(T - 1)."""
+        c = self.config
+        return visible_entries(start, c.q_tokens - 1, c.ratio, c.max_entries)
+
+    # -- torch faces ---------------------------------------------------------------------------
+    def _scores(self, t, b, lo, hi) -> torch.Tensor:
+        """fp32 scores [T, hi - lo] of entries [lo, hi) of sequence b, -inf where invisible."""
+        c = self.config
+        q = t["q"][b].float().cpu().reshape(self.rows, c.head_dim)
+        k = t["keys"][b, lo:hi].float().cpu()
+        w = t["weights"][b].float().cpu().reshape(self.rows)
+        s = torch.relu((q @ k.T) * self.scale) * w[:, None]                  # [T*H, n]
+        s = s.view(c.q_tokens, c.heads, -1).sum(1)
+        start = int(t["start"][b])
+        n_t = torch.tensor([visible_entries(start, tq, c.ratio, c.max_entries) for tq in range(c.q_tokens)])
+        return s.masked_fill(torch.arange(lo, hi)[None] >= n_t[:, None], float("-inf"))
+
+    def reference(self, **t):
+        """Scores [B, T, E] fp32; entries past n(T-1) of a sequence are left -inf."""
+        c = self.config
+        out = torch.full((c.batch, c.q_tokens, c.max_entries), float("-inf"))
+        for b in range(c.batch):
+            n = self.n_written(t["start"][b])
+            out[b, :, :n] = self._scores(t, b, 0, n)
+        return {"scores": out}
+
+    def emulate_tile(self, t, tile):
+        """One tile: chunks of 64 entries of its block (fp32 accumulate of bf16 products as the
+        MMA); entries past n(T-1) untouched."""
+        c = self.config
+        b, j = divmod(tile, self.tiles_per_seq)
+        n = self.n_written(t["start"][b])
+        lo, hi = j * c.keys_per_tile, min((j + 1) * c.keys_per_tile, n)
+        for c0 in range(lo, hi, CHUNK):
+            c1 = min(c0 + CHUNK, hi)
+            t["scores"][b, :, c0:c1] = self._scores(t, b, c0, c1).to(t["scores"].device)
+
+    def _build_device_tile(self):
+        from ._indexer_cute import build_index_score_tile
+        return build_index_score_tile(self)
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TopKConfig:
+    k: int                          # entries selected per query (GLM: topk // kpool pools; V4: topk)
+    batch: int = 1
+    q_tokens: int = 1
+    max_entries: int = 8192
+    ratio: int = 1                  # as IndexScoreConfig: n(t) = (start + t + 1) // ratio
+    expand: int = 1                 # tokens per selected entry written (GLM: kpool)
+    tail: bool = False              # GLM select_tail: append the incomplete pool's tokens
+
+
+class TopKBlock(Block):
+    name = "index_topk"
+    Config = TopKConfig
+
+    @property
+    def width(self) -> int:
+        c = self.config
+        return c.k * c.expand + (c.expand - 1 if c.tail else 0)
+
+    def check(self):
+        c = self.config
+        if not 1 <= c.k <= 4096:
+            self.unsupported(f"index_topk: k={c.k} (supported 1..4096)")
+        if c.ratio < 1 or c.expand < 1 or c.max_entries < 1 or c.batch < 1 or c.q_tokens < 1:
+            self.unsupported("index_topk: ratio, expand, max_entries, batch, q_tokens >= 1")
+        if c.tail and c.expand != c.ratio:
+            self.unsupported("index_topk: the tail is the incomplete pool: needs expand == ratio (kpool)")
+
+    def operand_specs(self):
+        c = self.config
+        return [OperandSpec("scores", (c.batch, c.q_tokens, c.max_entries), "fp32"),
+                OperandSpec("start", (c.batch,), "int32"),
+                OperandSpec("index", (c.batch, c.q_tokens, self.width), "int32", output=True)]
+
+    def num_tiles(self) -> int:
+        return self.config.batch * self.config.q_tokens
+
+    def cost(self, entries: int | None = None) -> Cost:
+        """Per tile at `entries` visible entries (default max_entries): the score row is read
+        RADIX_PASSES + 1 times (L2-resident right after IndexScore wrote it), the list written."""
+        n = entries or self.config.max_entries
+        return Cost(bytes=(RADIX_PASSES + 1) * n * 4 + self.width * 4, flops=(RADIX_PASSES + 1) * n)
+
+    # -- torch faces ---------------------------------------------------------------------------
+    def _expand(self, chosen: torch.Tensor, start: int, tq: int) -> torch.Tensor:
+        """Selected entries (ascending) -> the index list row [width]."""
+        c = self.config
+        row = torch.full((self.width,), -1, dtype=torch.int32)
+        toks = (chosen[:, None] * c.expand + torch.arange(c.expand)).flatten()
+        row[:toks.numel()] = toks.int()
+        if c.tail:
+            pos = start + tq
+            count = (pos + 1) % c.expand
+            for i in range(count):
+                row[c.k * c.expand + i] = pos + 1 - count + i
+        return row
+
+    def reference(self, **t):
+        """The k largest visible scores, ties to the lower index (a stable sort), ascending."""
+        c = self.config
+        out = torch.full((c.batch, c.q_tokens, self.width), -1, dtype=torch.int32)
+        for b in range(c.batch):
+            start = int(t["start"][b])
+            for tq in range(c.q_tokens):
+                n = visible_entries(start, tq, c.ratio, c.max_entries)
+                s = t["scores"][b, tq, :n].float().cpu()
+                order = torch.sort(s, descending=True, stable=True).indices[:c.k]
+                out[b, tq] = self._expand(order.sort().values, start, tq)
+        return {"index": out}
+
+    @staticmethod
+    def ordered_key(scores: torch.Tensor) -> torch.Tensor:
+        """fp32 -> int64 image of the uint32 key whose unsigned order is the float order (-0.0
+        keyed as +0.0: equal floats, equal keys)."""
+        u = scores.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
+        u = torch.where(u == 0x80000000, torch.zeros_like(u), u)
+        return torch.where(u >= 0x80000000, u ^ 0xFFFFFFFF, u | 0x80000000)
+
+    def emulate_tile(self, t, tile):
+        """The device algorithm step by step: RADIX_PASSES histogram passes find the k-th key and
+        how many of its ties to take; per-thread contiguous ranges and one exclusive scan place
+        the selected entries in ascending order."""
+        c = self.config
+        b, tq = divmod(tile, c.q_tokens)
+        start = int(t["start"][b])
+        n = visible_entries(start, tq, c.ratio, c.max_entries)
+        key = self.ordered_key(t["scores"][b, tq, :n].cpu())
+        take_all = n <= c.k
+        prefix, mask, krem = 0, 0, c.k
+        if not take_all:
+            for p in range(RADIX_PASSES):
+                shift = 32 - RADIX_BITS * (p + 1)
+                cand = key[(key & mask) == prefix]
+                hist = torch.bincount((cand >> shift) & 255, minlength=256)
+                above = hist.flip(0).cumsum(0).flip(0) - hist                 # entries in higher bins
+                j = int(torch.nonzero((above < krem) & (above + hist >= krem)).flatten()[0])
+                krem -= int(above[j])
+                prefix |= j << shift
+                mask |= 255 << shift
+        # compaction (the device: thread i owns a contiguous range; an exclusive scan of the
+        # counts orders the threads): ties are taken in ascending index order, then everything
+        # is written ascending
+        if take_all:
+            sel = torch.ones(n, dtype=torch.bool)
+        else:
+            gt, eq = key > prefix, key == prefix
+            eq_before = torch.cumsum(eq.long(), 0) - eq.long()
+            sel = gt | (eq & (eq_before < krem))
+        assert int(sel.sum()) == min(n, c.k), "radix select lost count"
+        chosen = torch.nonzero(sel).flatten()
+        t["index"][b, tq] = self._expand(chosen, start, tq).to(t["index"].device)
+
+    def _build_device_tile(self):
+        from ._indexer_cute import build_topk_tile
+        return build_topk_tile(self)
+
+
+# ------------------------------------------------------------------------------------------------
+def glm53_indexer_blocks(spec, batch: int, q_tokens: int, max_seq_len: int, keys_per_tile: int = 512):
+    """(IndexScoreBlock, TopKBlock) of a GLM-5.3 layer with its own indexer (spec: DSAIndexerSpec).
+    Entries are complete pools: ratio = kpool; the list is the pools' tokens plus the tail."""
+    p = spec.kpool
+    score = IndexScoreBlock(IndexScoreConfig(heads=spec.num_heads, head_dim=spec.head_dim, batch=batch,
+                                             q_tokens=q_tokens, max_entries=max(1, max_seq_len // p), ratio=p,
+                                             keys_per_tile=keys_per_tile))
+    topk = TopKBlock(TopKConfig(k=spec.topk // p, batch=batch, q_tokens=q_tokens,
+                                max_entries=max(1, max_seq_len // p), ratio=p, expand=p,
+                                tail=spec.select_tail and p > 1))
+    return score, topk
+
+
+def dsv4_csa_indexer_blocks(spec, ratio: int, batch: int, q_tokens: int, max_seq_len: int,
+                            keys_per_tile: int = 512):
+    """(IndexScoreBlock, TopKBlock) of a V4 CSA layer (spec: its DSAIndexerSpec; ratio: the layer's
+    compress ratio). The list is DSV4DecodeBlock's "index" operand."""
+    e = max(1, max_seq_len // ratio)
+    score = IndexScoreBlock(IndexScoreConfig(heads=spec.num_heads, head_dim=spec.head_dim, batch=batch,
+                                             q_tokens=q_tokens, max_entries=e, ratio=ratio,
+                                             keys_per_tile=keys_per_tile))
+    topk = TopKBlock(TopKConfig(k=spec.topk, batch=batch, q_tokens=q_tokens, max_entries=e, ratio=ratio))
+    return score, topk
+
+
+def indexer_compile_cases() -> list:
+    """Representative static configs for the no-GPU compile checks (sdk/compile.py)."""
+    return [
+        # GLM-5.3: 32 x 128 heads, kpool 16 at 131072 tokens (8192 pools), top 128 pools + tail
+        IndexScoreBlock(IndexScoreConfig(heads=32, batch=1, max_entries=8192, ratio=16, keys_per_tile=256)),
+        TopKBlock(TopKConfig(k=128, batch=8, q_tokens=2, max_entries=8192, ratio=16, expand=16, tail=True)),
+        # V4.1-Flash CSA: 64 x 128 heads, ratio 4 at 131072 tokens (32768 entries), top 512, T = 2
+        IndexScoreBlock(IndexScoreConfig(heads=64, batch=8, q_tokens=2, max_entries=32768, ratio=4,
+                                         keys_per_tile=1024, stages=3)),
+        TopKBlock(TopKConfig(k=512, batch=8, q_tokens=2, max_entries=32768, ratio=4)),
+    ]

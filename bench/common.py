@@ -174,3 +174,28 @@ def print_case_table(records, case_width: int, us_width: int) -> None:
         er = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
         print(f"{r['case']:{case_width}s} {r['us']:{us_width}.1f} {r['gbs']:7.0f} {r['fraction_of_floor']:6.2f} "
               f"{tu:>9s} {sp:>7s} {er:>8s}")
+
+
+def run_cases(json_name: str, cases, bench_one, label, out_dir: str | None = None, case_width: int = 40,
+              us_width: int = 8) -> dict:
+    """The loop the attention benchmarks share: the copy bandwidth, then `bench_one(case, copy_gbs)`
+    per case (an exception becomes an error record named `label(case)`: one failing shape does not
+    lose the others), the JSON `json_name` rewritten after every case (a run cut off at its time
+    limit keeps what finished), and the summary table."""
+    torch.cuda.init()
+    bw = copy_bandwidth()
+    res = {"commit": commit(), "command": command_line(), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "copy_bandwidth_gbs": bw, "cases": []}
+    for case in cases:
+        try:
+            rec = bench_one(case, bw["copy"])
+        except Exception as exc:
+            rec = {"case": label(case), "error": f"{type(exc).__name__}: {exc}"}
+            torch.cuda.empty_cache()
+        res["cases"].append(rec)
+        print(json.dumps(rec), flush=True)
+        if out_dir:
+            write_json(out_dir, json_name, res)
+    print(f"copy bandwidth {bw['copy']:.0f} GB/s (read-only {bw['read']:.0f} GB/s)")
+    print_case_table(res["cases"], case_width=case_width, us_width=us_width)
+    return res

@@ -13,13 +13,11 @@ per case us, GB/s, fraction of floor, torch graph us, speed-up, rel err of the t
 """
 from __future__ import annotations
 
-import json
 import time
 
 import torch
 
-from bench.common import (L2_FLUSH_BYTES, arg_parser, command_line, commit, copy_bandwidth, cu_stream,
-                          print_case_table, timed, write_json)
+from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, run_cases, timed
 
 HEADS, HD, W = 8, 512, 128
 
@@ -126,24 +124,8 @@ def cases(quick):
 
 
 def run(out_dir=None, quick=False):
-    torch.cuda.init()
-    gpu = torch.cuda.get_device_name()
-    bw = copy_bandwidth()
-    res = {"commit": commit(), "command": command_line(), "gpu": gpu,
-           "torch": torch.__version__, "copy_bandwidth_gbs": bw, "cases": []}
-    for mode, ctx, batch in cases(quick):
-        try:
-            rec = bench_case(mode, ctx, batch, bw["copy"], quick)
-        except Exception as exc:
-            rec = {"case": f"v41flash_tp8 {mode} B={batch} ctx={ctx}", "error": f"{type(exc).__name__}: {exc}"}
-            torch.cuda.empty_cache()
-        res["cases"].append(rec)
-        print(json.dumps(rec), flush=True)
-        if out_dir:
-            write_json(out_dir, "dsv4_bench.json", res)
-    print(f"copy bandwidth {bw['copy']:.0f} GB/s")
-    print_case_table(res["cases"], case_width=40, us_width=8)
-    return res
+    return run_cases("dsv4_bench.json", cases(quick), lambda c, bw: bench_case(*c, bw, quick),
+                     lambda c: f"v41flash_tp8 {c[0]} B={c[2]} ctx={c[1]}", out_dir, case_width=40)
 
 
 def main(argv=None):

@@ -20,13 +20,11 @@ floor, torch graph us, speed-up, rel err (indexer: scores vs the fp32 definition
 """
 from __future__ import annotations
 
-import json
 import time
 
 import torch
 
-from bench.common import (L2_FLUSH_BYTES, arg_parser, command_line, commit, copy_bandwidth, cu_stream,
-                          print_case_table, timed, write_json)
+from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, run_cases, timed
 
 MODELS = {"v4_csa": dict(heads=64, ratio=4, topk=512), "glm_dsa": dict(heads=32, ratio=16, topk=2048)}
 
@@ -168,26 +166,14 @@ def cases(quick):
 
 
 def run(out_dir=None, quick=False):
-    torch.cuda.init()
-    bw = copy_bandwidth()
-    res = {"commit": commit(), "command": command_line(), "gpu": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "copy_bandwidth_gbs": bw, "cases": []}
-    for model, ctx, batch in cases(quick):
-        try:
-            if model == "glm_sparse_mla":
-                rec = bench_sparse_mla(ctx, batch, bw["copy"], quick)
-            else:
-                rec = bench_indexer(model, ctx, batch, bw["copy"], quick)
-        except Exception as exc:
-            rec = {"case": f"{model} B={batch} ctx={ctx}", "error": f"{type(exc).__name__}: {exc}"}
-            torch.cuda.empty_cache()
-        res["cases"].append(rec)
-        print(json.dumps(rec), flush=True)
-        if out_dir:
-            write_json(out_dir, "indexer_bench.json", res)
-    print(f"copy bandwidth {bw['copy']:.0f} GB/s")
-    print_case_table(res["cases"], case_width=36, us_width=8)
-    return res
+    def one(case, bw):
+        model, ctx, batch = case
+        if model == "glm_sparse_mla":
+            return bench_sparse_mla(ctx, batch, bw, quick)
+        return bench_indexer(model, ctx, batch, bw, quick)
+
+    return run_cases("indexer_bench.json", cases(quick), one, lambda c: f"{c[0]} B={c[2]} ctx={c[1]}", out_dir,
+                     case_width=36)
 
 
 def main(argv=None):

@@ -13,13 +13,11 @@ fraction of floor, torch graph us and the speed-up, rel err of the timed configu
 """
 from __future__ import annotations
 
-import json
 import time
 
 import torch
 
-from bench.common import (L2_FLUSH_BYTES, arg_parser, command_line, commit, copy_bandwidth, cu_stream,
-                          print_case_table, timed, write_json)
+from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, run_cases, timed
 
 SHARDS = {   # name: heads, rope, softmax scale
     "kimi_k3_tp8": (12, 64, 192 ** -0.5),
@@ -160,25 +158,9 @@ def cases(quick: bool):
 
 
 def run(out_dir: str | None = None, quick: bool = False) -> dict:
-    torch.cuda.init()
-    gpu = torch.cuda.get_device_name()
-    bw = copy_bandwidth()
-    print(f"GPU {gpu}")
-    res = {"commit": commit(), "command": command_line(),
-           "gpu": gpu, "torch": torch.__version__, "copy_bandwidth_gbs": bw, "cases": []}
-    for (shard, ctx, batch, kvd, T) in cases(quick):
-        try:
-            rec = bench_case(shard, ctx, batch, kvd, bw["copy"], T=T, quick=quick)
-        except Exception as exc:
-            rec = {"case": f"{shard} B={batch} ctx={ctx} T={T} {kvd}", "error": f"{type(exc).__name__}: {exc}"}
-            torch.cuda.empty_cache()
-        res["cases"].append(rec)
-        print(json.dumps(rec), flush=True)
-    print(f"copy bandwidth {bw['copy']:.0f} GB/s (read-only {bw['read']:.0f} GB/s)")
-    print_case_table(res["cases"], case_width=44, us_width=9)
-    if out_dir:
-        write_json(out_dir, "mla_bench.json", res)
-    return res
+    return run_cases("mla_bench.json", cases(quick),
+                     lambda c, bw: bench_case(c[0], c[1], c[2], c[3], bw, T=c[4], quick=quick),
+                     lambda c: f"{c[0]} B={c[2]} ctx={c[1]} T={c[4]} {c[3]}", out_dir, case_width=44, us_width=9)
 
 
 def main(argv=None):

@@ -53,6 +53,16 @@ from .base import NUM_THREADS, Block, Cost, OperandSpec
 FORMATS = ("bf16", "fp8_e4m3", "mxfp4")
 ELEMS_PER_LOAD = {"bf16": 8, "fp8_e4m3": 16, "mxfp4": 32}
 GROUPS = (1, 2, 4, 8)       # token-group variants
+MAX_LOADS_IN_FLIGHT = 16    # 16-byte weight loads per lane per step (64 registers)
+
+
+def balanced_rows(out_rows: int, num_sms: int = 132) -> int:
+    """Rows per tile for one tile per SM where possible: the smallest multiple of 8 dividing
+    `out_rows` with at most `num_sms` tiles (a tile streams its rows of every hit expert)."""
+    for r in range(8, out_rows + 1, 8):
+        if out_rows % r == 0 and out_rows // r <= num_sms:
+            return r
+    return 8
 
 
 @dataclass(frozen=True)
@@ -162,9 +172,14 @@ class ExpertsBlock(Block):
         c = self.config
         if c.unroll:
             return c.unroll
-        if c.weight_dtype == "mxfp4":
-            return 2
-        return 4 if c.stage == "gateup" else 8
+        # the whole row in flight at once where it fits (one round trip per row): the most loads
+        # per lane (<= MAX_LOADS_IN_FLIGHT over the gate and up rows) that divide the row evenly
+        nw = 2 if c.stage == "gateup" else 1
+        per_lane = -(-(self.k_dim // self.elems_per_load) // 32)
+        for u in range(min(MAX_LOADS_IN_FLIGHT // nw, per_lane), 0, -1):
+            if (self.k_dim // self.elems_per_load) % (32 * u) == 0:
+                return u
+        return min(MAX_LOADS_IN_FLIGHT // nw, per_lane)
 
     def check(self):
         c = self.config
@@ -303,7 +318,7 @@ class ExpertsBlock(Block):
     def _build_device_tile(self):
         import cutlass
         import cutlass.cute as cute
-        from cutlass import Float32, Int32
+        from cutlass import Float32, Int32, Int64
 
         from ._cute import DTYPE_MAP, gmem_tensor
 
@@ -344,16 +359,16 @@ class ExpertsBlock(Block):
                                         read_only_args=[bits])
 
         @cute.jit
-        def load_w(mW, le, n, ch):
-            return mW[le, n, ch, None].load()
+        def load_w(mW, n, ch):
+            return mW[n, ch, None].load()
 
         @cute.jit
-        def chunk_scale(mS, le, n, ch) -> Float32:
+        def chunk_scale(mS, n, ch) -> Float32:
             s = Float32(1.0)
             if cutlass.const_expr(fmt == "fp8_e4m3"):
-                s = mS[le, n // 128, (ch * EPL) // 128]
+                s = mS[n // 128, (ch * EPL) // 128]
             elif cutlass.const_expr(fmt == "mxfp4"):
-                word = mS[le, n, ch // 4]
+                word = mS[n, ch // 4]
                 e8 = (word >> ((ch % 4) * 8)) & 255
                 # 2^(s-127) times 2^14, the fp16 decode's bias (see decode below): exact
                 s = bits_to_f32((e8 + 14) << 23)
@@ -392,14 +407,14 @@ class ExpertsBlock(Block):
             """Dot products of weight rows (nw of them) with G input rows, for one warp."""
 
             @cute.jit
-            def group(mW, mS, mX, le, n0, xr_list, acc):
+            def group(mW, mS, mX, n0, xr_list, acc):
                 wf = cute.make_rmem_tensor((EPL,), Float32)
                 for it in cutlass.range(n_main):
                     ch0 = it * (32 * U) + cute.arch.lane_idx()
-                    wl = [[load_w(mW, le, n0 + i * I, ch0 + 32 * u) for u in range(U)] for i in range(nw)]
+                    wl = [[load_w(mW, n0 + i * I, ch0 + 32 * u) for u in range(U)] for i in range(nw)]
                     for i in cutlass.range_constexpr(nw):
                         for u in cutlass.range_constexpr(U):
-                            sc = chunk_scale(mS, le, n0 + i * I, ch0 + 32 * u)
+                            sc = chunk_scale(mS, n0 + i * I, ch0 + 32 * u)
                             decode(wl[i][u], wf)
                             for g in cutlass.range_constexpr(G):
                                 acc[i, g] = acc[i, g] + sc * dot(wf, mX, xr_list[g], ch0 + 32 * u)
@@ -407,8 +422,8 @@ class ExpertsBlock(Block):
                     ch = n_main * (32 * U) + 32 * u + cute.arch.lane_idx()
                     if ch < nch:
                         for i in cutlass.range_constexpr(nw):
-                            sc = chunk_scale(mS, le, n0 + i * I, ch)
-                            decode(load_w(mW, le, n0 + i * I, ch), wf)
+                            sc = chunk_scale(mS, n0 + i * I, ch)
+                            decode(load_w(mW, n0 + i * I, ch), wf)
                             for g in cutlass.range_constexpr(G):
                                 acc[i, g] = acc[i, g] + sc * dot(wf, mX, xr_list[g], ch)
 
@@ -421,20 +436,35 @@ class ExpertsBlock(Block):
 
         f1, f2, f4, f8 = pick(1), pick(2), pick(4), group_fns[GMAX]
 
+        # bytes of one expert's weights and scales: the expert's views start at base + le * bytes,
+        # computed in 64 bits (a real shard's weight tensor exceeds 2^31 elements: Kimi K3's bf16
+        # gate_up is 56 x 6144 x 7168; 32-bit indexing of the whole tensor overflows there)
+        if fmt == "mxfp4":
+            W_BYTES, S_BYTES = N * nch * 16, N * (K // 128) * 4
+        elif fmt == "fp8_e4m3":
+            W_BYTES, S_BYTES = N * K, (N // 128) * (K // 128) * 4
+        else:
+            W_BYTES, S_BYTES = N * K * 2, 0
+
+        @cute.jit
+        def expert_views(ptrs, le: Int32):
+            w_addr = ptrs[P_W] + Int64(le) * Int64(W_BYTES)
+            if cutlass.const_expr(fmt == "mxfp4"):
+                mW = gmem_tensor(w_addr, Int32, (N, nch, 4), 16)
+                mS = gmem_tensor(ptrs[P_S] + Int64(le) * Int64(S_BYTES), Int32, (N, K // 128), 4)
+            elif cutlass.const_expr(fmt == "fp8_e4m3"):
+                mW = gmem_tensor(w_addr, DTYPE_MAP[fmt], (N, nch, EPL), 16)
+                mS = gmem_tensor(ptrs[P_S] + Int64(le) * Int64(S_BYTES), Float32, (N // 128, K // 128), 4)
+            else:
+                mW = gmem_tensor(w_addr, DTYPE_MAP[fmt], (N, nch, EPL), 16)
+                mS = mW          # no scales: never read
+            return mW, mS
+
         @cute.jit
         def tile(ptrs, t: Int32, scratch):
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
             warp = tid // 32
-            if cutlass.const_expr(fmt == "mxfp4"):
-                mW = gmem_tensor(ptrs[P_W], Int32, (L, N, nch, 4), 16)
-                mS = gmem_tensor(ptrs[P_S], Int32, (L, N, K // 128), 4)
-            elif cutlass.const_expr(fmt == "fp8_e4m3"):
-                mW = gmem_tensor(ptrs[P_W], DTYPE_MAP[fmt], (L, N, nch, EPL), 16)
-                mS = gmem_tensor(ptrs[P_S], Float32, (L, N // 128, K // 128), 4)
-            else:
-                mW = gmem_tensor(ptrs[P_W], DTYPE_MAP[fmt], (L, N, nch, EPL), 16)
-                mS = mW          # no scales: never read
             mCnt = gmem_tensor(ptrs[P_CNT], Int32, (L,), 4)
             mHits = gmem_tensor(ptrs[P_HITS], Int32, (L + 1,), 4)
             mTok = gmem_tensor(ptrs[P_TOK], Int32, (L, M), 4)
@@ -456,6 +486,7 @@ class ExpertsBlock(Block):
                 o1 = Float32(0.0)
                 for h in cutlass.range(n_hit, unroll=1):
                     le = mHits[1 + h]
+                    mW, mS = expert_views(ptrs, le)
                     n = mCnt[le]
                     for g0 in cutlass.range(0, n, GMAX, unroll=1):
                         ng = n - g0
@@ -472,18 +503,18 @@ class ExpertsBlock(Block):
                         acc.fill(0.0)
                         xl = [xr[g] for g in range(GMAX)]
                         if cutlass.const_expr(GMAX == 1):
-                            f1(mW, mS, mX, le, row, xl, acc)
+                            f1(mW, mS, mX, row, xl, acc)
                         else:
                             # the smallest variant that holds the group: batch 1 per expert (the
                             # common case) does no wasted math, 2..4 tokens at most 2x
                             if ng == 1:
-                                f1(mW, mS, mX, le, row, xl, acc)
+                                f1(mW, mS, mX, row, xl, acc)
                             elif ng == 2:
-                                f2(mW, mS, mX, le, row, xl, acc)
+                                f2(mW, mS, mX, row, xl, acc)
                             elif ng <= 4:
-                                f4(mW, mS, mX, le, row, xl, acc)
+                                f4(mW, mS, mX, row, xl, acc)
                             else:
-                                f8(mW, mS, mX, le, row, xl, acc)
+                                f8(mW, mS, mX, row, xl, acc)
                         for g in cutlass.range_constexpr(GMAX):
                             a = cute.arch.warp_reduction_sum(acc[0, g])
                             if cutlass.const_expr(gateup):

@@ -4,7 +4,7 @@ Every rank runs the SAME program (the rank is data: comm.params[0]) on its own M
 holds L = E / N routed experts (rank r: global experts [r*L, (r+1)*L)) plus a replicated shared
 expert. Per rank and step:
 
-    router.logits   RouterLogitsBlock       logits of this rank's tokens (all E experts)
+    router.logits   GemvBlock               logits of this rank's tokens (all E experts)
     router.select   RouterSelectBlock       topk_ids, topk_w [M, k] (its local table is unused)
     ep.dispatch     EPDispatchBlock         token rows -> the owners' recv_x, meta -> every rank,
                                             dispatch flags (tile = token x column chunk)
@@ -86,11 +86,11 @@ def blocks(cfg: EPMoEConfig) -> dict:
     b["gateup"] = ExpertsBlock(ExpertsConfig(stage="gateup", hidden=c.hidden, intermediate=c.intermediate,
                                              num_local=L, top_k=c.top_k, m=M, rows=N * M,
                                              weight_dtype=c.expert_dtype, swiglu_limit=c.swiglu_limit,
-                                             rows_per_tile=c.expert_rows, expected_hits=hits))
+                                             rows_per_tile=b["gateup"].config.rows_per_tile, expected_hits=hits))
     b["down"] = ExpertsBlock(ExpertsConfig(stage="down", hidden=c.hidden, intermediate=c.intermediate,
                                            num_local=L, top_k=c.top_k, m=M, rows=N * M, scatter=True,
                                            out_dtype=cfg.wire, weight_dtype=c.expert_dtype,
-                                           rows_per_tile=c.expert_rows, expected_hits=hits))
+                                           rows_per_tile=b["down"].config.rows_per_tile, expected_hits=hits))
     return b
 
 
@@ -125,7 +125,7 @@ def build_program(cfg: EPMoEConfig) -> tuple[Program, CommProgram]:
     dfl = comm.region("ep.dflags", (T, N), "int32", kind="flags", label="ep.table", what="EP dispatch wait")
     cfl = comm.region("ep.cflags", (T, N), "int32", kind="flags", label="ep.combine", what="EP combine")
 
-    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "logits": "logits"}, label="router.logits")
+    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "y": "logits"}, label="router.logits")
     sb = {"logits": "logits", "topk_ids": "topk_ids", "topk_w": "topk_w", "counts": "sel.counts",
           "hits": "sel.hits", "tok": "sel.tok", "slot": "sel.slot"}
     if c.correction_bias:

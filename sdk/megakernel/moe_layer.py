@@ -1,6 +1,6 @@
 """A full MoE layer (router -> routed experts -> combine, + shared expert) in ONE megakernel launch.
 
-    logits  = x @ W_router^T                                  RouterLogitsBlock  (E/8 tiles)
+    logits  = x @ W_router^T                                  GemvBlock (fp32 out; weights through the ring)
     select  : scores, bias, groups, top-k / hash, weights,    RouterSelectBlock  (1 tile)
               dispatch table of this rank's experts
     shared  : act_s = swiglu(x); shared = act_s @ W_down^T    GemvBlock x2       (dense, fp32 out)
@@ -29,12 +29,14 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..blocks.experts import ExpertsBlock, ExpertsConfig, dequant_experts, quantize_fp8_experts, quantize_mxfp4
+from ..blocks.experts import (ExpertsBlock, ExpertsConfig, balanced_rows, dequant_experts, quantize_fp8_experts,
+                              quantize_mxfp4)
 from ..blocks.gemv import GemvBlock, GemvConfig
-from ..blocks.router import RouterLogitsBlock, RouterLogitsConfig, RouterSelectBlock, RouterSelectConfig
+from ..blocks.router import RouterSelectBlock, RouterSelectConfig
 from ..reference.common import swiglu
 from ..reference.moe import route
 from ..spec import MoESpec
+from .mlp_stack import gemv_block
 from .program import Program
 
 
@@ -60,9 +62,10 @@ class MoELayerConfig:
     expert_dtype: str = "bf16"           # "bf16" | "fp8_e4m3" | "mxfp4"
     router_dtype: str = "fp32"           # "fp32" | "bf16"
     shared_dtype: str = "bf16"           # "bf16" | "fp8_e4m3" (GemvBlock's formats)
-    router_rows: int = 8
-    expert_rows: int = 8
-    shared_rows: int = 8
+    router_rows: int = 0                 # rows per tile of the router GEMV; 0 = balanced
+    expert_rows: int = 0                 # ... of the experts (one tile per SM where possible)
+    shared_rows: int = 0                 # ... of the shared expert's GEMVs
+    num_sms: int = 132                   # SMs the balanced tiles are cut for
 
     @property
     def local(self) -> int:
@@ -116,9 +119,13 @@ def preset(model: str, batch: int = 1, **overrides) -> MoELayerConfig:
 def blocks(cfg: MoELayerConfig) -> dict:
     d, m, L = cfg.hidden, cfg.batch, cfg.local
     hits = expected_hits(cfg)
+    er = {st: cfg.expert_rows or balanced_rows(cfg.intermediate if st == "gateup" else d, cfg.num_sms)
+          for st in ("gateup", "down")}
     out = {
-        "logits": RouterLogitsBlock(RouterLogitsConfig(num_experts=cfg.num_experts, hidden=d, m=m,
-                                                       weight_dtype=cfg.router_dtype, rows_per_tile=cfg.router_rows)),
+        # the router GEMV streams its (fp32 or bf16) weights through the smem ring: issued at the
+        # launch's start, before x is ready
+        "logits": gemv_block(GemvConfig(n=cfg.num_experts, k=d, m=m, weight_dtype=cfg.router_dtype,
+                                        out_dtype="fp32"), cfg.router_rows, cfg.num_sms),
         "select": RouterSelectBlock(RouterSelectConfig(
             num_experts=cfg.num_experts, top_k=cfg.top_k, m=m, scoring=cfg.scoring,
             correction_bias=cfg.correction_bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
@@ -126,20 +133,19 @@ def blocks(cfg: MoELayerConfig) -> dict:
             hash_routed=cfg.hash_routed, vocab=cfg.vocab, local_start=cfg.local_start, num_local=L)),
         "gateup": ExpertsBlock(ExpertsConfig(stage="gateup", hidden=d, intermediate=cfg.intermediate,
                                              num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
-                                             swiglu_limit=cfg.swiglu_limit, rows_per_tile=cfg.expert_rows,
+                                             swiglu_limit=cfg.swiglu_limit, rows_per_tile=er["gateup"],
                                              expected_hits=round(hits, 2))),
         "down": ExpertsBlock(ExpertsConfig(stage="down", hidden=d, intermediate=cfg.intermediate,
                                            num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
-                                           shared=bool(cfg.shared_intermediate), rows_per_tile=cfg.expert_rows,
+                                           shared=bool(cfg.shared_intermediate), rows_per_tile=er["down"],
                                            expected_hits=round(hits, 2))),
     }
     if cfg.shared_intermediate:
         s = cfg.shared_intermediate
-        out["shared_gateup"] = GemvBlock(GemvConfig(n=s, k=d, m=m, rows_per_tile=cfg.shared_rows,
-                                                    weight_dtype=cfg.shared_dtype, swiglu=True,
-                                                    swiglu_limit=cfg.swiglu_limit))
-        out["shared_down"] = GemvBlock(GemvConfig(n=d, k=s, m=m, rows_per_tile=cfg.shared_rows,
-                                                  weight_dtype=cfg.shared_dtype, out_dtype="fp32"))
+        out["shared_gateup"] = gemv_block(GemvConfig(n=s, k=d, m=m, weight_dtype=cfg.shared_dtype, swiglu=True,
+                                                     swiglu_limit=cfg.swiglu_limit), cfg.shared_rows, cfg.num_sms)
+        out["shared_down"] = gemv_block(GemvConfig(n=d, k=s, m=m, weight_dtype=cfg.shared_dtype, out_dtype="fp32"),
+                                        cfg.shared_rows, cfg.num_sms)
     return out
 
 
@@ -173,7 +179,7 @@ def build_program(cfg: MoELayerConfig) -> Program:
         prog.buffer(name, shape, dt)
     prog.buffer("out", (m, d), "bf16", "output")
 
-    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "logits": "logits"}, label="router.logits")
+    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "y": "logits"}, label="router.logits")
     sb = {"logits": "logits", "topk_ids": "topk_ids", "topk_w": "topk_w", "counts": "counts", "hits": "hits",
           "tok": "tok", "slot": "slot"}
     if cfg.correction_bias:

@@ -1,0 +1,35 @@
+"""bench/common.run_cases, the loop the attention benchmarks share, on CPU (CUDA calls stubbed):
+a failing case becomes an error record and does not lose the others, the JSON is rewritten
+after every case, and the summary table names every case."""
+import json
+
+import torch
+
+from bench import common
+
+
+def test_run_cases_records_errors_and_writes_json_after_each_case(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(common, "copy_bandwidth", lambda: {"copy": 4000.0, "read": 4400.0})
+    seen = []
+
+    def one(case, bw):
+        # the JSON on disk already holds every case before this one
+        seen.append(len(json.loads((tmp_path / "x.json").read_text())["cases"]) if seen else 0)
+        if case == 2:
+            raise RuntimeError("shape not supported")
+        return {"case": f"c{case}", "us": 10.0 * case, "gbs": bw / 2, "fraction_of_floor": 0.5,
+                "torch_graph_us": 20.0, "speedup_vs_torch_graph": 2.0, "rel_err": 1e-3}
+
+    res = common.run_cases("x.json", [1, 2, 3], one, lambda c: f"c{c}", str(tmp_path), case_width=10)
+    assert seen == [0, 1, 2]
+    assert [r["case"] for r in res["cases"]] == ["c1", "c2", "c3"]
+    assert res["cases"][1]["error"] == "RuntimeError: shape not supported"
+    assert res["copy_bandwidth_gbs"]["copy"] == 4000.0 and res["gpu"] == "fake GPU"
+    on_disk = json.loads((tmp_path / "x.json").read_text())
+    assert on_disk["cases"] == res["cases"]
+    out = capsys.readouterr().out
+    assert "copy bandwidth 4000 GB/s (read-only 4400 GB/s)" in out
+    assert "c2         ERROR RuntimeError: shape not supported" in out
+    assert out.count("c3") >= 2     # its JSON line and its table row

@@ -87,13 +87,23 @@ def cmd_compile_check(args) -> int:
     return 1 if bad else 0
 
 
+BENCHES = ("megakernel", "moe", "kda", "mla", "dsv4", "indexer", "allreduce", "ep")
+
+
 def cmd_bench(args) -> int:
+    """`megakernel bench [NAME] [--out DIR] [--quick]`: bench/NAME_bench.py (default: megakernel)."""
+    import importlib
+    rest = list(args.rest)
+    name = rest.pop(0) if rest and not rest[0].startswith("-") else "megakernel"
+    if name not in BENCHES:
+        print(f"megakernel bench: unknown benchmark {name!r}; one of: {', '.join(BENCHES)}", file=sys.stderr)
+        return 2
     try:
-        from bench.megakernel_bench import main as bench_main
+        mod = importlib.import_module(f"bench.{name}_bench")
     except ImportError:
-        print("megakernel bench runs from the source tree (the bench/ folder) on a CUDA GPU")
+        print("megakernel bench runs from the source tree (the bench/ folder) on a CUDA GPU", file=sys.stderr)
         return 1
-    bench_main(args.rest)
+    mod.main(rest)
     return 0
 
 
@@ -150,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", default="sm_90a,sm_100a,sm_103a")
     c.set_defaults(fn=cmd_compile_check)
 
-    b = sub.add_parser("bench", help="GPU benchmarks (writes bench/results/<gpu>/*.json)")
+    b = sub.add_parser("bench", help="GPU benchmarks: [NAME] [--out DIR] [--quick]; NAME one of "
+                                     + ", ".join(BENCHES) + " (JSON into bench/results/<gpu>/)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 

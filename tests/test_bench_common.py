@@ -33,3 +33,15 @@ def test_run_cases_records_errors_and_writes_json_after_each_case(tmp_path, monk
     assert "copy bandwidth 4000 GB/s (read-only 4400 GB/s)" in out
     assert "c2         ERROR RuntimeError: shape not supported" in out
     assert out.count("c3") >= 2     # its JSON line and its table row
+
+
+def test_cli_bench_names_every_benchmark_and_refuses_unknown(capsys):
+    """`megakernel bench NAME` runs bench/NAME_bench.py: every listed name has one (importable
+    without CUDA, with a main), and an unknown name is a clear error, not a traceback."""
+    import importlib
+
+    from sdk.cli import BENCHES, main
+    for name in BENCHES:
+        assert callable(importlib.import_module(f"bench.{name}_bench").main)
+    assert main(["bench", "nosuch"]) == 2
+    assert "unknown benchmark 'nosuch'; one of: megakernel, moe" in capsys.readouterr().err

@@ -5,6 +5,9 @@ only inside functions that build device code (never at `import sdk`).
   raw int64 device address (operand-table entries are raw addresses).
 - `smem_tensor(addr, dtype, shape)`: the same over a shared-memory address (ring stages).
 - `block_sum(value, scratch)`, `block_sum_multi(values, scratch)`: fp32 sums over the CTA.
+- `bounded_wait(...)`: the one spin-wait of every block and the megakernel: acquire polls bounded by
+  globaltimer, ending in the error word instead of a hang.
+- `peer_wait(...)`: bounded_wait on a flag a peer rank raises (all-reduce, EP).
 - `producer_slot()`: this thread's index among the threads that issue the ring's copies (-1: none).
 - `stream_tile(...)`: one tile of a streaming block through the smem ring (the chunk loop shared
   by the megakernel and the standalone kernel).
@@ -19,6 +22,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
+from .allreduce import ERR_PEER_TIMEOUT
 from .base import NUM_THREADS, PRODUCER_FIRST, SCRATCH_WORDS, ring_geometry
 
 DTYPE_MAP = {
@@ -95,6 +99,43 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
         cseq = cseq + 1
     faces.end(ptrs, t, st, scratch)
     return cseq, p0, p1, p2
+
+
+@cute.jit
+def bounded_wait(ptr, target: Int32, ebase, timeout_ns: Int64, code: cutlass.Constexpr, scope: cutlass.Constexpr,
+                 info) -> Int32:
+    """One thread: spin until the int32 at `ptr` >= target (acquire loads at `scope`: "gpu" for
+    counters of this launch, "sys" for flags peers write), bounded by `timeout_ns` of globaltimer.
+    Returns 1 when met, 0 when it gave up: another CTA had set the error word `ebase`, or the
+    timeout expired - then, if the word was still zero, this thread claims it with `code` and
+    writes `info` (7 values; None stands for the value last seen) into words 1..7."""
+    status = Int32(1)
+    v = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
+    if v < target:
+        t0 = cute.arch.globaltimer()
+        while v < target and status == 1:
+            v = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
+            if v < target:
+                if cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu") != 0:
+                    status = Int32(0)
+                if cute.arch.globaltimer() - t0 > timeout_ns:
+                    status = Int32(0)
+                    old = cute.arch.atomic_cas(ebase, cmp=Int32(0), val=Int32(code), sem="relaxed", scope="gpu")
+                    if old == 0:
+                        for j, val in enumerate(info):
+                            cute.arch.store(ebase + (j + 1), Int32(v if val is None else val), sem="relaxed",
+                                            scope="gpu")
+    return status
+
+
+@cute.jit
+def peer_wait(fbase, idx: Int32, e: Int32, timeout_ns: Int64, ebase, t: Int32, flag_id: Int32,
+              N: cutlass.Constexpr) -> Int32:
+    """`bounded_wait` for flags[idx] >= e that a peer rank raises (system scope; flags [tiles, N]:
+    the rank is idx % N). On timeout the error word reads [ERR_PEER_TIMEOUT, tile, flag id, SM,
+    seen, wanted, rank, wanted] (sdk/comm/runtime.py decodes it)."""
+    sm, _, _ = cute.arch.block_idx()
+    return bounded_wait(fbase + idx, e, ebase, timeout_ns, ERR_PEER_TIMEOUT, "sys", (t, flag_id, sm, None, e, idx % N, e))
 
 
 @cute.jit

@@ -13,8 +13,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from ._cute import DTYPE_MAP, gmem_tensor
-from .allreduce import ERR_PEER_TIMEOUT, PARAMS_WORDS
+from ._cute import DTYPE_MAP, gmem_tensor, peer_wait
+from .allreduce import PARAMS_WORDS
 from .base import NUM_THREADS, SCRATCH_WORDS
 
 _ST = SCRATCH_WORDS - 1          # scratch word: "every poll of the tile succeeded"
@@ -30,33 +30,6 @@ def build(block):
     if isinstance(block, EPCombineBlock):
         return _combine(block)
     raise TypeError(type(block).__name__)
-
-
-def _poll(N: int):
-    @cute.jit
-    def poll(fbase, idx: Int32, e: Int32, tmo: Int64, ebase, t: Int32, flag_id: Int32) -> Int32:
-        """One thread: bounded spin until flags[idx] >= e (flags [tiles, N]: the rank is idx % N).
-        1 = arrived, 0 = gave up (timeout: claims the error word; or another CTA already did)."""
-        status = Int32(1)
-        v = cute.arch.load(fbase + idx, Int32, sem="acquire", scope="sys")
-        if v < e:
-            t0 = cute.arch.globaltimer()
-            while v < e and status == 1:
-                v = cute.arch.load(fbase + idx, Int32, sem="acquire", scope="sys")
-                if v < e:
-                    if cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu") != 0:
-                        status = Int32(0)
-                    if cute.arch.globaltimer() - t0 > tmo:
-                        status = Int32(0)
-                        old = cute.arch.atomic_cas(ebase, cmp=Int32(0), val=Int32(ERR_PEER_TIMEOUT),
-                                                   sem="relaxed", scope="gpu")
-                        if old == 0:
-                            sm, _, _ = cute.arch.block_idx()
-                            for j, val in ((1, t), (2, flag_id), (3, sm), (4, v), (5, e), (6, idx % N), (7, e)):
-                                cute.arch.store(ebase + j, Int32(val), sem="relaxed", scope="gpu")
-        return status
-
-    return poll
 
 
 def _common(block):
@@ -129,7 +102,6 @@ def _table(b):
     NF = b.dispatch_tiles * N           # flags to poll
     NA = N * M * K                      # metadata entries
     NW = NT // 32
-    poll = _poll(N)
 
     @cute.jit
     def tile(ptrs, t: Int32, scratch):
@@ -151,7 +123,7 @@ def _table(b):
         st = Int32(1)
         for i in cutlass.range(tid, NF, NT, unroll=1):
             if st == 1:
-                st = poll(fbase, i, e, tmo, ebase, t, flag_id)
+                st = peer_wait(fbase, i, e, tmo, ebase, t, flag_id, N)
         if st == 0:
             scratch[_ST] = Float32(0.0)
         cute.arch.sync_threads()
@@ -205,7 +177,6 @@ def _combine(b):
     wdt = DTYPE_MAP[c.wire]
     odt = DTYPE_MAP[c.out_dtype]
     has_shared = c.shared
-    poll = _poll(N)
 
     @cute.jit
     def tile(ptrs, t: Int32, scratch):
@@ -239,7 +210,7 @@ def _combine(b):
         if tid < N:
             faddr = ptrs[ix["cflags_self"]]
             fbase = cute.make_ptr(Int32, faddr, cute.AddressSpace.gmem, assumed_align=4)
-            if poll(fbase, t * N + tid, e, tmo, ebase, t, Int32(faddr % Int64(1 << 31))) == 0:
+            if peer_wait(fbase, t * N + tid, e, tmo, ebase, t, Int32(faddr % Int64(1 << 31)), N) == 0:
                 scratch[_ST] = Float32(0.0)
         cute.arch.sync_threads()
         if scratch[_ST] > Float32(0.5):

@@ -322,7 +322,7 @@ class AllReduceBlock(Block):
         import cutlass.cute as cute
         from cutlass import BFloat16, Float32, Int32, Int64
 
-        from ._cute import DTYPE_MAP, block_sum, gmem_tensor
+        from ._cute import DTYPE_MAP, block_sum, gmem_tensor, peer_wait
 
         c = self.config
         N, M, D = c.ranks, c.m, c.d
@@ -345,29 +345,6 @@ class AllReduceBlock(Block):
             return -(-n4 // NT)
 
         @cute.jit
-        def poll(fbase, idx: Int32, e: Int32, tmo: Int64, ebase, t: Int32, flag_id: Int32) -> Int32:
-            """One thread: bounded spin until flags[idx] >= e. 1 = arrived, 0 = gave up."""
-            status = Int32(1)
-            v = cute.arch.load(fbase + idx, Int32, sem="acquire", scope="sys")
-            if v < e:
-                t0 = cute.arch.globaltimer()
-                while v < e and status == 1:
-                    v = cute.arch.load(fbase + idx, Int32, sem="acquire", scope="sys")
-                    if v < e:
-                        if cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu") != 0:
-                            status = Int32(0)
-                        if cute.arch.globaltimer() - t0 > tmo:
-                            status = Int32(0)
-                            old = cute.arch.atomic_cas(ebase, cmp=Int32(0), val=Int32(ERR_PEER_TIMEOUT),
-                                                       sem="relaxed", scope="gpu")
-                            if old == 0:
-                                sm, _, _ = cute.arch.block_idx()
-                                for j, val in ((1, t), (2, flag_id), (3, sm), (4, v), (5, e),
-                                               (6, idx % N), (7, e)):
-                                    cute.arch.store(ebase + j, Int32(val), sem="relaxed", scope="gpu")
-            return status
-
-        @cute.jit
         def wait_flags(faddr, first: Int32, count: cutlass.Constexpr, e: Int32, tmo: Int64, ebase,
                        t: Int32, scratch):
             """Threads tid < count wait for flags[first + tid] >= e in parallel (one L2 round trip
@@ -379,7 +356,7 @@ class AllReduceBlock(Block):
             if tid < count:
                 fbase = cute.make_ptr(Int32, faddr, cute.AddressSpace.gmem, assumed_align=4)
                 flag_id = Int32(faddr % Int64(1 << 31))
-                st = poll(fbase, first + tid, e, tmo, ebase, t, flag_id)
+                st = peer_wait(fbase, first + tid, e, tmo, ebase, t, flag_id, N)
                 if st == 0:
                     scratch[_ST] = Float32(0.0)
             cute.arch.sync_threads()

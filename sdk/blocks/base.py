@@ -67,6 +67,8 @@ STATS_OFFSET = 8 * 64
 # small static allocations): the weight ring takes what the staged activations leave.
 SMEM_BUDGET = 220 * 1024
 MAX_STAGES = 16
+# Largest operand (in elements) that 32-bit offsets address (see Block.wide_operands).
+INDEX_LIMIT = 2 ** 31 - 1
 # Threads that issue the weight ring's cp.async copies: all but warp 0 (see the module docstring).
 PRODUCER_FIRST = 32
 PRODUCER_THREADS = NUM_THREADS - PRODUCER_FIRST
@@ -133,12 +135,16 @@ class Block:
 
     name: ClassVar[str] = ""
     Config: ClassVar[type] = object
+    # operands whose device code computes 64-bit offsets itself (e.g. the experts' weights, one
+    # base per expert); every other operand is indexed with 32-bit element offsets
+    wide_operands: ClassVar[tuple] = ()
 
     def __init__(self, config):
         if not isinstance(config, self.Config):
             raise TypeError(f"{type(self).__name__} takes a {self.Config.__name__}, got {type(config).__name__}")
         self.config = config
         self.check()
+        self._check_index_range()
         self._device_tile = None
         self._device_stream = None
 
@@ -161,6 +167,18 @@ class Block:
 
     def operand_specs(self) -> list[OperandSpec]:
         raise NotImplementedError
+
+    def _check_index_range(self) -> None:
+        """A clear error instead of an illegal address: 32-bit element offsets overflow past
+        2^31 - 1 elements (a real Kimi K3 expert shard in bf16 is 2.5e9)."""
+        for spec in self.operand_specs():
+            n = 1
+            for d in spec.shape:
+                n *= d
+            if n > INDEX_LIMIT and spec.name not in self.wide_operands:
+                self.unsupported(f"{type(self).__name__}: operand {spec.name} {list(spec.shape)} has {n} elements; "
+                                 f"its device code indexes it with 32-bit offsets (at most {INDEX_LIMIT}): "
+                                 f"use a smaller shard or pool")
 
     def operands(self) -> list[str]:
         return [o.name for o in self.operand_specs()]

@@ -143,6 +143,7 @@ def dequant_experts(w: torch.Tensor, scale: torch.Tensor | None, fmt: str) -> to
 class ExpertsBlock(Block):
     name = "experts"
     Config = ExpertsConfig
+    wide_operands = ("w", "w_scale")    # addressed per expert from a 64-bit base (expert_views)
 
     @property
     def n_rows(self) -> int:             # N of one expert's weight (rows streamed)

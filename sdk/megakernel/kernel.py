@@ -42,7 +42,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..blocks._cute import gmem_tensor, smem_tensor, stream_tile
+from ..blocks._cute import bounded_wait, gmem_tensor, smem_tensor, stream_tile
 from ..blocks.base import NUM_THREADS, SCRATCH_WORDS, ring_geometry
 from ..errors import UnsupportedConfigError
 from . import isa
@@ -75,28 +75,6 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
     NOPS, rec_bytes = records_geometry(blocks, max_len)
     stage_bytes, P, xbytes = ring_geometry(blocks, reserved=rec_bytes)
     NT = NUM_THREADS
-
-    @cute.jit
-    def wait_counter(cbase, ctr: Int32, target: Int32, ebase, timeout_ns: Int64, sm: Int32,
-                     idx: Int32, op: Int32, epoch: Int32) -> Int32:
-        """Thread 0 only. 1 when counter >= target, 0 on timeout or when another CTA failed."""
-        status = Int32(1)
-        v = cute.arch.load(cbase + ctr, Int32, sem="acquire", scope="gpu")
-        if v < target:
-            t0 = cute.arch.globaltimer()
-            while v < target and status == 1:
-                v = cute.arch.load(cbase + ctr, Int32, sem="acquire", scope="gpu")
-                if v < target:
-                    if cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu") != 0:
-                        status = Int32(0)
-                    if cute.arch.globaltimer() - t0 > timeout_ns:
-                        status = Int32(0)
-                        old = cute.arch.atomic_cas(ebase, cmp=Int32(0), val=Int32(isa.ERR_TIMEOUT),
-                                                   sem="relaxed", scope="gpu")
-                        if old == 0:
-                            for j, val in ((1, ctr), (2, idx), (3, sm), (4, v), (5, target), (6, op), (7, epoch)):
-                                cute.arch.store(ebase + j, Int32(val), sem="relaxed", scope="gpu")
-        return status
 
     @cute.jit
     def chunks_of(op: Int32) -> Int32:
@@ -219,7 +197,8 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
                     target = sW[i, ew] * epoch
                     # counters only grow: a (counter, target) met before is still met
                     if (c >= 0) & (st == 1) & ((c != last_c) | (target > last_t)):
-                        st = wait_counter(cbase, c, target, ebase, timeout_ns, sm, i, op, epoch)
+                        st = bounded_wait(cbase + c, target, ebase, timeout_ns, isa.ERR_TIMEOUT, "gpu",
+                                          (c, i, sm, None, target, op, epoch))
                         last_c, last_t = c, target
                 flags[0] = st
                 if cutlass.const_expr(timing):

@@ -1,1 +1,0 @@
-raise RuntimeError("this plugin is broken on purpose")

@@ -8,6 +8,7 @@ only inside functions that build device code (never at `import sdk`).
 - `bounded_wait(...)`: the one spin-wait of every block and the megakernel: acquire polls bounded by
   globaltimer, ending in the error word instead of a hang.
 - `peer_wait(...)`: bounded_wait on a flag a peer rank raises (all-reduce, EP).
+- `write_hit_list(...)`: the ascending list of experts with tokens, from their counts (router, EP).
 - `producer_slot()`: this thread's index among the threads that issue the ring's copies (-1: none).
 - `stream_tile(...)`: one tile of a streaming block through the smem ring (the chunk loop shared
   by the megakernel and the standalone kernel).
@@ -136,6 +137,36 @@ def peer_wait(fbase, idx: Int32, e: Int32, timeout_ns: Int64, ebase, t: Int32, f
     seen, wanted, rank, wanted] (sdk/comm/runtime.py decodes it)."""
     sm, _, _ = cute.arch.block_idx()
     return bounded_wait(fbase + idx, e, ebase, timeout_ns, ERR_PEER_TIMEOUT, "sys", (t, flag_id, sm, None, e, idx % N, e))
+
+
+@cute.jit
+def write_hit_list(cnt, mHits, L: cutlass.Constexpr, scratch):
+    """All threads, after a barrier that follows the last update of the L expert counts at `cnt`
+    (int32, global): hits[0] = H, the number of experts with a non-zero count, and hits[1..H]
+    their indices ascending (a warp ballot per 32 experts + popc prefix; L <= NUM_THREADS).
+    Uses scratch[0:NUM_THREADS // 32] and ends with a barrier."""
+    tid, _, _ = cute.arch.thread_idx()
+    lane = tid % 32
+    warp = tid // 32
+    n_hit = Int32(0)
+    if tid < L:
+        n_hit = cute.arch.load(cnt + tid, Int32, sem="relaxed", scope="gpu")
+    hit = n_hit > 0
+    ballot = cute.arch.vote_ballot_sync(hit)
+    if lane == 0:
+        scratch[warp] = Float32(cute.arch.popc(ballot))
+    cute.arch.sync_threads()
+    before = Int32(0)
+    total = Int32(0)
+    for w in cutlass.range_constexpr(NUM_THREADS // 32):
+        n = Int32(scratch[w])
+        before = before + Int32(cutlass.select_(w < warp, n, Int32(0)))
+        total = total + n
+    if hit:
+        mHits[1 + before + cute.arch.popc(ballot & cute.arch.lanemask_lt())] = tid
+    if tid == 0:
+        mHits[0] = total
+    cute.arch.sync_threads()
 
 
 @cute.jit

@@ -13,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from ._cute import DTYPE_MAP, gmem_tensor, peer_wait
+from ._cute import DTYPE_MAP, gmem_tensor, peer_wait, write_hit_list
 from .allreduce import PARAMS_WORDS
 from .base import NUM_THREADS, SCRATCH_WORDS
 
@@ -101,13 +101,10 @@ def _table(b):
     c, ix, N, M, D, K, L = _common(b)
     NF = b.dispatch_tiles * N           # flags to poll
     NA = N * M * K                      # metadata entries
-    NW = NT // 32
 
     @cute.jit
     def tile(ptrs, t: Int32, scratch):
         tid, _, _ = cute.arch.thread_idx()
-        lane = tid % 32
-        warp = tid // 32
         mPar = gmem_tensor(ptrs[ix["params"]], Int32, (PARAMS_WORDS,), 4)
         mSt = gmem_tensor(ptrs[ix["state"]], Int32, (1,), 4)
         e = mSt[0] + 1
@@ -145,27 +142,10 @@ def _table(b):
                     mTok[le, pos] = a // K
                     mSlot[le, pos] = a
             cute.arch.sync_threads()
-            # hit list: local experts with assignments, ascending (ballot + popc prefix)
-            n_hit = Int32(0)
-            if tid < L:
-                n_hit = cute.arch.load(cnt + tid, Int32, sem="relaxed", scope="gpu")
-            hit = n_hit > 0
-            ballot = cute.arch.vote_ballot_sync(hit)
-            if lane == 0:
-                scratch[warp] = Float32(cute.arch.popc(ballot))
-            cute.arch.sync_threads()
-            before = Int32(0)
-            total = Int32(0)
-            for w in cutlass.range_constexpr(NW):
-                n = Int32(scratch[w])
-                before = before + Int32(cutlass.select_(w < warp, n, Int32(0)))
-                total = total + n
-            if hit:
-                mHits[1 + before + cute.arch.popc(ballot & cute.arch.lanemask_lt())] = tid
+            # hit list: local experts with assignments, ascending
+            write_hit_list(cnt, mHits, L, scratch)
             if tid == 0:
-                mHits[0] = total
                 mSt[0] = e
-            cute.arch.sync_threads()
 
     return tile
 

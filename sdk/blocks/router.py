@@ -300,7 +300,7 @@ class RouterSelectBlock(Block):
         import cutlass.cute as cute
         from cutlass import Float32, Int32
 
-        from ._cute import gmem_tensor
+        from ._cute import gmem_tensor, write_hit_list
 
         c = self.config
         E, M, K = c.num_experts, c.m, c.top_k
@@ -458,25 +458,7 @@ class RouterSelectBlock(Block):
                         mTok[le, pos] = m
                         mSlot[le, pos] = m * K + lane
             cute.arch.sync_threads()
-            # 3. hit list: local experts with tokens, ascending (ballot + popc prefix)
-            n_hit = Int32(0)
-            if tid < L:
-                n_hit = cute.arch.load(cnt + tid, Int32, sem="relaxed", scope="gpu")
-            hit = n_hit > 0
-            ballot = cute.arch.vote_ballot_sync(hit)
-            if lane == 0:
-                scratch[warp] = Float32(cute.arch.popc(ballot))
-            cute.arch.sync_threads()
-            before = Int32(0)
-            total = Int32(0)
-            for w in cutlass.range_constexpr(NW):
-                n = Int32(scratch[w])
-                before = before + sel_i(w < warp, n, Int32(0))
-                total = total + n
-            if hit:
-                mHits[1 + before + cute.arch.popc(ballot & cute.arch.lanemask_lt())] = tid
-            if tid == 0:
-                mHits[0] = total
-            cute.arch.sync_threads()
+            # 3. hit list: local experts with tokens, ascending
+            write_hit_list(cnt, mHits, L, scratch)
 
         return tile

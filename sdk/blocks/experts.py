@@ -412,13 +412,15 @@ class ExpertsBlock(Block):
                 wf = cute.make_rmem_tensor((EPL,), Float32)
                 for it in cutlass.range(n_main):
                     ch0 = it * (32 * U) + cute.arch.lane_idx()
+                    # every load of the step first - weights, then their scales - so they are in
+                    # flight together; a scale load next to its use is a round trip per chunk
                     wl = [[load_w(mW, n0 + i * I, ch0 + 32 * u) for u in range(U)] for i in range(nw)]
+                    scl = [[chunk_scale(mS, n0 + i * I, ch0 + 32 * u) for u in range(U)] for i in range(nw)]
                     for i in cutlass.range_constexpr(nw):
                         for u in cutlass.range_constexpr(U):
-                            sc = chunk_scale(mS, n0 + i * I, ch0 + 32 * u)
                             decode(wl[i][u], wf)
                             for g in cutlass.range_constexpr(G):
-                                acc[i, g] = acc[i, g] + sc * dot(wf, mX, xr_list[g], ch0 + 32 * u)
+                                acc[i, g] = acc[i, g] + scl[i][u] * dot(wf, mX, xr_list[g], ch0 + 32 * u)
                 for u in cutlass.range_constexpr(n_tail):
                     ch = n_main * (32 * U) + 32 * u + cute.arch.lane_idx()
                     if ch < nch:

@@ -387,11 +387,16 @@ class RouterSelectBlock(Block):
                     if lane < K:
                         my_e = mT[mIn[m], lane]
                 else:
+                    if cutlass.const_expr(has_bias):
+                        # all NE bias loads in flight at once (ch holds them until the scores are
+                        # known); a load next to its use is a round trip per expert group of 32
+                        mB = gmem_tensor(ptrs[1], Float32, (E,), 4)
+                        for i in cutlass.range_constexpr(NE):
+                            ch[i] = mB[i * 32 + lane]
                     for i in cutlass.range_constexpr(NE):
                         v = score_of(sc[i], mx, inv_sum)
                         if cutlass.const_expr(has_bias):
-                            mB = gmem_tensor(ptrs[1], Float32, (E,), 4)
-                            v = v + mB[i * 32 + lane]
+                            v = v + ch[i]
                         ch[i] = v
                     if cutlass.const_expr(grouped):
                         # group score = sum of its two best choices; keep the topk_group best groups

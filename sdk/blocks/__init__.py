@@ -11,13 +11,13 @@ def builtin_blocks() -> list[type]:
     from .rmsnorm import RMSNormBlock
     from .kda import KDABlock
     from .experts import ExpertsBlock
-    from .router import RouterLogitsBlock, RouterSelectBlock
+    from .router import RouterSelectBlock
     from .mla_decode import MLACombineBlock, MLADecodeBlock, MLAHeadProjBlock
     from .mhc import MHCMixBlock, MHCPostBlock, MHCPreBlock
     from .dsv4_attention import DSV4CombineBlock, DSV4DecodeBlock
     from .indexer import IndexScoreBlock, TopKBlock
     from .ep import EPCombineBlock, EPDispatchBlock, EPTableBlock
-    return [RMSNormBlock, GemvBlock, KDABlock, RouterLogitsBlock, RouterSelectBlock, ExpertsBlock,
+    return [RMSNormBlock, GemvBlock, KDABlock, RouterSelectBlock, ExpertsBlock,
             MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock, MHCMixBlock, MHCPreBlock, MHCPostBlock,
             DSV4DecodeBlock, DSV4CombineBlock, IndexScoreBlock, TopKBlock, EPDispatchBlock, EPTableBlock,
             EPCombineBlock]

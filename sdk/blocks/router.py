@@ -1,12 +1,7 @@
-"""MoE router blocks: the gate GEMV (`RouterLogitsBlock`) and the selection + dispatch table
-(`RouterSelectBlock`). Two blocks because the gate GEMV is wide (Kimi K3: 896 x 7168 fp32 =
-25.7 MB, ~6 us of bandwidth: it must spread over many SMs) while the selection is a few
-microseconds of register work over all tokens in one CTA.
-
-RouterLogitsBlock:  logits[m, e] = sum_k x[m, k] * W[e, k]   (W fp32 or bf16, x bf16, fp32 out)
-    A tile is `rows_per_tile` experts over the full hidden size; each warp owns one row at a time
-    (16-byte vector loads, fp32 accumulation, warp-shuffle reduction), like `GemvBlock`, which
-    has no fp32-weight path (Kimi K3's router is fp32).
+"""The MoE router's selection and dispatch table (`RouterSelectBlock`). The gate GEMV before it
+(logits = x @ W_router^T, W fp32 or bf16, fp32 out) is a `GemvBlock`: wide (Kimi K3: 896 x 7168
+fp32 = 25.7 MB, ~6 us of bandwidth), it spreads over all SMs and streams through the
+megakernel's smem ring; the selection is a few microseconds of register work in one CTA.
 
 RouterSelectBlock (one tile) per token, in the order of `sdk/reference/moe.py:route()`:
     scores  = sigmoid | softmax | sqrt(softplus) of the logits
@@ -50,116 +45,6 @@ import torch.nn.functional as F
 from .base import NUM_THREADS, Block, Cost, OperandSpec
 
 SCORING = ("sigmoid", "softmax", "sqrtsoftplus")
-
-
-@dataclass(frozen=True)
-class RouterLogitsConfig:
-    num_experts: int
-    hidden: int
-    m: int = 1
-    weight_dtype: str = "fp32"           # "fp32" | "bf16"
-    rows_per_tile: int = 8
-    unroll: int = 4                      # 16-byte loads per lane in flight per row
-
-
-class RouterLogitsBlock(Block):
-    name = "router_logits"
-    Config = RouterLogitsConfig
-
-    @property
-    def elems_per_load(self) -> int:
-        return 4 if self.config.weight_dtype == "fp32" else 8
-
-    def check(self):
-        c = self.config
-        if c.weight_dtype not in ("fp32", "bf16"):
-            self.unsupported(f"router_logits: weight dtype {c.weight_dtype!r} (supported: fp32, bf16)")
-        if not 1 <= c.m <= 64:
-            self.unsupported(f"router_logits: m={c.m} tokens (supported: 1..64)")
-        if c.hidden % (self.elems_per_load * 32):
-            self.unsupported(f"router_logits: hidden={c.hidden} must be a multiple of {self.elems_per_load * 32}")
-        if c.num_experts % c.rows_per_tile or c.rows_per_tile % (NUM_THREADS // 32):
-            self.unsupported(f"router_logits: {c.num_experts} experts, rows_per_tile={c.rows_per_tile}: "
-                             f"rows must divide the experts and be a multiple of {NUM_THREADS // 32}")
-
-    def operand_specs(self):
-        c = self.config
-        return [OperandSpec("w", (c.num_experts, c.hidden), c.weight_dtype),
-                OperandSpec("x", (c.m, c.hidden), "bf16"),
-                OperandSpec("logits", (c.m, c.num_experts), "fp32", output=True)]
-
-    def num_tiles(self) -> int:
-        return self.config.num_experts // self.config.rows_per_tile
-
-    def cost(self) -> Cost:
-        c = self.config
-        wb = 4 if c.weight_dtype == "fp32" else 2
-        r = c.rows_per_tile
-        return Cost(bytes=r * c.hidden * wb + c.m * c.hidden * 2 + c.m * r * 4, flops=2 * r * c.hidden * c.m)
-
-    def weight_bytes(self) -> int:
-        c = self.config
-        return c.num_experts * c.hidden * (4 if c.weight_dtype == "fp32" else 2)
-
-    def reference(self, **t):
-        return {"logits": t["x"].float() @ t["w"].float().T}
-
-    def emulate_tile(self, t, tile):
-        r = slice(tile * self.config.rows_per_tile, (tile + 1) * self.config.rows_per_tile)
-        t["logits"][:, r] = t["x"].float() @ t["w"][r].float().T
-
-    def _build_device_tile(self):
-        import cutlass
-        import cutlass.cute as cute
-        from cutlass import Float32, Int32
-
-        from ._cute import DTYPE_MAP, gmem_tensor
-
-        c = self.config
-        E = self.elems_per_load
-        U = c.unroll
-        nch = c.hidden // (E * 32)               # loads per lane per row
-        n_main, tail = nch // U, nch % U
-        R, NW, M, K = c.rows_per_tile, NUM_THREADS // 32, c.m, c.hidden
-        MG = min(M, 8)
-        wdt = DTYPE_MAP[c.weight_dtype]
-        xal = 2 * E                              # bytes of one x chunk (E bf16)
-
-        @cute.jit
-        def tile(ptrs, t: Int32, scratch):
-            tid, _, _ = cute.arch.thread_idx()
-            lane = tid % 32
-            warp = tid // 32
-            mW = gmem_tensor(ptrs[0], wdt, (c.num_experts, K // E, E), 16)
-            mX = gmem_tensor(ptrs[1], cutlass.BFloat16, (M, K // E, E), xal)
-            mY = gmem_tensor(ptrs[2], Float32, (M, c.num_experts), 4)
-            acc = cute.make_rmem_tensor((MG,), Float32)
-            for g in cutlass.range((M + MG - 1) // MG, unroll=1):
-                for r in cutlass.range(warp, R, NW):
-                    row = t * R + r
-                    acc.fill(0.0)
-                    for it in cutlass.range(n_main):
-                        ch0 = it * (32 * U) + lane
-                        wl = [mW[row, ch0 + 32 * u, None].load() for u in range(U)]
-                        for u in cutlass.range_constexpr(U):
-                            wf = wl[u].to(Float32)
-                            for mm in cutlass.range_constexpr(MG):
-                                if g * MG + mm < M:
-                                    xv = mX[g * MG + mm, ch0 + 32 * u, None].load().to(Float32)
-                                    acc[mm] = acc[mm] + (wf * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    for u in cutlass.range_constexpr(tail):
-                        ch = n_main * (32 * U) + 32 * u + lane
-                        wf = mW[row, ch, None].load().to(Float32)
-                        for mm in cutlass.range_constexpr(MG):
-                            if g * MG + mm < M:
-                                xv = mX[g * MG + mm, ch, None].load().to(Float32)
-                                acc[mm] = acc[mm] + (wf * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    for mm in cutlass.range_constexpr(MG):
-                        a = cute.arch.warp_reduction_sum(acc[mm])
-                        if (lane == 0) & (g * MG + mm < M):
-                            mY[g * MG + mm, row] = a
-
-        return tile
 
 
 @dataclass(frozen=True)

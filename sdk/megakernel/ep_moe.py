@@ -102,15 +102,7 @@ def build_program(cfg: EPMoEConfig) -> tuple[Program, CommProgram]:
     T = b["dispatch"].num_tiles()
     prog = Program()
     comm = CommProgram(prog, N)
-    prog.buffer("x", (M, D), "bf16", "input")
-    prog.buffer("router.weight", (E, D), c.router_dtype, "weight")
-    if c.correction_bias:
-        prog.buffer("router.bias", (E,), "fp32", "weight")
-    if c.hash_routed:
-        prog.buffer("input_ids", (M,), "int32", "input")
-        prog.buffer("router.tid2eid", (c.vocab, k), "int32", "weight")
-    moe_layer._expert_buffers(prog, "experts.gate_up", (L, 2 * I, D), c.expert_dtype)
-    moe_layer._expert_buffers(prog, "experts.down", (L, D, I), c.expert_dtype)
+    moe_layer.add_inputs_and_weights(prog, c, M, L)
     for name, shape, dt in (("logits", (M, E), "fp32"), ("topk_ids", (M, k), "int32"), ("topk_w", (M, k), "fp32"),
                             ("sel.counts", (L,), "int32"), ("sel.hits", (L + 1,), "int32"),
                             ("sel.tok", (L, M), "int32"), ("sel.slot", (L, M), "int32"),
@@ -125,14 +117,8 @@ def build_program(cfg: EPMoEConfig) -> tuple[Program, CommProgram]:
     dfl = comm.region("ep.dflags", (T, N), "int32", kind="flags", label="ep.table", what="EP dispatch wait")
     cfl = comm.region("ep.cflags", (T, N), "int32", kind="flags", label="ep.combine", what="EP combine")
 
-    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "y": "logits"}, label="router.logits")
-    sb = {"logits": "logits", "topk_ids": "topk_ids", "topk_w": "topk_w", "counts": "sel.counts",
-          "hits": "sel.hits", "tok": "sel.tok", "slot": "sel.slot"}
-    if c.correction_bias:
-        sb["bias"] = "router.bias"
-    if c.hash_routed:
-        sb.update({"tid2eid": "router.tid2eid", "input_ids": "input_ids"})
-    sel = prog.op(b["select"], sb, waits=[lg], label="router.select")
+    sel = moe_layer.add_router(prog, c, b, {"counts": "sel.counts", "hits": "sel.hits", "tok": "sel.tok",
+                                            "slot": "sel.slot"})
 
     db = {"x": "x", "topk_ids": "topk_ids", "state": comm.local("ep.dispatch.state", (T,)), "params": PARAMS}
     for o in range(N):
@@ -143,16 +129,10 @@ def build_program(cfg: EPMoEConfig) -> tuple[Program, CommProgram]:
                                "state": comm.local("ep.table.state", (1,)), "params": PARAMS, "err": ERR},
                   waits=[dis], label="ep.table")
 
-    def wb(name):
-        out = {"w": name + ".weight"}
-        if c.expert_dtype != "bf16":
-            out["w_scale"] = name + ".scale"
-        return out
-
-    gu = prog.op(b["gateup"], {**wb("experts.gate_up"), **table, "x": recv["self"], "act": "act"}, waits=[tab],
-                 label="experts.gateup")
-    dn = prog.op(b["down"], {**wb("experts.down"), **table, "act": "act", "out": "y"}, waits=[gu],
-                 label="experts.down")
+    gu = prog.op(b["gateup"], {**moe_layer.expert_weights(c, "experts.gate_up"), **table, "x": recv["self"],
+                               "act": "act"}, waits=[tab], label="experts.gateup")
+    dn = prog.op(b["down"], {**moe_layer.expert_weights(c, "experts.down"), **table, "act": "act", "out": "y"},
+                 waits=[gu], label="experts.down")
     cb = {"y": "y", "meta_self": meta["self"], "topk_w": "topk_w", "ret_self": ret["self"],
           "cflags_self": cfl["self"], "state": comm.local("ep.combine.state", (T,)), "params": PARAMS,
           "err": ERR, "out": "out"}
@@ -160,20 +140,7 @@ def build_program(cfg: EPMoEConfig) -> tuple[Program, CommProgram]:
         cb.update({f"ret_{s}": ret[s], f"cflags_{s}": cfl[s]})
     waits = [dn]
     if c.shared_intermediate:
-        s_, fp8 = c.shared_intermediate, c.shared_dtype == "fp8_e4m3"
-        for name, shape in (("shared.gate", (s_, D)), ("shared.up", (s_, D)), ("shared.down", (D, s_))):
-            prog.buffer(name + ".weight", shape, c.shared_dtype, "weight")
-            if fp8:
-                prog.buffer(name + ".scale", (shape[0] // 128, shape[1] // 128), "fp32", "weight")
-        prog.buffer("shared_act", (M, s_), "bf16")
-        prog.buffer("shared_out", (M, D), "fp32")
-        g = {"w_gate": "shared.gate.weight", "w_up": "shared.up.weight", "x": "x", "y": "shared_act"}
-        sdn = {"w": "shared.down.weight", "x": "shared_act", "y": "shared_out"}
-        if fp8:
-            g.update({"w_gate_scale": "shared.gate.scale", "w_up_scale": "shared.up.scale"})
-            sdn["w_scale"] = "shared.down.scale"
-        sg = prog.op(b["shared_gateup"], g, label="shared.gateup")
-        waits.append(prog.op(b["shared_down"], sdn, waits=[sg], label="shared.down"))
+        waits.append(moe_layer.add_shared_expert(prog, c, b))
         cb["shared"] = "shared_out"
     prog.op(b["combine"], cb, waits=waits, label="ep.combine")
     return prog, comm

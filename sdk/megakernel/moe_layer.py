@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..blocks.experts import (ExpertsBlock, ExpertsConfig, balanced_rows, dequant_experts, quantize_fp8_experts,
                               quantize_mxfp4)
-from ..blocks.gemv import GemvBlock, GemvConfig
+from ..blocks.gemv import GemvConfig
 from ..blocks.router import RouterSelectBlock, RouterSelectConfig
 from ..reference.common import swiglu
 from ..reference.moe import route
@@ -160,61 +160,80 @@ def _expert_buffers(prog, name, shape, fmt):
             prog.buffer(name + ".scale", (e, n // 128, k // 128), "fp32", "weight")
 
 
-def build_program(cfg: MoELayerConfig) -> Program:
-    d, m, k, L, E, I = cfg.hidden, cfg.batch, cfg.top_k, cfg.local, cfg.num_experts, cfg.intermediate
-    b = blocks(cfg)
-    prog = Program()
-    prog.buffer("x", (m, d), "bf16", "input")
+def add_inputs_and_weights(prog: Program, cfg: MoELayerConfig, tokens: int, local: int) -> None:
+    """x [tokens, hidden], the router's weights (bias, hash table and input_ids where the layer has
+    them) and the weights of `local` routed experts."""
+    d, k, E, I = cfg.hidden, cfg.top_k, cfg.num_experts, cfg.intermediate
+    prog.buffer("x", (tokens, d), "bf16", "input")
     prog.buffer("router.weight", (E, d), cfg.router_dtype, "weight")
     if cfg.correction_bias:
         prog.buffer("router.bias", (E,), "fp32", "weight")
     if cfg.hash_routed:
-        prog.buffer("input_ids", (m,), "int32", "input")
+        prog.buffer("input_ids", (tokens,), "int32", "input")
         prog.buffer("router.tid2eid", (cfg.vocab, k), "int32", "weight")
-    _expert_buffers(prog, "experts.gate_up", (L, 2 * I, d), cfg.expert_dtype)
-    _expert_buffers(prog, "experts.down", (L, d, I), cfg.expert_dtype)
+    _expert_buffers(prog, "experts.gate_up", (local, 2 * I, d), cfg.expert_dtype)
+    _expert_buffers(prog, "experts.down", (local, d, I), cfg.expert_dtype)
+
+
+def add_router(prog: Program, cfg: MoELayerConfig, b: dict, table: dict) -> int:
+    """router.logits, then router.select writing topk_ids / topk_w and the dispatch table whose
+    buffer names `table` gives (counts, hits, tok, slot). Returns the select op."""
+    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "y": "logits"}, label="router.logits")
+    sb = {"logits": "logits", "topk_ids": "topk_ids", "topk_w": "topk_w", **table}
+    if cfg.correction_bias:
+        sb["bias"] = "router.bias"
+    if cfg.hash_routed:
+        sb.update({"tid2eid": "router.tid2eid", "input_ids": "input_ids"})
+    return prog.op(b["select"], sb, waits=[lg], label="router.select")
+
+
+def expert_weights(cfg: MoELayerConfig, name: str) -> dict:
+    """The weight (and scale) bindings of the experts' `name` buffers."""
+    out = {"w": name + ".weight"}
+    if cfg.expert_dtype != "bf16":
+        out["w_scale"] = name + ".scale"
+    return out
+
+
+def add_shared_expert(prog: Program, cfg: MoELayerConfig, b: dict) -> int:
+    """The shared expert on x: its weights, shared_act, shared_out [tokens, hidden] fp32 and the
+    two GEMV ops. Returns the down op (what the combining op waits for)."""
+    m, d = prog.buffers["x"].shape
+    s, fp8 = cfg.shared_intermediate, cfg.shared_dtype == "fp8_e4m3"
+    for name, shape in (("shared.gate", (s, d)), ("shared.up", (s, d)), ("shared.down", (d, s))):
+        prog.buffer(name + ".weight", shape, cfg.shared_dtype, "weight")
+        if fp8:
+            prog.buffer(name + ".scale", (shape[0] // 128, shape[1] // 128), "fp32", "weight")
+    prog.buffer("shared_act", (m, s), "bf16")
+    prog.buffer("shared_out", (m, d), "fp32")
+    g = {"w_gate": "shared.gate.weight", "w_up": "shared.up.weight", "x": "x", "y": "shared_act"}
+    dn = {"w": "shared.down.weight", "x": "shared_act", "y": "shared_out"}
+    if fp8:
+        g.update({"w_gate_scale": "shared.gate.scale", "w_up_scale": "shared.up.scale"})
+        dn["w_scale"] = "shared.down.scale"
+    sg = prog.op(b["shared_gateup"], g, label="shared.gateup")
+    return prog.op(b["shared_down"], dn, waits=[sg], label="shared.down")
+
+
+def build_program(cfg: MoELayerConfig) -> Program:
+    d, m, k, L, E, I = cfg.hidden, cfg.batch, cfg.top_k, cfg.local, cfg.num_experts, cfg.intermediate
+    b = blocks(cfg)
+    prog = Program()
+    add_inputs_and_weights(prog, cfg, m, L)
     for name, shape, dt in (("logits", (m, E), "fp32"), ("topk_ids", (m, k), "int32"), ("topk_w", (m, k), "fp32"),
                             ("counts", (L,), "int32"), ("hits", (L + 1,), "int32"), ("tok", (L, m), "int32"),
                             ("slot", (L, m), "int32"), ("act", (m * k, I), "bf16")):
         prog.buffer(name, shape, dt)
     prog.buffer("out", (m, d), "bf16", "output")
 
-    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "y": "logits"}, label="router.logits")
-    sb = {"logits": "logits", "topk_ids": "topk_ids", "topk_w": "topk_w", "counts": "counts", "hits": "hits",
-          "tok": "tok", "slot": "slot"}
-    if cfg.correction_bias:
-        sb["bias"] = "router.bias"
-    if cfg.hash_routed:
-        sb.update({"tid2eid": "router.tid2eid", "input_ids": "input_ids"})
-    sel = prog.op(b["select"], sb, waits=[lg], label="router.select")
     table = {"counts": "counts", "hits": "hits", "tok": "tok", "slot": "slot"}
-
-    def wb(name):
-        out = {"w": name + ".weight"}
-        if cfg.expert_dtype != "bf16":
-            out["w_scale"] = name + ".scale"
-        return out
-
-    gu = prog.op(b["gateup"], {**wb("experts.gate_up"), **table, "x": "x", "act": "act"}, waits=[sel],
-                 label="experts.gateup")
-    down_b = {**wb("experts.down"), **table, "act": "act", "topk_w": "topk_w", "out": "out"}
+    sel = add_router(prog, cfg, b, table)
+    gu = prog.op(b["gateup"], {**expert_weights(cfg, "experts.gate_up"), **table, "x": "x", "act": "act"},
+                 waits=[sel], label="experts.gateup")
+    down_b = {**expert_weights(cfg, "experts.down"), **table, "act": "act", "topk_w": "topk_w", "out": "out"}
     waits = [gu]
     if cfg.shared_intermediate:
-        s, fp8 = cfg.shared_intermediate, cfg.shared_dtype == "fp8_e4m3"
-        for name, shape in (("shared.gate", (s, d)), ("shared.up", (s, d)), ("shared.down", (d, s))):
-            prog.buffer(name + ".weight", shape, cfg.shared_dtype, "weight")
-            if fp8:
-                prog.buffer(name + ".scale", (shape[0] // 128, shape[1] // 128), "fp32", "weight")
-        prog.buffer("shared_act", (m, s), "bf16")
-        prog.buffer("shared_out", (m, d), "fp32")
-        g = {"w_gate": "shared.gate.weight", "w_up": "shared.up.weight", "x": "x", "y": "shared_act"}
-        dn = {"w": "shared.down.weight", "x": "shared_act", "y": "shared_out"}
-        if fp8:
-            g.update({"w_gate_scale": "shared.gate.scale", "w_up_scale": "shared.up.scale"})
-            dn["w_scale"] = "shared.down.scale"
-        sg = prog.op(b["shared_gateup"], g, label="shared.gateup")
-        sd = prog.op(b["shared_down"], dn, waits=[sg], label="shared.down")
-        waits.append(sd)
+        waits.append(add_shared_expert(prog, cfg, b))
         down_b["shared"] = "shared_out"
     prog.op(b["down"], down_b, waits=waits, label="experts.down")
     return prog

@@ -53,3 +53,18 @@ def rel_err(got, ref, *, check_finite=True, min_norm=0.0):
 def clock_seed() -> int:
     """A fresh seed from the clock: every run tests new inputs; the tests print it on failure."""
     return int(time.time() * 1000) % (2 ** 31)
+
+
+def expect_missing_rank_timeout(rt, op_label: str, ranks: int = 4) -> None:
+    """Run every rank of the multi-rank runtime `rt` but the last: the others must end in
+    KernelTimeoutError within seconds (no hang), naming the rank that never arrived, the op that
+    waited for it (`op_label`) and every rank that gave up."""
+    from sdk import KernelTimeoutError
+    t0 = time.time()
+    with pytest.raises(KernelTimeoutError) as exc:
+        rt.run(ranks=list(range(ranks - 1)))
+    assert time.time() - t0 < 10
+    msg = str(exc.value)
+    assert f"rank {ranks - 1} never arrived" in msg and f"'{op_label}" in msg, msg
+    for r in range(ranks - 1):
+        assert f"rank {r}:" in msg

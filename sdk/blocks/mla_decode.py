@@ -337,18 +337,17 @@ class MLADecodeBlock(Block):
                     lse_part[b, s, tq * H:(tq + 1) * H] = lse
         return {"o_part": o_part, "lse_part": lse_part}
 
-    def _emulate_sparse_tile(self, t: dict, tile: int) -> None:
-        c, H = self.config, self.config.heads
-        bt, s = divmod(tile, c.num_splits)
-        b, tq = divmod(bt, c.q_tokens)
-        lo, hi = self.split_range(c.index_width, s)
-        q = self._sparse_q(t, b, tq)
-        m = torch.full((H,), float("-inf"))
-        l = torch.zeros(H)
-        acc = torch.zeros(H, self.d_v)
-        for c0 in range(lo, hi, c.chunk):
-            kv, ok = self.sparse_keys(t, b, tq, c0, min(c0 + c.chunk, hi))
-            sc = ((q @ kv.T) * self.scale).masked_fill(~ok[None], float("-inf"))
+    def _online_softmax(self, q: torch.Tensor, chunks):
+        """The device tile's attention over key chunks in order - `chunks` yields (kv rows, mask of
+        the keys each query row may see) - as an online softmax in fp32 with P rounded to bf16
+        before P @ V, like the MMA. Returns (o [rows, d_v], lse [rows]; -inf and zeros for a row
+        that saw no key)."""
+        rows = q.shape[0]
+        m = torch.full((rows,), float("-inf"))
+        l = torch.zeros(rows)
+        acc = torch.zeros(rows, self.d_v)
+        for kv, visible in chunks:
+            sc = ((q @ kv.T) * self.scale).masked_fill(~visible, float("-inf"))
             m_new = torch.maximum(m, sc.max(dim=-1).values)
             m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(sc - m_use[:, None])
@@ -359,6 +358,21 @@ class MLADecodeBlock(Block):
         ok = l > 0
         o = torch.where(ok[:, None], acc / l.clamp_min(1e-30)[:, None], torch.zeros_like(acc))
         lse = torch.where(ok, m + torch.log(l.clamp_min(1e-30)), torch.full_like(l, float("-inf")))
+        return o, lse
+
+    def _emulate_sparse_tile(self, t: dict, tile: int) -> None:
+        c, H = self.config, self.config.heads
+        bt, s = divmod(tile, c.num_splits)
+        b, tq = divmod(bt, c.q_tokens)
+        lo, hi = self.split_range(c.index_width, s)
+        q = self._sparse_q(t, b, tq)
+
+        def chunks():
+            for c0 in range(lo, hi, c.chunk):
+                kv, ok = self.sparse_keys(t, b, tq, c0, min(c0 + c.chunk, hi))
+                yield kv, ok[None]
+
+        o, lse = self._online_softmax(q, chunks())
         t["o_part"][b, s, tq * H:(tq + 1) * H] = o.to(t["o_part"].dtype).to(t["o_part"].device)
         t["lse_part"][b, s, tq * H:(tq + 1) * H] = lse.to(t["lse_part"].dtype).to(t["lse_part"].device)
 
@@ -373,24 +387,14 @@ class MLADecodeBlock(Block):
         lo, hi = self.split_range(length, s)
         q = t["q"][b].float().reshape(self.rows, self.d_qk).cpu()
         qpos = length - c.q_tokens + torch.arange(self.rows) // c.heads
-        m = torch.full((self.rows,), float("-inf"))
-        l = torch.zeros(self.rows)
-        acc = torch.zeros(self.rows, self.d_v)
-        for c0 in range(lo, hi, c.chunk):
-            kv = self.gather_kv(t, b, c0, min(c0 + c.chunk, hi)).cpu()
-            sc = (q @ kv.T) * self.scale
-            tok = torch.arange(c0, c0 + kv.shape[0])
-            sc = sc.masked_fill(tok[None, :] > qpos[:, None], float("-inf"))
-            m_new = torch.maximum(m, sc.max(dim=-1).values)
-            m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            p = torch.exp(sc - m_use[:, None])
-            alpha = torch.exp(m - m_use)
-            l = l * alpha + p.sum(-1)
-            acc = acc * alpha[:, None] + p.to(torch.bfloat16).float() @ kv[:, :self.d_v]
-            m = m_new
-        ok = l > 0
-        o = torch.where(ok[:, None], acc / l.clamp_min(1e-30)[:, None], torch.zeros_like(acc))
-        lse = torch.where(ok, m + torch.log(l.clamp_min(1e-30)), torch.full_like(l, float("-inf")))
+
+        def chunks():
+            for c0 in range(lo, hi, c.chunk):
+                kv = self.gather_kv(t, b, c0, min(c0 + c.chunk, hi)).cpu()
+                tok = torch.arange(c0, c0 + kv.shape[0])
+                yield kv, tok[None, :] <= qpos[:, None]
+
+        o, lse = self._online_softmax(q, chunks())
         t["o_part"][b, s] = o.to(t["o_part"].dtype).to(t["o_part"].device)
         t["lse_part"][b, s] = lse.to(t["lse_part"].dtype).to(t["lse_part"].device)
 

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # Everything the H200 session runs, in one call (from the repo root, with .device/ carried):
 #   bash bench/device_all.sh [part ...]     parts: suite megakernel moe mla_bench allreduce kda mla dsv4 indexer ep
+#                                           tests bench:megakernel bench:moe bench:ep bench:allreduce ...
+# `tests` runs every GPU test file at once over the CPU cores (compiling dominates a GPU test; it
+# needs pytest-xdist: carry its wheels in .whl/, else one worker) with compute-sanitizer on the
+# small megakernel case alongside; `bench:NAME` runs bench/NAME_bench.py alone (BENCH_S_NAME seconds at most) (timings need the
+# GPU to themselves, so benches run one after another, after the tests).
 # DEVICE_ALL_S (default 570) bounds the whole call: a part gets at most what is left of it.
 # Each part writes into its own folder; everything is packed into $OUT/results.tgz (the device
 # returns at most 8 files), and each part's summary is printed at the end.
@@ -23,6 +28,29 @@ for part in $PARTS; do
   T0=$(date +%s)
   mkdir -p "$WORK/$part"
   case $part in
+    tests)
+      ls .whl/*.whl >/dev/null 2>&1 && python -m pip install -q --no-deps --no-index .whl/*.whl > "$WORK/tests/install.log" 2>&1
+      WORKERS=1; python -c "import xdist" 2>/dev/null && WORKERS=${TEST_WORKERS:-12}
+      TIMEOUT_FLAG=""; python -c "import pytest_timeout" 2>/dev/null && TIMEOUT_FLAG="--timeout ${TEST_TIMEOUT_S:-180}"
+      if command -v compute-sanitizer >/dev/null 2>&1; then
+        ( for tool in memcheck racecheck; do
+            echo "---- $tool"; timeout 150 compute-sanitizer --tool $tool --error-exitcode 3 python bench/sanitize_case.py
+            echo "$tool rc=$?"; done ) > "$WORK/tests/sanitizer.log" 2>&1 &
+      else echo "compute-sanitizer not found" > "$WORK/tests/sanitizer.log"; fi
+      timeout $(left ${TESTS_S:-330}) python -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -n $WORKERS $TIMEOUT_FLAG -q -rfE \
+        -p no:cacheprovider --durations=15 > "$WORK/tests/gpu_tests.log" 2>&1
+      echo "pytest rc=$? workers=$WORKERS" >> "$WORK/tests/gpu_tests.log"
+      wait
+      { grep -E "^(FAILED|ERROR)" "$WORK/tests/gpu_tests.log" | cut -c1-300 | head -n 40
+        grep -E "passed|failed" "$WORK/tests/gpu_tests.log" | tail -n 1; tail -n 1 "$WORK/tests/gpu_tests.log"
+        grep -E "rc=|ERROR SUMMARY" "$WORK/tests/sanitizer.log"; } > "$WORK/tests/summary.txt" ;;
+    bench:*)
+      # BENCH_S_<name> bounds it (default 200 s); BENCH_ARGS_<name> adds arguments (e.g. --quick)
+      name=${part#bench:}; dir="$WORK/$part"; limit_var=BENCH_S_$name; args_var=BENCH_ARGS_$name
+      timeout $(left ${!limit_var:-200}) python -m bench.${name}_bench --out "$dir" ${!args_var:-} > "$dir/bench.log" 2>&1
+      echo "rc=$?" >> "$dir/bench.log"
+      for tl in "$dir"/timeline_*.json; do [ -f "$tl" ] && python -m bench.timeline "$tl" -o "${tl%.json}.png" >> "$dir/bench.log" 2>&1; done
+      { sed -n '/^copy bandwidth/,$p' "$dir/bench.log" | grep -q . && sed -n '/^copy bandwidth/,$p' "$dir/bench.log" || tail -n 25 "$dir/bench.log"; } > "$dir/summary.txt" ;;
     suite)  # the CPU suite on the device's Python/torch/transformers, then the reference on the GPU
       python -m pip install -q --no-deps --no-build-isolation -e . > "$WORK/suite/install.log" 2>&1
       timeout 240 python -m pytest -q -p no:cacheprovider -rs > "$WORK/suite/cpu_suite.log" 2>&1

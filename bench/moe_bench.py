@@ -181,7 +181,7 @@ def run(out_dir, cases, timeline=True) -> dict:
     results = []
     for i, (model, batch, fmt) in enumerate(cases):
         t0 = time.time()
-        tl = os.path.join(out_dir, f"timeline_moe_{model}_b{batch}_{fmt}.json") if (timeline and i == 0) else None
+        tl = os.path.join(out_dir, f"timeline_moe_{model}_b{batch}_{fmt}.json") if (timeline and i < 2) else None
         try:
             r = bench_case(model, batch, fmt, copy_bw, tl)
         except Exception as exc:

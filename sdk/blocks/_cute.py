@@ -48,6 +48,15 @@ def gmem_tensor(addr: Int64, dtype: cutlass.Constexpr, shape: cutlass.Constexpr,
     return cute.make_tensor(ptr, row_major(shape))
 
 
+def tree_sum(values: list):
+    """Sum of a list of traced values as a balanced tree (a plain Python helper, unrolled when
+    traced: the DSL would turn a `while` inside a jit function into a device loop)."""
+    while len(values) > 1:
+        values = [values[j] + values[j + 1] if j + 1 < len(values) else values[j]
+                  for j in range(0, len(values), 2)]
+    return values[0]
+
+
 @cute.jit
 def smem_tensor(addr, dtype: cutlass.Constexpr, shape: cutlass.Constexpr):
     """Row-major tensor at a shared-memory address (16-byte aligned by construction of the ring)."""

@@ -53,7 +53,7 @@ from .base import NUM_THREADS, Block, Cost, OperandSpec
 FORMATS = ("bf16", "fp8_e4m3", "mxfp4")
 ELEMS_PER_LOAD = {"bf16": 8, "fp8_e4m3": 16, "mxfp4": 32}
 GROUPS = (1, 2, 4, 8)       # token-group variants
-MAX_LOADS_IN_FLIGHT = 16    # 16-byte weight loads per lane per step (64 registers)
+MAX_LOADS_IN_FLIGHT = 28    # 16-byte weight loads per lane per step (112 registers)
 
 
 def balanced_rows(out_rows: int, num_sms: int = 132) -> int:
@@ -181,6 +181,20 @@ class ExpertsBlock(Block):
             if (self.k_dim // self.elems_per_load) % (32 * u) == 0:
                 return u
         return min(MAX_LOADS_IN_FLIGHT // nw, per_lane)
+
+    @property
+    def rows_per_warp(self) -> int:
+        return self.config.rows_per_tile // (NUM_THREADS // 32)
+
+    @property
+    def rows_at_once(self) -> int:
+        """Rows a warp streams together (their loads in flight at once): a warp's rows take
+        ceil(rows_per_warp / RA) dependent round trips, so RA is the fewest passes the load budget
+        allows (RA x weights x unroll <= MAX_LOADS_IN_FLIGHT), with the fewest wasted rows."""
+        nw = 2 if self.config.stage == "gateup" else 1
+        cap = max(1, min(self.rows_per_warp, MAX_LOADS_IN_FLIGHT // (nw * self.unroll)))
+        passes = -(-self.rows_per_warp // cap)
+        return -(-self.rows_per_warp // passes)
 
     def check(self):
         c = self.config
@@ -320,6 +334,7 @@ class ExpertsBlock(Block):
         import cutlass
         import cutlass.cute as cute
         from cutlass import Float32, Int32, Int64
+        from cutlass._mlir import ir
 
         from ._cute import DTYPE_MAP, gmem_tensor
 
@@ -329,9 +344,6 @@ class ExpertsBlock(Block):
         U = self.unroll
         N, K = self.n_rows, self.k_dim
         nch = K // EPL                             # 16-byte loads per row
-        n_main = nch // (32 * U)
-        rem = nch - n_main * 32 * U                # chunks left after the unrolled part
-        n_tail = (rem + 31) // 32                  # per-lane tail loads (predicated)
         R = c.rows_per_tile
         NW = NUM_THREADS // 32
         M, KT, L, I, D = self.rows_in, c.top_k, c.num_local, c.intermediate, c.hidden
@@ -343,6 +355,7 @@ class ExpertsBlock(Block):
         odt = DTYPE_MAP[c.out_dtype]
         groups = [g for g in GROUPS if g <= M] or [1]
         GMAX = groups[-1]
+        RA = self.rows_at_once
         xrows = M if gateup else M * KT            # rows of the GEMV input (x or act)
 
         # operand indices (see operand_specs)
@@ -361,7 +374,14 @@ class ExpertsBlock(Block):
 
         @cute.jit
         def load_w(mW, n, ch):
-            return mW[n, ch, None].load()
+            """One 16-byte weight load that does not allocate in L1: each weight is read once, and
+            the L1 beside the megakernel's smem ring (~28 KB) is left to x, which every row re-reads
+            (an allocating weight stream evicts x, and each x load becomes an L2 round trip)."""
+            v = cute.arch.load(mW[n, ch, None].iterator, ir.VectorType.get([4], Int32.mlir_type),
+                               level1_eviction_priority="evict_no_allocate")
+            raw = cute.make_rmem_tensor((4,), Int32)
+            raw.store(cute.TensorSSA(v, (4,), Int32))
+            return raw
 
         @cute.jit
         def chunk_scale(mS, n, ch) -> Float32:
@@ -371,64 +391,77 @@ class ExpertsBlock(Block):
             elif cutlass.const_expr(fmt == "mxfp4"):
                 word = mS[n, ch // 4]
                 e8 = (word >> ((ch % 4) * 8)) & 255
-                # 2^(s-127) times 2^14, the fp16 decode's bias (see decode below): exact
+                # 2^(s-127) times 2^14, the fp16 decode's bias (see weights8 below): exact
                 s = bits_to_f32((e8 + 14) << 23)
             return s
 
         @cute.jit
-        def decode(wv, wf):
-            """One 16-byte load -> EPL fp32 weights in wf (rmem), unscaled."""
+        def unpack(raw):
+            """bf16 / fp8: the load's EPL weights as fp32 (rmem); mxfp4: the raw words (decoded
+            8 at a time by weights8, which keeps the registers of a whole row's loads free)."""
             if cutlass.const_expr(fmt == "mxfp4"):
-                wi = cute.make_rmem_tensor((4,), Int32)
-                wi.store(wv)
-                for q in cutlass.range_constexpr(4):
-                    w = wi[q]
-                    for p in cutlass.range_constexpr(4):
-                        wp = w >> (4 * p)
-                        # nibbles p and p+4 -> fp16 pair: exponent+mantissa bits at 9..11,
-                        # sign at 15; an fp16 with those bits is the e2m1 value * 2^-14
-                        h = ((wp & 0x00070007) << 9) | ((wp & 0x00080008) << 12)
-                        lo, hi = f16x2_to_f32(h)
-                        wf[8 * q + p] = lo
-                        wf[8 * q + p + 4] = hi
-            else:
-                wf.store(wv.to(Float32))
+                return raw
+            wf = cute.make_rmem_tensor((EPL,), Float32)
+            wf.store(cute.recast_tensor(raw, DTYPE_MAP[fmt]).load().to(Float32))
+            return wf
 
         @cute.jit
-        def dot(wf, mX, xr, ch) -> Float32:
-            """sum over the chunk's EPL elements of wf * x[xr, chunk] (x viewed in 8-chunks)."""
-            s = Float32(0.0)
-            for q in cutlass.range_constexpr(EPL // 8):
-                xv = mX[xr, ch * (EPL // 8) + q, None].load().to(Float32)
-                for e in cutlass.range_constexpr(8):
-                    s = s + wf[8 * q + e] * xv[e]
-            return s
+        def weights8(w, q):
+            """Weights 8q..8q+7 of one load as 8 fp32 values (unscaled)."""
+            if cutlass.const_expr(fmt == "mxfp4"):
+                out = [None] * 8
+                word = w[q]
+                for p in cutlass.range_constexpr(4):
+                    wp = word >> (4 * p)
+                    # nibbles p and p+4 -> fp16 pair: exponent+mantissa bits at 9..11, sign at
+                    # 15; an fp16 with those bits is the e2m1 value * 2^-14
+                    h = ((wp & 0x00070007) << 9) | ((wp & 0x00080008) << 12)
+                    out[p], out[p + 4] = f16x2_to_f32(h)
+                return out
+            return [w[8 * q + e] for e in range(8)]
 
         def make_group(G):
-            """Dot products of weight rows (nw of them) with G input rows, for one warp."""
+            """Dot products of RA weight rows (times nw: gate and up, or down) with G input rows,
+            for one warp. Per step: every weight load (U_G per row per lane, RA x nw rows) and
+            its scale first, so they are in flight together; then per 8 weights one x load per
+            token, shared by the rows. A step past the row's end (the last one when 32 * U_G
+            does not divide the row) re-loads the row's last chunk and weighs it 0, so its loads
+            stay unconditional (hoisted with the others) instead of a branch per load."""
+            UG = max(1, min(U, MAX_LOADS_IN_FLIGHT // (nw * G * RA)))
+            steps = -(-nch // (32 * UG))
+            ragged = nch % (32 * UG) != 0
+            wrows = [(a, i) for a in range(RA) for i in range(nw)]
 
             @cute.jit
-            def group(mW, mS, mX, n0, xr_list, acc):
-                wf = cute.make_rmem_tensor((EPL,), Float32)
-                for it in cutlass.range(n_main):
-                    ch0 = it * (32 * U) + cute.arch.lane_idx()
-                    # every load of the step first - weights, then their scales - so they are in
-                    # flight together; a scale load next to its use is a round trip per chunk
-                    wl = [[load_w(mW, n0 + i * I, ch0 + 32 * u) for u in range(U)] for i in range(nw)]
-                    scl = [[chunk_scale(mS, n0 + i * I, ch0 + 32 * u) for u in range(U)] for i in range(nw)]
-                    for i in cutlass.range_constexpr(nw):
-                        for u in cutlass.range_constexpr(U):
-                            decode(wl[i][u], wf)
+            def group(mW, mS, mX, rows, xr_list, acc):
+                for it in cutlass.range(steps, unroll=1):
+                    ch_l = [it * (32 * UG) + 32 * u + cute.arch.lane_idx() for u in range(UG)]
+                    ch_c = ch_l
+                    if cutlass.const_expr(ragged):
+                        ch_c = [Int32(cutlass.select_(ch < nch, ch, nch - 1)) for ch in ch_l]
+                    raw = [[load_w(mW, rows[a] + i * I, ch_c[u]) for u in range(UG)] for a, i in wrows]
+                    scl = [[chunk_scale(mS, rows[a] + i * I, ch_c[u]) for u in range(UG)] for a, i in wrows]
+                    if cutlass.const_expr(ragged):
+                        scl = [[Float32(cutlass.select_(ch_l[u] < nch, sr[u], Float32(0.0))) for u in range(UG)]
+                               for sr in scl]
+                    for u in cutlass.range_constexpr(UG):
+                        w = [unpack(rr[u]) for rr in raw]
+                        part = [[Float32(0.0) for _ in range(G)] for _ in wrows]
+                        for q in cutlass.range_constexpr(EPL // 8):
+                            xs = [mX[xr_list[g], ch_c[u] * (EPL // 8) + q, None].load().to(Float32)
+                                  for g in range(G)]
+                            for j in cutlass.range_constexpr(len(wrows)):
+                                w8 = weights8(w[j], q)
+                                for g in cutlass.range_constexpr(G):
+                                    for e in cutlass.range_constexpr(8):
+                                        part[j][g] = part[j][g] + w8[e] * xs[g][e]
+                        for j in cutlass.range_constexpr(len(wrows)):
+                            a, i = wrows[j]
                             for g in cutlass.range_constexpr(G):
-                                acc[i, g] = acc[i, g] + scl[i][u] * dot(wf, mX, xr_list[g], ch0 + 32 * u)
-                for u in cutlass.range_constexpr(n_tail):
-                    ch = n_main * (32 * U) + 32 * u + cute.arch.lane_idx()
-                    if ch < nch:
-                        for i in cutlass.range_constexpr(nw):
-                            sc = chunk_scale(mS, n0 + i * I, ch)
-                            decode(load_w(mW, n0 + i * I, ch), wf)
-                            for g in cutlass.range_constexpr(G):
-                                acc[i, g] = acc[i, g] + sc * dot(wf, mX, xr_list[g], ch)
+                                if cutlass.const_expr(fmt == "bf16" and not ragged):
+                                    acc[a, i, g] = acc[a, i, g] + part[j][g]
+                                else:
+                                    acc[a, i, g] = acc[a, i, g] + scl[j][u] * part[j][g]
 
             return group
 
@@ -436,7 +469,6 @@ class ExpertsBlock(Block):
 
         def pick(n):
             return group_fns[min([g for g in groups if g >= n] or [GMAX])]
-
         f1, f2, f4, f8 = pick(1), pick(2), pick(4), group_fns[GMAX]
 
         # bytes of one expert's weights and scales: the expert's views start at base + le * bytes,
@@ -451,15 +483,13 @@ class ExpertsBlock(Block):
 
         @cute.jit
         def expert_views(ptrs, le: Int32):
-            w_addr = ptrs[P_W] + Int64(le) * Int64(W_BYTES)
+            # every format as 16-byte words of 4 x int32 (load_w); unpack() reinterprets them
+            mW = gmem_tensor(ptrs[P_W] + Int64(le) * Int64(W_BYTES), Int32, (N, nch, 4), 16)
             if cutlass.const_expr(fmt == "mxfp4"):
-                mW = gmem_tensor(w_addr, Int32, (N, nch, 4), 16)
                 mS = gmem_tensor(ptrs[P_S] + Int64(le) * Int64(S_BYTES), Int32, (N, K // 128), 4)
             elif cutlass.const_expr(fmt == "fp8_e4m3"):
-                mW = gmem_tensor(w_addr, DTYPE_MAP[fmt], (N, nch, EPL), 16)
                 mS = gmem_tensor(ptrs[P_S] + Int64(le) * Int64(S_BYTES), Float32, (N // 128, K // 128), 4)
             else:
-                mW = gmem_tensor(w_addr, DTYPE_MAP[fmt], (N, nch, EPL), 16)
                 mS = mW          # no scales: never read
             return mW, mS
 
@@ -480,13 +510,17 @@ class ExpertsBlock(Block):
                 mTw = gmem_tensor(ptrs[7], Float32, (M * KT,), 4)
                 mOut = gmem_tensor(ptrs[9], odt, (M * KT if scatter else M, D), 4 if c.out_dtype == "fp32" else 2)
             n_hit = mHits[0]
-            acc = cute.make_rmem_tensor((nw, GMAX), Float32)
+            acc = cute.make_rmem_tensor((RA, nw, GMAX), Float32)
             xr = cute.make_rmem_tensor((GMAX,), Int32)       # input rows of the group
             sl = cute.make_rmem_tensor((GMAX,), Int32)       # their assignment slots
-            for r in cutlass.range(warp, R, NW):
-                row = t * R + r
-                o0 = Float32(0.0)        # down: this lane's tokens m = lane and lane + 32
-                o1 = Float32(0.0)
+            # down: this lane's tokens m = lane and lane + 32, per row of the pass
+            osum = cute.make_rmem_tensor((RA, 2), Float32)
+            for r0 in cutlass.range(warp, R, NW * RA, unroll=1):
+                # the pass's RA rows (warp-strided); a row past the tile (when RA does not divide
+                # the warp's rows) recomputes the pass's first row and is never stored
+                ok = [r0 + NW * a < R for a in range(RA)]
+                rows = [t * R + Int32(cutlass.select_(ok[a], r0 + NW * a, r0)) for a in range(RA)]
+                osum.fill(0.0)
                 for h in cutlass.range(n_hit, unroll=1):
                     le = mHits[1 + h]
                     mW, mS = expert_views(ptrs, le)
@@ -506,47 +540,49 @@ class ExpertsBlock(Block):
                         acc.fill(0.0)
                         xl = [xr[g] for g in range(GMAX)]
                         if cutlass.const_expr(GMAX == 1):
-                            f1(mW, mS, mX, row, xl, acc)
+                            f1(mW, mS, mX, rows, xl, acc)
                         else:
                             # the smallest variant that holds the group: batch 1 per expert (the
                             # common case) does no wasted math, 2..4 tokens at most 2x
                             if ng == 1:
-                                f1(mW, mS, mX, row, xl, acc)
+                                f1(mW, mS, mX, rows, xl, acc)
                             elif ng == 2:
-                                f2(mW, mS, mX, row, xl, acc)
+                                f2(mW, mS, mX, rows, xl, acc)
                             elif ng <= 4:
-                                f4(mW, mS, mX, row, xl, acc)
+                                f4(mW, mS, mX, rows, xl, acc)
                             else:
-                                f8(mW, mS, mX, row, xl, acc)
-                        for g in cutlass.range_constexpr(GMAX):
-                            a = cute.arch.warp_reduction_sum(acc[0, g])
-                            if cutlass.const_expr(gateup):
-                                b = cute.arch.warp_reduction_sum(acc[1, g])
-                                if cutlass.const_expr(limit is not None):
-                                    a = cute.arch.fmin(a, Float32(limit))
-                                    b = cute.arch.fmax(cute.arch.fmin(b, Float32(limit)), Float32(-limit))
-                                a = a / (Float32(1.0) + cute.math.exp(-a, fastmath=True)) * b
-                                if (lane == 0) & (g < ng):
-                                    mAct[sl[g], row] = a.to(cutlass.BFloat16)
-                            elif cutlass.const_expr(scatter):
-                                if (lane == 0) & (g < ng):
-                                    mOut[sl[g], row] = a.to(odt)
-                            else:
-                                if g < ng:
-                                    v = a * mTw[sl[g]]
-                                    m_tok = mTok[le, g0 + g]
-                                    if m_tok == lane:
-                                        o0 = o0 + v
-                                    if m_tok == lane + 32:
-                                        o1 = o1 + v
+                                f8(mW, mS, mX, rows, xl, acc)
+                        for a in cutlass.range_constexpr(RA):
+                            for g in cutlass.range_constexpr(GMAX):
+                                v = cute.arch.warp_reduction_sum(acc[a, 0, g])
+                                if cutlass.const_expr(gateup):
+                                    b = cute.arch.warp_reduction_sum(acc[a, 1, g])
+                                    if cutlass.const_expr(limit is not None):
+                                        v = cute.arch.fmin(v, Float32(limit))
+                                        b = cute.arch.fmax(cute.arch.fmin(b, Float32(limit)), Float32(-limit))
+                                    v = v / (Float32(1.0) + cute.math.exp(-v, fastmath=True)) * b
+                                    if (lane == 0) & (g < ng) & ok[a]:
+                                        mAct[sl[g], rows[a]] = v.to(cutlass.BFloat16)
+                                elif cutlass.const_expr(scatter):
+                                    if (lane == 0) & (g < ng) & ok[a]:
+                                        mOut[sl[g], rows[a]] = v.to(odt)
+                                else:
+                                    if g < ng:
+                                        v = v * mTw[sl[g]]
+                                        m_tok = mTok[le, g0 + g]
+                                        if m_tok == lane:
+                                            osum[a, 0] = osum[a, 0] + v
+                                        if m_tok == lane + 32:
+                                            osum[a, 1] = osum[a, 1] + v
                 if cutlass.const_expr(not gateup and not scatter):
-                    for half in cutlass.range_constexpr(2):
-                        m_out = lane + 32 * half
-                        if m_out < M:
-                            v = o0 if half == 0 else o1
-                            if cutlass.const_expr(has_shared):
-                                mSh = gmem_tensor(ptrs[8], Float32, (M, D), 4)
-                                v = v + mSh[m_out, row]
-                            mOut[m_out, row] = v.to(odt)
+                    for a in cutlass.range_constexpr(RA):
+                        for half in cutlass.range_constexpr(2):
+                            m_out = lane + 32 * half
+                            if (m_out < M) & ok[a]:
+                                v = osum[a, half]
+                                if cutlass.const_expr(has_shared):
+                                    mSh = gmem_tensor(ptrs[8], Float32, (M, D), 4)
+                                    v = v + mSh[m_out, rows[a]]
+                                mOut[m_out, rows[a]] = v.to(odt)
 
         return tile

@@ -303,7 +303,7 @@ class GemvBlock(Block):
         from cutlass import BFloat16, Float32, Int32
         from cutlass.cute.nvgpu import cpasync
 
-        from ._cute import DTYPE_MAP, block_sum_multi, gmem_tensor, producer_slot, smem_tensor
+        from ._cute import DTYPE_MAP, block_sum_multi, gmem_tensor, producer_slot, smem_tensor, tree_sum
 
         c = self.config
         NT, NWARP = NUM_THREADS, NUM_THREADS // 32
@@ -337,6 +337,7 @@ class GemvBlock(Block):
         XV = 16 // (2 if c.x_dtype == "bf16" else 4)   # x elements per 16-byte load (norm pass)
         NP = PRODUCER_THREADS
         XE = min(E, 8)                          # x elements per smem load in consume
+        PD = max(1, E // 4)                     # partial sums per 16-byte unit (a power of 2)
         whole_x = CPX == self.stream_chunks()   # x staged once per tile (at chunk 0): reusable
         merged_norm = norm and whole_x and M <= MERGED_NORM_MAX_M
         pre_res = c.residual is not None and RW * M <= 16   # residual prefetched in registers
@@ -487,9 +488,12 @@ class GemvBlock(Block):
                         xr[h, None].store(sX[m, xo + cu * (E // XE) + h, None].load().to(Float32))
                     for i in cutlass.range_constexpr(nw):
                         for rr in cutlass.range_constexpr(RW):
-                            d = Float32(0.0)
+                            # the unit's E products in PD independent chains of 4, summed at the
+                            # end: one chain of 16 dependent FMAs (fp8) stalls on FMA latency
+                            part = [Float32(0.0) for _ in range(PD)]
                             for e in cutlass.range_constexpr(E):
-                                d = d + wr[i, rr, e] * xr[e // XE, e % XE]
+                                part[e % PD] = part[e % PD] + wr[i, rr, e] * xr[e // XE, e % XE]
+                            d = tree_sum(part)
                             if cutlass.const_expr(fp8):
                                 d = d * sc[i]
                             acc[rr, i, m] = acc[rr, i, m] + d

@@ -97,11 +97,11 @@ def torch_moe(cfg, t, x, out):
     out.copy_(acc)
 
 
-def bench_case(model, batch, fmt, copy_bw, timeline_path=None):
+def bench_case(model, batch, fmt, copy_bw, timeline_path=None, overrides=None):
     from sdk.megakernel.moe_layer import build_program, make_weights, preset, reference, weight_bytes_hit
     from sdk.megakernel.pyvm import PyVM
     from sdk.megakernel.runtime import MegakernelRuntime
-    cfg = preset(model, batch, expert_dtype=fmt)
+    cfg = preset(model, batch, expert_dtype=fmt, **(overrides or {}))
     prog = build_program(cfg)
     x = torch.randn(batch, cfg.hidden, device="cuda").to(torch.bfloat16)
     # one copy first: routing, hits and the floor's bytes
@@ -141,7 +141,8 @@ def bench_case(model, batch, fmt, copy_bw, timeline_path=None):
     us, mode = timed(calls)
     for rt in rts:
         rt.check()
-    rec = {"case": f"moe {model} B={batch} {fmt}", "model": model, "batch": batch, "format": fmt,
+    tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
+    rec = {"case": f"moe {model} B={batch} {fmt}{tag}", "overrides": overrides or {}, "model": model, "batch": batch, "format": fmt,
            "us": us, "mode": mode, "floor_us": floor_us, "floor_bytes": fb, "gbs": fb["total"] / (us * 1e3),
            "fraction_of_floor": floor_us / us, "hit_local_experts": hit_list, "weight_copies": copies,
            "rel_err": err, "num_local": cfg.local, "num_experts": cfg.num_experts, "top_k": cfg.top_k}
@@ -173,7 +174,7 @@ def _line(r) -> str:
             f"{t}  err {r['rel_err']:.1e}")
 
 
-def run(out_dir, cases, timeline=True) -> dict:
+def run(out_dir, cases, timeline=True, overrides=None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     copy_bw = copy_bandwidth_gbs()
@@ -183,7 +184,7 @@ def run(out_dir, cases, timeline=True) -> dict:
         t0 = time.time()
         tl = os.path.join(out_dir, f"timeline_moe_{model}_b{batch}_{fmt}.json") if (timeline and i < 2) else None
         try:
-            r = bench_case(model, batch, fmt, copy_bw, tl)
+            r = bench_case(model, batch, fmt, copy_bw, tl, overrides)
         except Exception as exc:
             r = {"case": f"moe {model} B={batch} {fmt}", "error": f"{type(exc).__name__}: {exc}"[:2000]}
             torch.cuda.empty_cache()
@@ -204,12 +205,15 @@ def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--cases", default="", help="model:batch:format,... (overrides the default list)")
     ap.add_argument("--no-timeline", action="store_true")
+    ap.add_argument("--set", default="", help="MoELayerConfig overrides for every case: key=int,... "
+                    "(e.g. expert_rows_at_once=1,expert_weight_l1=1)")
     a = ap.parse_args(argv)
     if a.cases:
         cases = [(c.split(":")[0], int(c.split(":")[1]), c.split(":")[2]) for c in a.cases.split(",")]
     else:
         cases = QUICK_CASES if a.quick else DEFAULT_CASES
-    rep = run(a.out, cases, timeline=not a.no_timeline)
+    overrides = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.set.split(",") if kv}
+    rep = run(a.out, cases, timeline=not a.no_timeline, overrides=overrides)
     print("\n" + summary(rep))
 
 

@@ -79,6 +79,8 @@ class ExpertsConfig:
     out_dtype: str = "bf16"              # down: "bf16" | "fp32"
     rows_per_tile: int = 8
     unroll: int = 0                      # 16-byte loads per lane in flight per row; 0 = auto
+    rows_at_once: int = 0                # rows a warp streams together; 0 = auto
+    weight_l1: bool = False              # weight loads allocate in L1 (default: no_allocate)
     expected_hits: float = 1.0           # hit local experts per step: for cost() only
     # expert parallelism (sdk/blocks/ep.py): the experts of an owner rank read the rows that the
     # N ranks dispatched to it. rows: rows of x (gateup) and columns of tok/slot (0 = m); act
@@ -191,6 +193,8 @@ class ExpertsBlock(Block):
         """Rows a warp streams together (their loads in flight at once): a warp's rows take
         ceil(rows_per_warp / RA) dependent round trips, so RA is the fewest passes the load budget
         allows (RA x weights x unroll <= MAX_LOADS_IN_FLIGHT), with the fewest wasted rows."""
+        if self.config.rows_at_once:
+            return min(self.config.rows_at_once, self.rows_per_warp)
         nw = 2 if self.config.stage == "gateup" else 1
         cap = max(1, min(self.rows_per_warp, MAX_LOADS_IN_FLIGHT // (nw * self.unroll)))
         passes = -(-self.rows_per_warp // cap)
@@ -356,6 +360,7 @@ class ExpertsBlock(Block):
         groups = [g for g in GROUPS if g <= M] or [1]
         GMAX = groups[-1]
         RA = self.rows_at_once
+        l1_policy = "evict_normal" if c.weight_l1 else "evict_no_allocate"
         xrows = M if gateup else M * KT            # rows of the GEMV input (x or act)
 
         # operand indices (see operand_specs)
@@ -378,7 +383,7 @@ class ExpertsBlock(Block):
             the L1 beside the megakernel's smem ring (~28 KB) is left to x, which every row re-reads
             (an allocating weight stream evicts x, and each x load becomes an L2 round trip)."""
             v = cute.arch.load(mW[n, ch, None].iterator, ir.VectorType.get([4], Int32.mlir_type),
-                               level1_eviction_priority="evict_no_allocate")
+                               level1_eviction_priority=l1_policy)
             raw = cute.make_rmem_tensor((4,), Int32)
             raw.store(cute.TensorSSA(v, (4,), Int32))
             return raw

@@ -64,6 +64,8 @@ class MoELayerConfig:
     shared_dtype: str = "bf16"           # "bf16" | "fp8_e4m3" (GemvBlock's formats)
     router_rows: int = 0                 # rows per tile of the router GEMV; 0 = balanced
     expert_rows: int = 0                 # ... of the experts (one tile per SM where possible)
+    expert_rows_at_once: int = 0         # rows an expert warp streams together; 0 = auto
+    expert_weight_l1: bool = False       # expert weight loads allocate in L1 (default: they skip it)
     shared_rows: int = 0                 # ... of the shared expert's GEMVs
     num_sms: int = 132                   # SMs the balanced tiles are cut for
 
@@ -134,11 +136,13 @@ def blocks(cfg: MoELayerConfig) -> dict:
         "gateup": ExpertsBlock(ExpertsConfig(stage="gateup", hidden=d, intermediate=cfg.intermediate,
                                              num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
                                              swiglu_limit=cfg.swiglu_limit, rows_per_tile=er["gateup"],
-                                             expected_hits=round(hits, 2))),
+                                             rows_at_once=cfg.expert_rows_at_once,
+                                             weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
         "down": ExpertsBlock(ExpertsConfig(stage="down", hidden=d, intermediate=cfg.intermediate,
                                            num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
                                            shared=bool(cfg.shared_intermediate), rows_per_tile=er["down"],
-                                           expected_hits=round(hits, 2))),
+                                           rows_at_once=cfg.expert_rows_at_once,
+                                           weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
     }
     if cfg.shared_intermediate:
         s = cfg.shared_intermediate

@@ -29,8 +29,10 @@ as bf16 (`x_block` columns at a time, at most 64 KB). Consume: warp w owns rows 
 the stage, fp32 FMAs against x from smem, per-token accumulators in registers; the epilogue is a
 warp-shuffle reduction per (row, token).
 
-Not yet: the tensor-core path for M >= 8 (warp MMA with swap-AB, weight rows as the MMA M
-dimension); at M = 8 the CUDA-core FMAs (4 per weight byte) are the limit, not the bandwidth.
+Tensor-core consumer (`use_mma`: bf16 weights from MMA_MIN_M tokens, fp8 weights always):
+warp mma.sync m16n8k16 with swap-AB (weight rows = the MMA's M, tokens = its N), the 8 warps
+splitting each chunk's K, the warps' partial sums added in smem at the end of the tile; see
+docs/megakernel.md ("The GEMV consumer").
 """
 from __future__ import annotations
 
@@ -46,6 +48,9 @@ CHUNK_TARGET_BYTES = 16 * 1024      # weight bytes per ring stage
 CHUNK_MAX_BYTES = 32 * 1024         # ... at most, for tiles too tall for the target
 X_SMEM_MAX = 64 * 1024              # staged activations per tile at a time
 MERGED_NORM_MAX_M = 2               # fused norm in one pass (x held in registers) up to this batch
+MMA_MIN_M = 8                       # bf16 weights: tensor cores from this batch (below, CUDA cores
+                                    # stream at ~90% of the bandwidth and need no cross-warp sum)
+MMA_ACCUMULATORS = 64               # fp32 accumulator registers per thread on the MMA path
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class GemvConfig:
     norm_eps: float = 1e-6
     residual: str | None = None          # None | "bf16" | "fp32": y = res + x @ W^T
     scale_block: int = 128
+    mma: bool | None = None              # tensor cores (warp mma.sync); None = auto (MMA_AUTO)
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
@@ -79,11 +85,11 @@ def balanced_config(config: GemvConfig, num_sms: int = 132, max_rows: int = 64) 
     best, best_key = None, None
     warps = NUM_THREADS // 32
     for r in range(8, max_rows + 1, 8):
-        if r // warps * (2 if config.swiglu else 1) * config.m > MAX_ACCUMULATORS and r > warps:
-            continue
         try:
             cand = GemvBlock(dataclasses.replace(config, rows_per_tile=r, chunk_k=0))
         except UnsupportedConfigError:
+            continue
+        if cand.accumulators > (MMA_ACCUMULATORS if cand.use_mma else MAX_ACCUMULATORS) and r > warps:
             continue
         per_tile = cand.nw * r * config.k * cand.wbytes + TILE_OVERHEAD_BYTES
         key = (-(-cand.num_tiles() // num_sms) * per_tile, -r)
@@ -108,6 +114,34 @@ class GemvBlock(Block):
         return 2 if self.config.swiglu else 1
 
     @property
+    def use_mma(self) -> bool:
+        """Tensor cores: bf16 weights from MMA_MIN_M tokens (CUDA-core FMAs, 4 per weight byte at
+        M = 8, are the limit there), fp8 weights always (their CUDA-core path is bound by the
+        fp8 -> fp32 conversions: ~60% of the bandwidth at M = 1; the MMA takes e4m3 -> f16 pairs,
+        one conversion per two weights). Not for fp32 weights (routers)."""
+        c = self.config
+        if c.weight_dtype == "fp32":
+            return False
+        if c.mma is not None:
+            return bool(c.mma)
+        return c.weight_dtype == "fp8_e4m3" or c.m >= MMA_MIN_M
+
+    @property
+    def mma_tiles(self) -> tuple[int, int]:
+        """(m16 tiles over the rows, n8 tiles over the tokens) of the MMA path."""
+        return -(-self.config.rows_per_tile // 16), -(-self.config.m // 8)
+
+    @property
+    def accumulators(self) -> int:
+        """fp32 accumulators per thread: rows per warp x weights x tokens (CUDA cores), or 4 per
+        (weight, m16 tile, n8 tile) fragment (MMA)."""
+        c = self.config
+        if self.use_mma:
+            mt, nt = self.mma_tiles
+            return self.nw * mt * nt * 4
+        return c.rows_per_tile // (NUM_THREADS // 32) * self.nw * c.m
+
+    @property
     def wbytes(self) -> int:
         return {"fp8_e4m3": 1, "bf16": 2, "fp32": 4}[self.config.weight_dtype]
 
@@ -123,7 +157,7 @@ class GemvBlock(Block):
         for limit in (CHUNK_TARGET_BYTES, CHUNK_MAX_BYTES):
             for kc in (2048, 1024, 512, 256):
                 if c.k % kc == 0 and kc % (32 * E) == 0 and self.nw * c.rows_per_tile * kc * self.wbytes <= limit \
-                        and (c.weight_dtype != "fp8_e4m3" or kc % 512 == 0):
+                        and (c.weight_dtype != "fp8_e4m3" or kc % 512 == 0) and self._mma_chunk_ok(kc):
                     kx = self._x_block(kc)
                     key = (kx, kc)
                     if kx and (best_key is None or key > best_key):
@@ -131,6 +165,13 @@ class GemvBlock(Block):
             if best:
                 return best
         return best
+
+    def _mma_chunk_ok(self, kc: int) -> bool:
+        """MMA: each of the 8 warps takes whole k16 blocks of the chunk (kc % 128 == 0); with fp8,
+        a warp's share lies inside one 128-wide scale block (kc <= 1024)."""
+        if not self.use_mma:
+            return True
+        return kc % 128 == 0 and (self.config.weight_dtype != "fp8_e4m3" or kc <= 1024)
 
     def _x_block(self, kc: int) -> int:
         c = self.config
@@ -182,6 +223,10 @@ class GemvBlock(Block):
             self.unsupported(f"gemv: m={c.m} x chunk_k={kc} bf16 activations exceed {X_SMEM_MAX} B of smem")
         if c.swiglu_limit is not None and not c.swiglu:
             self.unsupported("gemv: swiglu_limit without swiglu")
+        if c.mma and c.weight_dtype == "fp32":
+            self.unsupported("gemv: the MMA path takes bf16 or fp8 weights, not fp32")
+        if self.use_mma and not self._mma_chunk_ok(kc):
+            self.unsupported(f"gemv MMA: chunk_k={kc} must be a multiple of 128 (and <= 1024 for fp8)")
 
     def operand_specs(self):
         c = self.config
@@ -221,7 +266,14 @@ class GemvBlock(Block):
         return 16 * (self.nw * self.config.rows_per_tile * self.pitch_units + self.nw * self.scale_units)
 
     def x_smem_bytes(self) -> int:
-        return self.config.m * self.x_block * 2
+        return self.config.m * self.x_block * 2 + self.red_smem_bytes()
+
+    def red_smem_bytes(self) -> int:
+        """MMA path: the cross-warp sums [weight][token n8-padded][row m16-padded] fp32, after x."""
+        if not self.use_mma:
+            return 0
+        mt, nt = self.mma_tiles
+        return self.nw * nt * 8 * mt * 16 * 4
 
     def cost(self) -> Cost:
         c = self.config
@@ -341,6 +393,15 @@ class GemvBlock(Block):
         whole_x = CPX == self.stream_chunks()   # x staged once per tile (at chunk 0): reusable
         merged_norm = norm and whole_x and M <= MERGED_NORM_MAX_M
         pre_res = c.residual is not None and RW * M <= 16   # residual prefetched in registers
+        # the MMA path (see _mma_faces' comments in consume_mma / end_mma)
+        mma = self.use_mma
+        MT, NTN = self.mma_tiles
+        KBW = KC // 128                         # k16 blocks per warp per chunk
+        XBYTES = M * KX * 2                     # staged x, then the cross-warp sums
+        RED_WORDS = self.red_smem_bytes() // 4
+        EPI = -(-(R * M) // NT) if mma else 0   # epilogue outputs per thread
+        SXT = cutlass.Float16 if (mma and fp8) else BFloat16   # staged x: the MMA's B type
+        mma_kind = "f16" if fp8 else "bf16"
 
         @cute.jit
         def issue(ptrs, t: Int32, ch: Int32, stage_addr):
@@ -370,11 +431,31 @@ class GemvBlock(Block):
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
             warp = tid // 32
-            acc = cute.make_rmem_tensor((RW, nw, M), Float32)
+            if cutlass.const_expr(mma):
+                acc = cute.make_rmem_tensor((nw, MT, NTN, 4), Float32)
+                # zero the cross-warp sums (read by the previous tile's end before the barrier
+                # that closed its instruction; read by this tile's end after the chunks' barriers)
+                sRed = smem_tensor(sx + XBYTES, Float32, (RED_WORDS,))
+                for j in cutlass.range_constexpr(-(-RED_WORDS // NT)):
+                    if tid + NT * j < RED_WORDS:
+                        sRed[tid + NT * j] = Float32(0.0)
+            else:
+                acc = cute.make_rmem_tensor((RW, nw, M), Float32)
             acc.fill(0.0)
             # the residual rows of this tile, loaded now so the epilogue does not wait for them
-            resv = cute.make_rmem_tensor((RW, M), Float32)
-            if cutlass.const_expr(pre_res):
+            if cutlass.const_expr(mma):
+                # the residual of the epilogue's outputs of this thread: o = tid + NT * e,
+                # token-major (see end_mma)
+                resv = cute.make_rmem_tensor((max(EPI, 1),), Float32)
+                if cutlass.const_expr(c.residual is not None):
+                    mR = gmem_tensor(ptrs[i_res], rdt, (M, N), 2 if c.residual == "bf16" else 4)
+                    for e in cutlass.range_constexpr(EPI):
+                        o = tid + NT * e
+                        if o < R * M:
+                            resv[e] = mR[o // R, t * R + o % R].to(Float32)
+            else:
+                resv = cute.make_rmem_tensor((RW, M), Float32)
+            if cutlass.const_expr(pre_res and not mma):
                 mR = gmem_tensor(ptrs[i_res], rdt, (M, N), 2 if c.residual == "bf16" else 4)
                 if lane == 0:
                     for rr in cutlass.range_constexpr(RW):
@@ -409,14 +490,14 @@ class GemvBlock(Block):
                                     s_ = s_ + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                             sums.append(s_)
                         tot = block_sum_multi(sums, scratch)
-                        sXv = smem_tensor(sx, BFloat16, (M, NU, XV))
+                        sXv = smem_tensor(sx, SXT, (M, NU, XV))
                         for m in cutlass.range_constexpr(M):
                             rstd = cute.math.rsqrt(tot[m] / Float32(K) + Float32(eps), fastmath=False)
                             for j in cutlass.range_constexpr(NJ):
                                 u = tid + NT * j
                                 if u < NU:
                                     sXv[m, u, None].store((xr[m, j, None].load() * rstd * wr[j, None].load())
-                                                          .to(BFloat16))
+                                                          .to(SXT))
                     else:
                         # rstd of every token over the whole row, kept in scratch[STATS_OFFSET + m]
                         sums = []
@@ -434,6 +515,8 @@ class GemvBlock(Block):
                                 scratch[STATS_OFFSET + m] = cute.math.rsqrt(tot[m] / Float32(K) + Float32(eps),
                                                                             fastmath=False)
                         cute.arch.sync_threads()
+            if cutlass.const_expr(mma):
+                return acc, resv, sx
             return acc, resv
 
         @cute.jit
@@ -448,7 +531,7 @@ class GemvBlock(Block):
                 if stage:
                     tid, _, _ = cute.arch.thread_idx()
                     xb = ch // CPX
-                    sX = smem_tensor(sx, BFloat16, (M, XU, 8))
+                    sX = smem_tensor(sx, SXT, (M, XU, 8))
                     mX = gmem_tensor(ptrs[i_x], xdt, (M, K // 8, 8), 16)
                     if cutlass.const_expr(norm):
                         mNW = gmem_tensor(ptrs[i_nw], BFloat16, (K // 8, 8), 16)
@@ -460,7 +543,7 @@ class GemvBlock(Block):
                             v = mX[m, xb * XU + ku, None].load().to(Float32)
                             if cutlass.const_expr(norm):
                                 v = v * scratch[STATS_OFFSET + m] * mNW[xb * XU + ku, None].load().to(Float32)
-                            sX[m, ku, None].store(v.to(BFloat16))
+                            sX[m, ku, None].store(v.to(SXT))
 
         @cute.jit
         def consume(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):
@@ -523,4 +606,125 @@ class GemvBlock(Block):
                             a = a + mR[m, row].to(Float32)
                         mY[m, row] = a.to(odt)
 
+        # -- the MMA path: mma.sync m16n8k16 (fp32 accumulate), swap-AB: weight rows are the MMA's
+        # M (16 per m-tile), tokens its N (8 per n-tile). The 8 warps split each chunk's K (warp
+        # w takes k16 blocks [w KBW, (w+1) KBW)); end_mma sums the warps' partials in smem.
+        # K is a reduction, so its order inside a k16 block is free: thread (g = lane // 4,
+        # q = lane % 4) holds "logical" k {2q, 2q+1, 2q+8, 2q+9} of the fragment layout, mapped to
+        # the PHYSICAL elements 4q .. 4q+3 of the block - one 8-byte smem read per row for A (4
+        # bytes for fp8: then two e4m3x2 -> f16x2 conversions) and one per token for B.
+        @cute.jit
+        def mma_16816(a, b, cf):
+            return cute.arch.inline_ptx(
+                f"mma.sync.aligned.m16n8k16.row.col.f32.{mma_kind}.{mma_kind}.f32 "
+                "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
+                "{{$r6}, {$r7}, {$r8}, {$r9}};",
+                write_only_types=[Float32] * 4,
+                read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], cf[0], cf[1], cf[2], cf[3]])
+
+        @cute.jit
+        def e4m3x4_to_f16x2x2(word: Int32):
+            return cute.arch.inline_ptx(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, {$r0}; "
+                "cvt.rn.f16x2.e4m3x2 {$w0}, lo; cvt.rn.f16x2.e4m3x2 {$w1}, hi; }",
+                write_only_types=[Int32, Int32], read_only_args=[word])
+
+        WPR = PITCH * 4                         # 32-bit words per weight row in a stage
+
+        @cute.jit
+        def consume_mma(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):
+            acc = state[0]
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            warp = tid // 32
+            g = lane // 4
+            q = lane % 4
+            sWw = smem_tensor(stage_addr, Int32, (nw, R, WPR))
+            sXw = smem_tensor(sx, Int32, (M, KX // 2))
+            xo = (ch % CPX) * KC                 # the chunk's first column in the staged x block
+            # rows of the fragments (m-tile rows past R, when R % 16 == 8, repeat row R-1) and
+            # tokens (past M: token M-1): their sums land in the padding of end_mma's buffer
+            rsel = [Int32(cutlass.select_(mt * 16 + 8 * h + g < R, mt * 16 + 8 * h + g, R - 1))
+                    for mt in range(MT) for h in range(2)]
+            toks = [Int32(cutlass.select_(nt * 8 + g < M, nt * 8 + g, M - 1)) for nt in range(NTN)]
+            part = acc
+            if cutlass.const_expr(fp8):
+                part = cute.make_rmem_tensor((nw, MT, NTN, 4), Float32)
+                part.fill(0.0)
+            for j in cutlass.range_constexpr(KBW):
+                kb = warp * KBW + j
+                bf = []
+                for nt in cutlass.range_constexpr(NTN):
+                    w0 = (xo + kb * 16 + 4 * q) // 2
+                    bf.append((sXw[toks[nt], w0], sXw[toks[nt], w0 + 1]))
+                for i in cutlass.range_constexpr(nw):
+                    for mt in cutlass.range_constexpr(MT):
+                        af = []
+                        for h in cutlass.range_constexpr(2):          # rows g and g + 8
+                            r = rsel[2 * mt + h]
+                            if cutlass.const_expr(fp8):
+                                lo, hi = e4m3x4_to_f16x2x2(sWw[i, r, kb * 4 + q])
+                            else:
+                                lo = sWw[i, r, kb * 8 + 2 * q]
+                                hi = sWw[i, r, kb * 8 + 2 * q + 1]
+                            af.append((lo, hi))
+                        a = (af[0][0], af[1][0], af[0][1], af[1][1])
+                        for nt in cutlass.range_constexpr(NTN):
+                            cf = mma_16816(a, bf[nt], [part[i, mt, nt, v] for v in range(4)])
+                            for v in cutlass.range_constexpr(4):
+                                part[i, mt, nt, v] = cf[v]
+            if cutlass.const_expr(fp8):
+                # the warp's k16 blocks lie in one 128-wide scale block (chunk_k <= 1024)
+                sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU * 4))
+                for i in cutlass.range_constexpr(nw):
+                    sc = sS[i, (warp * KBW * 16) // SB]
+                    for mt in cutlass.range_constexpr(MT):
+                        for nt in cutlass.range_constexpr(NTN):
+                            for v in cutlass.range_constexpr(4):
+                                acc[i, mt, nt, v] = acc[i, mt, nt, v] + sc * part[i, mt, nt, v]
+
+        @cute.jit
+        def end_mma(ptrs, t: Int32, state, scratch):
+            acc, resv, sx = state
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            g = lane // 4
+            q = lane % 4
+            RP, MP = MT * 16, NTN * 8
+            # 1. every warp adds its partial sums into [weight][token][row] (fragment c holds
+            #    row g (+8 for c >= 2), tokens 2q, 2q+1); padded rows / tokens are never read
+            for i in cutlass.range_constexpr(nw):
+                for mt in cutlass.range_constexpr(MT):
+                    for nt in cutlass.range_constexpr(NTN):
+                        for v in cutlass.range_constexpr(4):
+                            row = mt * 16 + g + 8 * (v // 2)
+                            tok = nt * 8 + 2 * q + v % 2
+                            ptr = cute.make_ptr(Float32, sx + XBYTES + 4 * ((i * MP + tok) * RP + row),
+                                                cute.AddressSpace.smem, assumed_align=4)
+                            cute.arch.atomic_add(ptr, acc[i, mt, nt, v], scope="cta")
+            cute.arch.sync_threads()
+            # 2. the epilogue: thread tid has outputs o = tid + NT e, token-major (a warp writes
+            #    consecutive rows of one token: contiguous in y)
+            sRed = smem_tensor(sx + XBYTES, Float32, (nw, MP, RP))
+            mY = gmem_tensor(ptrs[i_y], odt, (M, N), 2 if c.out_dtype == "bf16" else 4)
+            for e in cutlass.range_constexpr(EPI):
+                o = tid + NT * e
+                if o < R * M:
+                    tok = o // R
+                    row = o - tok * R
+                    a = sRed[0, tok, row]
+                    if cutlass.const_expr(swiglu):
+                        b = sRed[1, tok, row]
+                        if cutlass.const_expr(limit is not None):
+                            a = cute.arch.fmin(a, Float32(limit))
+                            b = cute.arch.fmax(cute.arch.fmin(b, Float32(limit)), Float32(-limit))
+                        a = a / (Float32(1.0) + cute.math.exp(-a, fastmath=True)) * b
+                    if cutlass.const_expr(c.residual is not None):
+                        a = a + resv[e]
+                    mY[tok, t * R + row] = a.to(odt)
+            # the sums are zeroed by the next tile's begin: no thread may still be reading them
+            cute.arch.sync_threads()
+
+        if mma:
+            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma, end=end_mma)
         return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume, end=end)

@@ -79,8 +79,8 @@ class ExpertsConfig:
     out_dtype: str = "bf16"              # down: "bf16" | "fp32"
     rows_per_tile: int = 8
     unroll: int = 0                      # 16-byte loads per lane in flight per row; 0 = auto
-    rows_at_once: int = 0                # rows a warp streams together; 0 = auto
-    weight_l1: bool = False              # weight loads allocate in L1 (default: no_allocate)
+    rows_at_once: int = 1                # rows a warp streams together (see rows_at_once)
+    weight_l1: bool = True               # weight loads allocate in L1 (False: L1::no_allocate)
     expected_hits: float = 1.0           # hit local experts per step: for cost() only
     # expert parallelism (sdk/blocks/ep.py): the experts of an owner rank read the rows that the
     # N ranks dispatched to it. rows: rows of x (gateup) and columns of tok/slot (0 = m); act
@@ -190,15 +190,12 @@ class ExpertsBlock(Block):
 
     @property
     def rows_at_once(self) -> int:
-        """Rows a warp streams together (their loads in flight at once): a warp's rows take
-        ceil(rows_per_warp / RA) dependent round trips, so RA is the fewest passes the load budget
-        allows (RA x weights x unroll <= MAX_LOADS_IN_FLIGHT), with the fewest wasted rows."""
-        if self.config.rows_at_once:
-            return min(self.config.rows_at_once, self.rows_per_warp)
-        nw = 2 if self.config.stage == "gateup" else 1
-        cap = max(1, min(self.rows_per_warp, MAX_LOADS_IN_FLIGHT // (nw * self.unroll)))
-        passes = -(-self.rows_per_warp // cap)
-        return -(-self.rows_per_warp // passes)
+        """Rows a warp streams together (their loads in flight at once; a pass past the warp's
+        last row recomputes its first row). Measured on the H200 (bench/NOTES.md, MoE at batch
+        1): 1 is fastest - 2..7 rows at once (fewer round trips) made Kimi K3 / V4.1-Flash /
+        GLM-5.3 1.3x / 3.3x / 3.4x slower: the tile is bound by the dequantising instructions,
+        not by latency, and more rows at once only add register pressure and wasted rows."""
+        return max(1, min(self.config.rows_at_once, self.rows_per_warp))
 
     def check(self):
         c = self.config
@@ -379,9 +376,9 @@ class ExpertsBlock(Block):
 
         @cute.jit
         def load_w(mW, n, ch):
-            """One 16-byte weight load that does not allocate in L1: each weight is read once, and
-            the L1 beside the megakernel's smem ring (~28 KB) is left to x, which every row re-reads
-            (an allocating weight stream evicts x, and each x load becomes an L2 round trip)."""
+            """One 16-byte weight load (as 4 x int32; unpack() reinterprets it). weight_l1=False
+            makes it L1::no_allocate, meant to leave L1 to x - measured slower on the H200 (V4.1
+            MoE batch 1: 71.9 vs 42.3 us), so the default allocates."""
             v = cute.arch.load(mW[n, ch, None].iterator, ir.VectorType.get([4], Int32.mlir_type),
                                level1_eviction_priority=l1_policy)
             raw = cute.make_rmem_tensor((4,), Int32)

@@ -64,8 +64,8 @@ class MoELayerConfig:
     shared_dtype: str = "bf16"           # "bf16" | "fp8_e4m3" (GemvBlock's formats)
     router_rows: int = 0                 # rows per tile of the router GEMV; 0 = balanced
     expert_rows: int = 0                 # ... of the experts (one tile per SM where possible)
-    expert_rows_at_once: int = 0         # rows an expert warp streams together; 0 = auto
-    expert_weight_l1: bool = False       # expert weight loads allocate in L1 (default: they skip it)
+    expert_rows_at_once: int = 1         # rows an expert warp streams together (ExpertsConfig)
+    expert_weight_l1: bool = True        # expert weight loads allocate in L1 (ExpertsConfig)
     shared_rows: int = 0                 # ... of the shared expert's GEMVs
     num_sms: int = 132                   # SMs the balanced tiles are cut for
 

@@ -67,6 +67,67 @@ def bench_gemv(n, k, m, wd, copy_bw, max_stages=None):
             "speedup_vs_torch_graph": torch_us / us, "timing_mode": mode, "rel_err": err}
 
 
+def gemv_chain_program(n, k, m, wd, count):
+    """`count` independent GEMVs of one shape in ONE megakernel launch: y_j = x @ W_j^T, each W_j
+    its own buffer, no dependencies - the GEMV as the megakernel runs it (no launch, no ring fill
+    per GEMV: the ring streams straight from one GEMV's weights into the next one's)."""
+    from sdk.megakernel.mlp_stack import gemv_block
+    from sdk.blocks.gemv import GemvConfig
+    from sdk.megakernel.program import Program
+    prog = Program()
+    prog.buffer("x", (m, k), "bf16", "input")
+    block = gemv_block(GemvConfig(n=n, k=k, m=m, weight_dtype=wd), 0, 132)
+    for j in range(count):
+        prog.buffer(f"w{j}", (n, k), wd, "weight")
+        ops = {"w": f"w{j}", "x": "x", "y": f"y{j}"}
+        if wd == "fp8_e4m3":
+            prog.buffer(f"w{j}_scale", (n // 128, k // 128), "fp32", "weight")
+            ops["w_scale"] = f"w{j}_scale"
+        prog.buffer(f"y{j}", (m, n), "bf16", "output")
+        prog.op(block, ops, label=f"gemv{j}")
+    return prog
+
+
+def bench_gemv_chain(n, k, m, wd, copy_bw, count=None):
+    """µs per GEMV inside one launch of `count` GEMVs (count: >= 2 x L2 of weights, >= 4)."""
+    from sdk.megakernel.mlp_stack import quantize_fp8
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.megakernel.runtime import MegakernelRuntime
+    wbytes1 = n * k * (1 if wd == "fp8_e4m3" else 2)
+    count = count or max(4, -(-L2_FLUSH_BYTES // wbytes1))
+    prog = gemv_chain_program(n, k, m, wd, count)
+    tensors = PyVM.alloc(prog, device="cuda")
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    tensors["x"].copy_(x)
+    ref_w = []
+    for j in range(count):
+        w = (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+        if wd == "fp8_e4m3":
+            q, sc = quantize_fp8(w)
+            tensors[f"w{j}"].copy_(q)
+            tensors[f"w{j}_scale"].copy_(sc)
+            ref_w.append(q.float() * sc.repeat_interleave(128, 0).repeat_interleave(128, 1))
+        else:
+            tensors[f"w{j}"].copy_(w)
+            ref_w.append(w.float())
+        tensors[f"y{j}"].fill_(float("nan"))
+    rt = MegakernelRuntime(prog, tensors)
+    rt.run()
+    err = max(((tensors[f"y{j}"].float() - x.float() @ ref_w[j].T).norm() / (x.float() @ ref_w[j].T).norm()).item()
+              for j in (0, count - 1))
+    wbytes = prog.bytes_by_role("weight")
+    us, mode = timed([lambda: rt.launch()] * 4)
+    rt.check()
+    floor_us = wbytes / (copy_bw * 1e3)
+    per = us / count
+    del rt, tensors, ref_w
+    torch.cuda.empty_cache()
+    return {"case": f"gemv n={n} k={k} m={m} {wd} x{count} in one launch", "kind": "gemv_chain", "n": n, "k": k,
+            "m": m, "weight_dtype": wd, "count": count, "weight_bytes": wbytes, "us": us, "us_per_gemv": per,
+            "gbs": wbytes / (us * 1e3), "floor_us": floor_us, "fraction_of_floor": floor_us / us,
+            "timing_mode": mode, "rel_err": err}
+
+
 # ----------------------------------------------------------------------------------- MLP stack
 def torch_stack_calls(cfg, weights, x):
     """The same stack as unfused PyTorch bf16 ops (what the graph baseline runs)."""
@@ -178,6 +239,15 @@ def gemv_cases(quick: bool):
     return cases
 
 
+def gemv_chain_cases(quick: bool):
+    """(n, k, m, weight dtype) of the in-launch GEMV chains: the shapes whose single launch is
+    short (7-14 us of traffic) first."""
+    cases = [(7168, 2048, 1, "bf16"), (4096, 7168, 1, "bf16")]
+    if not quick:
+        cases += [(18432, 7168, 1, "bf16"), (18432, 7168, 1, "fp8_e4m3"), (18432, 7168, 8, "bf16")]
+    return cases
+
+
 def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
     """Run all benchmarks; write `megakernel_bench.json` (and a timeline) into out_dir."""
     os.makedirs(out_dir, exist_ok=True)
@@ -203,6 +273,14 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
         print(_line(r))
         results.append(r)
         save()
+    for n, k, m, wd in gemv_chain_cases(quick):
+        try:
+            r = bench_gemv_chain(n, k, m, wd, copy_bw)
+        except Exception as exc:
+            r = {"case": f"gemv n={n} k={k} m={m} {wd} chain", "error": f"{type(exc).__name__}: {exc}"}
+        print(_line(r))
+        results.append(r)
+        save()
     for i, cfg in enumerate(stack_cases(quick)):
         tl = os.path.join(out_dir, "timeline_mlp_stack.json") if (timeline and i == 0) else None
         try:
@@ -218,8 +296,10 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
 def _line(r) -> str:
     if "error" in r:
         return f"{r['case']:<44} ERROR {r['error'][:200]}"
+    torch_part = (f"torch-graph {r['torch_graph_us']:9.1f} us  x{r['speedup_vs_torch_graph']:.2f}"
+                  if "torch_graph_us" in r else f"{r['us_per_gemv']:9.1f} us per GEMV" if "us_per_gemv" in r else "")
     return (f"{r['case']:<44} {r['us']:9.1f} us {r['gbs']:7.0f} GB/s  floor {r['fraction_of_floor']*100:5.1f}%  "
-            f"torch-graph {r['torch_graph_us']:9.1f} us  x{r['speedup_vs_torch_graph']:.2f}  err {r['rel_err']:.1e}")
+            f"{torch_part}  err {r['rel_err']:.1e}")
 
 
 def summary(report) -> str:

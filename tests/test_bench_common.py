@@ -3,6 +3,7 @@ a failing case becomes an error record and does not lose the others, the JSON is
 after every case, and the summary table names every case."""
 import json
 
+import pytest
 import torch
 
 from bench import common
@@ -45,3 +46,33 @@ def test_cli_bench_names_every_benchmark_and_refuses_unknown(capsys):
         assert callable(importlib.import_module(f"bench.{name}_bench").main)
     assert main(["bench", "nosuch"]) == 2
     assert "unknown benchmark 'nosuch'; one of: megakernel, moe" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])
+def test_gemv_chain_program_equals_reference_in_pyvm(wd):
+    """The bench's in-launch GEMV chain: independent GEMVs, each y_j = x @ W_j^T (PyVM, 16 SMs)."""
+    from bench.megakernel_bench import gemv_chain_program
+    from sdk.megakernel.mlp_stack import quantize_fp8
+    from sdk.megakernel.pyvm import PyVM
+    n, k, m, count = 256, 512, 2, 3
+    g = torch.Generator().manual_seed(3)
+    weights, refs = {}, []
+    for j in range(count):
+        w = (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16)
+        if wd == "fp8_e4m3":
+            q, sc = quantize_fp8(w)
+            weights[f"w{j}"], weights[f"w{j}_scale"] = q, sc
+            refs.append(q.float() * sc.repeat_interleave(128, 0).repeat_interleave(128, 1))
+        else:
+            weights[f"w{j}"] = w
+            refs.append(w.float())
+    vm, sched = PyVM.from_program(gemv_chain_program(n, k, m, wd, count), 16, weights)
+    assert sum(len(lst) for lst in sched.per_sm) == count * n // vm.program.ops[0].block.config.rows_per_tile
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    vm.tensors["x"].copy_(x)
+    for j in range(count):
+        vm.tensors[f"y{j}"].fill_(float("nan"))
+    vm.step()
+    for j in range(count):
+        ref = x.float() @ refs[j].T
+        assert ((vm.tensors[f"y{j}"].float() - ref).norm() / ref.norm()).item() < 1e-2

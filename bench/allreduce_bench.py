@@ -13,8 +13,9 @@ N ranks' streams (num_sms // N CTAs each) with the per-instruction globaltimer r
 share the GPU's clock, so per all-reduce j: end_j = last tile end over all ranks; the reported
 latency is (end_{K-1} - end_0) / (K - 1): the steady-state time per all-reduce in a dependent
 chain, launch skew excluded. Median over R launches. Also: the span of one op (first tile start
-to last tile end over all ranks, median over ops), and the wall time per launch (CUDA events,
-includes the N host launches), for context.
+to last tile end over all ranks, median over ops), and the wall time per launch (CUDA events),
+for context. The N ranks' launches are replayed from one CUDA graph (`launch_mode`), so they
+reach the GPU together instead of one Python launch apart.
 
 Message = M tokens x D=4096 bf16 (8 KB per token): 8 KB .. 1 MB. JSON: commit, command, GPU,
 ranks, note, per (algo, bytes): us per all-reduce, op span, wall us.
@@ -30,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from bench.common import commit, write_json
+from bench.common import commit, replayer, write_json
 
 
 def measure(n: int, m: int, d: int, algo: str, k: int, reps: int) -> dict:
@@ -52,11 +53,12 @@ def measure(n: int, m: int, d: int, algo: str, k: int, reps: int) -> dict:
     idx = [(s, jj, op_of[prog.instructions[i].op_index])
            for s, lst in enumerate(rt.runtimes[0].schedule.per_sm) for jj, i in enumerate(lst)]
     S_, J_, A_ = (np.array(v) for v in zip(*idx))
+    launch, launch_mode = replayer(rt.launch)      # the ranks' launches together
     lat, span, wall = [], [], []
     ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(reps):
         ev0.record()
-        rt.launch()
+        launch()
         ev1.record()
         torch.cuda.synchronize()
         rt.check()
@@ -75,7 +77,7 @@ def measure(n: int, m: int, d: int, algo: str, k: int, reps: int) -> dict:
             "us_per_allreduce": round(statistics.median(lat), 3), "op_span_us": round(statistics.median(span), 3),
             "wall_us_per_launch": round(statistics.median(wall), 2), "tiles": [len(prog.ops[o].instructions)
                                                                               for o in comm.records[0]["ops"]],
-            "compile_s": round(compile_s, 2)}
+            "compile_s": round(compile_s, 2), "launch_mode": launch_mode}
 
 
 def main(argv=None):

@@ -116,6 +116,24 @@ def timed(calls):
         return eager_time_us(calls), "eager"
 
 
+def replayer(fn):
+    """(call, mode): `fn` captured once in a CUDA graph and replayed by `call` ('cuda_graph'), or
+    `fn` itself ('eager') if capture fails. The virtual-rank benchmarks use it so the N ranks'
+    launches reach the GPU together: launched eagerly, one Python launch per rank, the later
+    ranks start tens of microseconds after the first, and every flag wait measures that skew."""
+    try:
+        g = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            fn()
+        torch.cuda.synchronize()
+        return g.replay, "cuda_graph"
+    except Exception as exc:  # capture unsupported: say so, launch eagerly
+        print(f"  (graph capture failed: {type(exc).__name__}: {exc}; eager launches)", flush=True)
+        torch.cuda.synchronize()
+        return fn, "eager"
+
+
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 6) -> dict:
     """Device-memory bandwidth, GB/s, from 2 GiB buffers (33x the L2), several timed reps each:
       copy_*: (bytes read + bytes written) / time of a device-to-device copy, as elementwise

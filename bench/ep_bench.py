@@ -15,8 +15,10 @@ globaltimer record. All ranks share the GPU's clock, so over all ranks:
                                                                  the owners' tables are built)
     combine_us  = last ep.combine end - first ep.combine start  (return push, flags, weighted sum)
     layer_us    = last ep.combine end - first instruction start (the whole MoE layer)
-Median over R launches; wall_us is the time per launch from CUDA events (includes the N host
-launches). JSON (bench/common.py): commit, command, GPU, per (ranks, batch) the numbers above,
+Median over R launches; wall_us is the time per launch from CUDA events. The N ranks' launches
+are replayed from one CUDA graph (`launch_mode`): launched eagerly, one Python launch apart, the
+later ranks start tens of microseconds late and every flag wait measures that skew (the first
+run, eager, gave a 1.9 ms combine at batch 1). JSON (bench/common.py): commit, command, GPU, per (ranks, batch) the numbers above,
 bytes dispatched and returned per rank, tile counts.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from bench.common import arg_parser, command_line, commit, write_json
+from bench.common import arg_parser, command_line, commit, replayer, write_json
 
 HIDDEN, EXPERTS, TOPK, INTER, SHARED = 7168, 64, 8, 256, 256
 
@@ -54,11 +56,12 @@ def measure(n: int, batch: int, reps: int) -> dict:
            for j, i in enumerate(lst)]
     S_, J_, O_ = (np.array(v) for v in zip(*idx))
     nops = len(labels)
+    launch, launch_mode = replayer(rt.launch)      # the ranks' launches together
     res = {"dispatch_us": [], "combine_us": [], "layer_us": [], "wall_us": []}
     ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(reps):
         ev0.record()
-        rt.launch()
+        launch()
         ev1.record()
         torch.cuda.synchronize()
         rt.check()
@@ -81,7 +84,7 @@ def measure(n: int, batch: int, reps: int) -> dict:
            **{k: round(statistics.median(v), 3) for k, v in res.items()},
            "dispatch_bytes_rank0": sent_rows * HIDDEN * 2, "return_bytes_rank0": batch * TOPK * HIDDEN * 2,
            "tiles": {lb: len(prog.ops[k].instructions) for k, lb in enumerate(labels) if lb.startswith("ep.")},
-           "compile_s": round(compile_s, 2)}
+           "compile_s": round(compile_s, 2), "launch_mode": launch_mode}
     out["ep_us"] = round(out["dispatch_us"] + out["combine_us"], 3)
     return out
 

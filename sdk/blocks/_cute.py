@@ -48,6 +48,16 @@ def gmem_tensor(addr: Int64, dtype: cutlass.Constexpr, shape: cutlass.Constexpr,
     return cute.make_tensor(ptr, row_major(shape))
 
 
+@cute.jit
+def swiglu_act(gate: Float32, up: Float32, limit: cutlass.Constexpr) -> Float32:
+    """silu(gate) * up for one output, with the optional clamp limit (gate <= limit,
+    |up| <= limit; limit None: no clamp) - the SwiGLU epilogue of the GEMV and expert tiles."""
+    if cutlass.const_expr(limit is not None):
+        gate = cute.arch.fmin(gate, Float32(limit))
+        up = cute.arch.fmax(cute.arch.fmin(up, Float32(limit)), Float32(-limit))
+    return gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
+
+
 def tree_sum(values: list):
     """Sum of a list of traced values as a balanced tree (a plain Python helper, unrolled when
     traced: the DSL would turn a `while` inside a jit function into a device loop)."""

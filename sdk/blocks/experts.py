@@ -337,7 +337,7 @@ class ExpertsBlock(Block):
         from cutlass import Float32, Int32, Int64
         from cutlass._mlir import ir
 
-        from ._cute import DTYPE_MAP, gmem_tensor
+        from ._cute import DTYPE_MAP, gmem_tensor, swiglu_act
 
         c = self.config
         fmt = c.weight_dtype
@@ -558,11 +558,7 @@ class ExpertsBlock(Block):
                             for g in cutlass.range_constexpr(GMAX):
                                 v = cute.arch.warp_reduction_sum(acc[a, 0, g])
                                 if cutlass.const_expr(gateup):
-                                    b = cute.arch.warp_reduction_sum(acc[a, 1, g])
-                                    if cutlass.const_expr(limit is not None):
-                                        v = cute.arch.fmin(v, Float32(limit))
-                                        b = cute.arch.fmax(cute.arch.fmin(b, Float32(limit)), Float32(-limit))
-                                    v = v / (Float32(1.0) + cute.math.exp(-v, fastmath=True)) * b
+                                    v = swiglu_act(v, cute.arch.warp_reduction_sum(acc[a, 1, g]), limit)
                                     if (lane == 0) & (g < ng) & ok[a]:
                                         mAct[sl[g], rows[a]] = v.to(cutlass.BFloat16)
                                 elif cutlass.const_expr(scatter):

@@ -356,7 +356,7 @@ class GemvBlock(Block):
         from cutlass import BFloat16, Float32, Int32
         from cutlass.cute.nvgpu import cpasync
 
-        from ._cute import DTYPE_MAP, block_sum_multi, gmem_tensor, producer_slot, smem_tensor, tree_sum
+        from ._cute import DTYPE_MAP, block_sum_multi, gmem_tensor, producer_slot, smem_tensor, swiglu_act, tree_sum
 
         c = self.config
         NT, NWARP = NUM_THREADS, NUM_THREADS // 32
@@ -594,11 +594,7 @@ class GemvBlock(Block):
                 for m in cutlass.range_constexpr(M):
                     a = cute.arch.warp_reduction_sum(acc[rr, 0, m])
                     if cutlass.const_expr(swiglu):
-                        b = cute.arch.warp_reduction_sum(acc[rr, 1, m])
-                        if cutlass.const_expr(limit is not None):
-                            a = cute.arch.fmin(a, Float32(limit))
-                            b = cute.arch.fmax(cute.arch.fmin(b, Float32(limit)), Float32(-limit))
-                        a = a / (Float32(1.0) + cute.math.exp(-a, fastmath=True)) * b
+                        a = swiglu_act(a, cute.arch.warp_reduction_sum(acc[rr, 1, m]), limit)
                     if lane == 0:
                         if cutlass.const_expr(pre_res):
                             a = a + resv[rr, m]
@@ -715,11 +711,7 @@ class GemvBlock(Block):
                     row = o - tok * R
                     a = sRed[0, tok, row]
                     if cutlass.const_expr(swiglu):
-                        b = sRed[1, tok, row]
-                        if cutlass.const_expr(limit is not None):
-                            a = cute.arch.fmin(a, Float32(limit))
-                            b = cute.arch.fmax(cute.arch.fmin(b, Float32(limit)), Float32(-limit))
-                        a = a / (Float32(1.0) + cute.math.exp(-a, fastmath=True)) * b
+                        a = swiglu_act(a, sRed[1, tok, row], limit)
                     if cutlass.const_expr(c.residual is not None):
                         a = a + resv[e]
                     mY[tok, t * R + row] = a.to(odt)

@@ -282,3 +282,48 @@ def test_compile_moe_blocks_and_megakernel(arch):
     report = compile_check([arch])        # the blocks themselves: sdk.compile.block_cases()
     assert not failures(report), "\n".join(failures(report))
     assert len(report[arch]) == 1
+
+
+def _tile_mma_arithmetic(packed: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T for MXFP4 rows computed the way ExpertsBlock's tensor-core tile (mma=True) does:
+    per step of 128 columns, each quad thread q decodes its 16-byte chunk (one scale group) into
+    f16 pairs (e2m1 * 2^-14; pair p of a word = elements p, p+4), multiplies them by 2^(s_q - s_max)
+    in f16 (groups more than 2^14 below the row's largest flush to 0), x as f16 pairs of the same
+    elements; the MMA sums the step in fp32; the step is scaled by 2^(s_max - 127 + 14)."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    codes_b = packed.contiguous().view(torch.uint8)
+    codes = torch.stack([codes_b & 15, codes_b >> 4], dim=-1).flatten(-2).long()      # [n, k]
+    e2m1_f16 = (E2M1_VALUES[codes] * 2.0 ** -14).to(torch.float16)                  # exact
+    s8 = scales.contiguous().view(torch.uint8).long()                                  # [n, k/32]
+    xh = x.float().to(torch.float16)                                                    # [m, k]
+    y = torch.zeros(x.shape[0], n)
+    for st in range(k // 128):
+        groups = s8[:, 4 * st: 4 * st + 4]                                             # [n, 4]
+        smax = groups.max(dim=1).values
+        part = torch.zeros(x.shape[0], n)
+        for q in range(4):
+            cols = slice(128 * st + 32 * q, 128 * st + 32 * q + 32)
+            d = groups[:, q] - smax
+            factor = torch.where(d >= -14, torch.exp2(d.float()), torch.zeros(())).to(torch.float16)
+            a = (e2m1_f16[:, cols] * factor[:, None]).float()                        # HMUL2 (rn)
+            part += xh[:, cols].float() @ a.T                                          # the MMA: fp32 sums
+        y += part * torch.exp2((smax - 127).float() + 14.0)[None, :]
+    return y
+
+
+@pytest.mark.parametrize("spread", [0, 20])
+def test_experts_tile_mma_arithmetic_matches_dequantised_reference(spread):
+    """The tensor-core expert tile's arithmetic (decode pairs, relative group scales in f16, fp32
+    MMA sums) against x @ dequant(W)^T; spread > 0 gives each row's scale groups exponents up to
+    2^spread apart (the flush of groups > 2^14 below the row's largest must stay negligible)."""
+    g = torch.Generator().manual_seed(11)
+    n, k, m = 48, 1024, 3
+    w = torch.randn(n, k, generator=g) * 0.02
+    if spread:
+        w = w * torch.exp2(torch.randint(-spread, 1, (n, k // 32), generator=g).float()).repeat_interleave(32, 1)
+    packed, scales = quantize_mxfp4(w)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    ref = x.float() @ dequant_mxfp4(packed, scales).T
+    got = _tile_mma_arithmetic(packed, scales, x)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < 2e-3, rel

@@ -36,6 +36,9 @@ Expert parallelism (sdk/blocks/ep.py): `rows` decouples the rows of x and of the
 assignment's row alone and unweighted (out[slot], [rows * top_k, hidden]) for the source rank
 to weigh and sum; then rows may exceed 64.
 
+Tensor cores (`mma=True`, MXFP4; written and compile-checked, not yet run on a GPU): see
+`tile_mma` below and docs/moe.md.
+
 Supported: M = 1..64, top_k <= 32, K (hidden for gate/up, I for down) a multiple of the
 elements per 16-byte load (8 bf16, 16 fp8, 32 mxfp4) and, for fp8, of 128. Not yet: the
 tensor-core path for large per-expert token counts (a group of 8 re-reads the expert's rows
@@ -54,6 +57,7 @@ FORMATS = ("bf16", "fp8_e4m3", "mxfp4")
 ELEMS_PER_LOAD = {"bf16": 8, "fp8_e4m3": 16, "mxfp4": 32}
 GROUPS = (1, 2, 4, 8)       # token-group variants
 MAX_LOADS_IN_FLIGHT = 28    # 16-byte weight loads per lane per step (112 registers)
+MMA_RED_WORDS = 512         # tile_mma's cross-warp sums live in the tile's scratch (before STATS_OFFSET)
 
 
 def balanced_rows(out_rows: int, num_sms: int = 132) -> int:
@@ -81,6 +85,7 @@ class ExpertsConfig:
     unroll: int = 0                      # 16-byte loads per lane in flight per row; 0 = auto
     rows_at_once: int = 1                # rows a warp streams together (see rows_at_once)
     weight_l1: bool = True               # weight loads allocate in L1 (False: L1::no_allocate)
+    mma: bool = False                    # MXFP4 on the tensor cores (tile_mma; not yet GPU-validated)
     expected_hits: float = 1.0           # hit local experts per step: for cost() only
     # expert parallelism (sdk/blocks/ep.py): the experts of an owner rank read the rows that the
     # N ranks dispatched to it. rows: rows of x (gateup) and columns of tok/slot (0 = m); act
@@ -185,6 +190,15 @@ class ExpertsBlock(Block):
         return min(MAX_LOADS_IN_FLIGHT // nw, per_lane)
 
     @property
+    def nw(self) -> int:                 # weights per output row: gate and up, or down
+        return 2 if self.config.stage == "gateup" else 1
+
+    @property
+    def mma_red_words(self) -> int:
+        """tile_mma's cross-warp sums: [weight][8 tokens][rows padded to m16 tiles] fp32."""
+        return self.nw * 8 * 16 * -(-self.config.rows_per_tile // 16)
+
+    @property
     def rows_per_warp(self) -> int:
         return self.config.rows_per_tile // (NUM_THREADS // 32)
 
@@ -227,6 +241,12 @@ class ExpertsBlock(Block):
             self.unsupported(f"experts: rows={c.rows} > 64 needs scatter (the per-token combine holds 64 tokens)")
         if c.scatter and (c.stage != "down" or c.shared):
             self.unsupported("experts: scatter is a down-stage mode without a shared-expert input")
+        if c.mma:
+            if c.weight_dtype != "mxfp4":
+                self.unsupported(f"experts mma: weight dtype {c.weight_dtype!r} (the tensor-core tile takes mxfp4)")
+            if self.mma_red_words > MMA_RED_WORDS:
+                self.unsupported(f"experts mma: {self.config.rows_per_tile} rows x {self.nw} weights x 8 tokens "
+                                 f"exceed the {MMA_RED_WORDS}-word cross-warp sum in scratch")
 
     def operand_specs(self):
         c = self.config
@@ -583,4 +603,189 @@ class ExpertsBlock(Block):
                                     v = v + mSh[m_out, rows[a]]
                                 mOut[m_out, rows[a]] = v.to(odt)
 
+        # -- the tensor-core tile (mma=True, MXFP4) ---------------------------------------------
+        # Warp mma.sync m16n8k16 (f16 in, fp32 accumulate), swap-AB: weight rows are the MMA's M
+        # (MT m-tiles of 16 cover the tile's R rows; rows past R repeat row R-1), the tokens of an
+        # expert's group its N (8; tokens past the group's end are zero columns). K is cut into
+        # steps of 128 (4 scale groups of 32); warp w takes steps w, w+8, ...; the warps' partial
+        # sums meet in `scratch` (shared-memory atomics), then the epilogue runs from there.
+        # In a step, thread (g, q) (lane = 4g + q) loads ONE 16-byte chunk (32 e2m1 = one scale
+        # group: 4s + q) of each of its rows (g and g+8 of every m-tile, gate and up) and the same
+        # 32 columns of x for token g. The scale word of the step holds all 4 groups' exponents;
+        # the MMA sums the 4 groups of a row together, so each thread multiplies its decoded f16
+        # pairs by 2^(s_q - s_max) (HMUL2; s_max = the row's largest of the 4: values it flushes
+        # are < 2^-14 of the row's largest group) and the step's sum is scaled by 2^(s_max - 127)
+        # in fp32. K is a reduction, so its order inside an MMA is free: MMA m of the step takes
+        # the thread's decoded pairs (2(m%2), 2(m%2)+1) of word m//2 - pair p of a word is
+        # elements (p, p+4) - for A, and the same elements of x for B. No conversion to fp32 per
+        # weight: the MMA multiplies the f16 pairs the e2m1 decode produces.
+        MT = -(-R // 16)
+        RP = MT * 16
+        STEPS = K // 128
+        RW_ = R // NW                               # down epilogue: rows per warp
+        RED = self.mma_red_words
+
+        @cute.jit
+        def mma_16816_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            return cute.arch.inline_ptx(
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
+                "{{$r6}, {$r7}, {$r8}, {$r9}};",
+                write_only_types=[Float32] * 4, read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
+
+        @cute.jit
+        def hmul2(a: Int32, b: Int32) -> Int32:
+            return cute.arch.inline_ptx("mul.rn.f16x2 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
+                                        read_only_args=[a, b])
+
+        @cute.jit
+        def f32x2_to_f16x2(lo: Float32, hi: Float32) -> Int32:
+            return cute.arch.inline_ptx("cvt.rn.f16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
+                                        read_only_args=[hi, lo])
+
+        @cute.jit
+        def decode_pairs(raw, factor: Int32):
+            """16 f16x2 of one 16-byte e2m1 chunk, pair 4i + p = elements (8i+p, 8i+p+4), each
+            the e2m1 value * 2^-14 * factor (f16x2)."""
+            out = []
+            for i in cutlass.range_constexpr(4):
+                word = raw[i]
+                for p in cutlass.range_constexpr(4):
+                    wp = word >> (4 * p)
+                    out.append(hmul2(((wp & 0x00070007) << 9) | ((wp & 0x00080008) << 12), factor))
+            return out
+
+        @cute.jit
+        def tile_mma(ptrs, t: Int32, scratch):
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            warp = tid // 32
+            g = lane // 4
+            q = lane % 4
+            mCnt = gmem_tensor(ptrs[P_CNT], Int32, (L,), 4)
+            mHits = gmem_tensor(ptrs[P_HITS], Int32, (L + 1,), 4)
+            mTok = gmem_tensor(ptrs[P_TOK], Int32, (L, M), 4)
+            mSlot = gmem_tensor(ptrs[P_SLOT], Int32, (L, M), 4)
+            mX = gmem_tensor(ptrs[6], cutlass.BFloat16, (xrows, K // 8, 8), 16)
+            if cutlass.const_expr(gateup):
+                mAct = gmem_tensor(ptrs[7], cutlass.BFloat16, (M * KT, I), 2)
+            else:
+                mTw = gmem_tensor(ptrs[7], Float32, (M * KT,), 4)
+                mOut = gmem_tensor(ptrs[9], odt, (M * KT if scatter else M, D), 4 if c.out_dtype == "fp32" else 2)
+            # the thread's fragment rows (mt, h): tile row mt*16 + 8h + g, clamped to the tile
+            frows = [Int32(cutlass.select_(mt * 16 + 8 * h + g < R, mt * 16 + 8 * h + g, R - 1))
+                     for mt in range(MT) for h in range(2)]
+            acc = cute.make_rmem_tensor((nw, MT, 4), Float32)
+            osum = cute.make_rmem_tensor((max(RW_, 1), 2), Float32)      # down: tokens lane, lane+32
+            osum.fill(0.0)
+            for j in cutlass.range_constexpr(-(-RED // NUM_THREADS)):
+                if tid + NUM_THREADS * j < RED:
+                    scratch[tid + NUM_THREADS * j] = Float32(0.0)
+            cute.arch.sync_threads()
+            n_hit = mHits[0]
+            for hh in cutlass.range(n_hit, unroll=1):
+                le = mHits[1 + hh]
+                mW, mS = expert_views(ptrs, le)
+                n = mCnt[le]
+                for g0 in cutlass.range(0, n, 8, unroll=1):
+                    ng = n - g0
+                    # B: token g of the group (zero columns past its end)
+                    has_tok = g < ng
+                    xrow = Int32(0)
+                    if has_tok:
+                        if cutlass.const_expr(gateup):
+                            xrow = mTok[le, g0 + g]
+                        else:
+                            xrow = mSlot[le, g0 + g]
+                    acc.fill(0.0)
+                    for st in cutlass.range(warp, STEPS, NW, unroll=1):
+                        chunk = 4 * st + q
+                        # every load of the step first: weights, scale words, x
+                        raws = [[load_w(mW, t * R + frows[f] + i * I, chunk) for f in range(2 * MT)]
+                                for i in range(nw)]
+                        sws = [[mS[t * R + frows[f] + i * I, st] for f in range(2 * MT)] for i in range(nw)]
+                        xv = cute.make_rmem_tensor((4, 8), Float32)
+                        xv.fill(0.0)
+                        if has_tok:
+                            for wi in cutlass.range_constexpr(4):
+                                xv[wi, None].store(mX[xrow, chunk * 4 + wi, None].load().to(Float32))
+                        xp = [f32x2_to_f16x2(xv[k // 4, k % 4], xv[k // 4, k % 4 + 4]) for k in range(16)]
+                        for i in cutlass.range_constexpr(nw):
+                            for mt in cutlass.range_constexpr(MT):
+                                pairs, rowscale = [], []
+                                for h in cutlass.range_constexpr(2):
+                                    sw = sws[i][2 * mt + h]
+                                    e = [(sw >> (8 * b)) & 255 for b in range(4)]
+                                    smax = Int32(cutlass.select_(e[0] > e[1], e[0], e[1]))
+                                    smax = Int32(cutlass.select_(e[2] > smax, e[2], smax))
+                                    smax = Int32(cutlass.select_(e[3] > smax, e[3], smax))
+                                    eq = (sw >> (8 * q)) & 255
+                                    d = eq - smax                                   # <= 0
+                                    fb = Int32(cutlass.select_(d >= -14, (d + 15) << 10, 0))
+                                    pairs.append(decode_pairs(raws[i][2 * mt + h], fb | (fb << 16)))
+                                    # 2^(smax - 127) * 2^14: the e2m1 decode's bias
+                                    rowscale.append(bits_to_f32((smax + 14) << 23))
+                                cf = [Float32(0.0)] * 4
+                                for m8 in cutlass.range_constexpr(8):
+                                    k0 = 4 * (m8 // 2) + 2 * (m8 % 2)
+                                    cf = list(mma_16816_f16(pairs[0][k0], pairs[1][k0], pairs[0][k0 + 1],
+                                                            pairs[1][k0 + 1], xp[k0], xp[k0 + 1],
+                                                            cf[0], cf[1], cf[2], cf[3]))
+                                for v in cutlass.range_constexpr(4):
+                                    acc[i, mt, v] = acc[i, mt, v] + rowscale[v // 2] * cf[v]
+                    # the warps' partial sums: [weight][token j][row]; c0, c1 = row g, tokens 2q,
+                    # 2q+1; c2, c3 = row g+8
+                    for i in cutlass.range_constexpr(nw):
+                        for mt in cutlass.range_constexpr(MT):
+                            for v in cutlass.range_constexpr(4):
+                                row = mt * 16 + g + 8 * (v // 2)
+                                j = 2 * q + v % 2
+                                cute.arch.atomic_add(scratch.iterator + ((i * 8 + j) * RP + row), acc[i, mt, v],
+                                                     scope="cta")
+                    cute.arch.sync_threads()
+                    # epilogue of the group, then its sums are zeroed for the next one
+                    if cutlass.const_expr(gateup or scatter):
+                        for e in cutlass.range_constexpr(-(-(8 * R) // NUM_THREADS)):
+                            o = tid + NUM_THREADS * e
+                            if o < 8 * R:
+                                j = o // R
+                                row = o - j * R
+                                if j < ng:
+                                    v = scratch[j * RP + row]
+                                    slot = mSlot[le, g0 + j]
+                                    if cutlass.const_expr(gateup):
+                                        v = swiglu_act(v, scratch[(8 + j) * RP + row], limit)
+                                        mAct[slot, t * R + row] = v.to(cutlass.BFloat16)
+                                    else:
+                                        mOut[slot, t * R + row] = v.to(odt)
+                    else:
+                        for rr in cutlass.range_constexpr(RW_):
+                            row = warp + NW * rr
+                            for j in cutlass.range_constexpr(8):
+                                if j < ng:
+                                    v = scratch[j * RP + row] * mTw[mSlot[le, g0 + j]]
+                                    m_tok = mTok[le, g0 + j]
+                                    if m_tok == lane:
+                                        osum[rr, 0] = osum[rr, 0] + v
+                                    if m_tok == lane + 32:
+                                        osum[rr, 1] = osum[rr, 1] + v
+                    cute.arch.sync_threads()
+                    for j in cutlass.range_constexpr(-(-RED // NUM_THREADS)):
+                        if tid + NUM_THREADS * j < RED:
+                            scratch[tid + NUM_THREADS * j] = Float32(0.0)
+                    cute.arch.sync_threads()
+            if cutlass.const_expr(not gateup and not scatter):
+                for rr in cutlass.range_constexpr(RW_):
+                    row = warp + NW * rr
+                    for half in cutlass.range_constexpr(2):
+                        m_out = lane + 32 * half
+                        if m_out < M:
+                            v = osum[rr, half]
+                            if cutlass.const_expr(has_shared):
+                                mSh = gmem_tensor(ptrs[8], Float32, (M, D), 4)
+                                v = v + mSh[m_out, t * R + row]
+                            mOut[m_out, t * R + row] = v.to(odt)
+
+        if c.mma:
+            return tile_mma
         return tile

@@ -66,6 +66,7 @@ class MoELayerConfig:
     expert_rows: int = 0                 # ... of the experts (one tile per SM where possible)
     expert_rows_at_once: int = 1         # rows an expert warp streams together (ExpertsConfig)
     expert_weight_l1: bool = True        # expert weight loads allocate in L1 (ExpertsConfig)
+    expert_mma: bool = False             # MXFP4 expert tiles on the tensor cores (ExpertsConfig.mma)
     shared_rows: int = 0                 # ... of the shared expert's GEMVs
     num_sms: int = 132                   # SMs the balanced tiles are cut for
 
@@ -136,12 +137,12 @@ def blocks(cfg: MoELayerConfig) -> dict:
         "gateup": ExpertsBlock(ExpertsConfig(stage="gateup", hidden=d, intermediate=cfg.intermediate,
                                              num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
                                              swiglu_limit=cfg.swiglu_limit, rows_per_tile=er["gateup"],
-                                             rows_at_once=cfg.expert_rows_at_once,
+                                             rows_at_once=cfg.expert_rows_at_once, mma=cfg.expert_mma,
                                              weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
         "down": ExpertsBlock(ExpertsConfig(stage="down", hidden=d, intermediate=cfg.intermediate,
                                            num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
                                            shared=bool(cfg.shared_intermediate), rows_per_tile=er["down"],
-                                           rows_at_once=cfg.expert_rows_at_once,
+                                           rows_at_once=cfg.expert_rows_at_once, mma=cfg.expert_mma,
                                            weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
     }
     if cfg.shared_intermediate:
@@ -389,7 +390,9 @@ def moe_block_cases() -> list:
     k3, v4, glm = preset("kimi_k3", 1), preset("deepseek_v41_flash", 8, expert_dtype="mxfp4"), \
         preset("glm_53", 64, expert_dtype="fp8_e4m3")
     b3, b4, bg = blocks(k3), blocks(v4), blocks(glm)
-    return [b3["logits"], b3["select"], b4["select"], b3["gateup"], b4["gateup"], b4["down"], bg["gateup"], bg["down"]]
+    bm = blocks(preset("kimi_k3", 8, expert_dtype="mxfp4", expert_mma=True))      # the tensor-core tile
+    return [b3["logits"], b3["select"], b4["select"], b3["gateup"], b4["gateup"], b4["down"], bg["gateup"], bg["down"],
+            bm["gateup"], bm["down"]]
 
 
 def moe_megakernel_cases() -> list:

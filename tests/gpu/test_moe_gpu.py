@@ -137,13 +137,13 @@ def test_moe_layer_formats_and_routing_kinds(fmt, kind):
         assert rel_err(out.cpu(), ref) <= BF16_TOL, f"step {step}"
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-def test_moe_layer_skew_all_tokens_one_expert(fmt):
+@pytest.mark.parametrize("fmt,mma", [("bf16", False), ("mxfp4", False), ("mxfp4", True)])
+def test_moe_layer_skew_all_tokens_one_expert(fmt, mma):
     """Every token on one local expert (64 tokens: 8 groups of 8 through the same expert)."""
     need_gpu()
     from sdk.megakernel.moe_layer import MoELayerConfig, reference
     cfg = MoELayerConfig(hidden=2048, num_experts=128, top_k=4, intermediate=512, num_local=32, rank=2, batch=64,
-                         correction_bias=True, expert_dtype=fmt, shared_intermediate=512)
+                         correction_bias=True, expert_dtype=fmt, shared_intermediate=512, expert_mma=mma)
     rt, weights = _runtime(cfg, seed=3)
     weights["router.bias"].zero_()
     weights["router.bias"][70] = 100.0
@@ -203,8 +203,21 @@ def test_moe_layer_real_shard_one_launch(model, batch):
     """The per-GPU shard of each model (router over all experts, this rank's experts, shared
     expert) in one launch; two launches with fresh inputs (epochs 1, 2)."""
     need_gpu()
-    from sdk.megakernel.moe_layer import preset, reference
-    cfg = preset(model, batch, expert_dtype=REAL[model])
+    from sdk.megakernel.moe_layer import preset
+    _check_two_steps(preset(model, batch, expert_dtype=REAL[model]), batch)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("model", list(REAL))
+def test_moe_layer_tensor_core_experts(model, batch):
+    """The same shards with MXFP4 experts on the tensor-core tile (ExpertsConfig.mma)."""
+    need_gpu()
+    from sdk.megakernel.moe_layer import preset
+    _check_two_steps(preset(model, batch, expert_dtype="mxfp4", expert_mma=True), batch)
+
+
+def _check_two_steps(cfg, batch):
+    from sdk.megakernel.moe_layer import reference
     rt, weights = _runtime(cfg, seed=batch)
     for step in range(2):
         x = torch.randn(batch, cfg.hidden, device="cuda").to(torch.bfloat16)

@@ -58,6 +58,17 @@ def swiglu_act(gate: Float32, up: Float32, limit: cutlass.Constexpr) -> Float32:
     return gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
 
 
+def mma_m16n8k16(kind: str, a, b, c):
+    """One warp mma.sync m16n8k16, fp32 accumulate: `kind` "bf16" | "f16" (A and B), a = 4 and
+    b = 2 packed 32-bit registers of the fragment layout, c = the 4 fp32 accumulators; returns
+    the 4 new accumulators (a plain helper: the PTX string depends on `kind`)."""
+    return cute.arch.inline_ptx(
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+        "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
+        "{{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
+
+
 def tree_sum(values: list):
     """Sum of a list of traced values as a balanced tree (a plain Python helper, unrolled when
     traced: the DSL would turn a `while` inside a jit function into a device loop)."""

@@ -357,7 +357,7 @@ class ExpertsBlock(Block):
         from cutlass import Float32, Int32, Int64
         from cutlass._mlir import ir
 
-        from ._cute import DTYPE_MAP, gmem_tensor, swiglu_act
+        from ._cute import DTYPE_MAP, gmem_tensor, mma_m16n8k16, swiglu_act
 
         c = self.config
         fmt = c.weight_dtype
@@ -626,14 +626,6 @@ class ExpertsBlock(Block):
         RED = self.mma_red_words
 
         @cute.jit
-        def mma_16816_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-            return cute.arch.inline_ptx(
-                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
-                "{{$r6}, {$r7}, {$r8}, {$r9}};",
-                write_only_types=[Float32] * 4, read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
-
-        @cute.jit
         def hmul2(a: Int32, b: Int32) -> Int32:
             return cute.arch.inline_ptx("mul.rn.f16x2 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
                                         read_only_args=[a, b])
@@ -728,9 +720,8 @@ class ExpertsBlock(Block):
                                 cf = [Float32(0.0)] * 4
                                 for m8 in cutlass.range_constexpr(8):
                                     k0 = 4 * (m8 // 2) + 2 * (m8 % 2)
-                                    cf = list(mma_16816_f16(pairs[0][k0], pairs[1][k0], pairs[0][k0 + 1],
-                                                            pairs[1][k0 + 1], xp[k0], xp[k0 + 1],
-                                                            cf[0], cf[1], cf[2], cf[3]))
+                                    cf = list(mma_m16n8k16("f16", (pairs[0][k0], pairs[1][k0], pairs[0][k0 + 1],
+                                                                   pairs[1][k0 + 1]), (xp[k0], xp[k0 + 1]), cf))
                                 for v in cutlass.range_constexpr(4):
                                     acc[i, mt, v] = acc[i, mt, v] + rowscale[v // 2] * cf[v]
                     # the warps' partial sums: [weight][token j][row]; c0, c1 = row g, tokens 2q,

@@ -356,7 +356,8 @@ class GemvBlock(Block):
         from cutlass import BFloat16, Float32, Int32
         from cutlass.cute.nvgpu import cpasync
 
-        from ._cute import DTYPE_MAP, block_sum_multi, gmem_tensor, producer_slot, smem_tensor, swiglu_act, tree_sum
+        from ._cute import (DTYPE_MAP, block_sum_multi, gmem_tensor, mma_m16n8k16, producer_slot, smem_tensor,
+                            swiglu_act, tree_sum)
 
         c = self.config
         NT, NWARP = NUM_THREADS, NUM_THREADS // 32
@@ -611,15 +612,6 @@ class GemvBlock(Block):
         # the PHYSICAL elements 4q .. 4q+3 of the block - one 8-byte smem read per row for A (4
         # bytes for fp8: then two e4m3x2 -> f16x2 conversions) and one per token for B.
         @cute.jit
-        def mma_16816(a, b, cf):
-            return cute.arch.inline_ptx(
-                f"mma.sync.aligned.m16n8k16.row.col.f32.{mma_kind}.{mma_kind}.f32 "
-                "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
-                "{{$r6}, {$r7}, {$r8}, {$r9}};",
-                write_only_types=[Float32] * 4,
-                read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], cf[0], cf[1], cf[2], cf[3]])
-
-        @cute.jit
         def e4m3x4_to_f16x2x2(word: Int32):
             return cute.arch.inline_ptx(
                 "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, {$r0}; "
@@ -667,7 +659,7 @@ class GemvBlock(Block):
                             af.append((lo, hi))
                         a = (af[0][0], af[1][0], af[0][1], af[1][1])
                         for nt in cutlass.range_constexpr(NTN):
-                            cf = mma_16816(a, bf[nt], [part[i, mt, nt, v] for v in range(4)])
+                            cf = mma_m16n8k16(mma_kind, a, bf[nt], [part[i, mt, nt, v] for v in range(4)])
                             for v in cutlass.range_constexpr(4):
                                 part[i, mt, nt, v] = cf[v]
             if cutlass.const_expr(fp8):

@@ -81,3 +81,23 @@ def test_operand_past_32bit_offsets_is_a_clear_error():
     big = ExpertsBlock(ExpertsConfig(stage="gateup", hidden=7168, intermediate=3072, num_local=56, top_k=16))
     shape = dict((s.name, s.shape) for s in big.operand_specs())["w"]
     assert shape[0] * shape[1] * shape[2] > 2 ** 31
+
+
+def test_tensor_core_paths_reject_what_they_do_not_take():
+    """GemvBlock's and ExpertsBlock's MMA switches: a clear error naming the unsupported part."""
+    from sdk.blocks.experts import ExpertsBlock, ExpertsConfig
+    from sdk.blocks.gemv import GemvBlock, GemvConfig
+    with pytest.raises(UnsupportedConfigError, match="MMA path takes bf16 or fp8"):
+        GemvBlock(GemvConfig(n=896, k=7168, m=8, weight_dtype="fp32", mma=True))
+    assert not GemvBlock(GemvConfig(n=896, k=7168, m=8, weight_dtype="fp32")).use_mma   # routers stay
+    assert GemvBlock(GemvConfig(n=4096, k=7168, m=8, rows_per_tile=16)).use_mma
+    assert not GemvBlock(GemvConfig(n=4096, k=7168, m=4, rows_per_tile=16)).use_mma
+    with pytest.raises(UnsupportedConfigError, match="tensor-core tile takes mxfp4"):
+        ExpertsBlock(ExpertsConfig(stage="gateup", hidden=1024, intermediate=512, num_local=4, top_k=2,
+                                   weight_dtype="bf16", rows_per_tile=16, mma=True))
+    with pytest.raises(UnsupportedConfigError, match="cross-warp sum in scratch"):
+        ExpertsBlock(ExpertsConfig(stage="gateup", hidden=1024, intermediate=512, num_local=4, top_k=2,
+                                   weight_dtype="mxfp4", rows_per_tile=64, mma=True))
+    ok = ExpertsBlock(ExpertsConfig(stage="down", hidden=1024, intermediate=512, num_local=4, top_k=2,
+                                    weight_dtype="mxfp4", rows_per_tile=64, mma=True))
+    assert ok.mma_red_words == 512

@@ -24,13 +24,15 @@ from bench.common import (L2_FLUSH_BYTES, arg_parser, copy_bandwidth, cu_stream,
 
 
 # ----------------------------------------------------------------------------------- GEMV
-def bench_gemv(n, k, m, wd, copy_bw, max_stages=None):
+def bench_gemv(n, k, m, wd, copy_bw, max_stages=None, pdl=False):
     from sdk.blocks._cute import standalone
     from sdk.blocks.base import ring_geometry
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     from sdk.megakernel.mlp_stack import quantize_fp8
     block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype=wd))
-    fn = standalone(block, max_stages=max_stages)   # persistent: one CTA per SM, weights through the smem ring
+    # persistent: one CTA per SM, weights through the smem ring; pdl: back-to-back launches overlap
+    # (the next one fills its ring on the SMs the previous one has left)
+    fn = standalone(block, max_stages=max_stages, pdl=pdl)
     stages = ring_geometry([block], max_stages)[1]
     wbytes = block.weight_bytes()
     copies = max(2, -(-L2_FLUSH_BYTES // wbytes))
@@ -58,7 +60,8 @@ def bench_gemv(n, k, m, wd, copy_bw, max_stages=None):
     us, mode = timed([lambda t=t: fn(t.data_ptr(), cu_stream()) for t in tables] * 4)
     torch_us, _ = timed([lambda w=cw[0]: torch.matmul(x, w.t(), out=y) for cw in copies_w] * 4)
     floor_us = wbytes / (copy_bw * 1e3)
-    return {"case": f"gemv n={n} k={k} m={m} {wd}" + (f" stages={stages}" if max_stages else ""),
+    return {"case": f"gemv n={n} k={k} m={m} {wd}" + (f" stages={stages}" if max_stages else "") + (" pdl" if pdl else ""),
+            "pdl": pdl,
             "kind": "gemv", "n": n, "k": k, "m": m, "stages": stages,
             "rows_per_tile": block.config.rows_per_tile, "chunk_k": block.chunk_k,
             "weight_dtype": wd, "weight_bytes": wbytes, "us": us, "gbs": wbytes / (us * 1e3),
@@ -161,7 +164,7 @@ def _stack_name(cfg) -> str:
             + (f" rows={cfg.gateup_rows}/{cfg.down_rows}" if cfg.gateup_rows or cfg.down_rows else ""))
 
 
-def bench_stack(cfg, copy_bw, timeline_path=None):
+def bench_stack(cfg, copy_bw, timeline_path=None, pdl=False):
     from sdk.blocks.base import ring_geometry
     from sdk.megakernel.mlp_stack import build_program, make_weights, reference, weight_bytes
     from sdk.megakernel.pyvm import PyVM
@@ -171,7 +174,7 @@ def bench_stack(cfg, copy_bw, timeline_path=None):
     weights = make_weights(cfg, seed=1, device="cuda")
     tensors.update(weights)
     t0 = time.time()
-    rt = MegakernelRuntime(prog, tensors)
+    rt = MegakernelRuntime(prog, tensors, pdl=pdl)
     compile_s = time.time() - t0
     x = torch.randn(cfg.batch, cfg.hidden, device="cuda").to(torch.bfloat16)
     tensors["x"].copy_(x)
@@ -186,7 +189,7 @@ def bench_stack(cfg, copy_bw, timeline_path=None):
     step, _ = torch_stack_calls(cfg, weights, x)
     torch_us, _ = timed([step] * reps)
     floor_us = wbytes / (copy_bw * 1e3)
-    rec = {"case": _stack_name(cfg),
+    rec = {"case": _stack_name(cfg) + (" pdl" if pdl else ""), "pdl": pdl,
            "fuse_norm": cfg.norm_fused,
            "rows_per_tile": [b.config.rows_per_tile for b in prog.opcodes.blocks if hasattr(b.config, "rows_per_tile")],
            "max_instructions_per_sm": rt.max_len,
@@ -212,7 +215,7 @@ def bench_stack(cfg, copy_bw, timeline_path=None):
     return rec
 
 
-def stack_cases(quick: bool):
+def stack_cases(quick: bool) -> list:
     from sdk.megakernel.mlp_stack import MLPStackConfig
     cases = [MLPStackConfig(intermediate=2048, layers=8, batch=1),
              MLPStackConfig(intermediate=2048, layers=8, batch=1, gateup_rows=8, down_rows=16),  # v2's tiles
@@ -226,16 +229,19 @@ def stack_cases(quick: bool):
                   MLPStackConfig(intermediate=2048, layers=8, batch=1, fuse_norm=False),
                   MLPStackConfig(intermediate=2048, layers=8, batch=64),
                   MLPStackConfig(intermediate=18432, layers=4, batch=1, weight_dtype="fp8_e4m3")]
-    return cases
+    # (config, PDL launches): the first case again with back-to-back steps overlapping
+    return [(c, False) for c in cases] + [(cases[0], True)]
 
 
 def gemv_cases(quick: bool):
-    """(n, k, m, weight dtype, max ring stages or None)."""
-    cases = [(7168, 2048, 1, "bf16", None), (18432, 7168, 1, "bf16", None)]
+    """(n, k, m, weight dtype, max ring stages or None, PDL launches)."""
+    cases = [(7168, 2048, 1, "bf16", None, False), (18432, 7168, 1, "bf16", None, False),
+             (7168, 2048, 1, "bf16", None, True)]
     if not quick:
-        cases += [(18432, 7168, 1, "bf16", 4), (18432, 7168, 1, "bf16", 8),   # bytes in flight per SM
-                  (4096, 7168, 1, "bf16", None), (7168, 18432, 1, "bf16", None),
-                  (18432, 7168, 1, "fp8_e4m3", None), (18432, 7168, 8, "bf16", None)]
+        cases += [(18432, 7168, 1, "bf16", 4, False), (18432, 7168, 1, "bf16", 8, False),   # bytes in flight
+                  (4096, 7168, 1, "bf16", None, False), (4096, 7168, 1, "bf16", None, True),
+                  (7168, 18432, 1, "bf16", None, False),
+                  (18432, 7168, 1, "fp8_e4m3", None, False), (18432, 7168, 8, "bf16", None, False)]
     return cases
 
 
@@ -265,9 +271,9 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
     def save():   # after every case: a run cut short by its time limit still leaves its results
         write_json(out_dir, "megakernel_bench.json", report)
 
-    for n, k, m, wd, st in gemv_cases(quick):
+    for n, k, m, wd, st, pdl in gemv_cases(quick):
         try:
-            r = bench_gemv(n, k, m, wd, copy_bw, st)
+            r = bench_gemv(n, k, m, wd, copy_bw, st, pdl)
         except Exception as exc:
             r = {"case": f"gemv n={n} k={k} m={m} {wd}", "error": f"{type(exc).__name__}: {exc}"}
         print(_line(r))
@@ -281,12 +287,12 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
         print(_line(r))
         results.append(r)
         save()
-    for i, cfg in enumerate(stack_cases(quick)):
+    for i, (cfg, pdl) in enumerate(stack_cases(quick)):
         tl = os.path.join(out_dir, "timeline_mlp_stack.json") if (timeline and i == 0) else None
         try:
-            r = bench_stack(cfg, copy_bw, tl)
+            r = bench_stack(cfg, copy_bw, tl, pdl)
         except Exception as exc:
-            r = {"case": _stack_name(cfg), "error": f"{type(exc).__name__}: {exc}"}
+            r = {"case": _stack_name(cfg) + (" pdl" if pdl else ""), "error": f"{type(exc).__name__}: {exc}"}
         print(_line(r))
         results.append(r)
         save()

@@ -234,7 +234,8 @@ def _num_sms(default: int = 132) -> int:
     return default
 
 
-def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_stages: int | None = None):
+def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_stages: int | None = None,
+               pdl: bool = False):
     """Compile `block`'s standalone kernel, operand pointers read from a device int64 array (same
     table format as the megakernel's): grid = block.num_tiles(), one tile per CTA; or, for a
     streaming block, grid = min(tiles, num_ctas or the SM count), persistent, through the ring.
@@ -242,7 +243,7 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     Returns `fn(optab_addr: int, stream)`. With `arch` set, compiles for that GPU arch with no GPU
     present (compile check)."""
     if block.stream_chunks() > 0:
-        return _standalone_stream(block, arch, num_ctas or (132 if arch else _num_sms()), max_stages)
+        return _standalone_stream(block, arch, num_ctas or (132 if arch else _num_sms()), max_stages, pdl)
     tile_fn = block.device_tile()
     nops = len(block.operands())
     ntiles = block.num_tiles()
@@ -267,7 +268,7 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     return cute.compile(host, *args, options=opts) if opts else cute.compile(host, *args)
 
 
-def _standalone_stream(block, arch, num_ctas, max_stages):
+def _standalone_stream(block, arch, num_ctas, max_stages, pdl=False):
     faces = block.device_stream()
     nops = len(block.operands())
     ntiles = block.num_tiles()
@@ -292,6 +293,7 @@ def _standalone_stream(block, arch, num_ctas, max_stages):
         scratch = smem.allocate_tensor(Float32, cute.make_layout(SCRATCH_WORDS), byte_alignment=16)
         ring = smem.allocate_tensor(cutlass.Int8, cute.make_layout(P * stage_bytes), byte_alignment=128)
         xs = smem.allocate_tensor(cutlass.Int8, cute.make_layout(xbytes), byte_alignment=128)
+        cute.arch.griddepcontrol_launch_dependents()
         mOps = gmem_tensor(optab, Int64, (nops,), 8)
         bid, _, _ = cute.arch.block_idx()
         ptrs = [mOps[j] for j in range(nops)]
@@ -301,6 +303,9 @@ def _standalone_stream(block, arch, num_ctas, max_stages):
         pi, pc, ps = Int32(0), Int32(0), Int32(0)
         for _ in cutlass.range_constexpr(P):
             pi, pc, ps = produce(ptrs, bid, mine, ring_base, pi, pc, ps)
+        # weights only above; activations and outputs (the previous launch's) below: with PDL
+        # this launch may have started early - wait for the previous grid (no-op without PDL)
+        cute.arch.griddepcontrol_wait()
         cseq = Int32(0)
         for j in cutlass.range(mine, unroll=1):
             cseq, pi, pc, ps = stream_tile(
@@ -311,7 +316,7 @@ def _standalone_stream(block, arch, num_ctas, max_stages):
 
     @cute.jit
     def host(optab: Int64, stream: "cuda.CUstream"):
-        kernel(optab).launch(grid=(G, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream)
+        kernel(optab).launch(grid=(G, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
     import cuda.bindings.driver as cuda
     host.__annotations__["stream"] = cuda.CUstream

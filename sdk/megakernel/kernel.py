@@ -65,8 +65,9 @@ def records_geometry(blocks, max_len: int) -> tuple[int, int]:
     return nops, nbytes
 
 
-def build(blocks, num_sms: int, max_len: int, timing: bool):
-    """The `@cute.jit` host function launching the megakernel for these opcode variants."""
+def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
+    """The `@cute.jit` host function launching the megakernel for these opcode variants. pdl:
+    launched as a programmatic dependent launch (see the kernel's griddepcontrol.wait)."""
     nops = [len(b.operands()) for b in blocks]
     nch = [b.stream_chunks() for b in blocks]
     tiles = [None if nch[k] else b.device_tile() for k, b in enumerate(blocks)]
@@ -156,6 +157,8 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
         flags = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         tid, _, _ = cute.arch.thread_idx()
         sm, _, _ = cute.arch.block_idx()
+        # the next launch (the next decode step) may start on an SM as soon as this CTA leaves it
+        cute.arch.griddepcontrol_launch_dependents()
         mN = gmem_tensor(pN, Int32, (S,), 4)
         mOps = gmem_tensor(pT, Int64, (OPTAB_EXTENT,), 8)
         mTim = gmem_tensor(pTim, Int64, (S, L, 2), 8)
@@ -178,6 +181,12 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
             for _ in cutlass.range_constexpr(P):
                 pi, pc, ps = produce(sW, sP, n, ring_base, pi, pc, ps)
 
+        # Everything above reads only what the host wrote before the launch (records, operand
+        # table) and weights; from here on counters, the error word and activations, which the
+        # previous launch writes. Launched with PDL (the runtime's pdl=True), this CTA may have
+        # started while the previous step still runs: wait for that grid to finish and flush.
+        # Without PDL this is a no-op.
+        cute.arch.griddepcontrol_wait()
         if tid == 0:
             flags[1] = cute.arch.load(cbase, Int32, sem="acquire", scope="gpu") // S + 1
         cute.arch.sync_threads()
@@ -236,7 +245,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
     def host(pI: Int64, pN: Int64, pC: Int64, pE: Int64, pT: Int64, pTim: Int64, timeout_ns: Int64,
              stream: "cuda.CUstream"):
         kernel(pI, pN, pC, pE, pT, pTim, timeout_ns).launch(
-            grid=(S, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream)
+            grid=(S, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
     import cuda.bindings.driver as cuda
     host.__annotations__["stream"] = cuda.CUstream
@@ -246,13 +255,14 @@ def build(blocks, num_sms: int, max_len: int, timing: bool):
 _cache: dict = {}
 
 
-def compile_megakernel(blocks, num_sms: int, max_len: int, timing: bool = False, arch: str | None = None):
+def compile_megakernel(blocks, num_sms: int, max_len: int, timing: bool = False, arch: str | None = None,
+                       pdl: bool = False):
     """Compiled megakernel `fn(pI, pN, pC, pE, pT, pTim, timeout_ns, stream)`, cached in-process on
-    (block static configs, num_sms, max_len, timing, arch)."""
-    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch)
+    (block static configs, num_sms, max_len, timing, arch, pdl)."""
+    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl)
     if key not in _cache:
         import cuda.bindings.driver as cuda
-        host = build(blocks, num_sms, max_len, timing)
+        host = build(blocks, num_sms, max_len, timing, pdl)
         args = (Int64(0),) * 6 + (Int64(1), cuda.CUstream(0))
         if arch:
             _cache[key] = cute.compile(host, *args, options=f"--gpu-arch {arch}")

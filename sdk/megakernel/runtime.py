@@ -23,10 +23,13 @@ from .program import encode
 class MegakernelRuntime:
     def __init__(self, program, tensors: dict[str, torch.Tensor], *, num_sms: int | None = None,
                  timing: bool = False, timeout_s: float = 2.0, device="cuda",
-                 error: torch.Tensor | None = None):
+                 error: torch.Tensor | None = None, pdl: bool = False):
         # error: use this int32[ERROR_WORDS] tensor as the error word (blocks that wait on other
         # GPUs, e.g. the all-reduce, bind the same tensor as an operand, so that their timeout
         # stops this launch's other CTAs too); default: a fresh one.
+        # pdl: programmatic dependent launch - a launch may start on the SMs the previous one
+        # (the previous decode step) has left, instruction records and weight ring filled,
+        # before griddepcontrol.wait lets it read what that step wrote (not yet GPU-validated).
         self.program = program
         self.device = torch.device(device)
         if num_sms is None:
@@ -63,7 +66,7 @@ class MegakernelRuntime:
         self.timing_buf = torch.zeros((num_sms, self.max_len, 2) if timing else (1,), dtype=torch.int64, device=dev)
         self.timeout_ns = int(timeout_s * 1e9)
         from .kernel import compile_megakernel
-        self.fn = compile_megakernel(program.opcodes.blocks, num_sms, self.max_len, timing)
+        self.fn = compile_megakernel(program.opcodes.blocks, num_sms, self.max_len, timing, pdl=pdl)
         self._args = [t.data_ptr() for t in (self.words, self.lengths, self.counters, self.error,
                                                self.optab, self.timing_buf)]
 

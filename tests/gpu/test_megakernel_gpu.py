@@ -132,6 +132,35 @@ def test_mlp_stack_one_launch(batch, fuse, wd):
         assert err <= BF16_TOL, f"step {step}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_mlp_stack_steps_back_to_back_feed_each_other(pdl):
+    """Five launches queued back to back, each step's input the previous step's output (x and out
+    are ONE tensor), no host work in between; with PDL (pdl=True) a launch starts on the SMs the
+    previous one has left and must wait (griddepcontrol.wait) before reading x. Equal to the
+    reference applied five times."""
+    need_gpu()
+    from sdk.megakernel.mlp_stack import MLPStackConfig, build_program, make_weights, reference
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.megakernel.runtime import MegakernelRuntime
+    cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=2, batch=1)
+    prog = build_program(cfg)
+    tensors = PyVM.alloc(prog, device="cuda")
+    weights = make_weights(cfg, seed=4, device="cuda")
+    tensors.update(weights)
+    tensors["out"] = tensors["x"]       # within a step x is read (layer 0) before out is written
+    rt = MegakernelRuntime(prog, tensors, pdl=pdl)
+    x0 = torch.randn(1, cfg.hidden, device="cuda").to(torch.bfloat16)
+    rt.tensors["x"].copy_(x0)
+    for _ in range(5):
+        rt.launch()
+    torch.cuda.synchronize()
+    rt.check()
+    want = x0
+    for _ in range(5):
+        want = reference(cfg, weights, want).to(torch.bfloat16)
+    assert rel_err(rt.tensors["x"], want.float()) <= 2 * BF16_TOL
+
+
 @pytest.mark.parametrize("batch,wd", [(1, "bf16"), (2, "bf16"), (1, "fp8_e4m3")])
 def test_mlp_stack_many_tiles_per_sm(batch, wd):
     """Short tiles, several of one op per SM: the activations staged by a tile are reused by the

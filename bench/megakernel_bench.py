@@ -24,12 +24,12 @@ from bench.common import (L2_FLUSH_BYTES, arg_parser, copy_bandwidth, cu_stream,
 
 
 # ----------------------------------------------------------------------------------- GEMV
-def bench_gemv(n, k, m, wd, copy_bw, max_stages=None, pdl=False):
+def bench_gemv(n, k, m, wd, copy_bw, max_stages=None, pdl=False, fp8_decode="cvt"):
     from sdk.blocks._cute import standalone
     from sdk.blocks.base import ring_geometry
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     from sdk.megakernel.mlp_stack import quantize_fp8
-    block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype=wd))
+    block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype=wd, fp8_decode=fp8_decode))
     # persistent: one CTA per SM, weights through the smem ring; pdl: back-to-back launches overlap
     # (the next one fills its ring on the SMs the previous one has left)
     fn = standalone(block, max_stages=max_stages, pdl=pdl)
@@ -60,8 +60,9 @@ def bench_gemv(n, k, m, wd, copy_bw, max_stages=None, pdl=False):
     us, mode = timed([lambda t=t: fn(t.data_ptr(), cu_stream()) for t in tables] * 4)
     torch_us, _ = timed([lambda w=cw[0]: torch.matmul(x, w.t(), out=y) for cw in copies_w] * 4)
     floor_us = wbytes / (copy_bw * 1e3)
-    return {"case": f"gemv n={n} k={k} m={m} {wd}" + (f" stages={stages}" if max_stages else "") + (" pdl" if pdl else ""),
-            "pdl": pdl,
+    return {"case": f"gemv n={n} k={k} m={m} {wd}" + (f" stages={stages}" if max_stages else "") + (" pdl" if pdl else "")
+            + (" int-decode" if fp8_decode == "int" else ""),
+            "pdl": pdl, "fp8_decode": fp8_decode,
             "kind": "gemv", "n": n, "k": k, "m": m, "stages": stages,
             "rows_per_tile": block.config.rows_per_tile, "chunk_k": block.chunk_k,
             "weight_dtype": wd, "weight_bytes": wbytes, "us": us, "gbs": wbytes / (us * 1e3),
@@ -161,7 +162,8 @@ def torch_stack_calls(cfg, weights, x):
 def _stack_name(cfg) -> str:
     return (f"mlp_stack L={cfg.layers} I={cfg.intermediate} B={cfg.batch} {cfg.weight_dtype}"
             + ("" if cfg.fuse_norm is None else f" fuse_norm={cfg.fuse_norm}")
-            + (f" rows={cfg.gateup_rows}/{cfg.down_rows}" if cfg.gateup_rows or cfg.down_rows else ""))
+            + (f" rows={cfg.gateup_rows}/{cfg.down_rows}" if cfg.gateup_rows or cfg.down_rows else "")
+            + (" int-decode" if cfg.fp8_decode == "int" else ""))
 
 
 def bench_stack(cfg, copy_bw, timeline_path=None, pdl=False):
@@ -228,20 +230,23 @@ def stack_cases(quick: bool) -> list:
                   MLPStackConfig(intermediate=2048, layers=16, batch=1),
                   MLPStackConfig(intermediate=2048, layers=8, batch=1, fuse_norm=False),
                   MLPStackConfig(intermediate=2048, layers=8, batch=64),
-                  MLPStackConfig(intermediate=18432, layers=4, batch=1, weight_dtype="fp8_e4m3")]
+                  MLPStackConfig(intermediate=18432, layers=4, batch=1, weight_dtype="fp8_e4m3"),
+                  MLPStackConfig(intermediate=2048, layers=8, batch=1, weight_dtype="fp8_e4m3", fp8_decode="int"),
+                  MLPStackConfig(intermediate=18432, layers=4, batch=1, weight_dtype="fp8_e4m3", fp8_decode="int")]
     # (config, PDL launches): the first case again with back-to-back steps overlapping
     return [(c, False) for c in cases] + [(cases[0], True)]
 
 
 def gemv_cases(quick: bool):
-    """(n, k, m, weight dtype, max ring stages or None, PDL launches)."""
+    """(n, k, m, weight dtype, max ring stages or None, PDL launches[, fp8 decode])."""
     cases = [(7168, 2048, 1, "bf16", None, False), (18432, 7168, 1, "bf16", None, False),
              (7168, 2048, 1, "bf16", None, True)]
     if not quick:
         cases += [(18432, 7168, 1, "bf16", 4, False), (18432, 7168, 1, "bf16", 8, False),   # bytes in flight
                   (4096, 7168, 1, "bf16", None, False), (4096, 7168, 1, "bf16", None, True),
                   (7168, 18432, 1, "bf16", None, False),
-                  (18432, 7168, 1, "fp8_e4m3", None, False), (18432, 7168, 8, "bf16", None, False)]
+                  (18432, 7168, 1, "fp8_e4m3", None, False), (18432, 7168, 1, "fp8_e4m3", None, False, "int"),
+                  (18432, 7168, 8, "bf16", None, False)]
     return cases
 
 
@@ -271,9 +276,9 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
     def save():   # after every case: a run cut short by its time limit still leaves its results
         write_json(out_dir, "megakernel_bench.json", report)
 
-    for n, k, m, wd, st, pdl in gemv_cases(quick):
+    for n, k, m, wd, st, pdl, *dec in gemv_cases(quick):
         try:
-            r = bench_gemv(n, k, m, wd, copy_bw, st, pdl)
+            r = bench_gemv(n, k, m, wd, copy_bw, st, pdl, *dec)
         except Exception as exc:
             r = {"case": f"gemv n={n} k={k} m={m} {wd}", "error": f"{type(exc).__name__}: {exc}"}
         print(_line(r))

@@ -29,7 +29,10 @@ def block_cases():
         RMSNormBlock(RMSNormConfig(d=7168, m=2, residual_in=False, src_dtype="fp32", write_resid=False)),
         GemvBlock(GemvConfig(n=7168, k=2048, m=1)),
         GemvBlock(GemvConfig(n=2048, k=7168, m=1, swiglu=True, swiglu_limit=7.0, norm=True, x_dtype="fp32")),
-        GemvBlock(GemvConfig(n=2048, k=7168, m=8, weight_dtype="fp8_e4m3", swiglu=True)),
+        GemvBlock(GemvConfig(n=2048, k=7168, m=8, weight_dtype="fp8_e4m3", swiglu=True)),           # MMA, f16
+        GemvBlock(GemvConfig(n=7168, k=2048, m=8, out_dtype="fp32", residual="fp32")),               # MMA, bf16
+        GemvBlock(GemvConfig(n=2048, k=7168, m=1, weight_dtype="fp8_e4m3", swiglu=True, norm=True)),  # CUDA cores
+        GemvBlock(GemvConfig(n=2048, k=7168, m=2, weight_dtype="fp8_e4m3", swiglu=True, fp8_decode="int")),
         GemvBlock(GemvConfig(n=7168, k=2048, m=64, rows_per_tile=16, weight_dtype="fp8_e4m3", out_dtype="fp32",
                              residual="fp32")),
         KDABlock(KDAConfig(batch=64, heads=12, conv=True, out_norm=True)),

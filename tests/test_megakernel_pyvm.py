@@ -163,3 +163,22 @@ def test_encode_words():
     assert len(two.opcodes) == 5     # + gate/up and down of the layers reading the fp32 stream
     unfused = build_program(MLPStackConfig(hidden=1024, intermediate=512, layers=2, batch=1, fuse_norm=False))
     assert len(unfused.opcodes) == 5  # norm (bf16 src, fp32 src = the final norm), gate/up, 2 downs
+
+
+def test_gemv_fp8_int_decode_bits_are_exact():
+    """GemvBlock's fp8_decode="int" bit placement (fp8_word_to_f32), emulated on int32 words: every
+    e4m3 byte in every byte position gives exactly its value * 2^-120 (subnormals included)."""
+    allb = torch.arange(256, dtype=torch.int64)
+    vals = allb.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = torch.isfinite(vals)
+    for pos in range(4):
+        w = (allb << (8 * pos)).to(torch.int64)
+        w = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)       # as the device's int32
+        half, hi = pos % 2, pos // 2
+        v = w.to(torch.int64) >> (8 * half)                                    # arithmetic shift
+        pair = ((v & 0x007F007F) << 4) | ((v & 0x00800080) << 8)
+        bits = (pair << 16) if hi == 0 else (pair & 0xFFFF0000)
+        bits = (bits & 0xFFFFFFFF)
+        bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
+        got = bits.view(torch.float32).double() * 2.0 ** 120
+        assert torch.equal(got[finite], vals[finite].double()), pos

@@ -69,7 +69,9 @@ class GemvConfig:
     norm_eps: float = 1e-6
     residual: str | None = None          # None | "bf16" | "fp32": y = res + x @ W^T
     scale_block: int = 128
-    mma: bool | None = None              # tensor cores (warp mma.sync); None = auto (MMA_AUTO)
+    mma: bool | None = None              # tensor cores (warp mma.sync); None = auto (use_mma)
+    fp8_decode: str = "cvt"              # CUDA-core fp8 -> fp32: "cvt" (e4m3x2 -> f16x2 -> f32) or "int"
+                                         # (bit placement, x staged x 2^64; not yet GPU-validated)
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
@@ -224,6 +226,8 @@ class GemvBlock(Block):
             self.unsupported(f"gemv: m={c.m} x chunk_k={kc} bf16 activations exceed {X_SMEM_MAX} B of smem")
         if c.swiglu_limit is not None and not c.swiglu:
             self.unsupported("gemv: swiglu_limit without swiglu")
+        if c.fp8_decode not in ("cvt", "int"):
+            self.unsupported(f"gemv: fp8_decode {c.fp8_decode!r} (supported: cvt, int)")
         if c.mma and c.weight_dtype == "fp32":
             self.unsupported("gemv: the MMA path takes bf16 or fp8 weights, not fp32")
         if self.use_mma and not self._mma_chunk_ok(kc):
@@ -403,6 +407,14 @@ class GemvBlock(Block):
         RED_WORDS = self.red_smem_bytes() // 4
         EPI = -(-(R * M) // NT) if mma else 0   # epilogue outputs per thread
         SXT = cutlass.Float16 if (mma and fp8) else BFloat16   # staged x: the MMA's B type
+        # fp8_decode="int" (CUDA cores): e4m3 bits placed into bf16 bits - sign to bit 15, the
+        # other 7 bits to 4..10 - read as bf16 that is the e4m3 value * 2^-120 exactly (subnormals
+        # too), and bf16 -> fp32 is a shift: no conversion instruction (F2F is quarter rate: the
+        # "cvt" path's limit). x is staged * 2^64 so the products stay in fp32's normal range; the
+        # chunk scale takes the 2^(120 - 64) back.
+        int_fp8 = fp8 and not mma and c.fp8_decode == "int"
+        X_PRESCALE = 2.0 ** 64 if int_fp8 else 1.0
+        INT_FP8_UNSCALE = 2.0 ** 56
         mma_kind = "f16" if fp8 else "bf16"
 
         @cute.jit
@@ -498,8 +510,8 @@ class GemvBlock(Block):
                             for j in cutlass.range_constexpr(NJ):
                                 u = tid + NT * j
                                 if u < NU:
-                                    sXv[m, u, None].store((xr[m, j, None].load() * rstd * wr[j, None].load())
-                                                          .to(SXT))
+                                    sXv[m, u, None].store((xr[m, j, None].load() * (rstd * X_PRESCALE)
+                                                           * wr[j, None].load()).to(SXT))
                     else:
                         # rstd of every token over the whole row, kept in scratch[STATS_OFFSET + m]
                         sums = []
@@ -545,7 +557,23 @@ class GemvBlock(Block):
                             v = mX[m, xb * XU + ku, None].load().to(Float32)
                             if cutlass.const_expr(norm):
                                 v = v * scratch[STATS_OFFSET + m] * mNW[xb * XU + ku, None].load().to(Float32)
+                            if cutlass.const_expr(int_fp8):
+                                v = v * Float32(X_PRESCALE)
                             sX[m, ku, None].store(v.to(SXT))
+
+        @cute.jit
+        def fp8_word_to_f32(w: Int32, wr, i, rr, e0):
+            """4 e4m3 (the bytes of w, element e0 + j in byte j) -> wr[i, rr, e0 .. e0+3] as fp32
+            values * 2^-120 (see int_fp8): bytes 0 and 2, then 1 and 3, as bf16 pairs."""
+            for half in cutlass.range_constexpr(2):
+                v = w >> (8 * half)
+                pair = ((v & 0x007F007F) << 4) | ((v & 0x00800080) << 8)     # bf16 x2: bytes half, half+2
+                wr[i, rr, e0 + half] = bits_to_f32_(pair << 16)
+                wr[i, rr, e0 + half + 2] = bits_to_f32_(pair & -65536)
+
+        @cute.jit
+        def bits_to_f32_(bits: Int32) -> Float32:
+            return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[bits])
 
         @cute.jit
         def consume(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):
@@ -563,11 +591,18 @@ class GemvBlock(Block):
                 cu = lane + 32 * cj
                 for i in cutlass.range_constexpr(nw):
                     for rr in cutlass.range_constexpr(RW):
-                        wr[i, rr, None].store(sW[i, warp + NWARP * rr, cu, None].load().to(Float32))
+                        if cutlass.const_expr(int_fp8):
+                            sWw = smem_tensor(stage_addr, Int32, (nw, R, PITCH, 4))
+                            for wi in cutlass.range_constexpr(4):
+                                fp8_word_to_f32(sWw[i, warp + NWARP * rr, cu, wi], wr, i, rr, 4 * wi)
+                        else:
+                            wr[i, rr, None].store(sW[i, warp + NWARP * rr, cu, None].load().to(Float32))
                 if cutlass.const_expr(fp8):
                     sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU * 4))
                     for i in cutlass.range_constexpr(nw):
                         sc[i] = sS[i, cu // (SB // E)]
+                        if cutlass.const_expr(int_fp8):
+                            sc[i] = sc[i] * Float32(INT_FP8_UNSCALE)
                 for m in cutlass.range_constexpr(M):
                     for h in cutlass.range_constexpr(E // XE):
                         xr[h, None].store(sX[m, xo + cu * (E // XE) + h, None].load().to(Float32))

@@ -48,6 +48,7 @@ class MLPStackConfig:
     down_rows: int = 0                  # rows per down tile; 0 = balanced
     num_sms: int = 132                  # SMs the balanced tiles are cut for
     fuse_norm: bool | None = None       # RMSNorm inside the gate/up tiles; None = batch <= 2
+    fp8_decode: str = "cvt"             # GemvConfig.fp8_decode of the CUDA-core fp8 tiles
 
     @property
     def norm_fused(self) -> bool:
@@ -79,12 +80,12 @@ def build_program(cfg: MLPStackConfig) -> Program:
 
     def gateup(first):
         return gemv_block(GemvConfig(n=i, k=d, m=m, weight_dtype=wd, swiglu=True, swiglu_limit=cfg.swiglu_limit,
-                                     norm=fused, norm_eps=cfg.eps,
+                                     norm=fused, norm_eps=cfg.eps, fp8_decode=cfg.fp8_decode,
                                      x_dtype=("bf16" if first else "fp32") if fused else "bf16"),
                           cfg.gateup_rows, cfg.num_sms)
 
     def down(first):
-        return gemv_block(GemvConfig(n=d, k=i, m=m, weight_dtype=wd, out_dtype="fp32",
+        return gemv_block(GemvConfig(n=d, k=i, m=m, weight_dtype=wd, out_dtype="fp32", fp8_decode=cfg.fp8_decode,
                                      residual="bf16" if first else "fp32"), cfg.down_rows, cfg.num_sms)
 
     def norm(first):

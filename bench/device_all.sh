@@ -3,7 +3,9 @@
 #   bash bench/device_all.sh [part ...]     parts: suite megakernel moe mla_bench allreduce kda mla dsv4 indexer ep
 #                                           tests bench:megakernel bench:moe bench:ep bench:allreduce ...
 # `tests` runs every GPU test file at once over the CPU cores (compiling dominates a GPU test; it
-# needs pytest-xdist: carry its wheels in .whl/, else one worker) with compute-sanitizer on the
+# needs pytest-xdist: carry its wheels in .whl/ - git-ignored, fetch them once per checkout with
+#   python3 -m pip download -q --no-deps -d .whl pytest-xdist execnet
+# and add ".whl" to the run's carry - else one worker, ~10x slower) with compute-sanitizer on the
 # small megakernel case alongside; `bench:NAME` runs bench/NAME_bench.py alone (BENCH_S_NAME seconds at most) (timings need the
 # GPU to themselves, so benches run one after another, after the tests).
 # DEVICE_ALL_S (default 570) bounds the whole call: a part gets at most what is left of it.

@@ -58,6 +58,12 @@ def swiglu_act(gate: Float32, up: Float32, limit: cutlass.Constexpr) -> Float32:
     return gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
 
 
+@cute.jit
+def bits_to_f32(bits: Int32) -> Float32:
+    """The fp32 whose bit pattern is `bits` (a register move: built exponents, bit-placed decodes)."""
+    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[bits])
+
+
 def mma_m16n8k16(kind: str, a, b, c):
     """One warp mma.sync m16n8k16, fp32 accumulate: `kind` "bf16" | "f16" (A and B), a = 4 and
     b = 2 packed 32-bit registers of the fragment layout, c = the 4 fp32 accumulators; returns

@@ -357,7 +357,7 @@ class ExpertsBlock(Block):
         from cutlass import Float32, Int32, Int64
         from cutlass._mlir import ir
 
-        from ._cute import DTYPE_MAP, gmem_tensor, mma_m16n8k16, swiglu_act
+        from ._cute import DTYPE_MAP, bits_to_f32, gmem_tensor, mma_m16n8k16, swiglu_act
 
         c = self.config
         fmt = c.weight_dtype
@@ -388,11 +388,6 @@ class ExpertsBlock(Block):
             return cute.arch.inline_ptx(
                 "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, {$r0}; cvt.f32.f16 {$w0}, lo; cvt.f32.f16 {$w1}, hi; }",
                 write_only_types=[Float32, Float32], read_only_args=[bits])
-
-        @cute.jit
-        def bits_to_f32(bits: Int32) -> Float32:
-            return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32],
-                                        read_only_args=[bits])
 
         @cute.jit
         def load_w(mW, n, ch):

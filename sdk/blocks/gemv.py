@@ -360,8 +360,8 @@ class GemvBlock(Block):
         from cutlass import BFloat16, Float32, Int32
         from cutlass.cute.nvgpu import cpasync
 
-        from ._cute import (DTYPE_MAP, block_sum_multi, gmem_tensor, mma_m16n8k16, producer_slot, smem_tensor,
-                            swiglu_act, tree_sum)
+        from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, gmem_tensor, mma_m16n8k16, producer_slot,
+                            smem_tensor, swiglu_act, tree_sum)
 
         c = self.config
         NT, NWARP = NUM_THREADS, NUM_THREADS // 32
@@ -568,12 +568,8 @@ class GemvBlock(Block):
             for half in cutlass.range_constexpr(2):
                 v = w >> (8 * half)
                 pair = ((v & 0x007F007F) << 4) | ((v & 0x00800080) << 8)     # bf16 x2: bytes half, half+2
-                wr[i, rr, e0 + half] = bits_to_f32_(pair << 16)
-                wr[i, rr, e0 + half + 2] = bits_to_f32_(pair & -65536)
-
-        @cute.jit
-        def bits_to_f32_(bits: Int32) -> Float32:
-            return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[bits])
+                wr[i, rr, e0 + half] = bits_to_f32(pair << 16)
+                wr[i, rr, e0 + half + 2] = bits_to_f32(pair & -65536)
 
         @cute.jit
         def consume(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):

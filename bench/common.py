@@ -59,9 +59,9 @@ def cu_stream():
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
-def graph_time_us(calls, replays: int = 5) -> float:
-    """Median time per call (us) of `calls` (a list of zero-arg callables) captured in one CUDA
-    graph (warmed up on a side stream first); raises if capture fails (see timed())."""
+def capture(calls) -> "torch.cuda.CUDAGraph":
+    """`calls` (zero-arg callables) captured in one CUDA graph, warmed up on a side stream first
+    and replayed once; raises if capture fails."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -75,6 +75,13 @@ def graph_time_us(calls, replays: int = 5) -> float:
             c()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def graph_time_us(calls, replays: int = 5) -> float:
+    """Median time per call (us) of `calls` (a list of zero-arg callables) captured in one CUDA
+    graph (see capture); raises if capture fails (see timed())."""
+    g = capture(calls)
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -122,12 +129,7 @@ def replayer(fn):
     launches reach the GPU together: launched eagerly, one Python launch per rank, the later
     ranks start tens of microseconds after the first, and every flag wait measures that skew."""
     try:
-        g = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g):
-            fn()
-        torch.cuda.synchronize()
-        return g.replay, "cuda_graph"
+        return capture([fn]).replay, "cuda_graph"
     except Exception as exc:  # capture unsupported: say so, launch eagerly
         print(f"  (graph capture failed: {type(exc).__name__}: {exc}; eager launches)", flush=True)
         torch.cuda.synchronize()

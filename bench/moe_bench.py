@@ -206,7 +206,7 @@ def main(argv=None):
     ap.add_argument("--cases", default="", help="model:batch:format,... (overrides the default list)")
     ap.add_argument("--no-timeline", action="store_true")
     ap.add_argument("--set", default="", help="MoELayerConfig overrides for every case: key=int,... "
-                    "(e.g. expert_rows_at_once=1,expert_weight_l1=1)")
+                    "(e.g. expert_mma=1,expert_weight_l1=0)")
     a = ap.parse_args(argv)
     if a.cases:
         cases = [(c.split(":")[0], int(c.split(":")[1]), c.split(":")[2]) for c in a.cases.split(",")]

@@ -56,7 +56,9 @@ from .base import NUM_THREADS, Block, Cost, OperandSpec
 FORMATS = ("bf16", "fp8_e4m3", "mxfp4")
 ELEMS_PER_LOAD = {"bf16": 8, "fp8_e4m3": 16, "mxfp4": 32}
 GROUPS = (1, 2, 4, 8)       # token-group variants
-MAX_LOADS_IN_FLIGHT = 28    # 16-byte weight loads per lane per step (112 registers)
+MAX_LOADS_IN_FLIGHT = 16    # 16-byte weight loads per lane per step (64 registers)
+MAX_GROUP_LOADS = 8         # ... x tokens, in the 2..8-token variants: each token adds x values and
+                            # partial sums; above this ptxas spilled KBs per thread (local ptxas -v)
 MMA_RED_WORDS = 512         # tile_mma's cross-warp sums live in the tile's scratch (before STATS_OFFSET)
 
 
@@ -83,7 +85,6 @@ class ExpertsConfig:
     out_dtype: str = "bf16"              # down: "bf16" | "fp32"
     rows_per_tile: int = 8
     unroll: int = 0                      # 16-byte loads per lane in flight per row; 0 = auto
-    rows_at_once: int = 1                # rows a warp streams together (see rows_at_once)
     weight_l1: bool = True               # weight loads allocate in L1 (False: L1::no_allocate)
     mma: bool = False                    # MXFP4 on the tensor cores (tile_mma; not yet GPU-validated)
     expected_hits: float = 1.0           # hit local experts per step: for cost() only
@@ -182,7 +183,7 @@ class ExpertsBlock(Block):
             return c.unroll
         # the whole row in flight at once where it fits (one round trip per row): the most loads
         # per lane (<= MAX_LOADS_IN_FLIGHT over the gate and up rows) that divide the row evenly
-        nw = 2 if c.stage == "gateup" else 1
+        nw = self.nw
         per_lane = -(-(self.k_dim // self.elems_per_load) // 32)
         for u in range(min(MAX_LOADS_IN_FLIGHT // nw, per_lane), 0, -1):
             if (self.k_dim // self.elems_per_load) % (32 * u) == 0:
@@ -197,19 +198,6 @@ class ExpertsBlock(Block):
     def mma_red_words(self) -> int:
         """tile_mma's cross-warp sums: [weight][8 tokens][rows padded to m16 tiles] fp32."""
         return self.nw * 8 * 16 * -(-self.config.rows_per_tile // 16)
-
-    @property
-    def rows_per_warp(self) -> int:
-        return self.config.rows_per_tile // (NUM_THREADS // 32)
-
-    @property
-    def rows_at_once(self) -> int:
-        """Rows a warp streams together (their loads in flight at once; a pass past the warp's
-        last row recomputes its first row). Measured on the H200 (bench/NOTES.md, MoE at batch
-        1): 1 is fastest - 2..7 rows at once (fewer round trips) made Kimi K3 / V4.1-Flash /
-        GLM-5.3 1.3x / 3.3x / 3.4x slower: the tile is bound by the dequantising instructions,
-        not by latency, and more rows at once only add register pressure and wasted rows."""
-        return max(1, min(self.config.rows_at_once, self.rows_per_warp))
 
     def check(self):
         c = self.config
@@ -370,13 +358,12 @@ class ExpertsBlock(Block):
         M, KT, L, I, D = self.rows_in, c.top_k, c.num_local, c.intermediate, c.hidden
         scatter = c.scatter
         gateup = c.stage == "gateup"
-        nw = 2 if gateup else 1
+        nw = self.nw
         limit = c.swiglu_limit
         has_shared = c.shared
         odt = DTYPE_MAP[c.out_dtype]
         groups = [g for g in GROUPS if g <= M] or [1]
         GMAX = groups[-1]
-        RA = self.rows_at_once
         l1_policy = "evict_normal" if c.weight_l1 else "evict_no_allocate"
         xrows = M if gateup else M * KT            # rows of the GEMV input (x or act)
 
@@ -423,62 +410,66 @@ class ExpertsBlock(Block):
             return wf
 
         @cute.jit
+        def e2m1_pair(word: Int32, p: cutlass.Constexpr) -> Int32:
+            """Nibbles p and p+4 of `word` as an fp16 pair (low half: nibble p): exponent+mantissa
+            bits at 9..11, sign at 15 - an fp16 with those bits is the e2m1 value * 2^-14."""
+            wp = word >> (4 * p)
+            return ((wp & 0x00070007) << 9) | ((wp & 0x00080008) << 12)
+
+        @cute.jit
         def weights8(w, q):
             """Weights 8q..8q+7 of one load as 8 fp32 values (unscaled)."""
             if cutlass.const_expr(fmt == "mxfp4"):
                 out = [None] * 8
                 word = w[q]
                 for p in cutlass.range_constexpr(4):
-                    wp = word >> (4 * p)
-                    # nibbles p and p+4 -> fp16 pair: exponent+mantissa bits at 9..11, sign at
-                    # 15; an fp16 with those bits is the e2m1 value * 2^-14
-                    h = ((wp & 0x00070007) << 9) | ((wp & 0x00080008) << 12)
-                    out[p], out[p + 4] = f16x2_to_f32(h)
+                    out[p], out[p + 4] = f16x2_to_f32(e2m1_pair(word, p))
                 return out
             return [w[8 * q + e] for e in range(8)]
 
         def make_group(G):
-            """Dot products of RA weight rows (times nw: gate and up, or down) with G input rows,
-            for one warp. Per step: every weight load (U_G per row per lane, RA x nw rows) and
-            its scale first, so they are in flight together; then per 8 weights one x load per
-            token, shared by the rows. A step past the row's end (the last one when 32 * U_G
+            """Dot products of one output row's weight rows (nw: gate and up, or down) with G
+            input rows, for one warp. Per step: every weight load (U_G per weight row per lane)
+            and its scale first, so they are in flight together; then per 8 weights one x load per
+            token, shared by the gate and up rows. (Streaming 2..7 output rows of a warp at once
+            was measured on the H200 - bench/results/h200/moe_bench_variants.json - and made the
+            MoE layer 1.3-3.4x slower: the tile is bound by its dequantising instructions, not by
+            latency.) A step past the row's end (the last one when 32 * U_G
             does not divide the row) re-loads the row's last chunk and weighs it 0, so its loads
             stay unconditional (hoisted with the others) instead of a branch per load."""
-            UG = max(1, min(U, MAX_LOADS_IN_FLIGHT // (nw * G * RA)))
+            UG = U if G == 1 else max(1, min(U, MAX_GROUP_LOADS // (nw * G)))
             steps = -(-nch // (32 * UG))
             ragged = nch % (32 * UG) != 0
-            wrows = [(a, i) for a in range(RA) for i in range(nw)]
 
             @cute.jit
-            def group(mW, mS, mX, rows, xr_list, acc):
+            def group(mW, mS, mX, row, xr_list, acc):
                 for it in cutlass.range(steps, unroll=1):
                     ch_l = [it * (32 * UG) + 32 * u + cute.arch.lane_idx() for u in range(UG)]
                     ch_c = ch_l
                     if cutlass.const_expr(ragged):
                         ch_c = [Int32(cutlass.select_(ch < nch, ch, nch - 1)) for ch in ch_l]
-                    raw = [[load_w(mW, rows[a] + i * I, ch_c[u]) for u in range(UG)] for a, i in wrows]
-                    scl = [[chunk_scale(mS, rows[a] + i * I, ch_c[u]) for u in range(UG)] for a, i in wrows]
+                    raw = [[load_w(mW, row + i * I, ch_c[u]) for u in range(UG)] for i in range(nw)]
+                    scl = [[chunk_scale(mS, row + i * I, ch_c[u]) for u in range(UG)] for i in range(nw)]
                     if cutlass.const_expr(ragged):
                         scl = [[Float32(cutlass.select_(ch_l[u] < nch, sr[u], Float32(0.0))) for u in range(UG)]
                                for sr in scl]
                     for u in cutlass.range_constexpr(UG):
                         w = [unpack(rr[u]) for rr in raw]
-                        part = [[Float32(0.0) for _ in range(G)] for _ in wrows]
+                        part = [[Float32(0.0) for _ in range(G)] for _ in range(nw)]
                         for q in cutlass.range_constexpr(EPL // 8):
                             xs = [mX[xr_list[g], ch_c[u] * (EPL // 8) + q, None].load().to(Float32)
                                   for g in range(G)]
-                            for j in cutlass.range_constexpr(len(wrows)):
-                                w8 = weights8(w[j], q)
+                            for i in cutlass.range_constexpr(nw):
+                                w8 = weights8(w[i], q)
                                 for g in cutlass.range_constexpr(G):
                                     for e in cutlass.range_constexpr(8):
-                                        part[j][g] = part[j][g] + w8[e] * xs[g][e]
-                        for j in cutlass.range_constexpr(len(wrows)):
-                            a, i = wrows[j]
+                                        part[i][g] = part[i][g] + w8[e] * xs[g][e]
+                        for i in cutlass.range_constexpr(nw):
                             for g in cutlass.range_constexpr(G):
                                 if cutlass.const_expr(fmt == "bf16" and not ragged):
-                                    acc[a, i, g] = acc[a, i, g] + part[j][g]
+                                    acc[i, g] = acc[i, g] + part[i][g]
                                 else:
-                                    acc[a, i, g] = acc[a, i, g] + scl[j][u] * part[j][g]
+                                    acc[i, g] = acc[i, g] + scl[i][u] * part[i][g]
 
             return group
 
@@ -527,16 +518,12 @@ class ExpertsBlock(Block):
                 mTw = gmem_tensor(ptrs[7], Float32, (M * KT,), 4)
                 mOut = gmem_tensor(ptrs[9], odt, (M * KT if scatter else M, D), 4 if c.out_dtype == "fp32" else 2)
             n_hit = mHits[0]
-            acc = cute.make_rmem_tensor((RA, nw, GMAX), Float32)
+            acc = cute.make_rmem_tensor((nw, GMAX), Float32)
             xr = cute.make_rmem_tensor((GMAX,), Int32)       # input rows of the group
             sl = cute.make_rmem_tensor((GMAX,), Int32)       # their assignment slots
-            # down: this lane's tokens m = lane and lane + 32, per row of the pass
-            osum = cute.make_rmem_tensor((RA, 2), Float32)
-            for r0 in cutlass.range(warp, R, NW * RA, unroll=1):
-                # the pass's RA rows (warp-strided); a row past the tile (when RA does not divide
-                # the warp's rows) recomputes the pass's first row and is never stored
-                ok = [r0 + NW * a < R for a in range(RA)]
-                rows = [t * R + Int32(cutlass.select_(ok[a], r0 + NW * a, r0)) for a in range(RA)]
+            osum = cute.make_rmem_tensor((2,), Float32)      # down: this lane's tokens lane, lane+32
+            for r in cutlass.range(warp, R, NW, unroll=1):
+                row = t * R + r
                 osum.fill(0.0)
                 for h in cutlass.range(n_hit, unroll=1):
                     le = mHits[1 + h]
@@ -557,46 +544,44 @@ class ExpertsBlock(Block):
                         acc.fill(0.0)
                         xl = [xr[g] for g in range(GMAX)]
                         if cutlass.const_expr(GMAX == 1):
-                            f1(mW, mS, mX, rows, xl, acc)
+                            f1(mW, mS, mX, row, xl, acc)
                         else:
                             # the smallest variant that holds the group: batch 1 per expert (the
                             # common case) does no wasted math, 2..4 tokens at most 2x
                             if ng == 1:
-                                f1(mW, mS, mX, rows, xl, acc)
+                                f1(mW, mS, mX, row, xl, acc)
                             elif ng == 2:
-                                f2(mW, mS, mX, rows, xl, acc)
+                                f2(mW, mS, mX, row, xl, acc)
                             elif ng <= 4:
-                                f4(mW, mS, mX, rows, xl, acc)
+                                f4(mW, mS, mX, row, xl, acc)
                             else:
-                                f8(mW, mS, mX, rows, xl, acc)
-                        for a in cutlass.range_constexpr(RA):
-                            for g in cutlass.range_constexpr(GMAX):
-                                v = cute.arch.warp_reduction_sum(acc[a, 0, g])
-                                if cutlass.const_expr(gateup):
-                                    v = swiglu_act(v, cute.arch.warp_reduction_sum(acc[a, 1, g]), limit)
-                                    if (lane == 0) & (g < ng) & ok[a]:
-                                        mAct[sl[g], rows[a]] = v.to(cutlass.BFloat16)
-                                elif cutlass.const_expr(scatter):
-                                    if (lane == 0) & (g < ng) & ok[a]:
-                                        mOut[sl[g], rows[a]] = v.to(odt)
-                                else:
-                                    if g < ng:
-                                        v = v * mTw[sl[g]]
-                                        m_tok = mTok[le, g0 + g]
-                                        if m_tok == lane:
-                                            osum[a, 0] = osum[a, 0] + v
-                                        if m_tok == lane + 32:
-                                            osum[a, 1] = osum[a, 1] + v
+                                f8(mW, mS, mX, row, xl, acc)
+                        for g in cutlass.range_constexpr(GMAX):
+                            v = cute.arch.warp_reduction_sum(acc[0, g])
+                            if cutlass.const_expr(gateup):
+                                v = swiglu_act(v, cute.arch.warp_reduction_sum(acc[1, g]), limit)
+                                if (lane == 0) & (g < ng):
+                                    mAct[sl[g], row] = v.to(cutlass.BFloat16)
+                            elif cutlass.const_expr(scatter):
+                                if (lane == 0) & (g < ng):
+                                    mOut[sl[g], row] = v.to(odt)
+                            else:
+                                if g < ng:
+                                    v = v * mTw[sl[g]]
+                                    m_tok = mTok[le, g0 + g]
+                                    if m_tok == lane:
+                                        osum[0] = osum[0] + v
+                                    if m_tok == lane + 32:
+                                        osum[1] = osum[1] + v
                 if cutlass.const_expr(not gateup and not scatter):
-                    for a in cutlass.range_constexpr(RA):
-                        for half in cutlass.range_constexpr(2):
-                            m_out = lane + 32 * half
-                            if (m_out < M) & ok[a]:
-                                v = osum[a, half]
-                                if cutlass.const_expr(has_shared):
-                                    mSh = gmem_tensor(ptrs[8], Float32, (M, D), 4)
-                                    v = v + mSh[m_out, rows[a]]
-                                mOut[m_out, rows[a]] = v.to(odt)
+                    for half in cutlass.range_constexpr(2):
+                        m_out = lane + 32 * half
+                        if m_out < M:
+                            v = osum[half]
+                            if cutlass.const_expr(has_shared):
+                                mSh = gmem_tensor(ptrs[8], Float32, (M, D), 4)
+                                v = v + mSh[m_out, row]
+                            mOut[m_out, row] = v.to(odt)
 
         # -- the tensor-core tile (mma=True, MXFP4) ---------------------------------------------
         # Warp mma.sync m16n8k16 (f16 in, fp32 accumulate), swap-AB: weight rows are the MMA's M
@@ -638,9 +623,16 @@ class ExpertsBlock(Block):
             for i in cutlass.range_constexpr(4):
                 word = raw[i]
                 for p in cutlass.range_constexpr(4):
-                    wp = word >> (4 * p)
-                    out.append(hmul2(((wp & 0x00070007) << 9) | ((wp & 0x00080008) << 12), factor))
+                    out.append(hmul2(e2m1_pair(word, p), factor))
             return out
+
+        @cute.jit
+        def zero_sums(scratch):
+            tid, _, _ = cute.arch.thread_idx()
+            for j in cutlass.range_constexpr(-(-RED // NUM_THREADS)):
+                if tid + NUM_THREADS * j < RED:
+                    scratch[tid + NUM_THREADS * j] = Float32(0.0)
+            cute.arch.sync_threads()
 
         @cute.jit
         def tile_mma(ptrs, t: Int32, scratch):
@@ -665,10 +657,7 @@ class ExpertsBlock(Block):
             acc = cute.make_rmem_tensor((nw, MT, 4), Float32)
             osum = cute.make_rmem_tensor((max(RW_, 1), 2), Float32)      # down: tokens lane, lane+32
             osum.fill(0.0)
-            for j in cutlass.range_constexpr(-(-RED // NUM_THREADS)):
-                if tid + NUM_THREADS * j < RED:
-                    scratch[tid + NUM_THREADS * j] = Float32(0.0)
-            cute.arch.sync_threads()
+            zero_sums(scratch)
             n_hit = mHits[0]
             for hh in cutlass.range(n_hit, unroll=1):
                 le = mHits[1 + hh]
@@ -756,10 +745,7 @@ class ExpertsBlock(Block):
                                     if m_tok == lane + 32:
                                         osum[rr, 1] = osum[rr, 1] + v
                     cute.arch.sync_threads()
-                    for j in cutlass.range_constexpr(-(-RED // NUM_THREADS)):
-                        if tid + NUM_THREADS * j < RED:
-                            scratch[tid + NUM_THREADS * j] = Float32(0.0)
-                    cute.arch.sync_threads()
+                    zero_sums(scratch)
             if cutlass.const_expr(not gateup and not scatter):
                 for rr in cutlass.range_constexpr(RW_):
                     row = warp + NW * rr

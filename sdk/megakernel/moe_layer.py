@@ -64,7 +64,6 @@ class MoELayerConfig:
     shared_dtype: str = "bf16"           # "bf16" | "fp8_e4m3" (GemvBlock's formats)
     router_rows: int = 0                 # rows per tile of the router GEMV; 0 = balanced
     expert_rows: int = 0                 # ... of the experts (one tile per SM where possible)
-    expert_rows_at_once: int = 1         # rows an expert warp streams together (ExpertsConfig)
     expert_weight_l1: bool = True        # expert weight loads allocate in L1 (ExpertsConfig)
     expert_mma: bool = False             # MXFP4 expert tiles on the tensor cores (ExpertsConfig.mma)
     shared_rows: int = 0                 # ... of the shared expert's GEMVs
@@ -137,12 +136,12 @@ def blocks(cfg: MoELayerConfig) -> dict:
         "gateup": ExpertsBlock(ExpertsConfig(stage="gateup", hidden=d, intermediate=cfg.intermediate,
                                              num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
                                              swiglu_limit=cfg.swiglu_limit, rows_per_tile=er["gateup"],
-                                             rows_at_once=cfg.expert_rows_at_once, mma=cfg.expert_mma,
+                                             mma=cfg.expert_mma,
                                              weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
         "down": ExpertsBlock(ExpertsConfig(stage="down", hidden=d, intermediate=cfg.intermediate,
                                            num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
                                            shared=bool(cfg.shared_intermediate), rows_per_tile=er["down"],
-                                           rows_at_once=cfg.expert_rows_at_once, mma=cfg.expert_mma,
+                                           mma=cfg.expert_mma,
                                            weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
     }
     if cfg.shared_intermediate:

@@ -3,7 +3,11 @@ shards of Kimi K3 (TP8: 12 heads, TP16: 6) and GLM-5.3 (TP8: 8 heads, NoPE) at 3
 context, batch 1 / 8 / 64; beside the same work in PyTorch under a CUDA graph (paged gather +
 bf16 matmuls + fp32 softmax) and the floor (cache bytes / copy bandwidth measured in this run).
 
-    python -m bench.mla_bench --out bench/results/h200 [--quick]
+    python -m bench.mla_bench --out bench/results/h200 [--quick] [--cases shard:ctx:batch:kv:T,..]
+                              [--set chunk=64,stages=3,splits=64,min_chunks=4,cols=512]
+
+--set overrides every case's decode config (chunk, stages), the split count (splits: a fixed
+count; min_chunks: choose_splits' shortest split) and the combine's columns per tile (cols).
 
 Timing: both launches (decode, combine) of many calls captured in one CUDA graph; when one
 call's cache is smaller than 256 MB, calls rotate over several copies of the page pool (through
@@ -51,23 +55,28 @@ def torch_decode_fn(q, kv, kv_scale, bt, lens_list, heads, T, d_v, scale, page):
     return step, out
 
 
-def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False):
+def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None):
     from sdk.blocks._cute import standalone
     from sdk.blocks.mla_decode import (MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig,
                                        absorbed_attention, choose_splits, quantize_kv_fp8)
     heads, rope, scale = SHARDS[shard]
+    ov = dict(overrides or {})
     page = 64
-    splits = choose_splits(batch, ctx)
+    splits = ov.pop("splits", 0) or choose_splits(batch, ctx, min_chunks_per_split=ov.pop("min_chunks", 8),
+                                                  chunk=ov.get("chunk", 32))
+    ov.pop("min_chunks", None)
+    cols = ov.pop("cols", 0)
     npg = -(-ctx // page)
     cfg0 = MLADecodeConfig(heads=heads, softmax_scale=scale, batch=batch, q_tokens=T, rope=rope, page_size=page,
-                           num_pages=1, max_seq_len=ctx, num_splits=splits, kv_dtype=kvd)
+                           num_pages=1, max_seq_len=ctx, num_splits=splits, kv_dtype=kvd, **ov)
     blk0 = MLADecodeBlock(cfg0)
     kvb = blk0.kv_bytes([ctx] * batch)
     copies = max(1, -(-L2_FLUSH_BYTES // kvb))
     pages = batch * npg * copies
     cfg = MLADecodeConfig(**{**cfg0.__dict__, "num_pages": pages})
     blk = MLADecodeBlock(cfg)
-    comb = MLACombineBlock(MLACombineConfig(heads=heads, batch=batch, q_tokens=T, d_v=blk.d_v, num_splits=splits))
+    comb = MLACombineBlock(MLACombineConfig(heads=heads, batch=batch, q_tokens=T, d_v=blk.d_v, num_splits=splits,
+                                            cols_per_tile=cols))
     d = blk.d_qk
     # the pool, filled in slices (no fp32 copy of a 10 GB pool); pages of every call scattered
     kv = torch.empty(pages, page, d, dtype=torch.float8_e4m3fn if blk.fp8 else torch.bfloat16, device="cuda")
@@ -132,9 +141,10 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False):
             torch_note = "torch OOM"
         torch.cuda.empty_cache()
     floor_us = kvb / (copy_bw * 1e3)
-    rec = {"case": f"{shard} B={batch} ctx={ctx} T={T} {kvd}", "shard": shard, "heads": heads, "rope": rope,
+    tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
+    rec = {"case": f"{shard} B={batch} ctx={ctx} T={T} {kvd}{tag}", "overrides": overrides or {}, "shard": shard, "heads": heads, "rope": rope,
            "batch": batch, "context": ctx, "q_tokens": T, "kv_dtype": kvd, "num_splits": splits,
-           "chunk": cfg.chunk, "stages": blk.stages, "kv_bytes": kvb, "us": us, "gbs": kvb / (us * 1e3),
+           "chunk": cfg.chunk, "stages": blk.stages, "combine_tiles": comb.num_tiles(), "kv_bytes": kvb, "us": us, "gbs": kvb / (us * 1e3),
            "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
            "speedup_vs_torch_graph": (torch_us / us) if torch_us else None, "torch_note": torch_note,
            "timing_mode": mode, "rel_err": err, "l2_rotation_copies": copies, "compile_s": round(compile_s, 2)}
@@ -157,15 +167,29 @@ def cases(quick: bool):
     return out
 
 
-def run(out_dir: str | None = None, quick: bool = False) -> dict:
-    return run_cases("mla_bench.json", cases(quick),
-                     lambda c, bw: bench_case(c[0], c[1], c[2], c[3], bw, T=c[4], quick=quick),
-                     lambda c: f"{c[0]} B={c[2]} ctx={c[1]} T={c[4]} {c[3]}", out_dir, case_width=44, us_width=9)
+def run(out_dir: str | None = None, quick: bool = False, case_list=None, overrides=None) -> dict:
+    tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
+    return run_cases("mla_bench.json", case_list or cases(quick),
+                     lambda c, bw: bench_case(c[0], c[1], c[2], c[3], bw, T=c[4], quick=quick, overrides=overrides),
+                     lambda c: f"{c[0]} B={c[2]} ctx={c[1]} T={c[4]} {c[3]}{tag}", out_dir, case_width=52, us_width=9)
+
+
+def parse_cases(text: str):
+    """"shard:ctx:batch[:kv[:T]],..." -> bench cases."""
+    out = []
+    for item in filter(None, text.split(",")):
+        f = item.split(":")
+        out.append((f[0], int(f[1]), int(f[2]), f[3] if len(f) > 3 else "bf16", int(f[4]) if len(f) > 4 else 1))
+    return out
 
 
 def main(argv=None):
-    a = arg_parser(out_from_env=False).parse_args(argv)
-    run(a.out, a.quick)
+    ap = arg_parser(out_from_env=False)
+    ap.add_argument("--cases", default="", help="shard:ctx:batch[:kv[:T]],... (overrides the default list)")
+    ap.add_argument("--set", default="", help="key=int,... : chunk, stages, splits, min_chunks, cols")
+    a = ap.parse_args(argv)
+    overrides = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.set.split(",") if kv}
+    run(a.out, a.quick, parse_cases(a.cases) or None, overrides)
 
 
 if __name__ == "__main__":

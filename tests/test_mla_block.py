@@ -116,6 +116,43 @@ def run_emulated(blk, t):
     return out
 
 
+@pytest.mark.parametrize("splits,cols,want_cols", [(3, 0, 512), (16, 0, 128), (20, 256, 256), (132, 512, 512)])
+def test_combine_tilings_cover_every_output_once(splits, cols, want_cols):
+    """Combine tiles = (sequence, query token, head, column slice): auto 128 columns from 16 splits
+    (a batch-1 step's many splits spread over many SMs), whole rows below; every tiling writes each
+    output exactly once and equals the reference merge, -inf splits (no visible token) included."""
+    B, T, H, L = 2, 2, 3, 512
+    comb = MLACombineBlock(MLACombineConfig(heads=H, batch=B, q_tokens=T, d_v=L, num_splits=splits,
+                                            cols_per_tile=cols))
+    assert comb.cols_per_tile == want_cols
+    assert comb.num_tiles() == B * T * H * (L // want_cols)
+    g = torch.Generator().manual_seed(splits)
+    o_part = torch.randn(B, splits, T * H, L, generator=g)
+    lse_part = torch.randn(B, splits, T * H, generator=g) * 4
+    lse_part[:, ::2] = float("-inf")                     # empty splits
+    o_part[:, ::2] = 0.0
+    t = {"o_part": o_part, "lse_part": lse_part,
+         "out": torch.full((B, T, H, L), float("nan"), dtype=torch.bfloat16),
+         "lse": torch.full((B, T, H), float("nan"))}
+    writes = torch.zeros(B, T, H, L)
+    for tile in range(comb.num_tiles()):
+        before = t["out"].clone()
+        comb.emulate_tile(t, tile)
+        writes += (before.isnan() & ~t["out"].isnan()).float()
+    assert (writes == 1).all()
+    want = comb.reference(o_part=o_part, lse_part=lse_part)
+    err = (t["out"].float() - want["out"]).norm() / want["out"].norm()
+    assert err < 4e-3, err
+    assert torch.allclose(t["lse"], want["lse"], atol=1e-5)
+
+
+def test_combine_rejects_unsupported_tilings():
+    with pytest.raises(UnsupportedConfigError, match="cols_per_tile"):
+        MLACombineBlock(MLACombineConfig(heads=2, d_v=512, num_splits=4, cols_per_tile=384))
+    with pytest.raises(UnsupportedConfigError, match="d_v"):
+        MLACombineBlock(MLACombineConfig(heads=2, d_v=200, num_splits=4))
+
+
 CASES = [
     # heads, T, rope, splits, page, lens, kv dtype, chunk
     (12, 1, 64, 4, 64, [1, 100, 300], "bf16", 32),

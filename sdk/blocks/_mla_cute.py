@@ -18,7 +18,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 from cutlass.memory import SmemAllocator
@@ -93,6 +93,8 @@ def build_mla_decode_tile(block):
     n_ops_out = n_ops_kv + (3 if SPARSE else 2)   # index of o_part (sparse: index list before it)
     NEG_INF = -math.inf
     HIDDEN = 0x7FFFFFFF                  # sparse mask: a token no query sees
+    ROW_BYTES = DQK * (1 if FP8 else 2)  # one cache row
+    WHOLE_PAGE_CHUNKS = (not SPARSE) and PS % CH == 0   # dense chunks never straddle a page
 
     @cute.jit
     def token_of(mIdx, b, tq, length, nk, ci, j):
@@ -110,26 +112,52 @@ def build_mla_decode_tile(block):
         return tok
 
     @cute.jit
-    def load_chunk(mKV, mSc, mBT, mIdx, b, tq, length, nk, ci, st, sStage, sScSt, sTok, tid, g2s, g2s4):
+    def cache_row(mBT, mIdx, b, tq, length, nk, ci, j, page_row0):
+        """Pool row of chunk row j (page_row0: the chunk's first row when it lies in one page)."""
+        row = Int32(0)
+        if cutlass.const_expr(WHOLE_PAGE_CHUNKS):
+            last = nk - 1 - ci * CH             # rows past the sequence's end read its last token
+            if j > last:
+                j = last
+            row = page_row0 + j
+        else:
+            tok = token_of(mIdx, b, tq, length, nk, ci, j)
+            row = mBT[b, tok // PS] * PS + tok % PS
+        return row
+
+    @cute.jit
+    def kv_row(kv_addr, row):
+        """Cache row `row` as (PIECES, EP): addressed from a 64-bit base (a pool may hold more
+        than 2^31 elements: Kimi K3 at 64 x 128K tokens is 4.8e9)."""
+        return gmem_tensor(kv_addr + Int64(row) * Int64(ROW_BYTES), kvdt, (PIECES, EP), 16)
+
+    @cute.jit
+    def scale_row(sc_addr, row):
+        return gmem_tensor(sc_addr + Int64(row) * Int64(NG * 4), Float32, (NG, 1), 4)
+
+    @cute.jit
+    def load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, ci, st, sStage, sScSt, sTok, tid, g2s, g2s4):
         """cp.async the cache rows of chunk ci into stage st (sparse: and the chunk's tokens for
         the mask into sTok[st], plain stores: read after the barriers the chunk passes)."""
+        page_row0 = Int32(0)
+        if cutlass.const_expr(WHOLE_PAGE_CHUNKS):
+            # the chunk lies in one page: one block-table read for all its rows
+            page_row0 = mBT[b, (ci * CH) // PS] * PS + (ci * CH) % PS
         for k in cutlass.range_constexpr(PPT):
             i = tid + k * NUM_THREADS
             if i < NPIECE:
                 j = i // PIECES
                 p = i % PIECES
-                tok = token_of(mIdx, b, tq, length, nk, ci, j)
-                row = mBT[b, tok // PS] * PS + tok % PS
-                cute.copy(g2s, mKV[row, p, None], sStage[st, j, p, None])
+                row = cache_row(mBT, mIdx, b, tq, length, nk, ci, j, page_row0)
+                cute.copy(g2s, kv_row(kv_addr, row)[p, None], sStage[st, j, p, None])
         if cutlass.const_expr(FP8):
             for k in cutlass.range_constexpr(SPT):
                 i = tid + k * NUM_THREADS
                 if i < NSC:
                     j = i // NG
                     gi = i % NG
-                    tok = token_of(mIdx, b, tq, length, nk, ci, j)
-                    row = mBT[b, tok // PS] * PS + tok % PS
-                    cute.copy(g2s4, mSc[row, gi, None], sScSt[st, j, gi, None])
+                    row = cache_row(mBT, mIdx, b, tq, length, nk, ci, j, page_row0)
+                    cute.copy(g2s4, scale_row(sc_addr, row)[gi, None], sScSt[st, j, gi, None])
         if cutlass.const_expr(SPARSE):
             for j in cutlass.range(tid, CH, NUM_THREADS, unroll=1):
                 e = ci * CH + j
@@ -154,10 +182,8 @@ def build_mla_decode_tile(block):
         row0 = tq * H                           # the tile's first query row (0 when dense)
 
         mQ = gmem_tensor(ptrs[0], BFloat16, (B, R, DQK // 8, 8), 16)
-        mKV = gmem_tensor(ptrs[1], kvdt, (NP * PS, PIECES, EP), 16)
-        mSc = None
-        if cutlass.const_expr(FP8):
-            mSc = gmem_tensor(ptrs[2], Float32, (NP * PS, NG, 1), 4)
+        kv_addr = ptrs[1]
+        sc_addr = ptrs[2] if FP8 else ptrs[1]
         mBT = gmem_tensor(ptrs[n_ops_kv], Int32, (B, MAXP), 4)
         mLen = gmem_tensor(ptrs[n_ops_kv + 1], Int32, (B,), 4)
         mIdx = None
@@ -214,7 +240,7 @@ def build_mla_decode_tile(block):
         # pipeline prologue first (the KV stream matters, Q is small)
         for k in cutlass.range_constexpr(ST - 1):
             if c_lo + k < c_hi:
-                load_chunk(mKV, mSc, mBT, mIdx, b, tq, length, nk, c_lo + k, k, sStage, sScSt, sTok, tid,
+                load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, c_lo + k, k, sStage, sScSt, sTok, tid,
                            g2s, g2s4)
             cute.arch.cp_async_commit_group()
 
@@ -265,7 +291,7 @@ def build_mla_decode_tile(block):
             cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
             nxt = ci + ST - 1
             if nxt < c_hi:
-                load_chunk(mKV, mSc, mBT, mIdx, b, tq, length, nk, nxt, (it + ST - 1) % ST, sStage, sScSt, sTok,
+                load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, (it + ST - 1) % ST, sStage, sScSt, sTok,
                            tid, g2s, g2s4)
             cute.arch.cp_async_commit_group()
             buf = st
@@ -289,12 +315,17 @@ def build_mla_decode_tile(block):
             tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKw))
             tSsK = thr_ck.partition_S(sKw)
             tSrKv = thr_ck.retile(tSrK)
+            # two accumulators (even / odd k-steps): two MMA dependency chains of half the length
             accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, 8)), Float32)
+            accS2 = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, 8)), Float32)
             accS.fill(0.0)
+            accS2.fill(0.0)
             for k in cutlass.range_constexpr(KS // 16):
                 cute.copy(cpy_q, tSsQ[None, None, k], tSrQv[None, None, k])
                 cute.copy(cpy_k, tSsK[None, None, k], tSrKv[None, None, k])
-                cute.gemm(tiled_qk, accS, tSrQ[None, None, k], tSrK[None, None, k], accS)
+                acc_k = accS if k % 2 == 0 else accS2
+                cute.gemm(tiled_qk, acc_k, tSrQ[None, None, k], tSrK[None, None, k], acc_k)
+            accS.store(accS.load() + accS2.load())
             tSsS = thr_qk.partition_C(cute.local_tile(sS[kp, None, None], (MP, 8), (0, nw)))
             for i in cutlass.range_constexpr(cute.size(accS)):
                 tSsS[i] = accS[i]
@@ -376,52 +407,79 @@ def build_mla_combine_tile(block):
     c = block.config
     B, T, H, DV, S = c.batch, c.q_tokens, c.heads, c.d_v, c.num_splits
     R = T * H
-    CPT = DV // NUM_THREADS              # columns per thread per row
+    CW = block.cols_per_tile             # output columns of one tile
+    NCQ = DV // CW
+    CG = CW // 4                         # 16-byte column groups of a tile
+    SG = NUM_THREADS // CG               # split groups: thread (sg, cg) sums splits sg, sg + SG, ..
     NEG_INF = -math.inf
 
     @cute.jit
     def tile(ptrs, t: Int32, scratch):
         tid, _, _ = cute.arch.thread_idx()
-        b = t // T
-        tq = t % T
-        mO = gmem_tensor(ptrs[0], Float32, (B, S, R, DV // CPT, CPT), 4 * CPT if CPT in (2, 4) else 4)
+        lane = tid % 32
+        cq = t % NCQ
+        h = (t // NCQ) % H
+        tq = (t // (NCQ * H)) % T
+        b = t // (NCQ * H * T)
+        r = tq * H + h
+        mO = gmem_tensor(ptrs[0], Float32, (B, S, R, DV // 4, 4), 16)
         mL = gmem_tensor(ptrs[1], Float32, (B, S, R), 4)
-        mOut = gmem_tensor(ptrs[2], BFloat16, (B, T, H, DV // CPT, CPT), 2 * CPT if CPT in (2, 4, 8) else 2)
+        mOut = gmem_tensor(ptrs[2], BFloat16, (B, T, H, DV), 2)
         mLse = gmem_tensor(ptrs[3], Float32, (B, T, H), 4)
         smem = SmemAllocator()
-        sL = smem.allocate_tensor(Float32, cute.make_layout((S, H), stride=(H, 1)), byte_alignment=16)
-        sM = smem.allocate_tensor(Float32, cute.make_layout((2, H), stride=(H, 1)), byte_alignment=16)
-        for i in cutlass.range(tid, S * H, NUM_THREADS, unroll=1):
-            sL[i // H, i % H] = mL[b, i // H, tq * H + i % H]
-        cute.arch.sync_threads()
-        if tid < H:
+        sW = smem.allocate_tensor(Float32, cute.make_layout(S), byte_alignment=16)
+        sR = smem.allocate_tensor(Float32, cute.make_layout((SG, CW), stride=(CW, 1)), byte_alignment=16)
+        sM = smem.allocate_tensor(Float32, cute.make_layout(2), byte_alignment=16)
+        # ---- the splits' weights: warp 0 reduces max and sum of exp over the S lse values -----
+        if tid < 32:
             mx = Float32(NEG_INF)
-            for sp in cutlass.range(S, unroll=1):
-                mx = cute.arch.fmax(mx, sL[sp, tid])
+            for sp in cutlass.range(lane, S, 32, unroll=1):
+                mx = cute.arch.fmax(mx, mL[b, sp, r])
+            for off in cutlass.range_constexpr(5):
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << off, mask=-1,
+                                                                     mask_and_clamp=31))
             den = Float32(0.0)
             if mx != NEG_INF:
-                for sp in cutlass.range(S, unroll=1):
-                    den = den + cute.math.exp(sL[sp, tid] - mx, fastmath=True)
-            sM[0, tid] = mx
-            sM[1, tid] = den
-            lse = Float32(NEG_INF)
-            if den > Float32(0.0):
-                lse = mx + cute.math.log(den, fastmath=False)
-            mLse[b, tq, tid] = lse
+                for sp in cutlass.range(lane, S, 32, unroll=1):
+                    den = den + cute.math.exp(mL[b, sp, r] - mx, fastmath=True)
+            for off in cutlass.range_constexpr(5):
+                den = den + cute.arch.shuffle_sync_bfly(den, offset=1 << off, mask=-1, mask_and_clamp=31)
+            if tid == 0:
+                sM[0] = mx
+                sM[1] = den
+                lse = Float32(NEG_INF)
+                if den > Float32(0.0):
+                    lse = mx + cute.math.log(den, fastmath=False)
+                if cq == 0:
+                    mLse[b, tq, h] = lse
         cute.arch.sync_threads()
-        for h in cutlass.range(H, unroll=1):
-            mx = sM[0, h]
-            den = sM[1, h]
-            acc = cute.make_rmem_tensor((CPT,), Float32)
-            acc.fill(0.0)
+        mx = sM[0]
+        den = sM[1]
+        inv = Float32(0.0)
+        if den > Float32(0.0):
+            inv = Float32(1.0) / den
+        for sp in cutlass.range(tid, S, NUM_THREADS, unroll=1):
+            w = Float32(0.0)
             if den > Float32(0.0):
-                inv = Float32(1.0) / den
-                for sp in cutlass.range(S, unroll=1):
-                    w = cute.math.exp(sL[sp, h] - mx, fastmath=True) * inv
-                    if w > Float32(0.0):
-                        acc.store(acc.load() + mO[b, sp, tq * H + h, tid, None].load() * w)
-            mOut[b, tq, h, tid, None].store(acc.load().to(BFloat16))
+                w = cute.math.exp(mL[b, sp, r] - mx, fastmath=True) * inv
+            sW[sp] = w
         cute.arch.sync_threads()
+        # ---- weighted sum: 16-byte loads, several splits in flight per thread -----------------
+        cg = tid % CG
+        sg = tid // CG
+        acc = cute.make_rmem_tensor((4,), Float32)
+        acc.fill(0.0)
+        for sp in cutlass.range(sg, S, SG, unroll=4):
+            acc.store(acc.load() + mO[b, sp, r, cq * CG + cg, None].load() * sW[sp])
+        for e in cutlass.range_constexpr(4):
+            sR[sg, cg * 4 + e] = acc[e]
+        cute.arch.sync_threads()
+        for col in cutlass.range(tid, CW, NUM_THREADS, unroll=1):
+            v = Float32(0.0)
+            for g in cutlass.range_constexpr(SG):
+                v = v + sR[g, col]
+            mOut[b, tq, h, cq * CW + col] = v.to(BFloat16)
+        cute.arch.sync_threads()                # smem is reused by the next instruction
 
     return tile
 

@@ -15,11 +15,12 @@ KV chunk once for all its query rows: rows = (query token t, head h), r = t * he
 Blocks here:
 - `MLADecodeBlock` (the core): tile = (sequence b, KV split s). It walks its split's part of the
   sequence in chunks of `chunk` tokens, through a `stages`-deep cp.async pipeline of KV chunks
-  gathered row by row through the page table; QK^T and PV on the tensor cores (warp MMA
+  gathered row by row through the page table (one block-table read per chunk when chunks never
+  straddle a page; rows addressed from a 64-bit base: pools past 2^31 elements); QK^T and PV on the tensor cores (warp MMA
   m16n8k16 bf16, fp32 accumulate); online softmax; writes the split's normalised partial output
   o_part[b, s] (fp32) and its log-sum-exp lse_part[b, s] (natural log of the scaled scores).
-- `MLACombineBlock`: tile = (sequence b, query token t): merges the S splits by their lse into
-  out[b, t] (bf16, the latent output o_lat) and lse[b, t] (fp32).
+- `MLACombineBlock`: tile = (sequence b, query token t, head h, column slice): merges the S
+  splits by their lse into out[b, t, h] (bf16, the latent output o_lat) and lse[b, t, h] (fp32).
 
 Work split inside the core tile (8 warps): for QK^T warp w owns tokens [8 (w % NWN), +8) of the
 chunk and the k-slice (w // NWN) of d_qk (NWN = chunk / 8 token groups, NWK = 8 / NWN k-slices);
@@ -108,6 +109,7 @@ class MLADecodeConfig:
 class MLADecodeBlock(Block):
     name = "mla_decode"
     Config = MLADecodeConfig
+    wide_operands = ("kv", "kv_scale")   # rows addressed from a 64-bit base (pools of > 2^31 elements)
 
     # -- static facts --------------------------------------------------------------------------
     @property
@@ -412,12 +414,16 @@ class MLACombineConfig:
     q_tokens: int = 1
     d_v: int = 512
     num_splits: int = 1
+    cols_per_tile: int = 0              # output columns of one tile (0 = auto: see cols_per_tile)
 
 
 class MLACombineBlock(Block):
     """out[b, t, h] = sum_s w_s o_part[b, s, t*H+h] with w = softmax over s of lse_part; lse too.
-    A tile is one (sequence, query token): heads x d_v outputs; each thread owns d_v / 256 columns
-    of each head row. Supported: d_v a multiple of 256."""
+    A tile is one (sequence, query token, head, column slice): many tiles, so that a batch-1 step
+    with 128 splits spreads its S x heads x d_v x 4 bytes of partial outputs over many SMs (one
+    tile per sequence read them serially: 360 us at Kimi K3 TP8, 32K context). Thread (sg, cg)
+    sums splits sg, sg + SG, .. of its 4 columns cg with 16-byte loads, several in flight; the SG
+    split groups are summed in shared memory. Supported: d_v a multiple of 128."""
     name = "mla_combine"
     Config = MLACombineConfig
 
@@ -425,10 +431,23 @@ class MLACombineBlock(Block):
     def rows(self) -> int:
         return self.config.q_tokens * self.config.heads
 
+    @property
+    def cols_per_tile(self) -> int:
+        """Auto: 128 columns when the splits are many (a tile then still reads S x 512 B), else
+        the whole row (a tile reads S x d_v x 4 B: few tiles for a large batch of few splits)."""
+        c = self.config
+        if c.cols_per_tile:
+            return c.cols_per_tile
+        return 128 if c.num_splits >= 16 else c.d_v
+
     def check(self):
         c = self.config
-        if c.d_v % NUM_THREADS:
-            self.unsupported(f"mla_combine: d_v={c.d_v} must be a multiple of {NUM_THREADS}")
+        cw = self.cols_per_tile
+        if c.d_v % 128:
+            self.unsupported(f"mla_combine: d_v={c.d_v} must be a multiple of 128")
+        if cw not in (128, 256, 512, 1024) or c.d_v % cw:
+            self.unsupported(f"mla_combine: cols_per_tile={cw} must be 128, 256, 512 or 1024 and divide "
+                             f"d_v={c.d_v}")
         if c.num_splits < 1:
             self.unsupported("mla_combine: num_splits >= 1")
 
@@ -440,12 +459,13 @@ class MLACombineBlock(Block):
                 OperandSpec("lse", (c.batch, c.q_tokens, c.heads), "fp32", output=True)]
 
     def num_tiles(self) -> int:
-        return self.config.batch * self.config.q_tokens
+        c = self.config
+        return c.batch * c.q_tokens * c.heads * (c.d_v // self.cols_per_tile)
 
     def cost(self) -> Cost:
         c = self.config
-        return Cost(bytes=c.heads * (c.num_splits * (c.d_v + 1) * 4 + c.d_v * 2 + 4),
-                    flops=2 * c.heads * c.num_splits * c.d_v)
+        cw = self.cols_per_tile
+        return Cost(bytes=c.num_splits * (cw + 1) * 4 + cw * 2 + 4, flops=2 * c.num_splits * cw)
 
     @staticmethod
     def combine(o_part: torch.Tensor, lse_part: torch.Tensor):
@@ -464,11 +484,15 @@ class MLACombineBlock(Block):
 
     def emulate_tile(self, t, tile):
         c = self.config
-        b, tq = divmod(tile, c.q_tokens)
-        rows = slice(tq * c.heads, (tq + 1) * c.heads)
-        o, lse = self.combine(t["o_part"][b, :, rows], t["lse_part"][b, :, rows])
-        t["out"][b, tq] = o.to(t["out"].dtype)
-        t["lse"][b, tq] = lse.to(t["lse"].dtype)
+        cw = self.cols_per_tile
+        rest, cq = divmod(tile, c.d_v // cw)
+        rest, h = divmod(rest, c.heads)
+        b, tq = divmod(rest, c.q_tokens)
+        r, cols = tq * c.heads + h, slice(cq * cw, (cq + 1) * cw)
+        o, lse = self.combine(t["o_part"][b, :, r:r + 1, cols], t["lse_part"][b, :, r:r + 1])
+        t["out"][b, tq, h, cols] = o[0].to(t["out"].dtype)
+        if cq == 0:
+            t["lse"][b, tq, h] = lse[0].to(t["lse"].dtype)
 
     def _build_device_tile(self):
         from ._mla_cute import build_mla_combine_tile

@@ -40,13 +40,14 @@ def make_case(cfg, lens, seed):
     return blk, t
 
 
-def run_decode(blk, t):
-    """Core tiles then the combine, both standalone; returns (out bf16, lse fp32)."""
+def run_decode(blk, t, cols=0):
+    """Core tiles then the combine (`cols` columns per combine tile, 0 = auto), both standalone;
+    returns (out bf16, lse fp32)."""
     from sdk.blocks.mla_decode import MLACombineBlock, MLACombineConfig
     c = blk.config
     run_standalone(blk, t)
     comb = MLACombineBlock(MLACombineConfig(heads=c.heads, batch=c.batch, q_tokens=c.q_tokens, d_v=blk.d_v,
-                                            num_splits=c.num_splits))
+                                            num_splits=c.num_splits, cols_per_tile=cols))
     ct = {"o_part": t["o_part"], "lse_part": t["lse_part"],
           "out": torch.full((c.batch, c.q_tokens, c.heads, blk.d_v), float("nan"), dtype=torch.bfloat16, device="cuda"),
           "lse": torch.full((c.batch, c.q_tokens, c.heads), float("nan"), device="cuda")}
@@ -54,10 +55,10 @@ def run_decode(blk, t):
     return ct["out"], ct["lse"]
 
 
-def check(blk, t, seed):
+def check(blk, t, seed, cols=0):
     from sdk.blocks.mla_decode import absorbed_attention
     c = blk.config
-    out, lse = run_decode(blk, t)
+    out, lse = run_decode(blk, t, cols)
     assert torch.isfinite(t["o_part"]).all(), f"seed {seed}: NaN left in o_part"
     assert not torch.isnan(t["lse_part"]).any(), f"seed {seed}: NaN left in lse_part"
     rows = [blk.gather_kv(t, b, 0, int(t["seq_lens"][b])) for b in range(c.batch)]
@@ -122,6 +123,40 @@ def test_fp8_long_context():
                           num_splits=66, kv_dtype="fp8_e4m3")
     blk, t = make_case(cfg, [131072, 70001], seed)
     check(blk, t, seed)
+
+
+@pytest.mark.parametrize("cols", [0, 512])
+def test_pool_past_two_to_the_31_elements(cols):
+    """A page pool of > 2^31 elements (Kimi K3 TP8 at batch 64 x 128K tokens holds 4.8e9): the
+    sequences' pages lie at the top of the pool, so 32-bit element offsets would wrap; both
+    combine tilings (128-column slices, whole rows)."""
+    need_gpu()
+    from sdk.blocks.base import INDEX_LIMIT
+    from sdk.blocks.mla_decode import MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig
+    seed = clock_seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lens = [5000, 3001]                         # 79 and 47 pages
+    per_page = 64 * 576
+    pages = INDEX_LIMIT // per_page + 160
+    cfg = MLADecodeConfig(heads=12, softmax_scale=K3_SCALE, batch=2, num_pages=pages, max_seq_len=8192,
+                          num_splits=20)
+    blk = MLADecodeBlock(cfg)
+    assert pages * per_page > INDEX_LIMIT
+    kv = torch.empty(pages, 64, 576, dtype=torch.bfloat16, device="cuda")
+    kv[:-256].fill_(float("nan"))               # rows a wrapped offset would read
+    kv[-256:] = torch.randn(256, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
+    top = pages - 256 + torch.randperm(256, device="cuda", generator=g).int()
+    bt = torch.full((2, blk.max_pages), 2 ** 30, dtype=torch.int32, device="cuda")
+    bt[0, :79], bt[1, :47] = top[:79], top[79:126]
+    t = {"q": torch.randn(2, 1, 12, 576, device="cuda", generator=g).to(torch.bfloat16), "kv": kv,
+         "block_table": bt, "seq_lens": torch.tensor(lens, dtype=torch.int32, device="cuda"),
+         "o_part": torch.full((2, 20, 12, 512), float("nan"), device="cuda"),
+         "lse_part": torch.full((2, 20, 12), float("nan"), device="cuda")}
+    auto = MLACombineBlock(MLACombineConfig(heads=12, batch=2, d_v=512, num_splits=20))
+    assert auto.num_tiles() == 2 * 12 * 4            # 20 splits: 128-column slices
+    check(blk, t, seed, cols)
+    del kv, t
+    torch.cuda.empty_cache()
 
 
 def test_head_proj_blocks():

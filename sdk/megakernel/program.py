@@ -14,6 +14,8 @@ Placement on SMs is `sdk.schedule`; encoding into int32 words is `encode()` here
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,7 +102,10 @@ class Program:
             buf = bindings.get(s.name)
             if buf is not None:
                 b = self.buffers[buf]
-                if tuple(b.shape) != tuple(s.shape) or b.dtype != s.dtype:
+                # a buffer binds an operand of its dtype and element count: the device sees a base
+                # address, so any shape of the same contiguous bytes is the same operand (e.g. the
+                # [B, T, H, d] query of the attention core is the [B*T, H, d] output of a GEMV)
+                if math.prod(b.shape) != math.prod(s.shape) or b.dtype != s.dtype:
                     raise UnsupportedConfigError(
                         f"{label}: operand {s.name} wants {s.dtype}{list(s.shape)}, buffer {buf!r} "
                         f"is {b.dtype}{list(b.shape)}")

@@ -49,12 +49,11 @@ class PyVM:
                 for b in program.buffers.values()}
 
     def _operands(self, block, base):
-        names = block.operands()
         t = {}
-        for j, name in enumerate(names):
+        for j, spec in enumerate(block.operand_specs()):
             buf = self.program.optab[base + j]
             if buf is not None:
-                t[name] = self.tensors[buf]
+                t[spec.name] = self.tensors[buf].view(spec.shape)    # a buffer may bind a reshape
         return t
 
     def step(self, seed: int | None = 0, trace: bool = False) -> None:

@@ -217,3 +217,34 @@ def test_chain_against_reference_mla():
                     input_ids=torch.zeros(B, T, dtype=torch.long, device="cuda"))
     want = ref.attend(q_nope.float(), t["q"][..., L:].float(), {"latent": dense}, step)
     assert rel_err(o.view(B, T, H, v), want) <= BF16_TOL, f"seed {seed}"
+
+
+@pytest.mark.parametrize("T,kvd", [(1, "bf16"), (2, "fp8_e4m3")])
+def test_attention_program_one_launch(T, kvd):
+    """W_UK -> split-KV decode -> combine -> W_UV as megakernel instructions in ONE launch (Kimi K3
+    TP8 shard: 12 heads), ragged batch, pages scattered, outputs and scratch poisoned, three
+    launches of the same runtime (counter epochs) each equal to the expanded fp32 reference."""
+    need_gpu()
+    from sdk.megakernel.mla_attention import (MLAAttentionConfig, build_program, make_inputs, make_weights,
+                                              reference)
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.megakernel.runtime import MegakernelRuntime
+    seed = clock_seed()
+    lens = [T, 700, 4097, 20000]
+    cfg = MLAAttentionConfig(heads=12, batch=4, q_tokens=T, num_pages=sum(-(-x // 64) for x in lens) + 4,
+                             max_seq_len=20000, kv_dtype=kvd, scale_factor=1.21)
+    prog = build_program(cfg)
+    weights = make_weights(cfg, seed=seed, device="cuda")
+    inputs = make_inputs(cfg, lens, seed=seed + 1, device="cuda")
+    tensors = PyVM.alloc(prog, device="cuda")
+    tensors.update({k: v for k, v in weights.items() if k != "kv_b_proj"})
+    rt = MegakernelRuntime(prog, tensors)
+    want = reference(cfg, weights, inputs)
+    for launch in range(3):
+        for name, x in inputs.items():
+            rt.tensors[name].copy_(x)
+        for name in ("o_part", "lse_part", "o_lat", "lse", "o"):
+            rt.tensors[name].fill_(float("nan"))
+        rt.run()
+        err = rel_err(rt.tensors["o"], want)
+        assert err <= BF16_TOL, f"seed {seed}, launch {launch}: rel err {err:.3e}"

@@ -69,6 +69,8 @@ def build_mla_decode_tile(block):
     DQK, DV = block.d_qk, block.d_v
     CH, NWN, NWK = c.chunk, block.nwn, block.nwk
     KS = DQK // NWK                      # d_qk slice of one warp in QK^T
+    TPW = block.tpw                      # tokens of one warp in QK^T
+    Q_REGS = block.q_regs                # the warp's Q slice loaded into registers once
     DVW = DV // NUM_WARPS                # value columns of one warp in PV
     ST = block.stages
     PS, NP, MAXP, S = c.page_size, c.num_pages, block.max_pages, c.num_splits
@@ -272,6 +274,10 @@ def build_mla_decode_tile(block):
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQk))
         tSsQ = thr_cq.partition_S(sQk)
         tSrQv = thr_cq.retile(tSrQ)
+        if cutlass.const_expr(Q_REGS):
+            cute.arch.sync_threads()            # Q staged
+            for k in cutlass.range_constexpr(KS // 16):
+                cute.copy(cpy_q, tSsQ[None, None, k], tSrQv[None, None, k])
 
         accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((MP, DVW)), Float32)
         accO.fill(0.0)
@@ -311,22 +317,23 @@ def build_mla_decode_tile(block):
                 cute.arch.sync_threads()
 
             # ---- partial scores of this warp: rows x 8 tokens over its d_qk slice ---------------
-            sKw = cute.local_tile(sKV[buf, None, None], (8, KS), (nw, kp))
+            sKw = cute.local_tile(sKV[buf, None, None], (TPW, KS), (nw, kp))
             tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKw))
             tSsK = thr_ck.partition_S(sKw)
             tSrKv = thr_ck.retile(tSrK)
             # two accumulators (even / odd k-steps): two MMA dependency chains of half the length
-            accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, 8)), Float32)
-            accS2 = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, 8)), Float32)
+            accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, TPW)), Float32)
+            accS2 = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, TPW)), Float32)
             accS.fill(0.0)
             accS2.fill(0.0)
             for k in cutlass.range_constexpr(KS // 16):
-                cute.copy(cpy_q, tSsQ[None, None, k], tSrQv[None, None, k])
+                if cutlass.const_expr(not Q_REGS):
+                    cute.copy(cpy_q, tSsQ[None, None, k], tSrQv[None, None, k])
                 cute.copy(cpy_k, tSsK[None, None, k], tSrKv[None, None, k])
                 acc_k = accS if k % 2 == 0 else accS2
                 cute.gemm(tiled_qk, acc_k, tSrQ[None, None, k], tSrK[None, None, k], acc_k)
             accS.store(accS.load() + accS2.load())
-            tSsS = thr_qk.partition_C(cute.local_tile(sS[kp, None, None], (MP, 8), (0, nw)))
+            tSsS = thr_qk.partition_C(cute.local_tile(sS[kp, None, None], (MP, TPW), (0, nw)))
             for i in cutlass.range_constexpr(cute.size(accS)):
                 tSsS[i] = accS[i]
             cute.arch.sync_threads()            # all partial scores of chunk ci in sS

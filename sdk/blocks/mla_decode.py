@@ -22,8 +22,9 @@ Blocks here:
 - `MLACombineBlock`: tile = (sequence b, query token t, head h, column slice): merges the S
   splits by their lse into out[b, t, h] (bf16, the latent output o_lat) and lse[b, t, h] (fp32).
 
-Work split inside the core tile (8 warps): for QK^T warp w owns tokens [8 (w % NWN), +8) of the
-chunk and the k-slice (w // NWN) of d_qk (NWN = chunk / 8 token groups, NWK = 8 / NWN k-slices);
+Work split inside the core tile (8 warps): for QK^T warp w owns tokens [TPW (w % NWN), +TPW) of
+the chunk and the k-slice (w // NWN) of d_qk (NWN = min(chunk / 8, 4) token groups of TPW = chunk /
+NWN tokens, NWK = 8 / NWN k-slices; its query slice stays in registers when it fits, `q_regs`);
 the partial scores go to shared memory; after one barrier every warp reads the whole chunk's
 scores (summing the k-slices), does the same online softmax redundantly (cheap: chunk x rows
 exps) and multiplies P by its own 1/8 of the value columns (d_v / 8 columns per warp). Two
@@ -104,6 +105,7 @@ class MLADecodeConfig:
     chunk: int = 32                    # tokens per pipeline stage (16, 32 or 64)
     stages: int = 0                    # pipeline depth; 0 = auto (what fits in ~200 KB, 2..8)
     index_width: int = 0               # DSA: entries of each query's index list (0 = dense attention)
+    q_in_regs: bool | None = None      # query slice in registers across chunks; None = auto (q_regs)
 
 
 class MLADecodeBlock(Block):
@@ -137,8 +139,23 @@ class MLADecodeBlock(Block):
         return 16 * math.ceil(self.tile_rows / 16)
 
     @property
-    def nwn(self) -> int:                 # warps along the chunk's tokens in QK^T
-        return self.config.chunk // 8
+    def nwn(self) -> int:                 # warps along the chunk's tokens in QK^T (at most 4)
+        return min(self.config.chunk // 8, 4)
+
+    @property
+    def tpw(self) -> int:                 # tokens of one warp in QK^T (8, or 16 at chunk 64)
+        return self.config.chunk // self.nwn
+
+    @property
+    def q_regs(self) -> bool:
+        """The warp's query slice held in registers for the whole tile (ldmatrix once, not per
+        chunk: the per-chunk Q reads were half the tile's shared-memory traffic, and the tile
+        stalled on shared memory - Nsight Compute, Kimi K3 TP8 B=64). Auto: slices up to 288
+        columns (72 registers at 16 rows)."""
+        c = self.config
+        if c.q_in_regs is not None:
+            return c.q_in_regs
+        return self.m_pad == 16 and self.d_qk // self.nwk <= 288
 
     @property
     def nwk(self) -> int:                 # warps along d_qk in QK^T

@@ -86,7 +86,8 @@ def test_kimi_k3_tp8_single_sequence_contexts(ctx):
 @pytest.mark.parametrize("kvd", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("heads,T,rope,scale,chunk", [(12, 1, 64, K3_SCALE, 32), (6, 2, 64, K3_SCALE, 32),
                                                       (12, 2, 64, K3_SCALE, 16), (8, 4, 0, GLM_SCALE, 64),
-                                                      (8, 1, 0, GLM_SCALE, 32)])
+                                                      (8, 1, 0, GLM_SCALE, 32), (12, 1, 64, K3_SCALE, 64),
+                                                      (8, 1, 0, GLM_SCALE, 64)])
 def test_ragged_batches(kvd, heads, T, rope, scale, chunk):
     """Ragged batch of 8 (1 .. 9000 tokens), T new tokens causal among themselves, YaRN-like
     scale factor, pages scattered; Kimi K3 (TP8 / TP16) and GLM-5.3 (NoPE, TP8) shards."""

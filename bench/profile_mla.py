@@ -1,0 +1,45 @@
+"""One MLA decode case launched a few times, for Nsight Compute (where a split-KV tile's time goes):
+
+    ncu --clock-control none --kernel-name regex:cutlass --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        python -m bench.profile_mla kimi_k3_tp8 32768 64 [chunk=64,stages=3]
+
+Inputs as bench/mla_bench.py's (pages scattered over the pool), no timing, no reference.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def main(argv=None):
+    from bench.common import cu_stream
+    from bench.mla_bench import SHARDS
+    from sdk.blocks._cute import standalone
+    from sdk.blocks.mla_decode import MLADecodeBlock, MLADecodeConfig, choose_splits
+    a = argv if argv is not None else sys.argv[1:]
+    shard, ctx, batch = a[0], int(a[1]), int(a[2])
+    ov = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in (a[3].split(",") if len(a) > 3 else []) if kv}
+    heads, rope, scale = SHARDS[shard]
+    splits = ov.pop("splits", 0) or choose_splits(batch, ctx)
+    npg = -(-ctx // 64)
+    cfg = MLADecodeConfig(heads=heads, softmax_scale=scale, batch=batch, rope=rope, num_pages=batch * npg,
+                          max_seq_len=ctx, num_splits=splits, **ov)
+    blk = MLADecodeBlock(cfg)
+    kv = torch.randn(batch * npg, 64, blk.d_qk, device="cuda").to(torch.bfloat16)
+    t = {"q": torch.randn(batch, 1, heads, blk.d_qk, device="cuda").to(torch.bfloat16), "kv": kv,
+         "block_table": torch.randperm(batch * npg, device="cuda").int().view(batch, npg),
+         "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
+         "o_part": torch.empty(batch, splits, blk.rows, blk.d_v, device="cuda"),
+         "lse_part": torch.empty(batch, splits, blk.rows, device="cuda")}
+    optab = torch.tensor([t[n].data_ptr() for n in blk.operands()], dtype=torch.int64, device="cuda")
+    fn = standalone(blk)
+    for _ in range(4):
+        fn(optab.data_ptr(), cu_stream())
+    torch.cuda.synchronize()
+    print(f"{shard} ctx={ctx} B={batch} splits={splits} stages={blk.stages} chunk={cfg.chunk}: 4 launches")
+
+
+if __name__ == "__main__":
+    main()

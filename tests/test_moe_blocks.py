@@ -327,3 +327,22 @@ def test_experts_tile_mma_arithmetic_matches_dequantised_reference(spread):
     got = _tile_mma_arithmetic(packed, scales, x)
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 2e-3, rel
+
+
+@pytest.mark.parametrize("experts,k,m,scoring,groups,want", [(896, 16, 1, "sigmoid", 1, 8), (288, 8, 3, "sigmoid", 1, 2),
+                                                            (384, 6, 2, "sqrtsoftplus", 1, 4), (896, 16, 5, "sigmoid", 1, 1),
+                                                            (384, 6, 1, "softmax", 1, 1), (256, 8, 1, "sigmoid", 8, 1)])
+def test_router_select_warps_per_token(experts, k, m, scoring, groups, want):
+    """Fewer tokens than warps: a token's experts split over a power of two of warps (slots
+    i = s * WPT + q of warp q cover every group of 32 experts exactly once), candidates merged;
+    softmax (whole-row normaliser) and groups keep one warp per token."""
+    from sdk.blocks.router import RouterSelectBlock, RouterSelectConfig
+    cfg = RouterSelectConfig(num_experts=experts, top_k=k, m=m, scoring=scoring, n_group=groups,
+                             topk_group=min(groups, 4), num_local=32)
+    w = RouterSelectBlock(cfg).warps_per_token
+    assert w == want and m * w <= 8
+    ne = experts // 32
+    slots = -(-ne // w)
+    covered = sorted(s * w + q for q in range(w) for s in range(slots) if s * w + q < ne)
+    assert covered == list(range(ne))
+    assert 2 * w * k <= 576                      # the candidates fit the tile's scratch words

@@ -139,13 +139,33 @@ class RouterSelectBlock(Block):
     def num_tiles(self) -> int:
         return 1
 
+    @property
+    def warps_per_token(self) -> int:
+        """Warps that select one token's experts: 1 (a warp per token), or with fewer tokens than
+        warps the largest power of two that fits (8 at batch 1) - one warp's K rounds over all E
+        scores were ~9.5 us of Kimi K3's batch-1 layer (timeline), split they are two short
+        passes. Elementwise scoring without groups or hashing only (softmax needs the whole row's
+        normaliser, groups the whole row's group scores)."""
+        c = self.config
+        if c.scoring == "softmax" or c.n_group > 1 or c.hash_routed or c.m * 2 > NUM_THREADS // 32:
+            return 1
+        w = 1
+        while w * 2 * c.m <= NUM_THREADS // 32:
+            w *= 2
+        return w
+
     def cost(self) -> Cost:
         c = self.config
         L = self.num_local
         b = c.m * c.num_experts * 4 + c.m * c.top_k * 8 * 2 + L * (8 + 8 * c.m)
         # the work is latency, not bytes: ~ (E/32 + 20) instructions per selected expert per token
-        # on one warp; counted as bytes at one SM's share so the scheduler sees its length.
-        lat_ns = 200 + (c.m + 7) // 8 * c.top_k * (c.num_experts // 32 + 40) * 0.7
+        # on one warp (split: two passes of ~ E / 32 / WPT + 40); counted as bytes at one SM's
+        # share so the scheduler sees its length.
+        w = self.warps_per_token
+        if w > 1:
+            lat_ns = 200 + 2 * c.top_k * (c.num_experts // 32 // w + 40) * 0.7
+        else:
+            lat_ns = 200 + (c.m + 7) // 8 * c.top_k * (c.num_experts // 32 + 40) * 0.7
         return Cost(bytes=max(b, int(lat_ns * 4260 / 132)), flops=c.m * c.num_experts * 10)
 
     # -- torch faces ---------------------------------------------------------------------------
@@ -202,6 +222,9 @@ class RouterSelectBlock(Block):
         scale = float(c.routed_scaling_factor)
         lo = c.local_start
         NEG = -math.inf
+        WPT = self.warps_per_token       # > 1: the warps of a token split its experts (split_select)
+        NI = -(-NE // WPT)               # expert slots per lane in a split warp
+        NC = -(-(WPT * K) // 32)         # merge: candidates per lane
 
         def sel_f(cond, a, b):
             return Float32(cutlass.select_(cond, a, b))
@@ -234,6 +257,97 @@ class RouterSelectBlock(Block):
                 e = sel_i(take, oe, e)
             return v, e
 
+        def argmax_slots(v, e, n):
+            """(value, index) max over n register slots as a tree (depth log2 n, not a chain of n);
+            ties: lower index. Plain Python: the tree is unrolled while tracing."""
+            vs = [v[i] for i in range(n)]
+            es = [e[i] for i in range(n)]
+            while len(vs) > 1:
+                nv, ne = [], []
+                for i in range(0, len(vs) - 1, 2):
+                    take = (vs[i + 1] > vs[i]) | ((vs[i + 1] == vs[i]) & (es[i + 1] < es[i]))
+                    nv.append(sel_f(take, vs[i + 1], vs[i]))
+                    ne.append(sel_i(take, es[i + 1], es[i]))
+                if len(vs) % 2:
+                    nv.append(vs[-1])
+                    ne.append(es[-1])
+                vs, es = nv, ne
+            return vs[0], es[0]
+
+        @cute.jit
+        def top_k_of_slots(v, e, n: cutlass.Constexpr, lane):
+            """The warp's K best (value, index) of its n slots per lane, in order: lane j < K gets
+            the j-th. Each round: the lane's best slot (tree), the warp's best (butterfly), mask it."""
+            my_v = Float32(NEG)
+            my_e = Int32(E)
+            for j in cutlass.range(K, unroll=1):
+                bv, be = argmax_slots(v, e, n)
+                bv, be = argmax_bfly(bv, be)
+                for i in cutlass.range_constexpr(n):
+                    v[i] = sel_f(e[i] == be, Float32(NEG), v[i])
+                    e[i] = sel_i(e[i] == be, Int32(E + 1), e[i])
+                my_v = sel_f(lane == j, bv, my_v)
+                my_e = sel_i(lane == j, be, my_e)
+            return my_v, my_e
+
+        @cute.jit
+        def finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, cnt, lane, mx, inv_sum):
+            """Token m's selected experts (lane j < K: the j-th) -> weights, topk outputs, dispatch."""
+            my_w = Float32(0.0)
+            if lane < K:
+                my_w = score_of(mLg[m, my_e], mx, inv_sum)
+            if cutlass.const_expr(renorm):
+                tot = cute.arch.warp_reduction_sum(my_w)
+                my_w = my_w / (tot + Float32(1e-20))
+            my_w = my_w * Float32(scale)
+            if lane < K:
+                mIds[m, lane] = my_e
+                mTw[m, lane] = my_w
+                le = my_e - lo
+                if (le >= 0) & (le < L):
+                    pos = cute.arch.atomic_add(cnt + le, Int32(1), sem="relaxed", scope="gpu")
+                    mTok[le, pos] = m
+                    mSlot[le, pos] = m * K + lane
+
+        @cute.jit
+        def split_select(mLg, mB, mIds, mTw, mTok, mSlot, cnt, lane, warp, scratch):
+            """WPT warps per token: warp q of token m takes the experts i * 32 + lane with i = q,
+            q + WPT, ..; each finds its K best, writes them to scratch; after a barrier the token's
+            first warp merges the WPT * K candidates (K rounds over NC per lane). Elementwise
+            scoring only (no softmax normaliser, no groups: see warps_per_token)."""
+            m = warp // WPT
+            q = warp % WPT
+            if m < M:
+                v = cute.make_rmem_tensor((NI,), Float32)
+                e = cute.make_rmem_tensor((NI,), Int32)
+                for s in cutlass.range_constexpr(NI):
+                    i = s * WPT + q
+                    v[s] = Float32(NEG)
+                    e[s] = Int32(E)
+                    if i < NE:
+                        x = score_of(mLg[m, i * 32 + lane], Float32(0.0), Float32(1.0))
+                        if cutlass.const_expr(has_bias):
+                            x = x + mB[i * 32 + lane]
+                        v[s] = x
+                        e[s] = i * 32 + lane
+                bv, be = top_k_of_slots(v, e, NI, lane)
+                if lane < K:
+                    scratch[2 * (warp * K + lane)] = bv
+                    scratch[2 * (warp * K + lane) + 1] = Float32(be)
+            cute.arch.sync_threads()
+            if (m < M) & (q == 0):
+                cv = cute.make_rmem_tensor((NC,), Float32)
+                ce = cute.make_rmem_tensor((NC,), Int32)
+                for s in cutlass.range_constexpr(NC):
+                    cidx = s * 32 + lane
+                    cv[s] = Float32(NEG)
+                    ce[s] = Int32(E)
+                    if cidx < WPT * K:
+                        cv[s] = scratch[2 * (m * WPT * K + cidx)]
+                        ce[s] = Int32(scratch[2 * (m * WPT * K + cidx) + 1])
+                _, my_e = top_k_of_slots(cv, ce, NC, lane)
+                finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, cnt, lane, Float32(0.0), Float32(1.0))
+
         @cute.jit
         def tile(ptrs, t: Int32, scratch):
             tid, _, _ = cute.arch.thread_idx()
@@ -250,103 +364,93 @@ class RouterSelectBlock(Block):
             for le in cutlass.range(tid, L, NUM_THREADS):
                 cute.arch.store(cnt + le, Int32(0), sem="relaxed", scope="gpu")
             cute.arch.sync_threads()
-            # 2. per token: scores, selection, weights, dispatch (one warp per token)
-            sc = cute.make_rmem_tensor((NE,), Float32)
-            ch = cute.make_rmem_tensor((NE,), Float32)
-            for m in cutlass.range(warp, M, NW):
-                mx = Float32(NEG)
-                for i in cutlass.range_constexpr(NE):
-                    sc[i] = mLg[m, i * 32 + lane]
-                    mx = cute.arch.fmax(mx, sc[i])
-                inv_sum = Float32(1.0)
-                if cutlass.const_expr(scoring == "softmax"):
-                    mx = cute.arch.warp_reduction_max(mx)
-                    ssum = Float32(0.0)
+            # 2. per token: scores, selection, weights, dispatch (one warp per token, or WPT)
+            if cutlass.const_expr(WPT > 1):
+                mBs = gmem_tensor(ptrs[1], Float32, (E,), 4) if has_bias else None
+                split_select(mLg, mBs, mIds, mTw, mTok, mSlot, cnt, lane, warp, scratch)
+            else:
+                sc = cute.make_rmem_tensor((NE,), Float32)
+                ch = cute.make_rmem_tensor((NE,), Float32)
+                for m in cutlass.range(warp, M, NW):
+                    mx = Float32(NEG)
                     for i in cutlass.range_constexpr(NE):
-                        ssum = ssum + cute.math.exp(sc[i] - mx, fastmath=False)
-                    inv_sum = Float32(1.0) / cute.arch.warp_reduction_sum(ssum)
-                my_e = Int32(0)            # lane j < K: the j-th selected expert of token m
-                if cutlass.const_expr(hashed):
-                    mT = gmem_tensor(ptrs[2], Int32, (c.vocab, K), 4)
-                    mIn = gmem_tensor(ptrs[3], Int32, (M,), 4)
-                    if lane < K:
-                        my_e = mT[mIn[m], lane]
-                else:
-                    if cutlass.const_expr(has_bias):
-                        # all NE bias loads in flight at once (ch holds them until the scores are
-                        # known); a load next to its use is a round trip per expert group of 32
-                        mB = gmem_tensor(ptrs[1], Float32, (E,), 4)
+                        sc[i] = mLg[m, i * 32 + lane]
+                        mx = cute.arch.fmax(mx, sc[i])
+                    inv_sum = Float32(1.0)
+                    if cutlass.const_expr(scoring == "softmax"):
+                        mx = cute.arch.warp_reduction_max(mx)
+                        ssum = Float32(0.0)
                         for i in cutlass.range_constexpr(NE):
-                            ch[i] = mB[i * 32 + lane]
-                    for i in cutlass.range_constexpr(NE):
-                        v = score_of(sc[i], mx, inv_sum)
+                            ssum = ssum + cute.math.exp(sc[i] - mx, fastmath=False)
+                        inv_sum = Float32(1.0) / cute.arch.warp_reduction_sum(ssum)
+                    my_e = Int32(0)            # lane j < K: the j-th selected expert of token m
+                    if cutlass.const_expr(hashed):
+                        mT = gmem_tensor(ptrs[2], Int32, (c.vocab, K), 4)
+                        mIn = gmem_tensor(ptrs[3], Int32, (M,), 4)
+                        if lane < K:
+                            my_e = mT[mIn[m], lane]
+                    else:
                         if cutlass.const_expr(has_bias):
-                            v = v + ch[i]
-                        ch[i] = v
-                    if cutlass.const_expr(grouped):
-                        # group score = sum of its two best choices; keep the topk_group best groups
-                        gsc = cute.make_rmem_tensor((NG,), Float32)
-                        for g in cutlass.range_constexpr(NG):
-                            b1 = Float32(NEG)
-                            b2 = Float32(NEG)
+                            # all NE bias loads in flight at once (ch holds them until the scores are
+                            # known); a load next to its use is a round trip per expert group of 32
+                            mB = gmem_tensor(ptrs[1], Float32, (E,), 4)
                             for i in cutlass.range_constexpr(NE):
-                                inside = (i * 32 + lane) // G == g
-                                v = sel_f(inside, ch[i], Float32(NEG))
-                                b2 = cute.arch.fmax(b2, cute.arch.fmin(b1, v))
-                                b1 = cute.arch.fmax(b1, v)
-                            for off in cutlass.range_constexpr(5):
-                                o1 = cute.arch.shuffle_sync_bfly(b1, offset=16 >> off)
-                                o2 = cute.arch.shuffle_sync_bfly(b2, offset=16 >> off)
-                                b2 = cute.arch.fmax(cute.arch.fmax(b2, o2), cute.arch.fmin(b1, o1))
-                                b1 = cute.arch.fmax(b1, o1)
-                            gsc[g] = b1 + b2
-                        keep = cute.make_rmem_tensor((NG,), Int32)
-                        keep.fill(0)
-                        for r in cutlass.range(c.topk_group, unroll=1):
+                                ch[i] = mB[i * 32 + lane]
+                        for i in cutlass.range_constexpr(NE):
+                            v = score_of(sc[i], mx, inv_sum)
+                            if cutlass.const_expr(has_bias):
+                                v = v + ch[i]
+                            ch[i] = v
+                        if cutlass.const_expr(grouped):
+                            # group score = sum of its two best choices; keep the topk_group best groups
+                            gsc = cute.make_rmem_tensor((NG,), Float32)
+                            for g in cutlass.range_constexpr(NG):
+                                b1 = Float32(NEG)
+                                b2 = Float32(NEG)
+                                for i in cutlass.range_constexpr(NE):
+                                    inside = (i * 32 + lane) // G == g
+                                    v = sel_f(inside, ch[i], Float32(NEG))
+                                    b2 = cute.arch.fmax(b2, cute.arch.fmin(b1, v))
+                                    b1 = cute.arch.fmax(b1, v)
+                                for off in cutlass.range_constexpr(5):
+                                    o1 = cute.arch.shuffle_sync_bfly(b1, offset=16 >> off)
+                                    o2 = cute.arch.shuffle_sync_bfly(b2, offset=16 >> off)
+                                    b2 = cute.arch.fmax(cute.arch.fmax(b2, o2), cute.arch.fmin(b1, o1))
+                                    b1 = cute.arch.fmax(b1, o1)
+                                gsc[g] = b1 + b2
+                            keep = cute.make_rmem_tensor((NG,), Int32)
+                            keep.fill(0)
+                            for r in cutlass.range(c.topk_group, unroll=1):
+                                bv = Float32(NEG)
+                                bg = Int32(NG)
+                                for g in cutlass.range_constexpr(NG):
+                                    better = (keep[g] == 0) & ((gsc[g] > bv) | (bg == NG))
+                                    bv = sel_f(better, gsc[g], bv)
+                                    bg = sel_i(better, Int32(g), bg)
+                                for g in cutlass.range_constexpr(NG):
+                                    keep[g] = sel_i(bg == g, Int32(1), keep[g])
+                            for i in cutlass.range_constexpr(NE):
+                                grp = (i * 32 + lane) // G
+                                kept = Int32(0)
+                                for g in cutlass.range_constexpr(NG):
+                                    kept = sel_i(grp == g, keep[g], kept)
+                                ch[i] = sel_f(kept != 0, ch[i], Float32(NEG))
+                        # a loop, not unrolled: K x NE unrolled compares are tens of thousands of
+                        # instructions run once each - instruction-fetch bound (28 us measured at K3)
+                        for j in cutlass.range(K, unroll=1):
                             bv = Float32(NEG)
-                            bg = Int32(NG)
-                            for g in cutlass.range_constexpr(NG):
-                                better = (keep[g] == 0) & ((gsc[g] > bv) | (bg == NG))
-                                bv = sel_f(better, gsc[g], bv)
-                                bg = sel_i(better, Int32(g), bg)
-                            for g in cutlass.range_constexpr(NG):
-                                keep[g] = sel_i(bg == g, Int32(1), keep[g])
-                        for i in cutlass.range_constexpr(NE):
-                            grp = (i * 32 + lane) // G
-                            kept = Int32(0)
-                            for g in cutlass.range_constexpr(NG):
-                                kept = sel_i(grp == g, keep[g], kept)
-                            ch[i] = sel_f(kept != 0, ch[i], Float32(NEG))
-                    # a loop, not unrolled: K x NE unrolled compares are tens of thousands of
-                    # instructions run once each - instruction-fetch bound (28 us measured at K3)
-                    for j in cutlass.range(K, unroll=1):
-                        bv = Float32(NEG)
-                        be = Int32(E)
-                        for i in cutlass.range_constexpr(NE):
-                            # ascending index within the lane: strict > keeps the lower index
-                            better = (ch[i] > bv) | (be == E)
-                            bv = sel_f(better, ch[i], bv)
-                            be = sel_i(better, Int32(i * 32) + lane, be)
-                        bv, be = argmax_bfly(bv, be)
-                        for i in cutlass.range_constexpr(NE):
-                            ch[i] = sel_f(be == i * 32 + lane, Float32(NEG), ch[i])
-                        my_e = sel_i(lane == j, be, my_e)
-                # weights: the score of each selected expert (recomputed from its logit)
-                my_w = Float32(0.0)
-                if lane < K:
-                    my_w = score_of(mLg[m, my_e], mx, inv_sum)
-                if cutlass.const_expr(renorm):
-                    tot = cute.arch.warp_reduction_sum(my_w)
-                    my_w = my_w / (tot + Float32(1e-20))
-                my_w = my_w * Float32(scale)
-                if lane < K:
-                    mIds[m, lane] = my_e
-                    mTw[m, lane] = my_w
-                    le = my_e - lo
-                    if (le >= 0) & (le < L):
-                        pos = cute.arch.atomic_add(cnt + le, Int32(1), sem="relaxed", scope="gpu")
-                        mTok[le, pos] = m
-                        mSlot[le, pos] = m * K + lane
+                            be = Int32(E)
+                            for i in cutlass.range_constexpr(NE):
+                                # ascending index within the lane: strict > keeps the lower index
+                                better = (ch[i] > bv) | (be == E)
+                                bv = sel_f(better, ch[i], bv)
+                                be = sel_i(better, Int32(i * 32) + lane, be)
+                            bv, be = argmax_bfly(bv, be)
+                            for i in cutlass.range_constexpr(NE):
+                                ch[i] = sel_f(be == i * 32 + lane, Float32(NEG), ch[i])
+                            my_e = sel_i(lane == j, be, my_e)
+                    # weights: the score of each selected expert (recomputed from its logit)
+                    finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, cnt, lane, mx, inv_sum)
             cute.arch.sync_threads()
             # 3. hit list: local experts with tokens, ascending
             write_hit_list(cnt, mHits, L, scratch)

@@ -70,18 +70,29 @@ def _check_routing(cfg, weights, rt, x, ids=None):
     return (got.sort(-1)[0] == ids_ref.sort(-1)[0]).all()
 
 
-@pytest.mark.parametrize("case", ["ties", "groups_ties", "random_kimi", "softmax_ep"])
-def test_router_select_matches_rule(case):
+@pytest.mark.parametrize("case,m", [("ties", 8), ("groups_ties", 8), ("random_kimi", 8), ("softmax_ep", 8),
+                                    ("ties", 3), ("ties", 1), ("random_kimi", 1), ("random_kimi", 2),
+                                    ("glm", 1), ("sqrtsoftplus", 1)])
+def test_router_select_matches_rule(case, m):
     """The select tile on given logits: ids in selection order and weights equal the torch rule
-    (ties: lower index first), the dispatch table equal up to the order inside each list."""
+    (ties: lower index first), the dispatch table equal up to the order inside each list. Batch
+    1..3: the token's experts split over 8 / 4 / 2 warps, candidates merged (warps_per_token)."""
     need_gpu()
     from sdk.blocks.router import RouterSelectBlock, RouterSelectConfig
-    m = 8
     if case == "ties":
         cfg = RouterSelectConfig(num_experts=64, top_k=4, m=m)
         logits = (torch.arange(64).float() % 4).repeat(m, 1)
-        logits[1] = 0.0
-        logits[2, [7, 9, 30, 50, 63]] = 9.0
+        logits[-1, [7, 9, 30, 50, 63]] = 9.0
+        if m > 2:
+            logits[1] = 0.0
+    elif case == "glm":
+        cfg = RouterSelectConfig(num_experts=288, top_k=8, m=m, correction_bias=True, routed_scaling_factor=2.5,
+                                 local_start=36, num_local=36)
+        logits = torch.randn(m, 288).round()               # exact ties across the warps' expert sets
+    elif case == "sqrtsoftplus":
+        cfg = RouterSelectConfig(num_experts=384, top_k=6, m=m, scoring="sqrtsoftplus", correction_bias=True,
+                                 routed_scaling_factor=1.5, local_start=96, num_local=48)
+        logits = torch.randn(m, 384) * 3
     elif case == "groups_ties":
         cfg = RouterSelectConfig(num_experts=256, top_k=8, m=m, n_group=8, topk_group=4, correction_bias=True)
         logits = torch.randn(m, 256).round()               # many exact ties
@@ -96,7 +107,7 @@ def test_router_select_matches_rule(case):
     t = {k: v.cuda() for k, v in block.alloc_operands().items()}
     t["logits"] = logits.cuda()
     if cfg.correction_bias:
-        t["bias"] = (torch.randn(cfg.num_experts) * 0.1).cuda() if case != "groups_ties" else torch.zeros(cfg.num_experts, device="cuda")
+        t["bias"] = (torch.randn(cfg.num_experts) * 0.1).cuda() if case not in ("groups_ties", "glm") else torch.zeros(cfg.num_experts, device="cuda")
     for n in ("topk_ids", "tok", "slot", "hits", "counts"):
         t[n].fill_(-7)
     t["topk_w"].fill_(float("nan"))

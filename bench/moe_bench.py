@@ -97,8 +97,8 @@ def torch_moe(cfg, t, x, out):
     out.copy_(acc)
 
 
-def bench_case(model, batch, fmt, copy_bw, timeline_path=None, overrides=None):
-    from sdk.megakernel.moe_layer import build_program, make_weights, preset, reference, weight_bytes_hit
+def bench_case(model, batch, fmt, copy_bw, timeline_path=None, overrides=None, order="phase"):
+    from sdk.megakernel.moe_layer import blocks, build_program, make_weights, preset, reference, weight_bytes_hit
     from sdk.megakernel.pyvm import PyVM
     from sdk.megakernel.runtime import MegakernelRuntime
     cfg = preset(model, batch, expert_dtype=fmt, **(overrides or {}))
@@ -112,7 +112,8 @@ def bench_case(model, batch, fmt, copy_bw, timeline_path=None, overrides=None):
         w = make_weights(cfg, seed=seed, device="cuda")
         tensors.update(w)
         tensors["x"].copy_(x)
-        rts.append(MegakernelRuntime(prog, tensors, timing=timeline_path is not None and not rts))
+        rts.append(MegakernelRuntime(prog, tensors, timing=timeline_path is not None and not rts,
+                                     schedule_order=order))
         ws.append(w)
 
     add_copy(0)
@@ -141,11 +142,13 @@ def bench_case(model, batch, fmt, copy_bw, timeline_path=None, overrides=None):
     us, mode = timed(calls)
     for rt in rts:
         rt.check()
-    tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
-    rec = {"case": f"moe {model} B={batch} {fmt}{tag}", "overrides": overrides or {}, "model": model, "batch": batch, "format": fmt,
+    tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items()) + ("" if order == "phase" else f" order={order}")
+    rec = {"case": f"moe {model} B={batch} {fmt}{tag}", "overrides": overrides or {}, "schedule_order": order, "model": model, "batch": batch, "format": fmt,
            "us": us, "mode": mode, "floor_us": floor_us, "floor_bytes": fb, "gbs": fb["total"] / (us * 1e3),
            "fraction_of_floor": floor_us / us, "hit_local_experts": hit_list, "weight_copies": copies,
-           "rel_err": err, "num_local": cfg.local, "num_experts": cfg.num_experts, "top_k": cfg.top_k}
+           "rel_err": err, "num_local": cfg.local, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
+           # the expert tile that ran: tensor cores (MXFP4 from batch 8 by default; --set expert_mma=0|1)
+           "expert_mma": blocks(cfg)["gateup"].use_mma}
     # PyTorch under a CUDA graph, same copies
     try:
         tws = [torch_weights(cfg, w) for w in ws]
@@ -174,7 +177,7 @@ def _line(r) -> str:
             f"{t}  err {r['rel_err']:.1e}")
 
 
-def run(out_dir, cases, timeline=True, overrides=None) -> dict:
+def run(out_dir, cases, timeline=True, overrides=None, order="phase") -> dict:
     os.makedirs(out_dir, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     copy_bw = copy_bandwidth_gbs()
@@ -184,7 +187,7 @@ def run(out_dir, cases, timeline=True, overrides=None) -> dict:
         t0 = time.time()
         tl = os.path.join(out_dir, f"timeline_moe_{model}_b{batch}_{fmt}.json") if (timeline and i < 2) else None
         try:
-            r = bench_case(model, batch, fmt, copy_bw, tl, overrides)
+            r = bench_case(model, batch, fmt, copy_bw, tl, overrides, order)
         except Exception as exc:
             r = {"case": f"moe {model} B={batch} {fmt}", "error": f"{type(exc).__name__}: {exc}"[:2000]}
             torch.cuda.empty_cache()
@@ -206,14 +209,15 @@ def main(argv=None):
     ap.add_argument("--cases", default="", help="model:batch:format,... (overrides the default list)")
     ap.add_argument("--no-timeline", action="store_true")
     ap.add_argument("--set", default="", help="MoELayerConfig overrides for every case: key=int,... "
-                    "(e.g. expert_mma=1,expert_weight_l1=0)")
+                    "(e.g. expert_mma=0: the CUDA-core expert tile at batch 8+; expert_weight_l1=0)")
+    ap.add_argument("--order", default="phase", help="instruction placement order: phase | critical (sdk.schedule)")
     a = ap.parse_args(argv)
     if a.cases:
         cases = [(c.split(":")[0], int(c.split(":")[1]), c.split(":")[2]) for c in a.cases.split(",")]
     else:
         cases = QUICK_CASES if a.quick else DEFAULT_CASES
     overrides = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.set.split(",") if kv}
-    rep = run(a.out, cases, timeline=not a.no_timeline, overrides=overrides)
+    rep = run(a.out, cases, timeline=not a.no_timeline, overrides=overrides, order=a.order)
     print("\n" + summary(rep))
 
 

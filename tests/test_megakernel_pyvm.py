@@ -182,3 +182,22 @@ def test_gemv_fp8_int_decode_bits_are_exact():
         bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
         got = bits.view(torch.float32).double() * 2.0 ** 120
         assert torch.equal(got[finite], vals[finite].double()), pos
+
+
+@pytest.mark.parametrize("model", ["kimi_k3", "glm_53"])
+def test_critical_path_order_is_topological_and_runs(model):
+    """schedule(order="critical") places the routed experts' chain before the shared expert's
+    branch and still validates (every SM's list topological, no deadlock)."""
+    from sdk.megakernel.moe_layer import build_program, preset
+    from sdk.schedule import op_order, schedule, validate
+    prog = build_program(preset(model, 1))
+    labels = []
+    for i in op_order(prog, 132, order="critical"):
+        lab = prog.ops[prog.instructions[i].op_index].label
+        if lab not in labels:
+            labels.append(lab)
+    assert labels.index("experts.gateup") < labels.index("shared.down")
+    assert labels.index("router.select") < labels.index("shared.gateup")
+    validate(prog, schedule(prog, 132, order="critical").per_sm)
+    with pytest.raises(ValueError, match="schedule order"):
+        schedule(prog, 132, order="fastest")

@@ -36,7 +36,8 @@ Expert parallelism (sdk/blocks/ep.py): `rows` decouples the rows of x and of the
 assignment's row alone and unweighted (out[slot], [rows * top_k, hidden]) for the source rank
 to weigh and sum; then rows may exceed 64.
 
-Tensor cores (`mma=True`, MXFP4; written and compile-checked, not yet run on a GPU): see
+Tensor cores (`tile_mma`, MXFP4; `ExpertsBlock.use_mma`): by default from MMA_MIN_M = 8 tokens
+(the layer's batch `m`), the CUDA-core tile below it; `mma=True` / `mma=False` force either. See
 `tile_mma` below and docs/moe.md.
 
 Supported: M = 1..64, top_k <= 32, K (hidden for gate/up, I for down) a multiple of the
@@ -60,6 +61,7 @@ MAX_LOADS_IN_FLIGHT = 16    # 16-byte weight loads per lane per step (64 registe
 MAX_GROUP_LOADS = 8         # ... x tokens, in the 2..8-token variants: each token adds x values and
                             # partial sums; above this ptxas spilled KBs per thread (local ptxas -v)
 MMA_RED_WORDS = 512         # tile_mma's cross-warp sums live in the tile's scratch (before STATS_OFFSET)
+MMA_MIN_M = 8               # MXFP4 expert tiles on the tensor cores from this batch (GemvBlock's rule)
 
 
 def balanced_rows(out_rows: int, num_sms: int = 132) -> int:
@@ -86,7 +88,7 @@ class ExpertsConfig:
     rows_per_tile: int = 8
     unroll: int = 0                      # 16-byte loads per lane in flight per row; 0 = auto
     weight_l1: bool = True               # weight loads allocate in L1 (False: L1::no_allocate)
-    mma: bool = False                    # MXFP4 on the tensor cores (tile_mma; not yet GPU-validated)
+    mma: bool | None = None              # MXFP4 on the tensor cores (tile_mma); None = auto (use_mma)
     expected_hits: float = 1.0           # hit local experts per step: for cost() only
     # expert parallelism (sdk/blocks/ep.py): the experts of an owner rank read the rows that the
     # N ranks dispatched to it. rows: rows of x (gateup) and columns of tok/slot (0 = m); act
@@ -195,6 +197,21 @@ class ExpertsBlock(Block):
         return 2 if self.config.stage == "gateup" else 1
 
     @property
+    def use_mma(self) -> bool:
+        """The tensor-core tile (`tile_mma`, MXFP4 only) from MMA_MIN_M tokens in the layer's
+        batch (`m`), the CUDA-core tile below - the rule of GemvBlock.use_mma. Measured on the H200
+        (2026-12-03, fraction of the bandwidth floor, CUDA-core vs tensor-core tile, outputs equal):
+        batch 1 Kimi K3 0.404 vs 0.324, DeepSeek-V4.1-Flash 0.393 vs 0.361, GLM-5.3 0.170 vs
+        0.169; batch 8 Kimi K3 0.220 vs 0.251, GLM-5.3 0.148 vs 0.192. `mma=True` / `mma=False`
+        force either (True fails loudly where tile_mma cannot run); the automatic choice keeps the
+        CUDA cores where tile_mma cannot run (other formats, tiles whose cross-warp sums exceed
+        MMA_RED_WORDS)."""
+        c = self.config
+        if c.mma is not None:
+            return bool(c.mma)
+        return c.weight_dtype == "mxfp4" and c.m >= MMA_MIN_M and self.mma_red_words <= MMA_RED_WORDS
+
+    @property
     def mma_red_words(self) -> int:
         """tile_mma's cross-warp sums: [weight][8 tokens][rows padded to m16 tiles] fp32."""
         return self.nw * 8 * 16 * -(-self.config.rows_per_tile // 16)
@@ -229,7 +246,7 @@ class ExpertsBlock(Block):
             self.unsupported(f"experts: rows={c.rows} > 64 needs scatter (the per-token combine holds 64 tokens)")
         if c.scatter and (c.stage != "down" or c.shared):
             self.unsupported("experts: scatter is a down-stage mode without a shared-expert input")
-        if c.mma:
+        if self.use_mma:
             if c.weight_dtype != "mxfp4":
                 self.unsupported(f"experts mma: weight dtype {c.weight_dtype!r} (the tensor-core tile takes mxfp4)")
             if self.mma_red_words > MMA_RED_WORDS:
@@ -583,7 +600,7 @@ class ExpertsBlock(Block):
                                 v = v + mSh[m_out, row]
                             mOut[m_out, row] = v.to(odt)
 
-        # -- the tensor-core tile (mma=True, MXFP4) ---------------------------------------------
+        # -- the tensor-core tile (use_mma, MXFP4) ----------------------------------------------
         # Warp mma.sync m16n8k16 (f16 in, fp32 accumulate), swap-AB: weight rows are the MMA's M
         # (MT m-tiles of 16 cover the tile's R rows; rows past R repeat row R-1), the tokens of an
         # expert's group its N (8; tokens past the group's end are zero columns). K is cut into
@@ -758,6 +775,6 @@ class ExpertsBlock(Block):
                                 v = v + mSh[m_out, t * R + row]
                             mOut[m_out, t * R + row] = v.to(odt)
 
-        if c.mma:
+        if self.use_mma:
             return tile_mma
         return tile

@@ -65,7 +65,8 @@ class MoELayerConfig:
     router_rows: int = 0                 # rows per tile of the router GEMV; 0 = balanced
     expert_rows: int = 0                 # ... of the experts (one tile per SM where possible)
     expert_weight_l1: bool = True        # expert weight loads allocate in L1 (ExpertsConfig)
-    expert_mma: bool = False             # MXFP4 expert tiles on the tensor cores (ExpertsConfig.mma)
+    expert_mma: bool | None = None       # MXFP4 expert tiles on the tensor cores (ExpertsConfig.mma);
+                                         # None = from batch 8 (ExpertsBlock.use_mma)
     shared_rows: int = 0                 # ... of the shared expert's GEMVs
     num_sms: int = 132                   # SMs the balanced tiles are cut for
 
@@ -386,7 +387,9 @@ def weight_bytes_hit(cfg: MoELayerConfig, prog: Program, hit_local: int) -> dict
 # -- compile checks (CPU, no GPU) ---------------------------------------------------------------
 def moe_block_cases() -> list:
     """Representative MoE block variants (real shard shapes, every format and stage)."""
-    k3, v4, glm = preset("kimi_k3", 1), preset("deepseek_v41_flash", 8, expert_dtype="mxfp4"), \
+    # V4.1-Flash at batch 8 on the CUDA-core tile (its 8-token MXFP4 variants; the default there
+    # is the tensor-core tile, compiled for K3 below)
+    k3, v4, glm = preset("kimi_k3", 1), preset("deepseek_v41_flash", 8, expert_dtype="mxfp4", expert_mma=False), \
         preset("glm_53", 64, expert_dtype="fp8_e4m3")
     b3, b4, bg = blocks(k3), blocks(v4), blocks(glm)
     bm = blocks(preset("kimi_k3", 8, expert_dtype="mxfp4", expert_mma=True))      # the tensor-core tile

@@ -1,0 +1,109 @@
+"""The GEMV's rows over the SMs, and its standalone launch's defaults (CPU).
+
+Balance: the busiest SM's tiles / the mean over all 132 SMs (GemvBlock.tile_balance) stays
+<= 1.05 for the decode GEMV shapes at batch 1 and 8, in both launch paths - the standalone
+kernel (GemvConfig's 8 rows per tile, tile t on CTA t % grid) and the megakernel
+(balanced_config's rows, placed by sdk/schedule.py) - and tile_balance is what those placements
+really give. PDL: the standalone streaming kernel launches with it unless told not to (measured
+2026-12-03 on the H200: 7168x2048 52.4% -> 69.3% of the copy bandwidth, 4096x7168 73.4% -> 86.7%).
+"""
+import inspect
+
+import pytest
+
+from sdk.blocks.gemv import TILE_OVERHEAD_BYTES, GemvBlock, GemvConfig, balanced_config
+from sdk.megakernel.program import Program
+from sdk.schedule import schedule
+
+SMS = 132
+SHAPES = [(7168, 2048), (4096, 7168), (18432, 7168), (7168, 18432)]     # (n rows, k)
+BALANCE_MAX = 1.05
+
+
+def _placed(block: GemvBlock, num_sms: int = SMS) -> list[int]:
+    """Tiles per SM as the megakernel's scheduler places a program of this one GEMV op."""
+    c = block.config
+    prog = Program()
+    prog.buffer("x", (c.m, c.k), "bf16", "input")
+    prog.buffer("w", (c.n, c.k), c.weight_dtype, "weight")
+    ops = {"w": "w", "x": "x", "y": "y"}
+    if c.weight_dtype == "fp8_e4m3":
+        prog.buffer("w_scale", (c.n // 128, c.k // 128), "fp32", "weight")
+        ops["w_scale"] = "w_scale"
+    prog.buffer("y", (c.m, c.n), "bf16", "output")
+    prog.op(block, ops, label="gemv")
+    return [len(lst) for lst in schedule(prog, num_sms).per_sm]
+
+
+def _dealt(block: GemvBlock, num_sms: int = SMS) -> list[int]:
+    """Tiles per SM of the standalone persistent kernel: grid min(tiles, SMs), tile t on CTA t % grid."""
+    t = block.num_tiles()
+    g = min(t, num_sms)
+    per = [0] * num_sms
+    for i in range(t):
+        per[i % g] += 1
+    return per
+
+
+def _ratio(per: list[int]) -> float:
+    return max(per) * len(per) / sum(per)
+
+
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])
+def test_standalone_gemv_tiles_balanced(n, k, m, wd):
+    """The standalone GEMV (the benchmark's launch): 7168 / 4096 / 18432 rows in 8-row tiles are
+    896 / 512 / 2304 tiles, 7 / 4 / 18 on the busiest SM: 1.031 x the mean. Tiles stay worth a
+    launch's per-tile cost (bf16): at least TILE_OVERHEAD_BYTES of weights, stages of >= 8 KB."""
+    block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype=wd))
+    assert block.config.rows_per_tile == 8
+    assert block.tile_balance(SMS) == pytest.approx(_ratio(_dealt(block)))
+    assert block.tile_balance(SMS) <= BALANCE_MAX, (n, k, m, block.num_tiles())
+    if wd == "bf16":
+        assert block.config.rows_per_tile * k * block.wbytes >= TILE_OVERHEAD_BYTES
+        assert block.chunk_bytes() >= 8 * 1024
+
+
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_megakernel_gemv_tiles_balanced(n, k, m):
+    """The GEMV inside the megakernel (balanced_config's rows, bf16): 7168 rows -> 56-row tiles
+    (128 tiles, one per SM, 4 SMs idle), 4096 -> 32 rows (128), 18432 -> 48 rows (384, 3 on the
+    busiest SM): 1.031 each; the scheduler's placement gives exactly tile_balance."""
+    block = GemvBlock(balanced_config(GemvConfig(n=n, k=k, m=m)))
+    assert block.tile_balance(SMS) == pytest.approx(_ratio(_placed(block)))
+    assert block.tile_balance(SMS) <= BALANCE_MAX, (n, k, m, block.config.rows_per_tile)
+
+
+def test_tile_balance_counts_the_busiest_sm():
+    """16-row tiles of 7168 rows: 448 tiles, 4 on some SMs against a mean of 3.39 (+18%)."""
+    block = GemvBlock(GemvConfig(n=7168, k=2048, rows_per_tile=16))
+    assert block.num_tiles() == 448
+    assert block.tile_balance(SMS) == pytest.approx(4 / (448 / 132))
+    assert block.tile_balance(SMS) == pytest.approx(_ratio(_placed(block)))
+    assert GemvBlock(GemvConfig(n=1056, k=2048)).tile_balance(SMS) == 1.0     # 132 tiles
+
+
+def test_standalone_launches_with_pdl_by_default():
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from sdk.blocks._cute import standalone
+    assert inspect.signature(standalone).parameters["pdl"].default is True
+    block = GemvBlock(GemvConfig(n=7168, k=2048))
+    standalone(block, "sm_90a")                 # PDL launch, compiled with no GPU
+    standalone(block, "sm_100a", pdl=False)     # the opt-out
+
+
+def test_bench_gemv_cases_default_to_pdl():
+    """The megakernel bench: unnamed GEMV cases are the PDL launch; " no-pdl" keeps the plain one
+    for the two short GEMVs (7168x2048, 4096x7168) measured both ways."""
+    from bench.megakernel_bench import _gemv_name, bench_gemv, gemv_cases
+    assert inspect.signature(bench_gemv).parameters["pdl"].default is True
+    assert _gemv_name(7168, 2048, 1, "bf16") == "gemv n=7168 k=2048 m=1 bf16"
+    assert _gemv_name(7168, 2048, 1, "bf16", pdl=False) == "gemv n=7168 k=2048 m=1 bf16 no-pdl"
+    for quick in (True, False):
+        cases = gemv_cases(quick)
+        assert cases[0][:2] == (7168, 2048) and cases[0][5] is True
+        plain = {c[:2] for c in cases if c[5] is False}
+        assert (7168, 2048) in plain and all(c[5] is True for c in cases if c[:2] not in plain)
+    assert {c[:2] for c in gemv_cases(False) if c[5] is False} == {(7168, 2048), (4096, 7168)}

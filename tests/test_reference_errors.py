@@ -72,12 +72,16 @@ def test_expected_weights_cover_every_layer():
 def test_operand_past_32bit_offsets_is_a_clear_error():
     """An operand larger than 32-bit element offsets can address is refused when the block is
     built (naming the operand), not left to an illegal address in the kernel; the experts'
-    weights, addressed per expert from a 64-bit base, may be larger."""
+    weights (addressed per expert) and the MLA page pool (per row), from a 64-bit base, may be
+    larger."""
     from sdk.blocks.experts import ExpertsBlock, ExpertsConfig
+    from sdk.blocks.indexer import IndexScoreBlock, IndexScoreConfig
     from sdk.blocks.mla_decode import MLADecodeBlock, MLADecodeConfig
     from sdk.errors import UnsupportedConfigError
-    with pytest.raises(UnsupportedConfigError, match=r"operand kv \[200000, 64, 576\] has 7372800000 elements"):
-        MLADecodeBlock(MLADecodeConfig(heads=16, softmax_scale=0.1, batch=64, num_pages=200000, max_seq_len=131072))
+    with pytest.raises(UnsupportedConfigError, match=r"operand keys \[256, 131072, 128\] has 4294967296 elements"):
+        IndexScoreBlock(IndexScoreConfig(heads=32, batch=256, max_entries=131072))
+    pool = MLADecodeBlock(MLADecodeConfig(heads=16, softmax_scale=0.1, batch=64, num_pages=200000, max_seq_len=131072))
+    assert dict((s.name, s.shape) for s in pool.operand_specs())["kv"] == (200000, 64, 576)
     big = ExpertsBlock(ExpertsConfig(stage="gateup", hidden=7168, intermediate=3072, num_local=56, top_k=16))
     shape = dict((s.name, s.shape) for s in big.operand_specs())["w"]
     assert shape[0] * shape[1] * shape[2] > 2 ** 31

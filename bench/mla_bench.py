@@ -58,12 +58,13 @@ def torch_decode_fn(q, kv, kv_scale, bt, lens_list, heads, T, d_v, scale, page):
 def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None):
     from sdk.blocks._cute import standalone
     from sdk.blocks.mla_decode import (MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig,
-                                       absorbed_attention, choose_splits, quantize_kv_fp8)
+                                       absorbed_attention, choose_chunk, choose_splits, quantize_kv_fp8)
     heads, rope, scale = SHARDS[shard]
     ov = dict(overrides or {})
     page = 64
+    ov.setdefault("chunk", choose_chunk(batch, ctx))
     splits = ov.pop("splits", 0) or choose_splits(batch, ctx, min_chunks_per_split=ov.pop("min_chunks", 8),
-                                                  chunk=ov.get("chunk", 32))
+                                                  chunk=ov["chunk"])
     ov.pop("min_chunks", None)
     cols = ov.pop("cols", 0)
     npg = -(-ctx // page)

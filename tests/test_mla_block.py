@@ -228,3 +228,11 @@ def test_operands_and_cost():
 def test_blocks_are_registered():
     from sdk.blocks import builtin_blocks
     assert {MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock} <= set(builtin_blocks())
+
+
+def test_choose_chunk_long_splits_take_64():
+    """chunk 64 only when every split walks >= 1024 tokens (B=8 / B=64 at 32K+), else 32."""
+    from sdk.blocks.mla_decode import choose_chunk
+    assert choose_chunk(1, 32768) == 32 and choose_chunk(1, 131072) == 32
+    assert choose_chunk(8, 32768) == 64 and choose_chunk(64, 131072) == 64
+    assert choose_chunk(64, 1000) == 32

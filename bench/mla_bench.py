@@ -154,6 +154,62 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     return rec
 
 
+def bench_program_case(shard, ctx, batch, copy_bw):
+    """The one-launch attention program (sdk/megakernel/mla_attention.py: W_UK -> decode ->
+    combine -> W_UV as megakernel instructions) at a Kimi K3 head shard; floor = cache rows +
+    absorbed weights; PyTorch: the same chain (einsum projections + the attention above)."""
+    from sdk.megakernel.mla_attention import MLAAttentionConfig, build_program, make_inputs, make_weights, reference
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.megakernel.runtime import MegakernelRuntime
+    heads, rope, scale = SHARDS[shard]
+    if rope != 64:
+        raise ValueError(f"{shard}: the program case takes the Kimi K3 shards (nope 128, rope 64, v 128)")
+    npg = -(-ctx // 64)
+    cfg = MLAAttentionConfig(heads=heads, softmax_scale=scale, batch=batch, num_pages=batch * npg, max_seq_len=ctx)
+    prog = build_program(cfg)
+    weights = make_weights(cfg, seed=0, device="cuda")
+    inputs = make_inputs(cfg, [ctx] * batch, seed=1, device="cuda")
+    tensors = PyVM.alloc(prog, device="cuda")
+    tensors.update({k: v for k, v in weights.items() if k != "kv_b_proj"})
+    tensors.update(inputs)
+    t0 = time.time()
+    rt = MegakernelRuntime(prog, tensors)
+    rt.tensors["o"].fill_(float("nan"))
+    rt.run()
+    compile_s = time.time() - t0
+    err = None
+    if batch * ctx <= 8 * 32768:
+        want = reference(cfg, weights, inputs)
+        got = rt.tensors["o"].float()
+        err = ((got - want).norm() / want.norm()).item() if torch.isfinite(got).all() else float("nan")
+    us, mode = timed([rt.launch] * 8)
+    rt.check()
+    dec = prog.ops[1].block
+    kvb = dec.kv_bytes([ctx] * batch)
+    wb = prog.bytes_by_role("weight")
+    floor_us = (kvb + wb) / (copy_bw * 1e3)
+    # PyTorch: the same chain under a CUDA graph
+    q, w_uk_t, w_uv = inputs["q"].clone(), weights["w_uk_t"], weights["w_uv"]
+    att, out = torch_decode_fn(q, inputs["kv"], None, inputs["block_table"], [ctx] * batch, heads, 1, 512,
+                               dec.scale, 64)
+    q_nope = inputs["q_nope"]
+
+    def torch_step():
+        q[..., :512] = torch.einsum("mhk,hnk->mhn", q_nope, w_uk_t).view(q[..., :512].shape)
+        att()
+        torch.einsum("mhk,hnk->mhn", out.view(batch, heads, 512), w_uv)
+    torch_us, _ = timed([torch_step] * 4)
+    rec = {"case": f"{shard} B={batch} ctx={ctx} program", "shard": shard, "heads": heads, "batch": batch,
+           "context": ctx, "program_ops": [op.label for op in prog.ops], "instructions": len(prog.instructions),
+           "num_splits": cfg.splits, "kv_bytes": kvb, "weight_bytes": wb, "us": us, "gbs": (kvb + wb) / (us * 1e3),
+           "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
+           "speedup_vs_torch_graph": torch_us / us, "timing_mode": mode, "rel_err": err,
+           "compile_s": round(compile_s, 2), "note": "one megakernel launch; cache not rotated (>= 300 MB per call)"}
+    del rt, tensors, inputs
+    torch.cuda.empty_cache()
+    return rec
+
+
 def cases(quick: bool):
     out = []
     for shard in ("kimi_k3_tp8", "kimi_k3_tp16", "glm_53_tp8"):
@@ -168,10 +224,20 @@ def cases(quick: bool):
     return out
 
 
+PROGRAM_CASES = [("kimi_k3_tp8", 32768, 8, "program", 1), ("kimi_k3_tp8", 32768, 64, "program", 1),
+                 ("kimi_k3_tp8", 131072, 8, "program", 1)]
+
+
+def bench_one(c, bw, quick=False, overrides=None):
+    if c[3] == "program":
+        return bench_program_case(c[0], c[1], c[2], bw)
+    return bench_case(c[0], c[1], c[2], c[3], bw, T=c[4], quick=quick, overrides=overrides)
+
+
 def run(out_dir: str | None = None, quick: bool = False, case_list=None, overrides=None) -> dict:
     tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
-    return run_cases("mla_bench.json", case_list or cases(quick),
-                     lambda c, bw: bench_case(c[0], c[1], c[2], c[3], bw, T=c[4], quick=quick, overrides=overrides),
+    return run_cases("mla_bench.json", case_list or (cases(quick) + ([] if quick else PROGRAM_CASES)),
+                     lambda c, bw: bench_one(c, bw, quick, overrides),
                      lambda c: f"{c[0]} B={c[2]} ctx={c[1]} T={c[4]} {c[3]}{tag}", out_dir, case_width=52, us_width=9)
 
 
@@ -186,7 +252,7 @@ def parse_cases(text: str):
 
 def main(argv=None):
     ap = arg_parser(out_from_env=False)
-    ap.add_argument("--cases", default="", help="shard:ctx:batch[:kv[:T]],... (overrides the default list)")
+    ap.add_argument("--cases", default="", help="shard:ctx:batch[:kv|program[:T]],... (overrides the default list)")
     ap.add_argument("--set", default="", help="key=int,... : chunk, stages, splits, min_chunks, cols")
     a = ap.parse_args(argv)
     overrides = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.set.split(",") if kv}

@@ -34,3 +34,23 @@ def test_program_rejects_lengths_over_the_built_limit():
     cfg = MLAAttentionConfig(heads=4, batch=1, num_pages=4, max_seq_len=128)
     with pytest.raises(ValueError, match="lens"):
         make_inputs(cfg, [129])
+
+
+def test_ring_leaves_room_for_the_attention_tile():
+    """A streaming GEMV beside the MLA decode tile: the weight ring takes only what the decode
+    tile's own pipeline leaves, and a decode tile too large to leave 2 ring stages is a clear
+    error naming it (not a launch failure)."""
+    from sdk.blocks.base import SCRATCH_WORDS, SMEM_BUDGET, ring_geometry
+    from sdk.blocks.gemv import GemvBlock, GemvConfig
+    from sdk.blocks.mla_decode import MLADecodeBlock, MLADecodeConfig
+    from sdk.errors import UnsupportedConfigError
+    gemv = GemvBlock(GemvConfig(n=7168, k=1536, m=1))
+    alone = ring_geometry([gemv])
+    small = MLADecodeBlock(MLADecodeConfig(heads=12, softmax_scale=0.07, stages=2))
+    beside = ring_geometry([gemv, small])
+    assert beside[0] == alone[0] and beside[1] < alone[1]
+    stage, stages, xbytes = beside
+    assert stages * stage + xbytes + 4 * SCRATCH_WORDS + small.smem_bytes() <= SMEM_BUDGET
+    big = MLADecodeBlock(MLADecodeConfig(heads=12, softmax_scale=0.07, stages=5))   # 210 KB
+    with pytest.raises(UnsupportedConfigError, match="MLADecodeBlock tiles"):
+        ring_geometry([gemv, big])

@@ -78,18 +78,23 @@ def ring_geometry(blocks, max_stages: int | None = None, reserved: int = 0) -> t
     """(stage bytes, number of stages, activation smem bytes) of the smem ring that serves these
     blocks; (0, 0, 0) when none streams. Stages are sized for the largest chunk of any block;
     as many as fit (at most `max_stages`, default MAX_STAGES) beside `reserved` bytes of other
-    shared memory (the megakernel's instruction records)."""
+    shared memory (the megakernel's instruction records, and the shared memory the other blocks'
+    tiles allocate for themselves: the compiler gives every tile's allocations their own bytes)."""
     stream = [b for b in blocks if b.stream_chunks() > 0]
     if not stream:
         return 0, 0, 0
+    own = [(type(b).__name__, b.smem_bytes()) for b in blocks if b.stream_chunks() == 0 and hasattr(b, "smem_bytes")]
+    reserved += sum(n for _, n in own)
     up = lambda v: -(-v // 128) * 128
     stage = up(max(b.chunk_bytes() for b in stream))
     xbytes = up(max(max(b.x_smem_bytes() for b in stream), 16))
     free = SMEM_BUDGET - xbytes - 4 * SCRATCH_WORDS - 256 - reserved
     stages = min(max_stages or MAX_STAGES, free // stage)
     if stages < 2:
+        beside = "".join(f", {name} tiles {n} B" for name, n in own)
         raise UnsupportedConfigError(f"smem ring: {stage} B stages and {xbytes} B of activations leave room "
-                                     f"for {stages} stage(s); need 2")
+                                     f"for {stages} stage(s) beside {reserved} B of other shared memory"
+                                     f"{beside}; need 2 (fewer pipeline stages in those blocks)")
     return stage, stages, xbytes
 
 DTYPES = {

@@ -42,10 +42,10 @@ class MultiRankVM:
         cache = self._ops[r]
         if base not in cache:
             t = {}
-            for j, name in enumerate(block.operands()):
+            for j, spec in enumerate(block.operand_specs()):
                 buf = self.program.optab[base + j]
                 if buf is not None:
-                    t[name] = self.tensors[r][buf]
+                    t[spec.name] = self.tensors[r][buf].view(spec.shape)   # a buffer may bind a reshape
             cache[base] = t
         return cache[base]
 

@@ -1,6 +1,6 @@
 """All-reduce instruction latency vs message size, N virtual ranks on ONE GPU.
 
-    python -m bench.allreduce_bench --out DIR [--ranks 8] [--quick]
+    python -m bench.allreduce_bench --out DIR [--ranks 8] [--quick] [--sms-per-rank N]
 
 IMPORTANT: on one GPU the "peer" stores of the virtual ranks go to local HBM (through L2), not
 over NVLink. This measures the instruction's own overhead - pushes, fence.sys, flag round trip,
@@ -9,13 +9,17 @@ Add the link time (bytes / NVLink bandwidth) for a multi-GPU estimate (docs/gb30
 
 Method: per (algorithm, size), one program per rank with K fused all-reduces in a chain (each
 op waits for the previous one: resid += sum of partials, out = rmsnorm(resid)), launched on the
-N ranks' streams (num_sms // N CTAs each) with the per-instruction globaltimer record. All ranks
+N ranks' streams (SMs // N CTAs each, or --sms-per-rank: all ranks' CTAs must fit the GPU at
+once, sdk.comm.runtime.ctas_per_rank refuses more) with the per-instruction globaltimer record. All ranks
 share the GPU's clock, so per all-reduce j: end_j = last tile end over all ranks; the reported
 latency is (end_{K-1} - end_0) / (K - 1): the steady-state time per all-reduce in a dependent
 chain, launch skew excluded. Median over R launches. Also: the span of one op (first tile start
 to last tile end over all ranks, median over ops), and the wall time per launch (CUDA events),
-for context. The N ranks' launches are replayed from one CUDA graph (`launch_mode`), so they
-reach the GPU together instead of one Python launch apart.
+for context. The N ranks' launches are eager stream launches released together by a GPU-side
+gate (bench.common.launch_together, `launch_mode` 'eager_gated'; `launch_skew_us`: the spread of
+the ranks' first instruction starts). Not one CUDA graph: replayed from a graph, some ranks'
+kernels ran only after others had ended, and 4 of 16 cases timed out ('rank 5 never arrived',
+2026-12-03; bench/NOTES.md).
 
 Message = M tokens x D=4096 bf16 (8 KB per token): 8 KB .. 1 MB. JSON: commit, command, GPU,
 ranks, note, per (algo, bytes): us per all-reduce, op span, wall us.
@@ -31,10 +35,10 @@ import time
 import numpy as np
 import torch
 
-from bench.common import commit, replayer, write_json
+from bench.common import commit, launch_together, write_json
 
 
-def measure(n: int, m: int, d: int, algo: str, k: int, reps: int) -> dict:
+def measure(n: int, m: int, d: int, algo: str, k: int, reps: int, sms_per_rank: int | None = None) -> dict:
     from sdk.comm import VirtualRanks
     from sdk.comm.runtime import TPRuntime
     from sdk.megakernel.tp_stack import build_allreduce_chain
@@ -45,7 +49,7 @@ def measure(n: int, m: int, d: int, algo: str, k: int, reps: int) -> dict:
         t["partial"].copy_(torch.randn(m, d, device="cuda").to(torch.bfloat16) * 1e-3)
         t["norm.weight"].fill_(1.0)
     t0 = time.time()
-    rt = TPRuntime(prog, comm, bufs, T, timing=True)
+    rt = TPRuntime(prog, comm, bufs, T, timing=True, num_sms=sms_per_rank)
     rt.run()                                   # compile + first launch
     compile_s = time.time() - t0
     # every instruction's (SM, list index, chain position of its all-reduce); same on all ranks
@@ -53,16 +57,19 @@ def measure(n: int, m: int, d: int, algo: str, k: int, reps: int) -> dict:
     idx = [(s, jj, op_of[prog.instructions[i].op_index])
            for s, lst in enumerate(rt.runtimes[0].schedule.per_sm) for jj, i in enumerate(lst)]
     S_, J_, A_ = (np.array(v) for v in zip(*idx))
-    launch, launch_mode = replayer(rt.launch)      # the ranks' launches together
-    lat, span, wall = [], [], []
+    launch, launch_mode = launch_together(rt.launch)      # the ranks' launches together
+    rt.check()
+    lat, span, wall, skew = [], [], [], []
     ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(reps):
-        ev0.record()
-        launch()
+        rt.zero_timing()
+        launch(ev0)
         ev1.record()
         torch.cuda.synchronize()
         rt.check()
         wall.append(ev0.elapsed_time(ev1) * 1e3)
+        st = [t for t in rt.rank_starts() if t is not None]
+        skew.append((max(st) - min(st)) / 1e3)
         start = np.full(k, np.inf)
         end = np.zeros(k)
         raw = [t.numpy() for t in rt.timing_raw()]
@@ -77,7 +84,8 @@ def measure(n: int, m: int, d: int, algo: str, k: int, reps: int) -> dict:
             "us_per_allreduce": round(statistics.median(lat), 3), "op_span_us": round(statistics.median(span), 3),
             "wall_us_per_launch": round(statistics.median(wall), 2), "tiles": [len(prog.ops[o].instructions)
                                                                               for o in comm.records[0]["ops"]],
-            "compile_s": round(compile_s, 2), "launch_mode": launch_mode}
+            "compile_s": round(compile_s, 2), "launch_mode": launch_mode, "sms_per_rank": rt.num_sms,
+            "launch_skew_us": round(statistics.median(skew), 2), "gate_us": round(launch.gate_us, 1)}
 
 
 def main(argv=None):
@@ -88,9 +96,14 @@ def main(argv=None):
     ap.add_argument("--chain", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer sizes (8 KB, 64 KB, 256 KB, 1 MB)")
+    ap.add_argument("--sms-per-rank", type=int, default=None,
+                    help="CTAs (SMs) of each rank's launch; default SMs // ranks (ranks x this must fit the GPU)")
     args = ap.parse_args(argv)
     ms = [1, 8, 32, 128] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]
     gpu = torch.cuda.get_device_name()
+    from sdk.comm.runtime import ctas_per_rank
+    for n in args.ranks:      # every rank's CTAs must fit the GPU at once: refuse now, not time out later
+        ctas_per_rank(n, torch.cuda.get_device_properties(0).multi_processor_count, args.sms_per_rank)
     print(f"GPU {gpu}; virtual ranks {args.ranks}: peer stores go to LOCAL HBM (no NVLink): this is the "
           f"all-reduce instruction's overhead, not the interconnect")
     rows = []
@@ -100,7 +113,7 @@ def main(argv=None):
                 chain = args.chain
                 while True:
                     try:
-                        r = measure(n, m, args.d, algo, chain, args.reps)
+                        r = measure(n, m, args.d, algo, chain, args.reps, args.sms_per_rank)
                     except Exception as exc:      # e.g. a size two-shot cannot tile: record, go on
                         # a long chain of large messages puts more instruction records on one SM
                         # than its shared memory holds: measure a shorter chain instead

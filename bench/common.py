@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -125,15 +126,67 @@ def timed(calls):
 
 def replayer(fn):
     """(call, mode): `fn` captured once in a CUDA graph and replayed by `call` ('cuda_graph'), or
-    `fn` itself ('eager') if capture fails. The virtual-rank benchmarks use it so the N ranks'
-    launches reach the GPU together: launched eagerly, one Python launch per rank, the later
-    ranks start tens of microseconds after the first, and every flag wait measures that skew."""
+    `fn` itself ('eager') if capture fails. NOT for launches that must run concurrently (the
+    virtual ranks): see launch_together."""
     try:
         return capture([fn]).replay, "cuda_graph"
     except Exception as exc:  # capture unsupported: say so, launch eagerly
         print(f"  (graph capture failed: {type(exc).__name__}: {exc}; eager launches)", flush=True)
         torch.cuda.synchronize()
         return fn, "eager"
+
+
+GATE_MIN_US = 200.0
+
+
+def gate_us(host_us: float) -> float:
+    """How long launch_together's GPU gate spins: 3x the host time of the N launches plus 100 us
+    (Python's launches vary), at least GATE_MIN_US."""
+    return max(GATE_MIN_US, 3.0 * host_us + 100.0)
+
+
+def launch_together(fn, calibrate: int = 2):
+    """(call, mode) for launches that must run concurrently and start together - the N virtual
+    ranks' (`fn`: TPRuntime.launch, which forks every rank's stream from the current stream and
+    joins them back). call(start=None) puts a GPU-side gate on the current stream - a spin kernel
+    (torch.cuda._sleep) longer than the host takes to issue fn's launches - records the event
+    `start` after it if given, then calls fn: the N launches queue behind the gate while the host
+    issues them and become ready together when it ends. Eager launches, so each rank stays its own
+    stream launch (concurrent: TPRuntime's conditions); only the host's launch skew (~30-60 us per
+    rank, which every flag wait would measure) is gone. Mode 'eager_gated'.
+
+    Why not one CUDA graph of the N launches (`replayer`, used until 2026-12-03): measured on the
+    H200, the graph executor ran some ranks' kernel nodes only after another rank's kernel had
+    ended (ranks 5-7 started when rank 0's flag wait gave up), for some message sizes / CTA
+    counts, with CUDA_DEVICE_MAX_CONNECTIONS 8 or 32 - KernelTimeoutError 'rank 5 never arrived'
+    in 4 of the 16 all-reduce cases - although all 8 x 16 CTAs fit the 132 SMs at once. Eager
+    launches of the same configurations never did (0 failures in 60).
+
+    Calibration: `calibrate` calls of fn (host time measured; synchronised: the caller checks
+    their error words afterwards) and one timed spin for the gate's clock rate."""
+    host = []
+    for _ in range(calibrate):
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    cycles = 1 << 20
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(cycles)
+    b.record()
+    torch.cuda.synchronize()
+    per_us = cycles / max(a.elapsed_time(b) * 1e3, 1e-3)
+    spin = math.ceil(gate_us(max(host, default=0.0)) * per_us)
+
+    def call(start=None):
+        torch.cuda._sleep(spin)
+        if start is not None:
+            start.record()
+        fn()
+
+    call.gate_us = spin / per_us
+    return call, "eager_gated"
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 6) -> dict:

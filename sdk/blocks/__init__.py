@@ -13,12 +13,13 @@ def builtin_blocks() -> list[type]:
     from .experts import ExpertsBlock
     from .router import RouterSelectBlock
     from .mla_decode import MLACombineBlock, MLADecodeBlock, MLAHeadProjBlock
+    from .mla_prologue import MLARopeAppendBlock
     from .mhc import MHCMixBlock, MHCPostBlock, MHCPreBlock
     from .dsv4_attention import DSV4CombineBlock, DSV4DecodeBlock
     from .indexer import IndexScoreBlock, TopKBlock
     from .ep import EPCombineBlock, EPDispatchBlock, EPTableBlock
     return [RMSNormBlock, GemvBlock, KDABlock, RouterSelectBlock, ExpertsBlock,
-            MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock, MHCMixBlock, MHCPreBlock, MHCPostBlock,
+            MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock, MLARopeAppendBlock, MHCMixBlock, MHCPreBlock, MHCPostBlock,
             DSV4DecodeBlock, DSV4CombineBlock, IndexScoreBlock, TopKBlock, EPDispatchBlock, EPTableBlock,
             EPCombineBlock]
 

@@ -1,0 +1,248 @@
+"""The MLA decode prologue after the projections: RoPE of the query's rope part, and the new
+tokens' cache rows (normalised latent + rotated shared key) written into the paged cache.
+
+`MLARopeAppendBlock`, one tile per new token m (sequence b = m // T, token t = m % T, position
+p = seq_lens[b] - T + t):
+    q[b, t, h, L:]            = rope(q_raw[m, h, nope:], p)            for every head h
+    cache row of (b, p)       = [ kv_norm * bf16(rmsnorm(ckv[m, :L])),  rope(ckv[m, L:], p) ]
+with q_raw the q_b GEMV's output [M, H, nope + rope], ckv the kv_a GEMV's [M, L + rope] (fp32),
+cos / sin [M, rope] the host's tables for the tokens' positions (bf16, halves layout, as
+sdk/reference/common.rope_cos_sin makes them). RoPE modes: "interleaved" (pairs (2i, 2i+1),
+DeepSeek / Kimi: regrouped into halves first, as the reference does), "halves", or "none" (the
+rope part passes unrotated: kimi_linear NoPE); rope = 0 (GLM-5.3) writes the latent only.
+The W_UK block fills q[..., :L]; the decode core waits on both. Arithmetic follows
+sdk/reference/mla.py in bf16: the normalised latent is rounded to bf16 before the weight, the
+rotation is done in fp32 from bf16 inputs and rounded once.
+
+Supported: bf16 cache (an fp8 cache needs the per-token group scales computed here: not yet),
+kv_lora a multiple of 256, rope even, page_size >= 1, any T.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import NUM_THREADS, Block, Cost, OperandSpec
+
+ROPE_MODES = ("interleaved", "halves", "none")
+
+
+@dataclass(frozen=True)
+class MLARopeAppendConfig:
+    heads: int
+    batch: int = 1
+    q_tokens: int = 1
+    kv_lora: int = 512
+    nope: int = 128
+    rope: int = 64
+    rope_mode: str = "interleaved"
+    eps: float = 1e-6
+    page_size: int = 64
+    num_pages: int = 1024
+    max_seq_len: int = 4096
+
+
+class MLARopeAppendBlock(Block):
+    name = "mla_rope_append"
+    Config = MLARopeAppendConfig
+    wide_operands = ("kv",)             # rows addressed from a 64-bit base, as the decode core's
+
+    @property
+    def m(self) -> int:
+        return self.config.batch * self.config.q_tokens
+
+    @property
+    def d_qk(self) -> int:
+        return self.config.kv_lora + self.config.rope
+
+    @property
+    def max_pages(self) -> int:
+        return math.ceil(self.config.max_seq_len / self.config.page_size)
+
+    @property
+    def rotates(self) -> bool:
+        return self.config.rope > 0 and self.config.rope_mode != "none"
+
+    def check(self):
+        c = self.config
+        if c.rope_mode not in ROPE_MODES:
+            self.unsupported(f"mla_rope_append: rope_mode {c.rope_mode!r} (supported: {ROPE_MODES})")
+        if c.kv_lora % NUM_THREADS or c.rope % 2 or c.rope < 0 or c.rope // 2 > NUM_THREADS:
+            self.unsupported(f"mla_rope_append: kv_lora={c.kv_lora} (a multiple of {NUM_THREADS}), rope={c.rope} (even)")
+        if not 1 <= self.m <= 64 or c.heads < 1:
+            self.unsupported(f"mla_rope_append: {self.m} tokens, {c.heads} heads (supported: 1..64 tokens)")
+
+    def operand_specs(self):
+        c = self.config
+        M, R = self.m, max(c.rope, 1)
+        return [OperandSpec("q_raw", (M, c.heads, c.nope + c.rope), "bf16"),
+                OperandSpec("ckv", (M, self.d_qk), "fp32"),
+                OperandSpec("kv_norm", (c.kv_lora,), "bf16"),
+                OperandSpec("cos", (M, R), "bf16", optional=not self.rotates),
+                OperandSpec("sin", (M, R), "bf16", optional=not self.rotates),
+                OperandSpec("block_table", (c.batch, self.max_pages), "int32"),
+                OperandSpec("seq_lens", (c.batch,), "int32"),
+                OperandSpec("q", (c.batch, c.q_tokens, c.heads, self.d_qk), "bf16", output=True),
+                OperandSpec("kv", (c.num_pages, c.page_size, self.d_qk), "bf16", output=True)]
+
+    def num_tiles(self) -> int:
+        return self.m
+
+    def cost(self) -> Cost:
+        c = self.config
+        b = c.heads * c.rope * 4 + self.d_qk * 6 + c.kv_lora * 2 + c.rope * 4
+        return Cost(bytes=b, flops=6 * self.d_qk + 6 * c.heads * c.rope)
+
+    # -- torch faces ---------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [..., R] (bf16 values) rotated as sdk/reference/common.apply_rope, in fp32, one
+        rounding: the device's arithmetic."""
+        c = self.config
+        if not self.rotates:
+            return x.float()
+        x = x.float()
+        if c.rope_mode == "interleaved":
+            *lead, d = x.shape
+            x = x.view(*lead, d // 2, 2).transpose(-1, -2).reshape(*lead, d)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos.float() + rotated * sin.float()
+
+    def _token(self, t: dict, m: int):
+        """(q rope part [H, R], cache row [d_qk], page row index) of new token m."""
+        c = self.config
+        b, tq = divmod(m, c.q_tokens)
+        pos = int(t["seq_lens"][b]) - c.q_tokens + tq
+        row = int(t["block_table"][b, pos // c.page_size]) * c.page_size + pos % c.page_size
+        ckv = t["ckv"][m].float()
+        lat = ckv[:c.kv_lora]
+        h = (lat * torch.rsqrt(lat.pow(2).mean() + c.eps)).to(torch.bfloat16).float()
+        lat_out = (h * t["kv_norm"].float()).to(torch.bfloat16)
+        cos = t["cos"][m] if self.rotates else None
+        sin = t["sin"][m] if self.rotates else None
+        kpe = self._rope(ckv[c.kv_lora:].to(torch.bfloat16), cos, sin).to(torch.bfloat16)
+        qpe = self._rope(t["q_raw"][m, :, c.nope:], cos, sin).to(torch.bfloat16)
+        return qpe, torch.cat([lat_out, kpe]), row
+
+    def reference(self, **t):
+        c = self.config
+        q = t["q"].clone()
+        kv = t["kv"].clone()
+        for m in range(self.m):
+            qpe, cache_row, row = self._token(t, m)
+            b, tq = divmod(m, c.q_tokens)
+            q[b, tq, :, c.kv_lora:] = qpe.to(q.device)
+            kv.view(-1, self.d_qk)[row] = cache_row.to(kv.device)
+        return {"q": q, "kv": kv}
+
+    def emulate_tile(self, t, tile):
+        c = self.config
+        qpe, cache_row, row = self._token(t, tile)
+        b, tq = divmod(tile, c.q_tokens)
+        t["q"][b, tq, :, c.kv_lora:] = qpe.to(t["q"].device)
+        t["kv"].view(-1, self.d_qk)[row] = cache_row.to(t["kv"].device)
+
+    # -- device face ---------------------------------------------------------------------------
+    def _build_device_tile(self):
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import BFloat16, Float32, Int32, Int64
+
+        from ._cute import block_sum, gmem_tensor
+
+        c = self.config
+        M, H, T, L, R, NOPE = self.m, c.heads, c.q_tokens, c.kv_lora, c.rope, c.nope
+        DQK = self.d_qk
+        PS, MAXP = c.page_size, self.max_pages
+        LPT = L // NUM_THREADS               # latent values per thread
+        R2 = R // 2
+        ROT = self.rotates
+        INTER = c.rope_mode == "interleaved"
+        eps = c.eps
+
+        @cute.jit
+        def pair(a: Float32, b: Float32, mCos, mSin, m, i):
+            """(out[i], out[i + R/2]) of rope pair i with inputs a = x[i], b = x[i + R/2] of the
+            halves layout; "none": unrotated."""
+            lo = a
+            hi = b
+            if cutlass.const_expr(ROT):
+                lo = a * mCos[m, i].to(Float32) - b * mSin[m, i].to(Float32)
+                hi = b * mCos[m, i + R2].to(Float32) + a * mSin[m, i + R2].to(Float32)
+            return lo, hi
+
+        @cute.jit
+        def rotate(mX, xi, mCos, mSin, m, i):
+            """Rope pair i of the bf16 vector mX[xi:xi + R]."""
+            a = Float32(0.0)
+            b = Float32(0.0)
+            if cutlass.const_expr(INTER):                # pairs (2i, 2i + 1) regrouped into halves
+                a = mX[xi + 2 * i].to(Float32)
+                b = mX[xi + 2 * i + 1].to(Float32)
+            else:
+                a = mX[xi + i].to(Float32)
+                b = mX[xi + i + R2].to(Float32)
+            return pair(a, b, mCos, mSin, m, i)
+
+        @cute.jit
+        def rotate_f32(mX, xi, mCos, mSin, m, i):
+            """The same for an fp32 vector, its values first rounded to bf16 (the reference's ckv)."""
+            a = Float32(0.0)
+            b = Float32(0.0)
+            if cutlass.const_expr(INTER):
+                a = mX[xi + 2 * i].to(BFloat16).to(Float32)
+                b = mX[xi + 2 * i + 1].to(BFloat16).to(Float32)
+            else:
+                a = mX[xi + i].to(BFloat16).to(Float32)
+                b = mX[xi + i + R2].to(BFloat16).to(Float32)
+            return pair(a, b, mCos, mSin, m, i)
+
+        @cute.jit
+        def tile(ptrs, t: Int32, scratch):
+            tid, _, _ = cute.arch.thread_idx()
+            b = t // T
+            tq = t % T
+            mQr = gmem_tensor(ptrs[0], BFloat16, (M * H * (NOPE + R),), 2)
+            mC = gmem_tensor(ptrs[1], Float32, (M, DQK), 4)
+            mN = gmem_tensor(ptrs[2], BFloat16, (L,), 2)
+            mCos = None
+            mSin = None
+            if cutlass.const_expr(ROT):
+                mCos = gmem_tensor(ptrs[3], BFloat16, (M, R), 2)
+                mSin = gmem_tensor(ptrs[4], BFloat16, (M, R), 2)
+            mBT = gmem_tensor(ptrs[5], Int32, (c.batch, MAXP), 4)
+            mLen = gmem_tensor(ptrs[6], Int32, (c.batch,), 4)
+            mQ = gmem_tensor(ptrs[7], BFloat16, (c.batch, T, H, DQK), 2)
+            pos = mLen[b] - T + tq
+            row = mBT[b, pos // PS] * PS + pos % PS
+            mRow = gmem_tensor(ptrs[8] + Int64(row) * Int64(DQK * 2), BFloat16, (DQK,), 2)
+            # normalised latent: one CTA-wide sum of squares
+            vals = []
+            ss = Float32(0.0)
+            for i in cutlass.range_constexpr(LPT):
+                v = mC[t, tid * LPT + i]
+                vals.append(v)
+                ss = ss + v * v
+            rstd = cute.math.rsqrt(block_sum(ss, scratch) / Float32(L) + Float32(eps), fastmath=False)
+            for i in cutlass.range_constexpr(LPT):
+                col = tid * LPT + i
+                hn = (vals[i] * rstd).to(BFloat16).to(Float32)
+                mRow[col] = (hn * mN[col].to(Float32)).to(BFloat16)
+            if cutlass.const_expr(R > 0):
+                # the shared key part: ckv's rope columns, rounded to bf16 like the reference's
+                if tid < R2:
+                    kin = gmem_tensor(ptrs[1], Float32, (M * DQK,), 4)
+                    lo, hi = rotate_f32(kin, t * DQK + L, mCos, mSin, t, tid)
+                    mRow[L + tid] = lo.to(BFloat16)
+                    mRow[L + tid + R2] = hi.to(BFloat16)
+                # the query's rope part, every head
+                for j in cutlass.range(tid, H * R2, NUM_THREADS, unroll=1):
+                    hd = j // R2
+                    i = j % R2
+                    lo, hi = rotate(mQr, (t * H + hd) * (NOPE + R) + NOPE, mCos, mSin, t, i)
+                    mQ[b, tq, hd, L + i] = lo.to(BFloat16)
+                    mQ[b, tq, hd, L + i + R2] = hi.to(BFloat16)
+
+        return tile

@@ -1,0 +1,198 @@
+"""A whole MLA attention sublayer of one GPU's head shard in ONE megakernel launch: the input
+RMSNorm, the q / kv projections with their norms, RoPE and the cache append, the absorbed
+split-KV attention and the output projection with the residual add.
+
+    x (bf16, the residual stream entering the sublayer)
+    q_a   = GEMV(rmsnorm(x) * input_norm, W_qa)              \\  both read x; the norm is fused
+    ckv   = GEMV(rmsnorm(x) * input_norm, W_kva)   (fp32)     /  into each GEMV's prologue
+    q_raw = GEMV(rmsnorm(q_a) * q_a_norm, W_qb)               [M, H, nope + rope]
+    rope_append: q[..., L:] = rope(q_raw[..., nope:]);  cache row of each new token =
+                 [kv_a_norm * rmsnorm(ckv[:L]), rope(ckv[L:])]           (waits ckv and q_raw)
+    W_UK:        q[..., :L] = q_raw[..., :nope] @ W_UK                   (waits q_raw)
+    decode -> combine -> W_UV                                            (sdk/megakernel/mla_attention.py)
+    resid = x + o @ W_o^T        (fp32; the o_proj GEMV's residual epilogue)
+
+Ops wait only for what they read, so the q and kv branches and the GEMVs stream their weights
+concurrently. `reference()` is sdk/reference/mla.py's MLAReference.forward (expanded keys and
+values, its own RoPE and norms) on the same cache, plus the residual: the program is checked
+against the model's definition, not against its own pieces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..blocks.gemv import GemvConfig
+from ..blocks.mla_decode import MLAHeadProjBlock, MLAHeadProjConfig
+from ..blocks.mla_prologue import MLARopeAppendBlock, MLARopeAppendConfig
+from . import mla_attention as mla
+from .mlp_stack import gemv_block
+from .program import Program
+
+
+@dataclass(frozen=True)
+class MLALayerConfig:
+    attn: mla.MLAAttentionConfig        # the shard's heads, cache geometry, batch, splits
+    hidden: int = 7168
+    q_lora: int = 1536
+    rope_theta: float = 50000.0
+    rope_mode: str = "interleaved"      # MLARopeAppendConfig.rope_mode
+    eps: float = 1e-6
+
+    @property
+    def q_width(self) -> int:
+        return self.attn.nope + self.attn.rope
+
+
+RECORDS_MARGIN = 4096     # smem the kernel's instruction records take beside the ring (a few KB here)
+
+
+def build_program(cfg: MLALayerConfig) -> Program:
+    """The sublayer's program, with as many decode pipeline stages (attn.decode_stages down to
+    2) as leave the projections' weight ring 2 stages of shared memory; else the ring's error."""
+    from ..blocks.base import ring_geometry
+    from ..errors import UnsupportedConfigError
+    err = None
+    for st in range(cfg.attn.decode_stages, 1, -1):
+        prog = _build(replace(cfg, attn=replace(cfg.attn, decode_stages=st)))
+        try:
+            ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)
+            return prog
+        except UnsupportedConfigError as exc:
+            err = exc
+    raise err
+
+
+def _build(cfg: MLALayerConfig) -> Program:
+    a, D = cfg.attn, cfg.hidden
+    H, L, M = a.heads, a.kv_lora, a.tokens
+    dec = mla.decode_block(a)
+    prog = Program()
+    prog.buffer("x", (M, D), "bf16", "input")
+    prog.buffer("cos", (M, max(a.rope, 1)), "bf16", "input")
+    prog.buffer("sin", (M, max(a.rope, 1)), "bf16", "input")
+    prog.buffer("kv", (a.num_pages, a.page_size, a.d_qk), "bf16", "input")     # the new rows are written
+    prog.buffer("block_table", (a.batch, dec.max_pages), "int32", "input")
+    prog.buffer("seq_lens", (a.batch,), "int32", "input")
+    for name, shape in (("input_norm", (D,)), ("q_a_proj", (cfg.q_lora, D)), ("q_a_norm", (cfg.q_lora,)),
+                        ("q_b_proj", (H * cfg.q_width, cfg.q_lora)), ("kv_a_proj", (L + a.rope, D)),
+                        ("kv_a_norm", (L,)), ("w_uk_t", (H, L, a.nope)), ("w_uv", (H, a.v, L)),
+                        ("o_proj", (D, H * a.v))):
+        prog.buffer(name, shape, "bf16", "weight")
+    prog.buffer("q_a", (M, cfg.q_lora), "bf16")
+    prog.buffer("ckv", (M, L + a.rope), "fp32")
+    prog.buffer("q_raw", (M, H, cfg.q_width), "bf16")
+    prog.buffer("q", (a.batch, a.q_tokens, H, a.d_qk), "bf16")
+    prog.buffer("o_part", (a.batch, a.splits, dec.rows, L), "fp32")
+    prog.buffer("lse_part", (a.batch, a.splits, dec.rows), "fp32")
+    prog.buffer("o_lat", (a.batch, a.q_tokens, H, L), "bf16")
+    prog.buffer("lse", (a.batch, a.q_tokens, H), "fp32")
+    prog.buffer("o", (M, H, a.v), "bf16")
+    prog.buffer("resid", (M, D), "fp32", "output")
+
+    def gemv(n, k, **kw):
+        return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), 0, a.num_sms)
+
+    qa = prog.op(gemv(cfg.q_lora, D, norm=True), {"w": "q_a_proj", "x": "x", "norm_weight": "input_norm", "y": "q_a"},
+                 label="attn.q_a")
+    kva = prog.op(gemv(L + a.rope, D, norm=True, out_dtype="fp32"),
+                  {"w": "kv_a_proj", "x": "x", "norm_weight": "input_norm", "y": "ckv"}, label="attn.kv_a")
+    qb = prog.op(gemv(H * cfg.q_width, cfg.q_lora, norm=True),
+                 {"w": "q_b_proj", "x": "q_a", "norm_weight": "q_a_norm", "y": "q_raw"}, waits=[qa], label="attn.q_b")
+    rope = MLARopeAppendBlock(MLARopeAppendConfig(
+        heads=H, batch=a.batch, q_tokens=a.q_tokens, kv_lora=L, nope=a.nope, rope=a.rope, rope_mode=cfg.rope_mode,
+        eps=cfg.eps, page_size=a.page_size, num_pages=a.num_pages, max_seq_len=a.max_seq_len))
+    rb = {"q_raw": "q_raw", "ckv": "ckv", "kv_norm": "kv_a_norm", "block_table": "block_table",
+          "seq_lens": "seq_lens", "q": "q", "kv": "kv"}
+    if rope.rotates:
+        rb.update({"cos": "cos", "sin": "sin"})
+    ra = prog.op(rope, rb, waits=[kva, qb], label="attn.rope_append")
+    uk = prog.op(MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=L, k=a.nope, m=M, x_stride=cfg.q_width, y_stride=a.d_qk)),
+                 {"x": "q_raw", "w": "w_uk_t", "y": "q"}, waits=[qb], label="attn.w_uk")
+    dop = prog.op(dec, {"q": "q", "kv": "kv", "block_table": "block_table", "seq_lens": "seq_lens",
+                        "o_part": "o_part", "lse_part": "lse_part"}, waits=[ra, uk], label="attn.decode")
+    from ..blocks.mla_decode import MLACombineBlock, MLACombineConfig
+    cop = prog.op(MLACombineBlock(MLACombineConfig(heads=H, batch=a.batch, q_tokens=a.q_tokens, d_v=L,
+                                                   num_splits=a.splits)),
+                  {"o_part": "o_part", "lse_part": "lse_part", "out": "o_lat", "lse": "lse"}, waits=[dop],
+                  label="attn.combine")
+    uv = prog.op(MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=a.v, k=L, m=M, rows_per_tile=32)),
+                 {"x": "o_lat", "w": "w_uv", "y": "o"}, waits=[cop], label="attn.w_uv")
+    prog.op(gemv(D, H * a.v, out_dtype="fp32", residual="bf16"), {"w": "o_proj", "x": "o", "res": "x", "y": "resid"},
+            waits=[uv], label="attn.o_proj")
+    return prog
+
+
+def make_weights(cfg: MLALayerConfig, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
+    """Random weights under the checkpoint's names (sdk/reference/mla.py) plus the absorbed W_UK /
+    W_UV the program reads."""
+    a, D = cfg.attn, cfg.hidden
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g, device=device) * shape[-1] ** -0.5).to(torch.bfloat16)
+
+    def norm(n):
+        return (1.0 + 0.1 * torch.randn(n, generator=g, device=device)).to(torch.bfloat16)
+
+    w = mla.make_weights(a, seed=seed + 7, device=device)
+    w.update({"input_norm": norm(D), "q_a_proj": rnd(cfg.q_lora, D), "q_a_norm": norm(cfg.q_lora),
+              "q_b_proj": rnd(a.heads * cfg.q_width, cfg.q_lora), "kv_a_proj": rnd(a.kv_lora + a.rope, D),
+              "kv_a_norm": norm(a.kv_lora), "o_proj": rnd(D, a.heads * a.v)})
+    return w
+
+
+def rope_tables(cfg: MLALayerConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [M, rope] bf16 of the new tokens' positions [B, T] (the host's per-step tables)."""
+    from ..reference.common import rope_cos_sin
+    from ..spec import RopeSpec
+    cos, sin = rope_cos_sin(RopeSpec(dim=cfg.attn.rope, theta=cfg.rope_theta), positions, torch.bfloat16)
+    return cos.reshape(-1, cfg.attn.rope), sin.reshape(-1, cfg.attn.rope)
+
+
+def make_inputs(cfg: MLALayerConfig, lens, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
+    """x, the cache (random rows for the tokens before the new ones), table, lengths, cos / sin."""
+    a = cfg.attn
+    base = mla.make_inputs(a, lens, seed=seed, device=device)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    lens_t = base["seq_lens"].long()
+    positions = lens_t[:, None] - a.q_tokens + torch.arange(a.q_tokens, device=device)
+    cos, sin = rope_tables(cfg, positions)
+    return {"x": torch.randn(a.tokens, cfg.hidden, generator=g, device=device).to(torch.bfloat16),
+            "kv": base["kv"], "block_table": base["block_table"], "seq_lens": base["seq_lens"], "cos": cos, "sin": sin}
+
+
+def reference(cfg: MLALayerConfig, weights: dict, inputs: dict) -> torch.Tensor:
+    """x + MLAReference.forward(rmsnorm(x) * input_norm) over the cache's earlier rows (fp32):
+    resid [M, D]."""
+    from types import SimpleNamespace
+
+    from ..reference.common import StepInfo, rms_norm
+    from ..reference.mla import MLAReference
+    from ..spec import MLASpec, RopeSpec
+    a = cfg.attn
+    rope = None if cfg.rope_mode == "none" or not a.rope else \
+        RopeSpec(dim=a.rope, theta=cfg.rope_theta, interleaved=cfg.rope_mode == "interleaved")
+    spec = MLASpec(num_heads=a.heads, q_lora_rank=cfg.q_lora, kv_lora_rank=a.kv_lora, qk_nope_head_dim=a.nope,
+                   qk_rope_head_dim=a.rope, v_head_dim=a.v, softmax_scale=a.softmax_scale * a.scale_factor,
+                   rope=rope, latent_norm_eps=cfg.eps)
+    f = {k: v.float() for k, v in weights.items()}
+    ref = MLAReference(None, SimpleNamespace(attention=spec), {
+        "q_a_proj.weight": f["q_a_proj"], "q_a_layernorm.weight": f["q_a_norm"], "q_b_proj.weight": f["q_b_proj"],
+        "kv_a_proj_with_mqa.weight": f["kv_a_proj"], "kv_a_layernorm.weight": f["kv_a_norm"],
+        "kv_b_proj.weight": f["kv_b_proj"], "o_proj.weight": f["o_proj"]})
+    dec = mla.decode_block(a)
+    lens = [int(x) for x in inputs["seq_lens"]]
+    dev = inputs["x"].device
+    dense = torch.zeros(a.batch, max(lens), a.d_qk, device=dev)
+    for b, n in enumerate(lens):                 # the rows before the new tokens
+        if n > a.q_tokens:
+            dense[b, :n - a.q_tokens] = dec.gather_kv(inputs, b, 0, n - a.q_tokens).to(dev)
+    start = torch.tensor(lens, device=dev) - a.q_tokens
+    step = StepInfo(start=start, positions=start[:, None] + torch.arange(a.q_tokens, device=dev),
+                    input_ids=torch.zeros(a.batch, a.q_tokens, dtype=torch.long, device=dev))
+    x = inputs["x"].float().view(a.batch, a.q_tokens, cfg.hidden)
+    h = rms_norm(x, f["input_norm"], cfg.eps)
+    out = ref.forward(h, {"latent": dense}, step)
+    return (x + out).reshape(a.tokens, cfg.hidden)

@@ -1,0 +1,67 @@
+"""The whole MLA attention sublayer (input norm, q / kv projections with their norms, RoPE, cache
+append, absorbed split-KV attention, o_proj + residual) in ONE megakernel launch on the H200, at
+the Kimi K3 TP8 / TP16 head shards, against MLAReference.forward + residual (fp32, the model's own RoPE
+and norms); ragged batch, pages scattered, outputs poisoned, two launches.
+Run: `pytest -m gpu tests/gpu/test_mla_layer_gpu.py`."""
+import pytest
+import torch
+
+from harness import clock_seed, need_gpu, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("T,heads,mode", [(1, 12, "interleaved"), (2, 6, "halves")])
+def test_mla_sublayer_one_launch(T, heads, mode):
+    need_gpu()
+    from sdk.megakernel.mla_attention import MLAAttentionConfig
+    from sdk.megakernel.mla_layer import MLALayerConfig, build_program, make_inputs, make_weights, reference
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.megakernel.runtime import MegakernelRuntime
+    seed = clock_seed()
+    lens = [T, 3001, 9000]
+    attn = MLAAttentionConfig(heads=heads, batch=3, q_tokens=T, num_pages=sum(-(-x // 64) for x in lens) + 4,
+                              max_seq_len=9000)
+    cfg = MLALayerConfig(attn, rope_mode=mode)
+    prog = build_program(cfg)
+    w = make_weights(cfg, seed=seed, device="cuda")
+    tensors = PyVM.alloc(prog, device="cuda")
+    tensors.update({k: v for k, v in w.items() if k in prog.buffers})
+    rt = MegakernelRuntime(prog, tensors)
+    for launch in range(2):
+        inp = make_inputs(cfg, lens, seed=seed + launch, device="cuda")
+        want = reference(cfg, w, inp)
+        for name, v in inp.items():
+            rt.tensors[name].copy_(v)
+        for name in ("q_a", "ckv", "q_raw", "q", "o_part", "lse_part", "o_lat", "o", "resid"):
+            rt.tensors[name].fill_(float("nan"))
+        rt.run()
+        x = inp["x"].float()
+        err = rel_err(rt.tensors["resid"] - x, want - x)
+        assert err <= 2e-2, f"seed {seed}, launch {launch}: attention output rel err {err:.3e}"
+        assert rel_err(rt.tensors["resid"], want) <= 1e-2, f"seed {seed}, launch {launch}"
+
+
+def test_rope_append_block_standalone():
+    """The prologue block alone on the device against its torch twin (bf16 values, 1 ulp)."""
+    need_gpu()
+    from harness import run_standalone
+    from sdk.blocks.mla_prologue import MLARopeAppendBlock, MLARopeAppendConfig
+    c = MLARopeAppendConfig(heads=12, batch=4, q_tokens=2, page_size=64, num_pages=64, max_seq_len=1024)
+    blk = MLARopeAppendBlock(c)
+    M = blk.m
+    t = {"q_raw": torch.randn(M, 12, 192, device="cuda").to(torch.bfloat16), "ckv": torch.randn(M, 576, device="cuda"),
+         "kv_norm": (1 + 0.1 * torch.randn(512, device="cuda")).to(torch.bfloat16),
+         "cos": torch.randn(M, 64, device="cuda").to(torch.bfloat16), "sin": torch.randn(M, 64, device="cuda").to(torch.bfloat16),
+         "block_table": torch.randperm(64, device="cuda").int().view(4, 16),
+         "seq_lens": torch.tensor([2, 70, 513, 1024], dtype=torch.int32, device="cuda"),
+         "q": torch.full((4, 2, 12, 576), float("nan"), device="cuda").to(torch.bfloat16),
+         "kv": torch.full((64, 64, 576), float("nan"), device="cuda").to(torch.bfloat16)}
+    ref = {k: v.clone() for k, v in t.items()}
+    for m in range(M):
+        blk.emulate_tile(ref, m)
+    run_standalone(blk, t)
+    assert torch.equal(torch.isnan(t["kv"].float()), torch.isnan(ref["kv"].float())), "rows written elsewhere"
+    ok = ~torch.isnan(ref["kv"].float())
+    assert (t["kv"].float()[ok] - ref["kv"].float()[ok]).abs().max() <= 2 ** -6 * ref["kv"].float()[ok].abs().max()
+    assert rel_err(t["q"][..., 512:], ref["q"][..., 512:]) <= 1e-2

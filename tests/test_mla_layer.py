@@ -1,0 +1,87 @@
+"""The MLA prologue block and the whole attention sublayer in one program, on the CPU:
+MLARopeAppendBlock against sdk/reference/common's rms_norm / apply_rope (bf16, the model's
+arithmetic); the sublayer program (sdk/megakernel/mla_layer.py) through the PyVM in several
+interleavings against MLAReference.forward + residual - the model's definition, with its own
+projections, norms and RoPE. GPU twin: tests/gpu/test_mla_layer_gpu.py."""
+import pytest
+import torch
+
+from sdk.blocks.mla_prologue import MLARopeAppendBlock, MLARopeAppendConfig
+from sdk.errors import UnsupportedConfigError
+from sdk.megakernel.mla_attention import MLAAttentionConfig
+from sdk.megakernel.mla_layer import MLALayerConfig, build_program, make_inputs, make_weights, reference
+from sdk.megakernel.pyvm import PyVM
+from sdk.reference.common import apply_rope, rms_norm
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "halves", "none"])
+def test_rope_append_matches_the_reference_pieces(mode):
+    c = MLARopeAppendConfig(heads=3, batch=2, q_tokens=2, kv_lora=256, nope=32, rope=16, rope_mode=mode,
+                            page_size=4, num_pages=8, max_seq_len=16)
+    blk = MLARopeAppendBlock(c)
+    g = torch.Generator().manual_seed(1)
+    M = blk.m
+    t = {"q_raw": torch.randn(M, 3, 48, generator=g).to(torch.bfloat16), "ckv": torch.randn(M, 272, generator=g),
+         "kv_norm": (1 + 0.1 * torch.randn(256, generator=g)).to(torch.bfloat16),
+         "cos": torch.randn(M, 16, generator=g).to(torch.bfloat16), "sin": torch.randn(M, 16, generator=g).to(torch.bfloat16),
+         "block_table": torch.tensor([[5, 2, 7, 0], [1, 6, 3, 4]], dtype=torch.int32),
+         "seq_lens": torch.tensor([7, 13], dtype=torch.int32),
+         "q": torch.full((2, 2, 3, 272), float("nan")).to(torch.bfloat16),
+         "kv": torch.full((8, 4, 272), float("nan")).to(torch.bfloat16)}
+    for m in range(M):
+        blk.emulate_tile(t, m)
+    for m in range(M):
+        b, tq = divmod(m, 2)
+        pos = int(t["seq_lens"][b]) - 2 + tq
+        row = t["kv"][int(t["block_table"][b, pos // 4]), pos % 4]
+        lat = rms_norm(t["ckv"][m, :256].to(torch.bfloat16), t["kv_norm"], 1e-6)
+        kpe, qpe = t["ckv"][m, 256:].to(torch.bfloat16), t["q_raw"][m, :, 32:]
+        if mode != "none":
+            cos, sin = t["cos"][m][None, None], t["sin"][m][None, None]
+            kpe = apply_rope(kpe[None, None], cos, sin, mode == "interleaved")[0, 0]
+            qpe = apply_rope(qpe[None, None], cos, sin, mode == "interleaved")[0, 0]
+        assert rel(row[:256], lat) < 8e-3 and rel(row[256:], kpe) < 8e-3
+        assert rel(t["q"][b, tq, :, 256:], qpe) < 8e-3
+        assert torch.isnan(t["q"][b, tq, :, :256].float()).all(), "wrote the latent query columns"
+    written = ~torch.isnan(t["kv"].float()).all(-1)
+    assert int(written.sum()) == M, "one cache row per new token"
+
+
+def test_rope_append_rejects_what_it_does_not_take():
+    with pytest.raises(UnsupportedConfigError, match="rope_mode"):
+        MLARopeAppendBlock(MLARopeAppendConfig(heads=2, rope_mode="yarn"))
+    with pytest.raises(UnsupportedConfigError, match="kv_lora"):
+        MLARopeAppendBlock(MLARopeAppendConfig(heads=2, kv_lora=200))
+
+
+@pytest.mark.parametrize("T,mode", [(1, "interleaved"), (2, "halves")])
+def test_layer_program_equals_mla_reference_forward(T, mode):
+    attn = MLAAttentionConfig(heads=4, batch=2, q_tokens=T, num_pages=16, max_seq_len=512, num_splits=3)
+    cfg = MLALayerConfig(attn, hidden=1024, q_lora=512, rope_mode=mode)
+    prog = build_program(cfg)
+    w = make_weights(cfg, seed=2)
+    inp = make_inputs(cfg, [300, 2 * T], seed=3)
+    want = reference(cfg, w, inp)
+    for seed in (0, 1):
+        vm, _ = PyVM.from_program(prog, num_sms=9, weights={k: v for k, v in w.items() if k in prog.buffers})
+        for name, v in inp.items():
+            vm.tensors[name].copy_(v)
+        vm.tensors["resid"].fill_(float("nan"))
+        vm.step(seed=seed)
+        err = rel(vm.tensors["resid"] - inp["x"].float(), want - inp["x"].float())   # the attention's part
+        assert err < 2e-2, f"interleaving {seed}: {err}"
+        assert rel(vm.tensors["resid"], want) < 1e-2
+
+
+def test_layer_program_fits_the_ring_or_says_why():
+    """Decode stages step down until the projections' ring has 2 stages; a shard that cannot
+    fit (T x heads = 24 rows: a 32-row MMA tile) is a clear error naming the decode tile."""
+    ok = build_program(MLALayerConfig(MLAAttentionConfig(heads=12, batch=3, num_pages=200, max_seq_len=9000)))
+    assert ok.ops[5].block.stages == 2
+    with pytest.raises(UnsupportedConfigError, match="MLADecodeBlock tiles"):
+        build_program(MLALayerConfig(MLAAttentionConfig(heads=12, batch=3, q_tokens=2, num_pages=200,
+                                                        max_seq_len=9000)))

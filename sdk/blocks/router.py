@@ -142,10 +142,11 @@ class RouterSelectBlock(Block):
     @property
     def warps_per_token(self) -> int:
         """Warps that select one token's experts: 1 (a warp per token), or with fewer tokens than
-        warps the largest power of two that fits (8 at batch 1) - one warp's K rounds over all E
-        scores were ~9.5 us of Kimi K3's batch-1 layer (timeline), split they are two short
-        passes. Elementwise scoring without groups or hashing only (softmax needs the whole row's
-        normaliser, groups the whole row's group scores)."""
+        warps the largest power of two that fits (8 at batch 1): two short passes instead of one
+        warp's K rounds over all E scores. Correct on the H200 (rule tests at batch 1 / 2 / 3),
+        but the select instruction measured ~10 us at Kimi K3 batch 1 either way: its time is
+        elsewhere (docs/moe.md). Elementwise scoring without groups or hashing only (softmax needs
+        the whole row's normaliser, groups the whole row's group scores)."""
         c = self.config
         if c.scoring == "softmax" or c.n_group > 1 or c.hash_routed or c.m * 2 > NUM_THREADS // 32:
             return 1

@@ -176,18 +176,13 @@ def peer_wait(fbase, idx: Int32, e: Int32, timeout_ns: Int64, ebase, t: Int32, f
 
 
 @cute.jit
-def write_hit_list(cnt, mHits, L: cutlass.Constexpr, scratch):
-    """All threads, after a barrier that follows the last update of the L expert counts at `cnt`
-    (int32, global): hits[0] = H, the number of experts with a non-zero count, and hits[1..H]
-    their indices ascending (a warp ballot per 32 experts + popc prefix; L <= NUM_THREADS).
-    Uses scratch[0:NUM_THREADS // 32] and ends with a barrier."""
+def block_compact(hit, scratch):
+    """All threads: (this thread's slot among the threads with `hit` set, in thread order; how
+    many have it) - a warp ballot + popc prefix over the CTA. Uses scratch[0:NUM_THREADS // 32]
+    (after a barrier; the caller syncs before reusing it)."""
     tid, _, _ = cute.arch.thread_idx()
     lane = tid % 32
     warp = tid // 32
-    n_hit = Int32(0)
-    if tid < L:
-        n_hit = cute.arch.load(cnt + tid, Int32, sem="relaxed", scope="gpu")
-    hit = n_hit > 0
     ballot = cute.arch.vote_ballot_sync(hit)
     if lane == 0:
         scratch[warp] = Float32(cute.arch.popc(ballot))
@@ -198,8 +193,23 @@ def write_hit_list(cnt, mHits, L: cutlass.Constexpr, scratch):
         n = Int32(scratch[w])
         before = before + Int32(cutlass.select_(w < warp, n, Int32(0)))
         total = total + n
+    return before + cute.arch.popc(ballot & cute.arch.lanemask_lt()), total
+
+
+@cute.jit
+def write_hit_list(cnt, mHits, L: cutlass.Constexpr, scratch):
+    """All threads, after a barrier that follows the last update of the L expert counts at `cnt`
+    (int32, global): hits[0] = H, the number of experts with a non-zero count, and hits[1..H]
+    their indices ascending (block_compact; L <= NUM_THREADS). Uses scratch[0:NUM_THREADS // 32]
+    and ends with a barrier."""
+    tid, _, _ = cute.arch.thread_idx()
+    n_hit = Int32(0)
+    if tid < L:
+        n_hit = cute.arch.load(cnt + tid, Int32, sem="relaxed", scope="gpu")
+    hit = n_hit > 0
+    slot, total = block_compact(hit, scratch)
     if hit:
-        mHits[1 + before + cute.arch.popc(ballot & cute.arch.lanemask_lt())] = tid
+        mHits[1 + slot] = tid
     if tid == 0:
         mHits[0] = total
     cute.arch.sync_threads()

@@ -13,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from ._cute import DTYPE_MAP, gmem_tensor, peer_wait, write_hit_list
+from ._cute import DTYPE_MAP, block_compact, gmem_tensor, peer_wait, write_hit_list
 from .allreduce import PARAMS_WORDS
 from .base import NUM_THREADS, SCRATCH_WORDS
 
@@ -192,18 +192,9 @@ def _combine(b):
             sa = ac // K
             le = mMeta[sa * M + m, ac - sa * K]
             hit = (a < NK) & (le >= 0)
-            ballot = cute.arch.vote_ballot_sync(hit)
-            if lane == 0:
-                scratch[warp] = Float32(cute.arch.popc(ballot))
-            cute.arch.sync_threads()
-            before = Int32(0)
-            total = Int32(0)
-            for w in cutlass.range_constexpr(NW):
-                nw = Int32(scratch[w])
-                before = before + Int32(cutlass.select_(w < warp, nw, Int32(0)))
-                total = total + nw
+            slot, total = block_compact(hit, scratch)
             if hit:
-                scratch[NW + before + cute.arch.popc(ballot & cute.arch.lanemask_lt())] = Float32(a)
+                scratch[NW + slot] = Float32(a)
             cute.arch.sync_threads()
             for h in cutlass.range(warp, total, NW, unroll=1):
                 ah = Int32(scratch[NW + h])

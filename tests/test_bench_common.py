@@ -76,3 +76,20 @@ def test_gemv_chain_program_equals_reference_in_pyvm(wd):
     for j in range(count):
         ref = x.float() @ refs[j].T
         assert ((vm.tensors[f"y{j}"].float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_select_bench_program_repeats_one_select_on_one_sm():
+    """bench/select_bench.py: three selects chained on one SM, each equal to the routing rule."""
+    import torch
+
+    from bench.select_bench import program
+    from sdk.megakernel.pyvm import PyVM
+    prog, blk = program("kimi_k3", 1)
+    assert [op.label for op in prog.ops] == ["select.0", "select.1", "select.2"]
+    vm, sched = PyVM.from_program(prog, 1, {})
+    assert len(sched.per_sm[0]) == 3
+    vm.tensors["logits"].copy_(torch.randn(1, 896))
+    vm.tensors["bias"].copy_(torch.randn(896) * 0.1)
+    vm.step()
+    want = blk.reference(**vm.tensors)["topk_ids"]
+    assert torch.equal(vm.tensors["topk_ids"], want)

@@ -51,6 +51,32 @@ def test_rope_append_matches_the_reference_pieces(mode):
     assert int(written.sum()) == M, "one cache row per new token"
 
 
+def test_rope_append_fp8_rows_are_the_quantised_bf16_rows():
+    """fp8 cache: the appended row and its 9 scales are quantize_kv_fp8 of the bf16 row (the decode
+    core reads bf16(e4m3 x scale) back); the bf16 block's row is that bf16 row."""
+    from sdk.blocks.mla_decode import quantize_kv_fp8
+    kw = dict(heads=2, batch=1, q_tokens=1, page_size=4, num_pages=4, max_seq_len=16)
+    b16, b8 = MLARopeAppendBlock(MLARopeAppendConfig(**kw)), MLARopeAppendBlock(MLARopeAppendConfig(kv_dtype="fp8_e4m3", **kw))
+    g = torch.Generator().manual_seed(4)
+    base = {"q_raw": torch.randn(1, 2, 192, generator=g).to(torch.bfloat16), "ckv": torch.randn(1, 576, generator=g) * 3,
+            "kv_norm": (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16),
+            "cos": torch.randn(1, 64, generator=g).to(torch.bfloat16), "sin": torch.randn(1, 64, generator=g).to(torch.bfloat16),
+            "block_table": torch.tensor([[2, 0, 1, 3]], dtype=torch.int32), "seq_lens": torch.tensor([6], dtype=torch.int32),
+            "q": torch.zeros(1, 1, 2, 576).to(torch.bfloat16)}
+    t16 = {**base, "kv": torch.zeros(4, 4, 576).to(torch.bfloat16)}
+    t8 = {**base, "q": base["q"].clone(), "kv": torch.zeros(4, 4, 576).to(torch.float8_e4m3fn),
+          "kv_scale": torch.zeros(4, 4, 9)}
+    b16.emulate_tile(t16, 0)
+    b8.emulate_tile(t8, 0)
+    row16 = t16["kv"][0, 1]                                  # position 5: page table[1] = 0, row 1
+    q8, sc = quantize_kv_fp8(row16.float(), 64)
+    assert torch.equal(t8["kv"][0, 1].view(torch.uint8), q8.view(torch.uint8))
+    assert torch.equal(t8["kv_scale"][0, 1], sc)
+    assert (sc > 0).all() and int((t8["kv_scale"] != 0).sum()) == 9
+    with pytest.raises(UnsupportedConfigError, match="fp8"):
+        MLARopeAppendBlock(MLARopeAppendConfig(heads=2, kv_lora=256, kv_dtype="fp8_e4m3"))
+
+
 def test_rope_append_rejects_what_it_does_not_take():
     with pytest.raises(UnsupportedConfigError, match="rope_mode"):
         MLARopeAppendBlock(MLARopeAppendConfig(heads=2, rope_mode="yarn"))
@@ -58,9 +84,10 @@ def test_rope_append_rejects_what_it_does_not_take():
         MLARopeAppendBlock(MLARopeAppendConfig(heads=2, kv_lora=200))
 
 
-@pytest.mark.parametrize("T,mode", [(1, "interleaved"), (2, "halves")])
-def test_layer_program_equals_mla_reference_forward(T, mode):
-    attn = MLAAttentionConfig(heads=4, batch=2, q_tokens=T, num_pages=16, max_seq_len=512, num_splits=3)
+@pytest.mark.parametrize("T,mode,kvd", [(1, "interleaved", "bf16"), (2, "halves", "bf16"), (1, "interleaved", "fp8_e4m3")])
+def test_layer_program_equals_mla_reference_forward(T, mode, kvd):
+    attn = MLAAttentionConfig(heads=4, batch=2, q_tokens=T, num_pages=16, max_seq_len=512, num_splits=3,
+                              kv_dtype=kvd)
     cfg = MLALayerConfig(attn, hidden=1024, q_lora=512, rope_mode=mode)
     prog = build_program(cfg)
     w = make_weights(cfg, seed=2)

@@ -646,6 +646,8 @@ def mla_compile_cases() -> list:
     return [
         MLARopeAppendBlock(MLARopeAppendConfig(heads=12, batch=8, q_tokens=2, num_pages=4096, max_seq_len=131072)),
         MLARopeAppendBlock(MLARopeAppendConfig(heads=8, nope=192, rope=0, batch=1)),        # GLM-5.3: NoPE
+        MLARopeAppendBlock(MLARopeAppendConfig(heads=12, batch=8, kv_dtype="fp8_e4m3", num_pages=4096,
+                                               max_seq_len=32768)),
         MLADecodeBlock(MLADecodeConfig(heads=12, softmax_scale=k3, batch=1, num_splits=132,
                                        num_pages=2048, max_seq_len=131072)),             # Kimi K3 TP8
         MLADecodeBlock(MLADecodeConfig(heads=6, softmax_scale=k3, batch=8, q_tokens=2, num_splits=16,

@@ -14,8 +14,14 @@ The W_UK block fills q[..., :L]; the decode core waits on both. Arithmetic follo
 sdk/reference/mla.py in bf16: the normalised latent is rounded to bf16 before the weight, the
 rotation is done in fp32 from bf16 inputs and rounded once.
 
-Supported: bf16 cache (an fp8 cache needs the per-token group scales computed here: not yet),
-kv_lora a multiple of 256, rope even, page_size >= 1, any T.
+fp8 cache (kv_dtype "fp8_e4m3", the decode core's format): the bf16 row above is quantised per
+group of 64 columns - scale = amax / 448 (at least 1e-12), e4m3 = round(value / scale), the
+`quantize_kv_fp8` rule - into the row and its 9 (Kimi K3) fp32 scales [num_pages, page, d_qk / 64].
+On the device one warp owns one group (256 threads x 2 latent values = 8 warps x 64 columns; the
+rope group is warp 0's), so a group's amax is one warp reduction.
+
+Supported: kv_lora a multiple of 256, rope even, page_size >= 1, any T; fp8: scale_group 64 and
+rope 0 or 64.
 """
 from __future__ import annotations
 
@@ -39,6 +45,8 @@ class MLARopeAppendConfig:
     rope: int = 64
     rope_mode: str = "interleaved"
     eps: float = 1e-6
+    kv_dtype: str = "bf16"              # "bf16" | "fp8_e4m3" (with per-token scales per scale_group)
+    scale_group: int = 64
     page_size: int = 64
     num_pages: int = 1024
     max_seq_len: int = 4096
@@ -47,7 +55,7 @@ class MLARopeAppendConfig:
 class MLARopeAppendBlock(Block):
     name = "mla_rope_append"
     Config = MLARopeAppendConfig
-    wide_operands = ("kv",)             # rows addressed from a 64-bit base, as the decode core's
+    wide_operands = ("kv", "kv_scale")  # rows addressed from a 64-bit base, as the decode core's
 
     @property
     def m(self) -> int:
@@ -62,6 +70,10 @@ class MLARopeAppendBlock(Block):
         return math.ceil(self.config.max_seq_len / self.config.page_size)
 
     @property
+    def fp8(self) -> bool:
+        return self.config.kv_dtype == "fp8_e4m3"
+
+    @property
     def rotates(self) -> bool:
         return self.config.rope > 0 and self.config.rope_mode != "none"
 
@@ -71,6 +83,11 @@ class MLARopeAppendBlock(Block):
             self.unsupported(f"mla_rope_append: rope_mode {c.rope_mode!r} (supported: {ROPE_MODES})")
         if c.kv_lora % NUM_THREADS or c.rope % 2 or c.rope < 0 or c.rope // 2 > NUM_THREADS:
             self.unsupported(f"mla_rope_append: kv_lora={c.kv_lora} (a multiple of {NUM_THREADS}), rope={c.rope} (even)")
+        if c.kv_dtype not in ("bf16", "fp8_e4m3"):
+            self.unsupported(f"mla_rope_append: kv dtype {c.kv_dtype!r} (supported: bf16, fp8_e4m3)")
+        if self.fp8 and (c.scale_group != 64 or c.rope not in (0, 64) or c.kv_lora != 2 * NUM_THREADS):
+            self.unsupported(f"mla_rope_append fp8: scale_group={c.scale_group}, rope={c.rope}, kv_lora={c.kv_lora} "
+                             f"(supported: 64-column groups, one warp each: kv_lora 512, rope 0 or 64)")
         if not 1 <= self.m <= 64 or c.heads < 1:
             self.unsupported(f"mla_rope_append: {self.m} tokens, {c.heads} heads (supported: 1..64 tokens)")
 
@@ -85,7 +102,9 @@ class MLARopeAppendBlock(Block):
                 OperandSpec("block_table", (c.batch, self.max_pages), "int32"),
                 OperandSpec("seq_lens", (c.batch,), "int32"),
                 OperandSpec("q", (c.batch, c.q_tokens, c.heads, self.d_qk), "bf16", output=True),
-                OperandSpec("kv", (c.num_pages, c.page_size, self.d_qk), "bf16", output=True)]
+                OperandSpec("kv", (c.num_pages, c.page_size, self.d_qk), c.kv_dtype, output=True),
+                OperandSpec("kv_scale", (c.num_pages, c.page_size, self.d_qk // c.scale_group), "fp32",
+                            output=True, optional=not self.fp8)]
 
     def num_tiles(self) -> int:
         return self.m
@@ -126,29 +145,41 @@ class MLARopeAppendBlock(Block):
         qpe = self._rope(t["q_raw"][m, :, c.nope:], cos, sin).to(torch.bfloat16)
         return qpe, torch.cat([lat_out, kpe]), row
 
+    def _store(self, t: dict, row: int, cache_row: torch.Tensor) -> None:
+        """Write one cache row (bf16 values) into t["kv"] (and its scales, fp8)."""
+        kv = t["kv"].view(-1, self.d_qk)
+        if self.fp8:
+            from .mla_decode import quantize_kv_fp8
+            q8, sc = quantize_kv_fp8(cache_row.float(), self.config.scale_group)
+            kv[row] = q8.to(kv.device)
+            t["kv_scale"].view(-1, self.d_qk // self.config.scale_group)[row] = sc.to(t["kv_scale"].device)
+        else:
+            kv[row] = cache_row.to(kv.device)
+
     def reference(self, **t):
         c = self.config
-        q = t["q"].clone()
-        kv = t["kv"].clone()
+        out = {"q": t["q"].clone(), "kv": t["kv"].clone()}
+        if self.fp8:
+            out["kv_scale"] = t["kv_scale"].clone()
         for m in range(self.m):
             qpe, cache_row, row = self._token(t, m)
             b, tq = divmod(m, c.q_tokens)
-            q[b, tq, :, c.kv_lora:] = qpe.to(q.device)
-            kv.view(-1, self.d_qk)[row] = cache_row.to(kv.device)
-        return {"q": q, "kv": kv}
+            out["q"][b, tq, :, c.kv_lora:] = qpe.to(out["q"].device)
+            self._store({**t, **out}, row, cache_row)
+        return out
 
     def emulate_tile(self, t, tile):
         c = self.config
         qpe, cache_row, row = self._token(t, tile)
         b, tq = divmod(tile, c.q_tokens)
         t["q"][b, tq, :, c.kv_lora:] = qpe.to(t["q"].device)
-        t["kv"].view(-1, self.d_qk)[row] = cache_row.to(t["kv"].device)
+        self._store(t, row, cache_row)
 
     # -- device face ---------------------------------------------------------------------------
     def _build_device_tile(self):
         import cutlass
         import cutlass.cute as cute
-        from cutlass import BFloat16, Float32, Int32, Int64
+        from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
 
         from ._cute import block_sum, gmem_tensor
 
@@ -161,6 +192,9 @@ class MLARopeAppendBlock(Block):
         ROT = self.rotates
         INTER = c.rope_mode == "interleaved"
         eps = c.eps
+        FP8 = self.fp8
+        G = c.scale_group
+        NGRP = DQK // G                      # fp8: scales per row
 
         @cute.jit
         def pair(a: Float32, b: Float32, mCos, mSin, m, i):
@@ -200,6 +234,26 @@ class MLARopeAppendBlock(Block):
             return pair(a, b, mCos, mSin, m, i)
 
         @cute.jit
+        def store_fp8(v, ptrs, row, col0, stride: cutlass.Constexpr, group):
+            """The calling warp's 2 values per lane (columns col0 and col0 + stride) are one scale
+            group of the row: scale = warp amax / 448 (>= 1e-12), e4m3 = value / scale (the
+            quantize_kv_fp8 rule); lane 0 writes the group's scale."""
+            amax = cute.arch.fmax(cute.math.absf(v[0]), cute.math.absf(v[1]))
+            amax = cute.arch.warp_reduction_max(amax)
+            scale = cute.arch.fmax(amax / Float32(448.0), Float32(1e-12))
+            q = cute.make_rmem_tensor((2,), Float32)
+            for i in cutlass.range_constexpr(2):
+                q[i] = cute.arch.fmax(cute.arch.fmin(v[i] / scale, Float32(448.0)), Float32(-448.0))
+            q8 = cute.make_rmem_tensor((2,), Float8E4M3FN)
+            q8.store(q.load().to(Float8E4M3FN))
+            mRow8 = gmem_tensor(ptrs[8] + Int64(row) * Int64(DQK), Float8E4M3FN, (DQK,), 1)
+            mRow8[col0] = q8[0]
+            mRow8[col0 + stride] = q8[1]
+            if cute.arch.lane_idx() == 0:
+                mSc = gmem_tensor(ptrs[9] + Int64(row) * Int64(NGRP * 4), Float32, (NGRP,), 4)
+                mSc[group] = scale
+
+        @cute.jit
         def tile(ptrs, t: Int32, scratch):
             tid, _, _ = cute.arch.thread_idx()
             b = t // T
@@ -217,7 +271,6 @@ class MLARopeAppendBlock(Block):
             mQ = gmem_tensor(ptrs[7], BFloat16, (c.batch, T, H, DQK), 2)
             pos = mLen[b] - T + tq
             row = mBT[b, pos // PS] * PS + pos % PS
-            mRow = gmem_tensor(ptrs[8] + Int64(row) * Int64(DQK * 2), BFloat16, (DQK,), 2)
             # normalised latent: one CTA-wide sum of squares
             vals = []
             ss = Float32(0.0)
@@ -226,17 +279,32 @@ class MLARopeAppendBlock(Block):
                 vals.append(v)
                 ss = ss + v * v
             rstd = cute.math.rsqrt(block_sum(ss, scratch) / Float32(L) + Float32(eps), fastmath=False)
+            lat = cute.make_rmem_tensor((LPT,), Float32)       # the row's bf16 values, as fp32
             for i in cutlass.range_constexpr(LPT):
                 col = tid * LPT + i
                 hn = (vals[i] * rstd).to(BFloat16).to(Float32)
-                mRow[col] = (hn * mN[col].to(Float32)).to(BFloat16)
+                lat[i] = (hn * mN[col].to(Float32)).to(BFloat16).to(Float32)
+            if cutlass.const_expr(FP8):
+                # warp w owns latent columns [64 w, 64 w + 64): one scale group
+                store_fp8(lat, ptrs, row, tid * LPT, 1, tid // 32)
+            else:
+                mRow = gmem_tensor(ptrs[8] + Int64(row) * Int64(DQK * 2), BFloat16, (DQK,), 2)
+                for i in cutlass.range_constexpr(LPT):
+                    mRow[tid * LPT + i] = lat[i].to(BFloat16)
             if cutlass.const_expr(R > 0):
                 # the shared key part: ckv's rope columns, rounded to bf16 like the reference's
                 if tid < R2:
                     kin = gmem_tensor(ptrs[1], Float32, (M * DQK,), 4)
                     lo, hi = rotate_f32(kin, t * DQK + L, mCos, mSin, t, tid)
-                    mRow[L + tid] = lo.to(BFloat16)
-                    mRow[L + tid + R2] = hi.to(BFloat16)
+                    kp = cute.make_rmem_tensor((2,), Float32)
+                    kp[0] = lo.to(BFloat16).to(Float32)
+                    kp[1] = hi.to(BFloat16).to(Float32)
+                    if cutlass.const_expr(FP8):
+                        store_fp8(kp, ptrs, row, L + tid, R2, L // G)     # warp 0: the rope group
+                    else:
+                        mRow = gmem_tensor(ptrs[8] + Int64(row) * Int64(DQK * 2), BFloat16, (DQK,), 2)
+                        mRow[L + tid] = kp[0].to(BFloat16)
+                        mRow[L + tid + R2] = kp[1].to(BFloat16)
                 # the query's rope part, every head
                 for j in cutlass.range(tid, H * R2, NUM_THREADS, unroll=1):
                     hd = j // R2

@@ -72,7 +72,9 @@ def _build(cfg: MLALayerConfig) -> Program:
     prog.buffer("x", (M, D), "bf16", "input")
     prog.buffer("cos", (M, max(a.rope, 1)), "bf16", "input")
     prog.buffer("sin", (M, max(a.rope, 1)), "bf16", "input")
-    prog.buffer("kv", (a.num_pages, a.page_size, a.d_qk), "bf16", "input")     # the new rows are written
+    prog.buffer("kv", (a.num_pages, a.page_size, a.d_qk), a.kv_dtype, "input")  # the new rows are written
+    if dec.fp8:
+        prog.buffer("kv_scale", (a.num_pages, a.page_size, a.d_qk // dec.config.scale_group), "fp32", "input")
     prog.buffer("block_table", (a.batch, dec.max_pages), "int32", "input")
     prog.buffer("seq_lens", (a.batch,), "int32", "input")
     for name, shape in (("input_norm", (D,)), ("q_a_proj", (cfg.q_lora, D)), ("q_a_norm", (cfg.q_lora,)),
@@ -102,16 +104,22 @@ def _build(cfg: MLALayerConfig) -> Program:
                  {"w": "q_b_proj", "x": "q_a", "norm_weight": "q_a_norm", "y": "q_raw"}, waits=[qa], label="attn.q_b")
     rope = MLARopeAppendBlock(MLARopeAppendConfig(
         heads=H, batch=a.batch, q_tokens=a.q_tokens, kv_lora=L, nope=a.nope, rope=a.rope, rope_mode=cfg.rope_mode,
-        eps=cfg.eps, page_size=a.page_size, num_pages=a.num_pages, max_seq_len=a.max_seq_len))
+        eps=cfg.eps, page_size=a.page_size, num_pages=a.num_pages, max_seq_len=a.max_seq_len, kv_dtype=a.kv_dtype,
+        scale_group=dec.config.scale_group))
     rb = {"q_raw": "q_raw", "ckv": "ckv", "kv_norm": "kv_a_norm", "block_table": "block_table",
           "seq_lens": "seq_lens", "q": "q", "kv": "kv"}
     if rope.rotates:
         rb.update({"cos": "cos", "sin": "sin"})
+    if dec.fp8:
+        rb["kv_scale"] = "kv_scale"
     ra = prog.op(rope, rb, waits=[kva, qb], label="attn.rope_append")
     uk = prog.op(MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=L, k=a.nope, m=M, x_stride=cfg.q_width, y_stride=a.d_qk)),
                  {"x": "q_raw", "w": "w_uk_t", "y": "q"}, waits=[qb], label="attn.w_uk")
-    dop = prog.op(dec, {"q": "q", "kv": "kv", "block_table": "block_table", "seq_lens": "seq_lens",
-                        "o_part": "o_part", "lse_part": "lse_part"}, waits=[ra, uk], label="attn.decode")
+    db = {"q": "q", "kv": "kv", "block_table": "block_table", "seq_lens": "seq_lens", "o_part": "o_part",
+          "lse_part": "lse_part"}
+    if dec.fp8:
+        db["kv_scale"] = "kv_scale"
+    dop = prog.op(dec, db, waits=[ra, uk], label="attn.decode")
     from ..blocks.mla_decode import MLACombineBlock, MLACombineConfig
     cop = prog.op(MLACombineBlock(MLACombineConfig(heads=H, batch=a.batch, q_tokens=a.q_tokens, d_v=L,
                                                    num_splits=a.splits)),
@@ -159,8 +167,11 @@ def make_inputs(cfg: MLALayerConfig, lens, seed: int = 0, device="cpu") -> dict[
     lens_t = base["seq_lens"].long()
     positions = lens_t[:, None] - a.q_tokens + torch.arange(a.q_tokens, device=device)
     cos, sin = rope_tables(cfg, positions)
-    return {"x": torch.randn(a.tokens, cfg.hidden, generator=g, device=device).to(torch.bfloat16),
-            "kv": base["kv"], "block_table": base["block_table"], "seq_lens": base["seq_lens"], "cos": cos, "sin": sin}
+    out = {"x": torch.randn(a.tokens, cfg.hidden, generator=g, device=device).to(torch.bfloat16),
+           "kv": base["kv"], "block_table": base["block_table"], "seq_lens": base["seq_lens"], "cos": cos, "sin": sin}
+    if "kv_scale" in base:
+        out["kv_scale"] = base["kv_scale"]
+    return out
 
 
 def reference(cfg: MLALayerConfig, weights: dict, inputs: dict) -> torch.Tensor:
@@ -194,5 +205,15 @@ def reference(cfg: MLALayerConfig, weights: dict, inputs: dict) -> torch.Tensor:
                     input_ids=torch.zeros(a.batch, a.q_tokens, dtype=torch.long, device=dev))
     x = inputs["x"].float().view(a.batch, a.q_tokens, cfg.hidden)
     h = rms_norm(x, f["input_norm"], cfg.eps)
-    out = ref.forward(h, {"latent": dense}, step)
+    # MLAReference.forward, with the new rows stored in the cache's format (bf16, or the fp8 row's
+    # value bf16(e4m3 * scale), what the decode core reads back)
+    q_nope, q_pe, _ = ref.project_q(h, step)
+    rows = ref.project_kv(h, step).to(torch.bfloat16)
+    if dec.fp8:
+        from ..blocks.mla_decode import quantize_kv_fp8
+        q8, sc = quantize_kv_fp8(rows.float(), dec.config.scale_group)
+        rows = (q8.float() * sc.repeat_interleave(dec.config.scale_group, dim=-1)).to(torch.bfloat16)
+    cache = {"latent": dense}
+    ref.write_cache(cache, step, rows.float())
+    out = ref.project_out(h, ref.attend(q_nope, q_pe, cache, step))
     return (x + out).reshape(a.tokens, cfg.hidden)

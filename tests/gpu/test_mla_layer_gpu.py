@@ -11,8 +11,9 @@ from harness import clock_seed, need_gpu, rel_err
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("T,heads,mode", [(1, 12, "interleaved"), (2, 6, "halves")])
-def test_mla_sublayer_one_launch(T, heads, mode):
+@pytest.mark.parametrize("T,heads,mode,kvd", [(1, 12, "interleaved", "bf16"), (2, 6, "halves", "bf16"),
+                                              (1, 12, "interleaved", "fp8_e4m3")])
+def test_mla_sublayer_one_launch(T, heads, mode, kvd):
     need_gpu()
     from sdk.megakernel.mla_attention import MLAAttentionConfig
     from sdk.megakernel.mla_layer import MLALayerConfig, build_program, make_inputs, make_weights, reference
@@ -21,7 +22,7 @@ def test_mla_sublayer_one_launch(T, heads, mode):
     seed = clock_seed()
     lens = [T, 3001, 9000]
     attn = MLAAttentionConfig(heads=heads, batch=3, q_tokens=T, num_pages=sum(-(-x // 64) for x in lens) + 4,
-                              max_seq_len=9000)
+                              max_seq_len=9000, kv_dtype=kvd)
     cfg = MLALayerConfig(attn, rope_mode=mode)
     prog = build_program(cfg)
     w = make_weights(cfg, seed=seed, device="cuda")
@@ -40,6 +41,35 @@ def test_mla_sublayer_one_launch(T, heads, mode):
         err = rel_err(rt.tensors["resid"] - x, want - x)
         assert err <= 2e-2, f"seed {seed}, launch {launch}: attention output rel err {err:.3e}"
         assert rel_err(rt.tensors["resid"], want) <= 1e-2, f"seed {seed}, launch {launch}"
+
+
+def test_rope_append_fp8_block_standalone():
+    """fp8 cache: the device's e4m3 row bytes and scales equal the torch twin's (the same
+    quantize_kv_fp8 rule) but for rare 1-ulp ties from the bf16 row's last rounding."""
+    need_gpu()
+    from harness import run_standalone
+    from sdk.blocks.mla_prologue import MLARopeAppendBlock, MLARopeAppendConfig
+    c = MLARopeAppendConfig(heads=12, batch=4, q_tokens=1, page_size=64, num_pages=64, max_seq_len=1024,
+                            kv_dtype="fp8_e4m3")
+    blk = MLARopeAppendBlock(c)
+    t = {"q_raw": torch.randn(4, 12, 192, device="cuda").to(torch.bfloat16), "ckv": torch.randn(4, 576, device="cuda") * 3,
+         "kv_norm": (1 + 0.1 * torch.randn(512, device="cuda")).to(torch.bfloat16),
+         "cos": torch.randn(4, 64, device="cuda").to(torch.bfloat16), "sin": torch.randn(4, 64, device="cuda").to(torch.bfloat16),
+         "block_table": torch.randperm(64, device="cuda").int().view(4, 16),
+         "seq_lens": torch.tensor([1, 70, 513, 1024], dtype=torch.int32, device="cuda"),
+         "q": torch.zeros(4, 1, 12, 576, device="cuda").to(torch.bfloat16),
+         "kv": torch.zeros(64, 64, 576, device="cuda").to(torch.float8_e4m3fn),
+         "kv_scale": torch.zeros(64, 64, 9, device="cuda")}
+    ref = {k: v.clone() for k, v in t.items()}
+    for m in range(4):
+        blk.emulate_tile(ref, m)
+    run_standalone(blk, t)
+    assert torch.allclose(t["kv_scale"], ref["kv_scale"], rtol=1e-2, atol=0)
+    got = t["kv"].float() * t["kv_scale"].repeat_interleave(64, -1)
+    want = ref["kv"].float() * ref["kv_scale"].repeat_interleave(64, -1)
+    assert rel_err(got, want) <= 2e-2
+    same = (t["kv"].view(torch.uint8) == ref["kv"].view(torch.uint8)).float().mean().item()
+    assert same > 0.99, f"only {same:.4f} of the fp8 bytes equal the twin's"
 
 
 def test_rope_append_block_standalone():

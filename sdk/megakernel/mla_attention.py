@@ -66,38 +66,51 @@ def decode_block(cfg: MLAAttentionConfig) -> MLADecodeBlock:
         stages=cfg.decode_stages))
 
 
-def build_program(cfg: MLAAttentionConfig) -> Program:
-    H, L, M = cfg.heads, cfg.kv_lora, cfg.tokens
+def add_cache_inputs(prog: Program, cfg: MLAAttentionConfig) -> MLADecodeBlock:
+    """The paged cache (+ fp8 scales), block table and lengths as program inputs; returns the
+    decode block they feed."""
     dec = decode_block(cfg)
-    prog = Program()
-    prog.buffer("q_nope", (M, H, cfg.nope), "bf16", "input")
-    prog.buffer("q", (cfg.batch, cfg.q_tokens, H, cfg.d_qk), "bf16", "input")      # rope columns given
     prog.buffer("kv", (cfg.num_pages, cfg.page_size, cfg.d_qk), cfg.kv_dtype, "input")
     if dec.fp8:
         prog.buffer("kv_scale", (cfg.num_pages, cfg.page_size, cfg.d_qk // dec.config.scale_group), "fp32", "input")
     prog.buffer("block_table", (cfg.batch, dec.max_pages), "int32", "input")
     prog.buffer("seq_lens", (cfg.batch,), "int32", "input")
-    prog.buffer("w_uk_t", (H, L, cfg.nope), "bf16", "weight")
+    return dec
+
+
+def add_attention_core(prog: Program, cfg: MLAAttentionConfig, dec: MLADecodeBlock, waits) -> int:
+    """decode (waits `waits`: whatever completes the query rows) -> combine -> W_UV, with their
+    buffers, reading "q" and the cache inputs and writing "o" [M, H, v]; returns the W_UV op."""
+    H, L, M = cfg.heads, cfg.kv_lora, cfg.tokens
     prog.buffer("w_uv", (H, cfg.v, L), "bf16", "weight")
     prog.buffer("o_part", (cfg.batch, cfg.splits, dec.rows, L), "fp32")
     prog.buffer("lse_part", (cfg.batch, cfg.splits, dec.rows), "fp32")
     prog.buffer("o_lat", (cfg.batch, cfg.q_tokens, H, L), "bf16")
     prog.buffer("lse", (cfg.batch, cfg.q_tokens, H), "fp32")
     prog.buffer("o", (M, H, cfg.v), "bf16", "output")
-
-    uk = MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=L, k=cfg.nope, m=M, y_stride=cfg.d_qk))
-    uk_op = prog.op(uk, {"x": "q_nope", "w": "w_uk_t", "y": "q"}, label="attn.w_uk")
     ops = {"q": "q", "kv": "kv", "block_table": "block_table", "seq_lens": "seq_lens",
            "o_part": "o_part", "lse_part": "lse_part"}
     if dec.fp8:
         ops["kv_scale"] = "kv_scale"
-    dec_op = prog.op(dec, ops, waits=[uk_op], label="attn.decode")
+    dec_op = prog.op(dec, ops, waits=waits, label="attn.decode")
     comb = MLACombineBlock(MLACombineConfig(heads=H, batch=cfg.batch, q_tokens=cfg.q_tokens, d_v=L,
                                             num_splits=cfg.splits))
     comb_op = prog.op(comb, {"o_part": "o_part", "lse_part": "lse_part", "out": "o_lat", "lse": "lse"},
                       waits=[dec_op], label="attn.combine")
     uv = MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=cfg.v, k=L, m=M, rows_per_tile=32))
-    prog.op(uv, {"x": "o_lat", "w": "w_uv", "y": "o"}, waits=[comb_op], label="attn.w_uv")
+    return prog.op(uv, {"x": "o_lat", "w": "w_uv", "y": "o"}, waits=[comb_op], label="attn.w_uv")
+
+
+def build_program(cfg: MLAAttentionConfig) -> Program:
+    H, L, M = cfg.heads, cfg.kv_lora, cfg.tokens
+    prog = Program()
+    prog.buffer("q_nope", (M, H, cfg.nope), "bf16", "input")
+    prog.buffer("q", (cfg.batch, cfg.q_tokens, H, cfg.d_qk), "bf16", "input")      # rope columns given
+    dec = add_cache_inputs(prog, cfg)
+    prog.buffer("w_uk_t", (H, L, cfg.nope), "bf16", "weight")
+    uk = MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=L, k=cfg.nope, m=M, y_stride=cfg.d_qk))
+    uk_op = prog.op(uk, {"x": "q_nope", "w": "w_uk_t", "y": "q"}, label="attn.w_uk")
+    add_attention_core(prog, cfg, dec, [uk_op])
     return prog
 
 

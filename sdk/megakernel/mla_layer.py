@@ -67,30 +67,19 @@ def build_program(cfg: MLALayerConfig) -> Program:
 def _build(cfg: MLALayerConfig) -> Program:
     a, D = cfg.attn, cfg.hidden
     H, L, M = a.heads, a.kv_lora, a.tokens
-    dec = mla.decode_block(a)
     prog = Program()
     prog.buffer("x", (M, D), "bf16", "input")
     prog.buffer("cos", (M, max(a.rope, 1)), "bf16", "input")
     prog.buffer("sin", (M, max(a.rope, 1)), "bf16", "input")
-    prog.buffer("kv", (a.num_pages, a.page_size, a.d_qk), a.kv_dtype, "input")  # the new rows are written
-    if dec.fp8:
-        prog.buffer("kv_scale", (a.num_pages, a.page_size, a.d_qk // dec.config.scale_group), "fp32", "input")
-    prog.buffer("block_table", (a.batch, dec.max_pages), "int32", "input")
-    prog.buffer("seq_lens", (a.batch,), "int32", "input")
+    dec = mla.add_cache_inputs(prog, a)           # the new tokens' rows are written into the cache
     for name, shape in (("input_norm", (D,)), ("q_a_proj", (cfg.q_lora, D)), ("q_a_norm", (cfg.q_lora,)),
                         ("q_b_proj", (H * cfg.q_width, cfg.q_lora)), ("kv_a_proj", (L + a.rope, D)),
-                        ("kv_a_norm", (L,)), ("w_uk_t", (H, L, a.nope)), ("w_uv", (H, a.v, L)),
-                        ("o_proj", (D, H * a.v))):
+                        ("kv_a_norm", (L,)), ("w_uk_t", (H, L, a.nope)), ("o_proj", (D, H * a.v))):
         prog.buffer(name, shape, "bf16", "weight")
     prog.buffer("q_a", (M, cfg.q_lora), "bf16")
     prog.buffer("ckv", (M, L + a.rope), "fp32")
     prog.buffer("q_raw", (M, H, cfg.q_width), "bf16")
     prog.buffer("q", (a.batch, a.q_tokens, H, a.d_qk), "bf16")
-    prog.buffer("o_part", (a.batch, a.splits, dec.rows, L), "fp32")
-    prog.buffer("lse_part", (a.batch, a.splits, dec.rows), "fp32")
-    prog.buffer("o_lat", (a.batch, a.q_tokens, H, L), "bf16")
-    prog.buffer("lse", (a.batch, a.q_tokens, H), "fp32")
-    prog.buffer("o", (M, H, a.v), "bf16")
     prog.buffer("resid", (M, D), "fp32", "output")
 
     def gemv(n, k, **kw):
@@ -115,18 +104,7 @@ def _build(cfg: MLALayerConfig) -> Program:
     ra = prog.op(rope, rb, waits=[kva, qb], label="attn.rope_append")
     uk = prog.op(MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=L, k=a.nope, m=M, x_stride=cfg.q_width, y_stride=a.d_qk)),
                  {"x": "q_raw", "w": "w_uk_t", "y": "q"}, waits=[qb], label="attn.w_uk")
-    db = {"q": "q", "kv": "kv", "block_table": "block_table", "seq_lens": "seq_lens", "o_part": "o_part",
-          "lse_part": "lse_part"}
-    if dec.fp8:
-        db["kv_scale"] = "kv_scale"
-    dop = prog.op(dec, db, waits=[ra, uk], label="attn.decode")
-    from ..blocks.mla_decode import MLACombineBlock, MLACombineConfig
-    cop = prog.op(MLACombineBlock(MLACombineConfig(heads=H, batch=a.batch, q_tokens=a.q_tokens, d_v=L,
-                                                   num_splits=a.splits)),
-                  {"o_part": "o_part", "lse_part": "lse_part", "out": "o_lat", "lse": "lse"}, waits=[dop],
-                  label="attn.combine")
-    uv = prog.op(MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=a.v, k=L, m=M, rows_per_tile=32)),
-                 {"x": "o_lat", "w": "w_uv", "y": "o"}, waits=[cop], label="attn.w_uv")
+    uv = mla.add_attention_core(prog, a, dec, [ra, uk])
     prog.op(gemv(D, H * a.v, out_dtype="fp32", residual="bf16"), {"w": "o_proj", "x": "o", "res": "x", "y": "resid"},
             waits=[uv], label="attn.o_proj")
     return prog

@@ -83,7 +83,7 @@ def ring_geometry(blocks, max_stages: int | None = None, reserved: int = 0) -> t
     stream = [b for b in blocks if b.stream_chunks() > 0]
     if not stream:
         return 0, 0, 0
-    own = [(type(b).__name__, b.smem_bytes()) for b in blocks if b.stream_chunks() == 0 and hasattr(b, "smem_bytes")]
+    own = [(type(b).__name__, b.own_smem_bytes()) for b in blocks if b.stream_chunks() == 0 and b.own_smem_bytes()]
     reserved += sum(n for _, n in own)
     up = lambda v: -(-v // 128) * 128
     stage = up(max(b.chunk_bytes() for b in stream))
@@ -215,6 +215,12 @@ class Block:
         return 0
 
     def chunk_bytes(self) -> int:
+        return 0
+
+    def own_smem_bytes(self) -> int:
+        """Shared memory the block's device tile allocates for itself (SmemAllocator): inside the
+        megakernel every tile's allocations get their own bytes, so the weight ring takes what
+        they leave (ring_geometry). 0 for tiles that use only `scratch` and the ring."""
         return 0
 
     def x_smem_bytes(self) -> int:

@@ -107,6 +107,9 @@ class DSV4DecodeBlock(Block):
         fixed = self._smem(0)
         return max(2, min(8, (200 * 1024 - fixed) // (self._smem(1) - fixed)))
 
+    def own_smem_bytes(self) -> int:
+        return self._smem(self.stages)
+
     def _smem(self, stages):
         c = self.config
         mp = 16 * math.ceil(self.rows / 16)

@@ -111,6 +111,9 @@ class IndexScoreBlock(Block):
     def tiles_per_seq(self) -> int:
         return -(-self.config.max_entries // self.config.keys_per_tile)
 
+    def own_smem_bytes(self) -> int:
+        return self.smem_bytes()
+
     def smem_bytes(self) -> int:
         c = self.config
         rs = c.head_dim + 8                                   # padded bf16 rows: conflict-free ldmatrix

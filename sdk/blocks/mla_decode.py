@@ -195,6 +195,9 @@ class MLADecodeBlock(Block):
     def smem_bytes(self) -> int:
         return self._smem_bytes(self.stages)
 
+    def own_smem_bytes(self) -> int:
+        return self.smem_bytes()
+
     def _smem_bytes(self, stages: int) -> int:
         c = self.config
         rs = self.d_qk + 8                       # padded bf16 row: conflict-free ldmatrix
@@ -487,6 +490,10 @@ class MLACombineBlock(Block):
     def num_tiles(self) -> int:
         c = self.config
         return c.batch * c.q_tokens * c.heads * (c.d_v // self.cols_per_tile)
+
+    def own_smem_bytes(self) -> int:
+        cw = self.cols_per_tile
+        return 4 * self.config.num_splits + 4 * (NUM_THREADS // (cw // 4)) * cw + 16   # weights, split sums, max / sum
 
     def cost(self) -> Cost:
         c = self.config

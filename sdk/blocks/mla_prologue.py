@@ -116,18 +116,12 @@ class MLARopeAppendBlock(Block):
 
     # -- torch faces ---------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [..., R] (bf16 values) rotated as sdk/reference/common.apply_rope, in fp32, one
-        rounding: the device's arithmetic."""
-        c = self.config
+        """x [..., R] (bf16 values) rotated by sdk/reference/common.apply_rope in fp32 (one
+        rounding, as the device); unrotated for mode "none"."""
         if not self.rotates:
             return x.float()
-        x = x.float()
-        if c.rope_mode == "interleaved":
-            *lead, d = x.shape
-            x = x.view(*lead, d // 2, 2).transpose(-1, -2).reshape(*lead, d)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos.float() + rotated * sin.float()
+        from ..reference.common import apply_rope
+        return apply_rope(x.float(), cos.float(), sin.float(), self.config.rope_mode == "interleaved")
 
     def _token(self, t: dict, m: int):
         """(q rope part [H, R], cache row [d_qk], page row index) of new token m."""
@@ -208,30 +202,19 @@ class MLARopeAppendBlock(Block):
             return lo, hi
 
         @cute.jit
-        def rotate(mX, xi, mCos, mSin, m, i):
-            """Rope pair i of the bf16 vector mX[xi:xi + R]."""
-            a = Float32(0.0)
-            b = Float32(0.0)
+        def rotate(mX, xi, mCos, mSin, m, i, via_bf16: cutlass.Constexpr):
+            """Rope pair i of the vector mX[xi:xi + R] (bf16, or fp32 first rounded to bf16:
+            via_bf16, the reference's bf16 ckv)."""
+            ia = xi + i
+            ib = xi + i + R2
             if cutlass.const_expr(INTER):                # pairs (2i, 2i + 1) regrouped into halves
-                a = mX[xi + 2 * i].to(Float32)
-                b = mX[xi + 2 * i + 1].to(Float32)
-            else:
-                a = mX[xi + i].to(Float32)
-                b = mX[xi + i + R2].to(Float32)
-            return pair(a, b, mCos, mSin, m, i)
-
-        @cute.jit
-        def rotate_f32(mX, xi, mCos, mSin, m, i):
-            """The same for an fp32 vector, its values first rounded to bf16 (the reference's ckv)."""
-            a = Float32(0.0)
-            b = Float32(0.0)
-            if cutlass.const_expr(INTER):
-                a = mX[xi + 2 * i].to(BFloat16).to(Float32)
-                b = mX[xi + 2 * i + 1].to(BFloat16).to(Float32)
-            else:
-                a = mX[xi + i].to(BFloat16).to(Float32)
-                b = mX[xi + i + R2].to(BFloat16).to(Float32)
-            return pair(a, b, mCos, mSin, m, i)
+                ia = xi + 2 * i
+                ib = xi + 2 * i + 1
+            a = mX[ia]
+            b = mX[ib]
+            if cutlass.const_expr(via_bf16):
+                return pair(a.to(BFloat16).to(Float32), b.to(BFloat16).to(Float32), mCos, mSin, m, i)
+            return pair(a.to(Float32), b.to(Float32), mCos, mSin, m, i)
 
         @cute.jit
         def store_fp8(v, ptrs, row, col0, stride: cutlass.Constexpr, group):
@@ -295,7 +278,7 @@ class MLARopeAppendBlock(Block):
                 # the shared key part: ckv's rope columns, rounded to bf16 like the reference's
                 if tid < R2:
                     kin = gmem_tensor(ptrs[1], Float32, (M * DQK,), 4)
-                    lo, hi = rotate_f32(kin, t * DQK + L, mCos, mSin, t, tid)
+                    lo, hi = rotate(kin, t * DQK + L, mCos, mSin, t, tid, True)
                     kp = cute.make_rmem_tensor((2,), Float32)
                     kp[0] = lo.to(BFloat16).to(Float32)
                     kp[1] = hi.to(BFloat16).to(Float32)
@@ -309,7 +292,7 @@ class MLARopeAppendBlock(Block):
                 for j in cutlass.range(tid, H * R2, NUM_THREADS, unroll=1):
                     hd = j // R2
                     i = j % R2
-                    lo, hi = rotate(mQr, (t * H + hd) * (NOPE + R) + NOPE, mCos, mSin, t, i)
+                    lo, hi = rotate(mQr, (t * H + hd) * (NOPE + R) + NOPE, mCos, mSin, t, i, False)
                     mQ[b, tq, hd, L + i] = lo.to(BFloat16)
                     mQ[b, tq, hd, L + i + R2] = hi.to(BFloat16)
 

@@ -41,12 +41,7 @@ class MultiRankVM:
     def _operands(self, r, block, base):
         cache = self._ops[r]
         if base not in cache:
-            t = {}
-            for j, spec in enumerate(block.operand_specs()):
-                buf = self.program.optab[base + j]
-                if buf is not None:
-                    t[spec.name] = self.tensors[r][buf].view(spec.shape)   # a buffer may bind a reshape
-            cache[base] = t
+            cache[base] = self.program.operand_views(block, base, self.tensors[r])
         return cache[base]
 
     def _label(self, s, j):

@@ -130,6 +130,16 @@ class Program:
         self.ops.append(op)
         return len(self.ops) - 1
 
+    def operand_views(self, block: Block, base: int, tensors: dict) -> dict:
+        """{operand name: its buffer's tensor from `tensors`, viewed in the operand's shape} of the
+        op whose operands start at table index `base` (a buffer may bind a reshape, see op())."""
+        out = {}
+        for j, spec in enumerate(block.operand_specs()):
+            buf = self.optab[base + j]
+            if buf is not None:
+                out[spec.name] = tensors[buf].view(spec.shape)
+        return out
+
     @property
     def num_counters(self) -> int:
         return len(self.counter_names)

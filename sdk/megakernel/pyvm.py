@@ -49,12 +49,7 @@ class PyVM:
                 for b in program.buffers.values()}
 
     def _operands(self, block, base):
-        t = {}
-        for j, spec in enumerate(block.operand_specs()):
-            buf = self.program.optab[base + j]
-            if buf is not None:
-                t[spec.name] = self.tensors[buf].view(spec.shape)    # a buffer may bind a reshape
-        return t
+        return self.program.operand_views(block, base, self.tensors)
 
     def step(self, seed: int | None = 0, trace: bool = False) -> None:
         """Run one launch (one decode step)."""

@@ -105,6 +105,7 @@ def rank_tensors(cfg: TPAttentionConfig, prog: Program, comm: CommProgram, bufs,
 def reference(cfg: TPAttentionConfig, weights: dict, inputs: dict) -> torch.Tensor:
     """The unsharded layer in fp32: attention of all heads (expanded keys/values), o_proj,
     residual, RMSNorm -> out [M, D]."""
+    from ..reference.common import rms_norm
     o = mla.reference(cfg.attn, weights, inputs)                  # [M, H, v]
     r = inputs["x"].float() + o.reshape(o.shape[0], -1) @ weights["o_proj"].float().T
-    return r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + cfg.eps) * weights["norm.weight"].float()
+    return rms_norm(r, weights["norm.weight"].float(), cfg.eps)

@@ -53,6 +53,7 @@ import torch
 
 from ..reference.common import swiglu as swiglu_ref
 from .base import NUM_THREADS, Block, Cost, OperandSpec
+from .gemv import MMA_MIN_M            # MXFP4 expert tiles on the tensor cores from this batch, as the GEMV
 
 FORMATS = ("bf16", "fp8_e4m3", "mxfp4")
 ELEMS_PER_LOAD = {"bf16": 8, "fp8_e4m3": 16, "mxfp4": 32}
@@ -61,7 +62,6 @@ MAX_LOADS_IN_FLIGHT = 16    # 16-byte weight loads per lane per step (64 registe
 MAX_GROUP_LOADS = 8         # ... x tokens, in the 2..8-token variants: each token adds x values and
                             # partial sums; above this ptxas spilled KBs per thread (local ptxas -v)
 MMA_RED_WORDS = 512         # tile_mma's cross-warp sums live in the tile's scratch (before STATS_OFFSET)
-MMA_MIN_M = 8               # MXFP4 expert tiles on the tensor cores from this batch (GemvBlock's rule)
 
 
 def balanced_rows(out_rows: int, num_sms: int = 132) -> int:

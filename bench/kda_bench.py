@@ -1,7 +1,7 @@
 """KDA decode block on the GPU: per-GPU shapes of Kimi K3 at TP8 (12 heads x 128 x 128) and
 GLM-5.3 at TP8 (8 heads), batch 1, 8, 64; each beside the same work in PyTorch under a CUDA graph
-and the floor (state bytes read + written / copy bandwidth measured in this run: a 1 GiB fp32
-device copy, read + write bytes).
+and the floor (state bytes read + written / copy bandwidth measured in this run:
+bench/common.copy_bandwidth, read + write bytes).
 
     python -m bench.kda_bench --out bench/results/h200 [--quick]
 
@@ -21,18 +21,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench.common import arg_parser, cu_stream, run_record, summary_lines, timed, write_json
+from bench.common import arg_parser, copy_bandwidth, cu_stream, run_record, summary_lines, timed, write_json
 
 L2_FLUSH_BYTES = 128 << 20      # state copies per timed graph: 2.5x the H200's 50 MB L2
 MODELS = {"kimi_k3_tp8": 12, "glm53_tp8": 8}
-
-
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """1 GiB fp32 device-to-device copy: (bytes read + bytes written) / time, GB/s."""
-    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
-    b = torch.empty_like(a)
-    us, _ = timed([lambda: b.copy_(a)] * 10)
-    return 2 * nbytes / (us * 1e3)
 
 
 # ------------------------------------------------------------------ the torch baseline
@@ -157,7 +149,7 @@ def cases(quick: bool):
 def run(out_dir: str, quick: bool = False) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
-    copy_bw = copy_bandwidth_gbs()
+    copy_bw = copy_bandwidth()["copy"]
     print(f"GPU {props.name}, {props.multi_processor_count} SMs; copy bandwidth {copy_bw:.0f} GB/s")
     results = []
     for model, heads, batch, variant, kw in cases(quick):
@@ -168,8 +160,9 @@ def run(out_dir: str, quick: bool = False) -> dict:
         print(_line(r), flush=True)
         results.append(r)
         torch.cuda.empty_cache()
-    report = run_record(props, copy_bw, results)
-    write_json(out_dir, "kda_bench.json", report)
+        # written after every case: a session cut short by its time limit keeps what ran
+        report = run_record(props, copy_bw, results)
+        write_json(out_dir, "kda_bench.json", report)
     return report
 
 

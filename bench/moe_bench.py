@@ -25,21 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import arg_parser, run_record, summary_lines, timed, write_json
-
-
-def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
-    """(bytes read + written) / time of a 2 GiB device copy, the best of cudaMemcpy and a 16-byte
-    vectorised elementwise kernel (bench/common.copy_bandwidth's method, less its int64 variant)."""
-    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    b = torch.empty_like(a)
-    best = 0.0
-    for fn in (lambda: b.copy_(a), lambda: torch.mul(a, 1.0, out=b)):
-        us, _ = timed([fn] * 6)
-        best = max(best, 2 * nbytes / (us * 1e3))
-    del a, b
-    torch.cuda.empty_cache()
-    return best
+from bench.common import arg_parser, copy_bandwidth, run_record, summary_lines, timed, write_json
 
 
 WORKING_SET = 256 << 20        # bytes touched between two uses of one weight copy (>> L2)
@@ -103,7 +89,9 @@ def bench_case(model, batch, fmt, copy_bw, timeline_path=None, overrides=None, o
     from sdk.megakernel.runtime import MegakernelRuntime
     cfg = preset(model, batch, expert_dtype=fmt, **(overrides or {}))
     prog = build_program(cfg)
-    x = torch.randn(batch, cfg.hidden, device="cuda").to(torch.bfloat16)
+    # a fixed input per case: every variant of a case (order, overrides) routes the same tokens
+    gen = torch.Generator(device="cuda").manual_seed(1000 + batch)
+    x = torch.randn(batch, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16)
     # one copy first: routing, hits and the floor's bytes
     rts, ws = [], []
 
@@ -177,15 +165,16 @@ def _line(r) -> str:
             f"{t}  err {r['rel_err']:.1e}")
 
 
-def run(out_dir, cases, timeline=True, overrides=None, order="phase") -> dict:
+def run(out_dir, cases, timeline=True, overrides=None, orders=("phase",)) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
-    copy_bw = copy_bandwidth_gbs()
+    copy_bw = copy_bandwidth()["copy"]
     print(f"GPU {props.name}, {props.multi_processor_count} SMs; copy bandwidth {copy_bw:.0f} GB/s", flush=True)
     results = []
-    for i, (model, batch, fmt) in enumerate(cases):
+    runs = [(case, order) for case in cases for order in orders]
+    for i, ((model, batch, fmt), order) in enumerate(runs):
         t0 = time.time()
-        tl = os.path.join(out_dir, f"timeline_moe_{model}_b{batch}_{fmt}.json") if (timeline and i < 2) else None
+        tl = os.path.join(out_dir, f"timeline_moe_{model}_b{batch}_{fmt}{'' if order == 'phase' else '_' + order}.json") if (timeline and i < 2) else None
         try:
             r = bench_case(model, batch, fmt, copy_bw, tl, overrides, order)
         except Exception as exc:
@@ -210,14 +199,15 @@ def main(argv=None):
     ap.add_argument("--no-timeline", action="store_true")
     ap.add_argument("--set", default="", help="MoELayerConfig overrides for every case: key=int,... "
                     "(e.g. expert_mma=0: the CUDA-core expert tile at batch 8+; expert_weight_l1=0)")
-    ap.add_argument("--order", default="phase", help="instruction placement order: phase | critical (sdk.schedule)")
+    ap.add_argument("--order", default="phase", help="instruction placement order(s), comma-separated: "
+                    "phase | critical (sdk.schedule); each case runs once per order, same routing")
     a = ap.parse_args(argv)
     if a.cases:
         cases = [(c.split(":")[0], int(c.split(":")[1]), c.split(":")[2]) for c in a.cases.split(",")]
     else:
         cases = QUICK_CASES if a.quick else DEFAULT_CASES
     overrides = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.set.split(",") if kv}
-    rep = run(a.out, cases, timeline=not a.no_timeline, overrides=overrides, order=a.order)
+    rep = run(a.out, cases, timeline=not a.no_timeline, overrides=overrides, orders=a.order.split(","))
     print("\n" + summary(rep))
 
 

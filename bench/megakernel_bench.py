@@ -258,7 +258,10 @@ def gemv_cases(quick: bool):
     standalone kernel's default (measured 2026-12-03: 7168x2048 52.4% -> 69.3%, 4096x7168
     73.4% -> 86.7%); the " no-pdl" cases keep the plain launch's figure beside it."""
     cases = [(7168, 2048, 1, "bf16", None, True), (18432, 7168, 1, "bf16", None, True),
-             (7168, 2048, 1, "bf16", None, False)]
+             (7168, 2048, 1, "bf16", None, False),
+             # a 6- / 4-stage ring (~105 / ~72 KB of smem): two or three CTAs fit an SM, so with PDL
+             # the next launch's CTA streams its weights beside the previous one's, not after it
+             (7168, 2048, 1, "bf16", 6, True), (7168, 2048, 1, "bf16", 4, True), (4096, 7168, 1, "bf16", 6, True)]
     if not quick:
         cases += [(18432, 7168, 1, "bf16", 4, True), (18432, 7168, 1, "bf16", 8, True),   # bytes in flight
                   (4096, 7168, 1, "bf16", None, True), (4096, 7168, 1, "bf16", None, False),
@@ -277,8 +280,9 @@ def gemv_chain_cases(quick: bool):
     return cases
 
 
-def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
-    """Run all benchmarks; write `megakernel_bench.json` (and a timeline) into out_dir."""
+def run(out_dir: str, quick: bool = False, timeline: bool = True, parts=("gemv", "chain", "stack")) -> dict:
+    """Run the benchmarks of `parts` (GEMV alone, in-launch GEMV chains, MLP stacks); write
+    `megakernel_bench.json` (and a timeline) into out_dir."""
     os.makedirs(out_dir, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
@@ -294,7 +298,7 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
     def save():   # after every case: a run cut short by its time limit still leaves its results
         write_json(out_dir, "megakernel_bench.json", report)
 
-    for n, k, m, wd, st, pdl, *dec in gemv_cases(quick):
+    for n, k, m, wd, st, pdl, *dec in (gemv_cases(quick) if "gemv" in parts else []):
         try:
             r = bench_gemv(n, k, m, wd, copy_bw, st, pdl, *dec)
         except Exception as exc:
@@ -302,7 +306,7 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
         print(_line(r))
         results.append(r)
         save()
-    for n, k, m, wd in gemv_chain_cases(quick):
+    for n, k, m, wd in (gemv_chain_cases(quick) if "chain" in parts else []):
         try:
             r = bench_gemv_chain(n, k, m, wd, copy_bw)
         except Exception as exc:
@@ -310,7 +314,7 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True) -> dict:
         print(_line(r))
         results.append(r)
         save()
-    for i, (cfg, pdl) in enumerate(stack_cases(quick)):
+    for i, (cfg, pdl) in enumerate(stack_cases(quick) if "stack" in parts else []):
         tl = os.path.join(out_dir, "timeline_mlp_stack.json") if (timeline and i == 0) else None
         try:
             r = bench_stack(cfg, copy_bw, tl, pdl)
@@ -338,8 +342,10 @@ def summary(report) -> str:
 def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--no-timeline", action="store_true")
+    ap.add_argument("--parts", default="gemv,chain,stack", help="comma-separated: gemv (alone), chain "
+                    "(GEMVs in one launch), stack (one-launch MLP stacks)")
     a = ap.parse_args(argv)
-    rep = run(a.out, quick=a.quick, timeline=not a.no_timeline)
+    rep = run(a.out, quick=a.quick, timeline=not a.no_timeline, parts=a.parts.split(","))
     print("\n" + summary(rep))
 
 

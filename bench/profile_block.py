@@ -1,0 +1,69 @@
+"""One standalone block launched a few times, for Nsight Compute (which pipe or stall bounds it):
+
+    ncu --clock-control none --kernel-name regex:cutlass --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
+        --section WarpStateStats python -m bench.profile_block gemv 18432 7168 1 fp8_e4m3 [key=value,...]
+    ... python -m bench.profile_block kda 12 64 [v_split=2,...]        (heads, batch)
+
+gemv: N K M weight-dtype, GemvConfig overrides (e.g. fp8_decode=int); kda: heads batch, KDAConfig
+overrides. Random inputs, no timing, no reference (bench/megakernel_bench.py and bench/kda_bench.py
+check and time the same configurations). MLA decode: bench/profile_mla.py.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def _overrides(arg: str | None) -> dict:
+    out = {}
+    for kv in (arg.split(",") if arg else []):
+        k, v = kv.split("=")
+        out[k] = int(v) if v.lstrip("-").isdigit() else v
+    return out
+
+
+def gemv_table(n: int, k: int, m: int, wd: str, ov: dict):
+    from sdk.blocks.gemv import GemvBlock, GemvConfig
+    from sdk.megakernel.mlp_stack import quantize_fp8
+    blk = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype=wd, **ov))
+    w = (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    keep = [w, x, y]
+    if wd == "fp8_e4m3":
+        q, sc = quantize_fp8(w)
+        keep += [q, sc]
+        ptrs = [q.data_ptr(), sc.data_ptr(), x.data_ptr(), y.data_ptr()]
+    else:
+        ptrs = [w.data_ptr(), x.data_ptr(), y.data_ptr()]
+    return blk, torch.tensor(ptrs, dtype=torch.int64, device="cuda"), keep
+
+
+def kda_table(heads: int, batch: int, ov: dict):
+    from sdk.blocks.kda import KDABlock, KDAConfig
+    blk = KDABlock(KDAConfig(batch=batch, heads=heads, head_dim=128, **ov))
+    t = blk.random_operands(seed=batch, device="cuda", n_accepted=[1] * batch)
+    return blk, torch.tensor([t[n].data_ptr() for n in blk.operands()], dtype=torch.int64, device="cuda"), t
+
+
+def main(argv=None):
+    from bench.common import cu_stream
+    from sdk.blocks._cute import standalone
+    a = argv if argv is not None else sys.argv[1:]
+    if a[0] == "gemv":
+        blk, optab, keep = gemv_table(int(a[1]), int(a[2]), int(a[3]), a[4], _overrides(a[5] if len(a) > 5 else None))
+    elif a[0] == "kda":
+        blk, optab, keep = kda_table(int(a[1]), int(a[2]), _overrides(a[3] if len(a) > 3 else None))
+    else:
+        raise SystemExit(f"unknown block {a[0]!r}: gemv | kda")
+    fn = standalone(blk)
+    for _ in range(4):
+        fn(optab.data_ptr(), cu_stream())
+    torch.cuda.synchronize()
+    print(f"{blk.config}: 4 launches, {len(keep)} operand tensors")
+
+
+if __name__ == "__main__":
+    main()

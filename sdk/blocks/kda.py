@@ -85,6 +85,8 @@ class KDAConfig:
     out_norm: bool = False               # fuse the sigma-gated RMSNorm of the output
     norm_eps: float = 1e-6
     out_dtype: str = "bf16"              # "bf16" | "fp32"
+    ctas_per_sm: int = 0                 # standalone kernel: CTAs per SM ptxas must fit (registers
+                                         # capped; 0 = no request) - more state bytes in flight
 
 
 class KDABlock(Block):
@@ -133,6 +135,8 @@ class KDABlock(Block):
             u(f"kda: conv_kernel={c.conv_kernel} (supported: >= 2)")
         if not 1 <= c.batch:
             u(f"kda: batch={c.batch}")
+        if not 0 <= c.ctas_per_sm <= 8:
+            u(f"kda: ctas_per_sm={c.ctas_per_sm} (0 = no request, else 1..8)")
 
     def operand_specs(self):
         c = self.config
@@ -164,6 +168,9 @@ class KDABlock(Block):
     def num_tiles(self) -> int:
         c = self.config
         return c.batch * c.heads * c.v_split
+
+    def standalone_ctas_per_sm(self) -> int:
+        return self.config.ctas_per_sm
 
     def state_bytes(self) -> int:
         """State bytes one step must move (read + write) for the whole op: the block's floor."""

@@ -24,12 +24,13 @@ from bench.common import (L2_FLUSH_BYTES, arg_parser, copy_bandwidth, cu_stream,
 
 
 # ----------------------------------------------------------------------------------- GEMV
-def bench_gemv(n, k, m, wd, copy_bw, max_stages=None, pdl=True, fp8_decode="cvt"):
+def bench_gemv(n, k, m, wd, copy_bw, max_stages=None, pdl=True, overrides=None):
     from sdk.blocks._cute import standalone
     from sdk.blocks.base import ring_geometry
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     from sdk.megakernel.mlp_stack import quantize_fp8
-    block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype=wd, fp8_decode=fp8_decode))
+    overrides = overrides or {}
+    block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype=wd, **overrides))
     # persistent: one CTA per SM, weights through the smem ring; pdl (standalone's default, the
     # " no-pdl" cases without): back-to-back launches overlap (the next one fills its ring on the
     # SMs the previous one has left)
@@ -61,8 +62,8 @@ def bench_gemv(n, k, m, wd, copy_bw, max_stages=None, pdl=True, fp8_decode="cvt"
     us, mode = timed([lambda t=t: fn(t.data_ptr(), cu_stream()) for t in tables] * 4)
     torch_us, _ = timed([lambda w=cw[0]: torch.matmul(x, w.t(), out=y) for cw in copies_w] * 4)
     floor_us = wbytes / (copy_bw * 1e3)
-    return {"case": _gemv_name(n, k, m, wd, max_stages and stages, pdl, fp8_decode),
-            "pdl": pdl, "fp8_decode": fp8_decode,
+    return {"case": _gemv_name(n, k, m, wd, max_stages and stages, pdl, overrides),
+            "pdl": pdl, "fp8_decode": block.config.fp8_decode, "mma": block.use_mma, "overrides": overrides,
             "kind": "gemv", "n": n, "k": k, "m": m, "stages": stages,
             "rows_per_tile": block.config.rows_per_tile, "chunk_k": block.chunk_k,
             "tile_balance": block.tile_balance(_num_sms()),
@@ -72,9 +73,11 @@ def bench_gemv(n, k, m, wd, copy_bw, max_stages=None, pdl=True, fp8_decode="cvt"
             "speedup_vs_torch_graph": torch_us / us, "timing_mode": mode, "rel_err": err}
 
 
-def _gemv_name(n, k, m, wd, stages=None, pdl=True, fp8_decode="cvt") -> str:
+def _gemv_name(n, k, m, wd, stages=None, pdl=True, overrides=None) -> str:
+    ov = dict(overrides or {})
+    dec = ov.pop("fp8_decode", "cvt")
     return (f"gemv n={n} k={k} m={m} {wd}" + (f" stages={stages}" if stages else "") + ("" if pdl else " no-pdl")
-            + (" int-decode" if fp8_decode == "int" else ""))
+            + (" int-decode" if dec == "int" else "") + "".join(f" {key}={v}" for key, v in ov.items()))
 
 
 def _num_sms() -> int:
@@ -254,19 +257,23 @@ def stack_cases(quick: bool) -> list:
 
 
 def gemv_cases(quick: bool):
-    """(n, k, m, weight dtype, max ring stages or None, PDL launches[, fp8 decode]). PDL is the
+    """(n, k, m, weight dtype, max ring stages or None, PDL launches[, GemvConfig overrides]). PDL is the
     standalone kernel's default (measured 2026-12-03: 7168x2048 52.4% -> 69.3%, 4096x7168
     73.4% -> 86.7%); the " no-pdl" cases keep the plain launch's figure beside it."""
     cases = [(7168, 2048, 1, "bf16", None, True), (18432, 7168, 1, "bf16", None, True),
              (7168, 2048, 1, "bf16", None, False),
              # a 6- / 4-stage ring (~105 / ~72 KB of smem): two or three CTAs fit an SM, so with PDL
              # the next launch's CTA streams its weights beside the previous one's, not after it
-             (7168, 2048, 1, "bf16", 6, True), (7168, 2048, 1, "bf16", 4, True), (4096, 7168, 1, "bf16", 6, True)]
+             (7168, 2048, 1, "bf16", 6, True), (7168, 2048, 1, "bf16", 4, True), (4096, 7168, 1, "bf16", 6, True),
+             # fp8 at batch 1 on the tensor cores with full 16-row m-tiles (8-row tiles pad the
+             # MMA's 16 rows with a repeated row: twice the conversions; measured 41% at 8 rows)
+             (18432, 7168, 1, "fp8_e4m3", None, True), (18432, 7168, 1, "fp8_e4m3", None, True, {"mma": True, "rows_per_tile": 16}),
+             (7168, 2048, 1, "fp8_e4m3", None, True, {"mma": True, "rows_per_tile": 16})]
     if not quick:
         cases += [(18432, 7168, 1, "bf16", 4, True), (18432, 7168, 1, "bf16", 8, True),   # bytes in flight
                   (4096, 7168, 1, "bf16", None, True), (4096, 7168, 1, "bf16", None, False),
                   (7168, 18432, 1, "bf16", None, True),
-                  (18432, 7168, 1, "fp8_e4m3", None, True), (18432, 7168, 1, "fp8_e4m3", None, True, "int"),
+                  (18432, 7168, 1, "fp8_e4m3", None, True, {"fp8_decode": "int"}),
                   (18432, 7168, 8, "bf16", None, True)]
     return cases
 
@@ -298,11 +305,11 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True, parts=("gemv",
     def save():   # after every case: a run cut short by its time limit still leaves its results
         write_json(out_dir, "megakernel_bench.json", report)
 
-    for n, k, m, wd, st, pdl, *dec in (gemv_cases(quick) if "gemv" in parts else []):
+    for n, k, m, wd, st, pdl, *ov in (gemv_cases(quick) if "gemv" in parts else []):
         try:
-            r = bench_gemv(n, k, m, wd, copy_bw, st, pdl, *dec)
+            r = bench_gemv(n, k, m, wd, copy_bw, st, pdl, *ov)
         except Exception as exc:
-            r = {"case": _gemv_name(n, k, m, wd, st, pdl, *dec), "error": f"{type(exc).__name__}: {exc}"}
+            r = {"case": _gemv_name(n, k, m, wd, st, pdl, *ov), "error": f"{type(exc).__name__}: {exc}"}
         print(_line(r))
         results.append(r)
         save()

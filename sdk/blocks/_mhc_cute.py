@@ -1,5 +1,6 @@
-"""CuTe DSL device tiles of the mHC blocks (`mhc.py` documents the math, the cut and the layout).
-Imports cutlass: imported only when a block's device tile is built."""
+"""CuTe DSL device tiles of the mHC blocks (`mhc.py` documents the math, the cut and the layout),
+and the post-mix that MHCPostBlock's tile shares with the all-reduce's mHC epilogue
+(`post_mix_helpers`). Imports cutlass: imported only when a block's device tile is built."""
 from __future__ import annotations
 
 import cutlass
@@ -87,16 +88,25 @@ def build_mix_tile(block):
     return tile
 
 
-def build_post_tile(block):
-    c = block.config
-    M, N, D, DS, S = c.m, c.n, c.d, c.d_slice, block.slices
-    R2 = c.next_rows
+def post_mix_helpers(M, N, D, DS, R2, stream_dtype, fn_dtype):
+    """(begin, mix_token): the mHC post-mix of one D-slice t, shared by MHCPostBlock's tile (y read
+    from memory) and the all-reduce's mHC epilogue (y = the reduced sum, in registers).
+
+    begin(fn_addr, t, tid) -> sF   all threads: stage fn_next's slice in smem (R2 > 0; ends with a
+                                   barrier) and return it; None without next partials
+    mix_token(addrs, sF, t, lane, m, ys)
+                                   one warp, token m: X'_n = post_n y + sum_j comb[j, n] X_j over the
+                                   lane's VPL 4-vectors of the slice (ys: y there as fp32 4-vectors),
+                                   stored in the stream dtype, then (R2 > 0) the next mix's partials
+                                   of the stored values into part_next[t, m, :].
+                                   addrs = (streams, coef, streams_out, part_next) addresses."""
     NEXT = R2 > 0
     CW = (2 + N) * N
+    S = D // DS
     VPL, V = DS // 128, DS // 4
-    sdt = DTYPE_MAP[c.stream_dtype]
-    ydt = DTYPE_MAP[c.y_dtype]
-    stage, partials = _partials_helpers(max(R2, 1), N, D, DS, c.fn_dtype)
+    sdt = DTYPE_MAP[stream_dtype]
+    SA = _align(stream_dtype)
+    stage, partials = _partials_helpers(max(R2, 1), N, D, DS, fn_dtype)
 
     @cute.jit
     def rnd(x):
@@ -106,40 +116,57 @@ def build_post_tile(block):
         return v.load().to(sdt).to(Float32)[0]
 
     @cute.jit
+    def begin(fn_addr, t: Int32, tid):
+        sF = None
+        if cutlass.const_expr(NEXT):
+            smem = SmemAllocator()
+            sF = smem.allocate_tensor(Float32, cute.make_layout((R2, N, V, 4), stride=(N * DS, DS, 4, 1)),
+                                      byte_alignment=16)
+            stage(fn_addr, t, sF, tid)
+        return sF
+
+    @cute.jit
+    def mix_token(addrs, sF, t: Int32, lane, m, ys):
+        mX = gmem_tensor(addrs[0], sdt, (M, N, D // 4, 4), SA)
+        mC = gmem_tensor(addrs[1], Float32, (M, CW), 4)
+        mXo = gmem_tensor(addrs[2], sdt, (M, N, D // 4, 4), SA)
+        post = [rnd(mC[m, N + n]) for n in range(N)]
+        comb = [rnd(mC[m, 2 * N + q]) for q in range(N * N)]      # comb[j, n] at j * N + n
+        xs = [None] * (N * VPL)
+        for i in cutlass.range_constexpr(VPL):
+            v = t * V + lane + 32 * i
+            xj = [mX[m, j, v, None].load().to(Float32) for j in range(N)]
+            for n in cutlass.range_constexpr(N):
+                acc = ys[i] * post[n]
+                for j in cutlass.range_constexpr(N):
+                    acc = acc + xj[j] * comb[j * N + n]
+                st = acc.to(sdt)
+                mXo[m, n, v, None].store(st)
+                xs[n * VPL + i] = st.to(Float32)
+        if cutlass.const_expr(NEXT):
+            partials(xs, sF, lane, gmem_tensor(addrs[3], Float32, (S, M, R2 + 1), 4), t, m)
+
+    return begin, mix_token
+
+
+def build_post_tile(block):
+    c = block.config
+    M, DS = c.m, c.d_slice
+    VPL, V = DS // 128, DS // 4
+    ydt = DTYPE_MAP[c.y_dtype]
+    begin, mix_token = post_mix_helpers(M, c.n, c.d, DS, c.next_rows, c.stream_dtype, c.fn_dtype)
+
+    @cute.jit
     def tile(ptrs, t: Int32, scratch):
         tid, _, _ = cute.arch.thread_idx()
         lane = tid % 32
         wid = tid // 32
-        mX = gmem_tensor(ptrs[0], sdt, (M, N, D // 4, 4), _align(c.stream_dtype))
-        mY = gmem_tensor(ptrs[1], ydt, (M, D // 4, 4), _align(c.y_dtype))
-        mC = gmem_tensor(ptrs[2], Float32, (M, CW), 4)
-        mXo = gmem_tensor(ptrs[4], sdt, (M, N, D // 4, 4), _align(c.stream_dtype))
-        sF = None
-        mP = None
-        if cutlass.const_expr(NEXT):
-            mP = gmem_tensor(ptrs[5], Float32, (S, M, R2 + 1), 4)
-            smem = SmemAllocator()
-            sF = smem.allocate_tensor(Float32, cute.make_layout((R2, N, V, 4), stride=(N * DS, DS, 4, 1)),
-                                      byte_alignment=16)
-            stage(ptrs[3], t, sF, tid)      # weights first: their loads overlap the coefficient reads
+        mY = gmem_tensor(ptrs[1], ydt, (M, c.d // 4, 4), _align(c.y_dtype))
+        sF = begin(ptrs[3], t, tid)         # weights first: their loads overlap the coefficient reads
         for m in cutlass.range(wid, M, NUM_WARPS, unroll=1):
-            post = [rnd(mC[m, N + n]) for n in range(N)]
-            comb = [rnd(mC[m, 2 * N + q]) for q in range(N * N)]      # comb[j, n] at j * N + n
-            xs = [None] * (N * VPL)
-            for i in cutlass.range_constexpr(VPL):
-                v = t * V + lane + 32 * i
-                xj = [mX[m, j, v, None].load().to(Float32) for j in range(N)]
-                y = mY[m, v, None].load().to(Float32)
-                for n in cutlass.range_constexpr(N):
-                    acc = y * post[n]
-                    for j in cutlass.range_constexpr(N):
-                        acc = acc + xj[j] * comb[j * N + n]
-                    st = acc.to(sdt)
-                    mXo[m, n, v, None].store(st)
-                    xs[n * VPL + i] = st.to(Float32)
-            if cutlass.const_expr(NEXT):
-                partials(xs, sF, lane, mP, t, m)
-        cute.arch.sync_threads()
+            ys = [mY[m, t * V + lane + 32 * i, None].load().to(Float32) for i in range(VPL)]
+            mix_token((ptrs[0], ptrs[2], ptrs[4], ptrs[5]), sF, t, lane, m, ys)
+        cute.arch.sync_threads()            # smem is reused by the next instruction
 
     return tile
 

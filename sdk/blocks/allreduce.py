@@ -21,6 +21,16 @@ following RMSNorm. One block class, three phases (`AllReduceConfig.phase`):
                poll the ag flags of all rs tiles of all ranks, then resid_out = res + gathered,
                out = rmsnorm(resid_out) * weight.
 
+mHC epilogue (`mhc_streams` = N_hc > 0; DeepSeek-V4.1-Flash, GLM-5.3): instead of res + sum and
+the norm, the reduced fp32 sum y is post-mixed into the N_hc residual streams exactly as
+MHCPostBlock does (X'_n = post_n y + sum_j comb[j, n] X_j, optionally with the next pre-mix's
+partial dot products of X'), one op and no extra dependency hop. The one-shot and ag tiles are
+then MHCPostBlock's cut: tile t = D-slice t of `mhc_d_slice` columns over ALL M tokens (D /
+d_slice tiles), so fn_next's slice is staged in shared memory once per tile (while the flags
+travel); the one-shot push moves partial[:, slice]. The rs phase is unchanged. Operands: those
+of MHCPostBlock but y (`streams`, `coef`, `fn_next`, `streams_out`, `part_next`) in place of
+res / norm_weight / resid_out / out.
+
 Epochs. Flags are int32 and never reset: step e (1, 2, ...) stores e. Each tile keeps its own
 epoch in a local `state[tile]` word (read at the start, epoch = state + 1, written back at the
 end): no host write per step, CUDA-graph safe. Receive buffers are double-buffered by epoch
@@ -42,18 +52,22 @@ ranks' tensors; across GPUs torch symmetric-memory peer views). The rank index i
 (`params[0]`), so all ranks share one compiled kernel.
 
 Supported: N = 1..72 ranks, D a multiple of 4 (elements move in 4-vectors: 8 B bf16, 16 B fp32),
-wire dtype bf16 or fp32, residual input none / bf16 / fp32 (may alias resid_out), optional norm.
+wire dtype bf16 or fp32, residual input none / bf16 / fp32 (may alias resid_out), optional norm;
+or the mHC epilogue within MHCPostBlock's limits (N_hc in 1, 2, 4; d_slice a multiple of 128
+dividing D; M <= 64; next_rows 0..32) and without residual or norm.
 Not supported: NVLink multicast (multimem.*: disabled on these machines), Lamport (sentinel)
 buffers, fp8 wire format, fusing the push into the producing GEMV's epilogue (next step).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from ..errors import SdkError
+from ..errors import SdkError, UnsupportedConfigError
 from .base import NUM_THREADS, SCRATCH_WORDS, Block, Cost, OperandSpec
+from .mhc import MHCPostBlock, MHCPostConfig
 
 ERR_PEER_TIMEOUT = 2        # error-word code of a flag wait that expired (isa.ERR_TIMEOUT is 1)
 PEER_ERROR_FIELDS = ("code", "tile", "flag_id", "sm", "seen", "target", "peer", "epoch")
@@ -80,6 +94,12 @@ class AllReduceConfig:
     norm: bool = True           # out = rmsnorm(resid_out) * norm_weight (bf16)
     eps: float = 1e-6
     tile_elems: int = 0         # oneshot: columns per tile; rs/ag: elements of a shard per rs tile; 0 = auto
+    # the mHC epilogue (oneshot, ag): post-mix the sum into mhc_streams residual streams (0: off)
+    mhc_streams: int = 0        # N_hc streams [M, N_hc, D]
+    mhc_next_rows: int = 0      # > 0: the next pre-mix's partials (fn_next rows), as MHCPostBlock
+    mhc_d_slice: int = 128      # D columns per tile (all tokens)
+    stream_dtype: str = "fp32"  # of streams / streams_out
+    fn_dtype: str = "fp32"      # of fn_next
 
 
 def _divisors4(n: int):
@@ -127,6 +147,37 @@ class AllReduceBlock(Block):
     def rs_tiles(self) -> int:
         return self.shard // self.piece if self.piece else 0
 
+    @property
+    def mhc(self) -> bool:
+        """This phase ends in the mHC post-mix instead of residual + norm (mhc_streams > 0, and the
+        phase is oneshot or ag: rs has no epilogue)."""
+        return self.config.mhc_streams > 0 and self.config.phase != "rs"
+
+    @cached_property
+    def mhc_post(self) -> MHCPostBlock:
+        """The MHCPostBlock whose tile the mHC epilogue is (y: the fp32 reduced sum): its limits,
+        operands, math and torch twin are the epilogue's."""
+        c = self.config
+        return MHCPostBlock(MHCPostConfig(d=c.d, n=c.mhc_streams, m=c.m, d_slice=c.mhc_d_slice,
+                                          stream_dtype=c.stream_dtype, y_dtype="fp32",
+                                          next_rows=c.mhc_next_rows, fn_dtype=c.fn_dtype))
+
+    def _check_mhc(self):
+        c = self.config
+        if c.residual or c.norm:
+            self.unsupported(f"allreduce: the mHC epilogue (mhc_streams={c.mhc_streams}) replaces the residual "
+                             f"add and the norm; set residual='' and norm=False (got residual={c.residual!r}, "
+                             f"norm={c.norm})")
+        if c.phase == "rs":
+            self.unsupported("allreduce rs: the mHC epilogue runs in the ag phase; build the rs phase without it")
+        if c.phase == "oneshot" and c.tile_elems:
+            self.unsupported(f"allreduce oneshot with the mHC epilogue: the tile is a D-slice of mhc_d_slice="
+                             f"{c.mhc_d_slice} columns; tile_elems={c.tile_elems} does not apply")
+        try:
+            self.mhc_post
+        except UnsupportedConfigError as exc:
+            self.unsupported(f"allreduce mHC epilogue: {exc}")
+
     def check(self):
         c = self.config
         if not 1 <= c.ranks <= MAX_RANKS:
@@ -141,9 +192,11 @@ class AllReduceBlock(Block):
             self.unsupported(f"allreduce: d={c.d} must be a multiple of 4, m={c.m} >= 1")
         if c.norm and c.d > 16 * 4 * NUM_THREADS:
             self.unsupported(f"allreduce: fused norm over d={c.d} > {16 * 4 * NUM_THREADS}")
+        if c.mhc_streams:
+            self._check_mhc()
         if c.phase == "oneshot":
             w = self.cols
-            if w % 4 or c.d % w or w > 8 * 4 * NUM_THREADS:
+            if not c.mhc_streams and (w % 4 or c.d % w or w > 8 * 4 * NUM_THREADS):
                 self.unsupported(f"allreduce oneshot: tile columns {w} must divide d={c.d}, be a multiple "
                                  f"of 4 and at most {8 * 4 * NUM_THREADS}")
         else:
@@ -165,7 +218,7 @@ class AllReduceBlock(Block):
         specs = []
         if c.phase == "oneshot":
             recv = (2, N, M, D)
-            flags = (M * self.chunks, N)
+            flags = (self.num_tiles(), N)
             specs += [OperandSpec("partial", (M, D), w), OperandSpec("recv_self", recv, w),
                       OperandSpec("flags_self", flags, "int32")]
             specs += [OperandSpec(f"recv_{k}", recv, w, output=True) for k in range(N)]
@@ -186,7 +239,9 @@ class AllReduceBlock(Block):
                   OperandSpec("err", (8,), "int32", output=True)]
         if c.phase == "oneshot" and c.norm and self.chunks > 1:
             specs.append(OperandSpec("rowcnt", (M,), "int32", output=True))
-        if c.phase != "rs":
+        if self.mhc:
+            specs += [s for s in self.mhc_post.operand_specs() if s.name != "y"]
+        elif c.phase != "rs":
             if c.residual:
                 specs.append(OperandSpec("res", (M, D), c.residual))
             if c.norm:
@@ -198,13 +253,25 @@ class AllReduceBlock(Block):
 
     def num_tiles(self) -> int:
         c = self.config
+        if self.mhc:
+            return self.mhc_post.num_tiles()
         return {"oneshot": c.m * self.chunks if c.phase == "oneshot" else 0, "rs": self.rs_tiles,
                 "ag": c.m}[c.phase]
+
+    def own_smem_bytes(self) -> int:
+        return self.mhc_post.own_smem_bytes() if self.mhc else 0
 
     def cost(self) -> Cost:
         c = self.config
         wb = _WIRE_BYTES[c.wire]
         N = c.ranks
+        if self.mhc:
+            # the slice of every token: pushed (oneshot: read once, stored N times) and reduced from
+            # N slots, or gathered (ag); then MHCPostBlock's tile less its y read (y is in registers)
+            n = c.m * c.mhc_d_slice
+            post = self.mhc_post.cost()
+            b = n * wb * (1 + 2 * N if c.phase == "oneshot" else 1) + post.bytes - n * 4
+            return Cost(bytes=b, flops=N * n + post.flops)
         if c.phase == "oneshot":
             n = self.cols
             b = n * wb * (1 + N + N) + n * (8 + (2 if c.norm else 0))
@@ -216,17 +283,29 @@ class AllReduceBlock(Block):
         return Cost(bytes=b, flops=N * b // wb)
 
     # -- torch faces ---------------------------------------------------------------------------
-    def reference(self, partials, res=None, norm_weight=None) -> dict[str, torch.Tensor]:
+    def reference(self, partials, res=None, norm_weight=None, **mhc_inputs) -> dict[str, torch.Tensor]:
         """The whole all-reduce (any phase: the op the phases implement together): fp32 sum of the
-        N ranks' partials, + residual, RMSNorm."""
+        N ranks' partials, + residual, RMSNorm; or, with the mHC epilogue, MHCPostBlock's
+        reference on that sum (mhc_inputs: streams, coef, fn_next)."""
         c = self.config
         r = sum(p.float() for p in partials)
+        if c.mhc_streams:
+            return self.mhc_post.reference(y=r, **mhc_inputs)
         if c.residual:
             r = res.float() + r
         out = {"resid_out": r}
         if c.norm:
             out["out"] = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + c.eps) * norm_weight.float()
         return out
+
+    @staticmethod
+    def _sum_slots(slots):
+        """fp32 sum of the N receive slots (slots [N, ...]) in rank order, like the device, so that
+        every rank computes the same bits."""
+        s = slots[0].float()
+        for k in range(1, len(slots)):
+            s = s + slots[k].float()
+        return s
 
     def _epoch(self, t, tile):
         e = int(t["state"][tile]) + 1
@@ -237,15 +316,23 @@ class AllReduceBlock(Block):
         r = t["resid_out"][m].float()
         t["out"][m] = (r * torch.rsqrt(r.pow(2).mean() + c.eps) * t["norm_weight"].float()).to(torch.bfloat16)
 
+    def _cut(self, tile):
+        """(rows, cols) of the [M, D] message that a one-shot tile (or an ag tile with the mHC
+        epilogue) covers: token row m, chunk c; with the mHC epilogue all rows of D-slice `tile`."""
+        c = self.config
+        if self.mhc:
+            return slice(None), slice(tile * c.mhc_d_slice, (tile + 1) * c.mhc_d_slice)
+        m, ch = divmod(tile, self.chunks)
+        return m, slice(ch * self.cols, (ch + 1) * self.cols)
+
     def emulate_arrive(self, t, tile) -> None:
         """The tile's pushes and flag stores (everything before its wait)."""
         c = self.config
         rank, e, par = self._epoch(t, tile)
         if c.phase == "oneshot":
-            m, ch = divmod(tile, self.chunks)
-            cols = slice(ch * self.cols, (ch + 1) * self.cols)
+            rows, cols = self._cut(tile)
             for k in range(c.ranks):
-                t[f"recv_{k}"][par, rank, m, cols] = t["partial"][m, cols]
+                t[f"recv_{k}"][par, rank, rows, cols] = t["partial"][rows, cols]
                 t[f"flags_{k}"][tile, rank] = e
         elif c.phase == "rs":
             S, E = self.shard, self.piece
@@ -267,15 +354,20 @@ class AllReduceBlock(Block):
         return [k for k in range(c.ranks) if int(f[k]) < e]
 
     def emulate_finish(self, t, tile) -> None:
-        """Everything after the wait: reduce, residual, norm, and (rs) the all-gather push."""
+        """Everything after the wait: reduce, residual, norm (or the mHC post-mix), and (rs) the
+        all-gather push."""
         c = self.config
         rank, e, par = self._epoch(t, tile)
-        if c.phase == "oneshot":
-            m, ch = divmod(tile, self.chunks)
-            cols = slice(ch * self.cols, (ch + 1) * self.cols)
-            s = t["recv_self"][par, 0, m, cols].float()
-            for k in range(1, c.ranks):          # rank order, like the device: same sum everywhere
-                s = s + t["recv_self"][par, k, m, cols].float()
+        if self.mhc:
+            rows, cols = self._cut(tile)
+            if c.phase == "oneshot":
+                y = self._sum_slots(t["recv_self"][par][:, rows, cols])
+            else:
+                y = t["ag_recv_self"][par].reshape(c.m, c.d)[rows, cols].float()
+            self.mhc_post.emulate_slice(t, tile, y)
+        elif c.phase == "oneshot":
+            m, cols = self._cut(tile)
+            s = self._sum_slots(t["recv_self"][par][:, m, cols])
             if c.residual:
                 s = s + t["res"][m, cols].float()
             t["resid_out"][m, cols] = s
@@ -289,16 +381,13 @@ class AllReduceBlock(Block):
         elif c.phase == "rs":
             E = self.piece
             piece = slice(tile * E, (tile + 1) * E)
-            s = t["rs_recv_self"][par, 0, piece].float()
-            for k in range(1, c.ranks):
-                s = s + t["rs_recv_self"][par, k, piece].float()
-            q = s.to(t["rs_recv_self"].dtype)
+            q = self._sum_slots(t["rs_recv_self"][par][:, piece]).to(t["rs_recv_self"].dtype)
             for k in range(c.ranks):
                 t[f"ag_recv_{k}"][par, rank, piece] = q
                 t[f"ag_flags_{k}"][tile, rank] = e
         else:
             m = tile
-            g = t["ag_recv_self"][par].reshape(-1)[m * c.d:(m + 1) * c.d].float()
+            g = t["ag_recv_self"][par].reshape(c.m, c.d)[m].float()
             if c.residual:
                 g = g + t["res"][m].float()
             t["resid_out"][m] = g
@@ -343,6 +432,36 @@ class AllReduceBlock(Block):
 
         def nv(n4):
             return -(-n4 // NT)
+
+        if self.mhc:
+            from ._mhc_cute import post_mix_helpers
+            DS = c.mhc_d_slice
+            V, VPL = DS // 4, DS // 128              # 4-vectors of a slice row; per lane
+            begin, mix_token = post_mix_helpers(M, c.mhc_streams, D, DS, c.mhc_next_rows, c.stream_dtype,
+                                                c.fn_dtype)
+
+        @cute.jit
+        def push(ptrs, par: Int32, rank: Int32, m, col, v):
+            """One-shot: store the 4-vector v (token m, column col) into slot `rank` of every rank's
+            receive buffer (this rank's own included: one uniform loop)."""
+            for k in cutlass.range_constexpr(N):
+                mR = gmem_tensor(ptrs[ix[f"recv_{k}"]], wdt, (2, N, M, D4, 4), VA)
+                mR[par, rank, m, col, None].store(v)
+
+        @cute.jit
+        def slot_sum(mS, par: Int32, m, col):
+            """fp32 sum of the N receive slots' 4-vector (m, col) in rank order (k = 0..N-1 on every
+            rank: bit-identical sums everywhere)."""
+            acc = mS[par, 0, m, col, None].load().to(Float32)
+            for k in cutlass.range_constexpr(1, N):
+                acc = acc + mS[par, k, m, col, None].load().to(Float32)
+            return acc
+
+        @cute.jit
+        def gathered(mA, par: Int32, f):
+            """4-vector f of the flattened [M * D] reduced message, from the shard slot holding it."""
+            sh = f // S4
+            return mA[par, sh, f - sh * S4, None].load().to(Float32)
 
         @cute.jit
         def wait_flags(faddr, first: Int32, count: cutlass.Constexpr, e: Int32, tmo: Int64, ebase,
@@ -411,10 +530,7 @@ class AllReduceBlock(Block):
                 u = tid + NT * j
                 if u < W4:
                     col = cc * W4 + u
-                    v = mP[m, col, None].load()
-                    for k in cutlass.range_constexpr(N):
-                        mR = gmem_tensor(ptrs[ix[f"recv_{k}"]], wdt, (2, N, M, D4, 4), VA)
-                        mR[par, rank, m, col, None].store(v)
+                    push(ptrs, par, rank, m, col, mP[m, col, None].load())
             cute.arch.sync_threads()
             if tid == 0:
                 raise_flags(ptrs, "flags", t * N + rank, e)
@@ -425,9 +541,7 @@ class AllReduceBlock(Block):
                     u = tid + NT * j
                     if u < W4:
                         col = cc * W4 + u
-                        acc = mS[par, 0, m, col, None].load().to(Float32)
-                        for k in cutlass.range_constexpr(1, N):
-                            acc = acc + mS[par, k, m, col, None].load().to(Float32)
+                        acc = slot_sum(mS, par, m, col)
                         if cutlass.const_expr(rdt is not None):
                             mRes = gmem_tensor(ptrs[ix["res"]], rdt, (M, D4, 4), RA)
                             acc = acc + mRes[m, col, None].load().to(Float32)
@@ -492,9 +606,7 @@ class AllReduceBlock(Block):
                 for j in cutlass.range_constexpr(nv(D4)):
                     u = tid + NT * j
                     if u < D4:
-                        f = t * D4 + u
-                        sh = f // S4
-                        g = mA[par, sh, f - sh * S4, None].load().to(Float32)
+                        g = gathered(mA, par, t * D4 + u)
                         if cutlass.const_expr(rdt is not None):
                             mRes = gmem_tensor(ptrs[ix["res"]], rdt, (M, D4, 4), RA)
                             g = g + mRes[t, u, None].load().to(Float32)
@@ -505,16 +617,74 @@ class AllReduceBlock(Block):
                 if tid == 0:
                     mSt[t] = e
 
+        def mhc_addrs(ptrs):
+            return tuple(ptrs[ix[n]] for n in ("streams", "coef", "streams_out", "part_next"))
+
+        @cute.jit
+        def tile_oneshot_mhc(ptrs, t: Int32, scratch):
+            """D-slice t of all M tokens: push, flag, stage fn_next's slice, wait, reduce, post-mix."""
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            wid = tid // 32
+            rank, e, par, tmo, ebase, mSt = prologue(ptrs, t)
+            mP = gmem_tensor(ptrs[ix["partial"]], wdt, (M, D4, 4), VA)
+            # push partial[:, slice t] (M x V 4-vectors, over all threads) into slot `rank` of every rank
+            for j in cutlass.range_constexpr(nv(M * V)):
+                u = tid + NT * j
+                if u < M * V:
+                    m = u // V
+                    col = t * V + u - m * V
+                    push(ptrs, par, rank, m, col, mP[m, col, None].load())
+            cute.arch.sync_threads()
+            if tid == 0:
+                raise_flags(ptrs, "flags", t * N + rank, e)
+            sF = begin(ptrs[ix["fn_next"]], t, tid)      # fn_next's slice loads while the flags travel
+            if wait_flags(ptrs[ix["flags_self"]], t * N, N, e, tmo, ebase, t, scratch):
+                mS = gmem_tensor(ptrs[ix["recv_self"]], wdt, (2, N, M, D4, 4), VA)
+                for m in cutlass.range(wid, M, NT // 32, unroll=1):        # one warp per token
+                    ys = [slot_sum(mS, par, m, t * V + lane + 32 * i) for i in range(VPL)]
+                    mix_token(mhc_addrs(ptrs), sF, t, lane, m, ys)
+                if tid == 0:
+                    mSt[t] = e
+            cute.arch.sync_threads()            # smem (fn_next's slice) is reused by the next instruction
+
+        @cute.jit
+        def tile_ag_mhc(ptrs, t: Int32, scratch):
+            """D-slice t of all M tokens: stage fn_next's slice, wait for every rs tile's gathered
+            pieces, post-mix the gathered (reduced) slice."""
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            wid = tid // 32
+            rank, e, par, tmo, ebase, mSt = prologue(ptrs, t)
+            sF = begin(ptrs[ix["fn_next"]], t, tid)      # loads while the last pieces arrive
+            if wait_flags(ptrs[ix["ag_flags_self"]], Int32(0), TRS * N, e, tmo, ebase, t, scratch):
+                mA = gmem_tensor(ptrs[ix["ag_recv_self"]], wdt, (2, N, S4, 4), VA)
+                for m in cutlass.range(wid, M, NT // 32, unroll=1):
+                    ys = [gathered(mA, par, m * D4 + t * V + lane + 32 * i) for i in range(VPL)]
+                    mix_token(mhc_addrs(ptrs), sF, t, lane, m, ys)
+                if tid == 0:
+                    mSt[t] = e
+            cute.arch.sync_threads()
+
+        if self.mhc:
+            return {"oneshot": tile_oneshot_mhc, "ag": tile_ag_mhc}[phase]
         return {"oneshot": tile_oneshot, "rs": tile_rs, "ag": tile_ag}[phase]
 
 
 def allreduce_compile_cases() -> list[AllReduceBlock]:
     """Representative configs for the compile check (sdk/compile.py): every phase, both wire
-    dtypes, with and without residual / norm, row-split and whole-row one-shot tiles."""
+    dtypes, with and without residual / norm, row-split and whole-row one-shot tiles, the mHC
+    epilogue (one-shot and ag)."""
     return [
         AllReduceBlock(AllReduceConfig(ranks=8, m=1, d=7168)),                            # 4 tiles per row
         AllReduceBlock(AllReduceConfig(ranks=2, m=8, d=1024, residual="bf16", wire="fp32")),
         AllReduceBlock(AllReduceConfig(ranks=4, m=4, d=4096, residual="", norm=False)),
         AllReduceBlock(AllReduceConfig(ranks=8, m=64, d=7168, phase="rs")),
         AllReduceBlock(AllReduceConfig(ranks=8, m=64, d=7168, phase="ag")),
+        # the mHC epilogue: V4.1-Flash (D 5120, 4 streams, the next sublayer's mix fused) one-shot
+        # at batch 1, GLM-5.3 (D 4096, 4 streams, bf16 streams) ag half of a two-shot at batch 64
+        AllReduceBlock(AllReduceConfig(ranks=8, m=1, d=5120, residual="", norm=False, mhc_streams=4,
+                                       mhc_next_rows=24)),
+        AllReduceBlock(AllReduceConfig(ranks=8, m=64, d=4096, phase="ag", residual="", norm=False, mhc_streams=4,
+                                       mhc_next_rows=24, mhc_d_slice=256, stream_dtype="bf16")),
     ]

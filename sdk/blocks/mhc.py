@@ -18,7 +18,8 @@ transformers); this module cuts it into three blocks (docs/mhc.md):
     MHCPostBlock  tile = a D-slice (all tokens): X'_n = post_n y + sum_j comb[j, n] X_j  (the residual
                   write, in place allowed), fused with the NEXT pre-mix's partials (next_rows > 0:
                   the next sublayer's or the head's fn), so each layer's second and later mixes cost
-                  no extra pass over the streams.
+                  no extra pass over the streams. Under tensor parallelism the same tile is the
+                  all-reduce's mHC epilogue (AllReduceConfig.mhc_streams; y = the reduced sum).
 
 Why this cut: the mix GEMV streams fn ((2+N)N x N D fp32 = 1.97 MB per call at V4.1-Flash, D=5120)
 and is spread over D / d_slice tiles (40 at d_slice 128) - one CTA would take ~60 us to read it;
@@ -66,6 +67,11 @@ def _check_common(blk, c, need_slice=True):
         blk.unsupported(f"{blk.name}: stream dtype {c.stream_dtype!r} (bf16, fp32)")
     if need_slice and (c.d_slice % 128 or c.d % c.d_slice):
         blk.unsupported(f"{blk.name}: d_slice={c.d_slice} must be a multiple of 128 dividing d={c.d}")
+
+
+def fn_slice_smem_bytes(rows: int, n: int, d_slice: int) -> int:
+    """Shared memory of a D-slice tile that stages fn's slice (fp32, all rows and streams)."""
+    return rows * n * d_slice * 4
 
 
 def _round(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -142,6 +148,10 @@ class MHCMixBlock(Block):
 
     def num_tiles(self) -> int:
         return self.slices
+
+    def own_smem_bytes(self) -> int:
+        c = self.config
+        return fn_slice_smem_bytes(c.rows, c.n, c.d_slice)
 
     def cost(self) -> Cost:
         c = self.config
@@ -312,6 +322,10 @@ class MHCPostBlock(Block):
     def num_tiles(self) -> int:
         return self.slices
 
+    def own_smem_bytes(self) -> int:
+        c = self.config
+        return fn_slice_smem_bytes(c.next_rows, c.n, c.d_slice)
+
     def cost(self) -> Cost:
         c = self.config
         sb = 4 if c.stream_dtype == "fp32" else 2
@@ -320,20 +334,20 @@ class MHCPostBlock(Block):
         b += c.next_rows * el * (4 if c.fn_dtype == "fp32" else 2) + (c.m * (c.next_rows + 1) * 4 if c.next_rows else 0)
         return Cost(bytes=b, flops=2 * c.m * el * (c.n + 1 + c.next_rows))
 
-    def _mix(self, t, lo, hi):
+    def _mix(self, t, lo, hi, y):
+        """X'[:, :, lo:hi] from y [M, hi - lo] (fp32 values)."""
         c = self.config
         n = c.n
         coef = t["coef"].float()
         post = _round(coef[:, n:2 * n], c.stream_dtype)                     # the reference's .to(dtype)
         comb = _round(coef[:, 2 * n:].view(-1, n, n), c.stream_dtype)
         x = t["streams"][:, :, lo:hi].float()
-        y = t["y"][:, lo:hi].float()
         new = post[:, :, None] * y[:, None, :] + torch.einsum("mjn,mjd->mnd", comb, x)
         return _round(new, c.stream_dtype)
 
     def reference(self, **t):
         c = self.config
-        new = self._mix(t, 0, c.d)
+        new = self._mix(t, 0, c.d, t["y"].float())
         out = {"streams_out": new}
         if c.next_rows:
             out["part_next"] = torch.stack([slice_partials(new, t["fn_next"], c.n, c.d, s * c.d_slice,
@@ -342,8 +356,14 @@ class MHCPostBlock(Block):
 
     def emulate_tile(self, t, tile):
         c = self.config
+        self.emulate_slice(t, tile, t["y"][:, tile * c.d_slice:(tile + 1) * c.d_slice].float())
+
+    def emulate_slice(self, t, tile, y):
+        """The tile's work given y over its slice as fp32 values [M, d_slice] (also the
+        all-reduce's mHC epilogue, where y is the reduced sum, not an operand)."""
+        c = self.config
         lo, hi = tile * c.d_slice, (tile + 1) * c.d_slice
-        new = self._mix(t, lo, hi)
+        new = self._mix(t, lo, hi, y)
         if c.next_rows:
             # the partials use the slice's new values as stored (rounded to the stream dtype)
             full = torch.zeros(c.m, c.n, c.d)

@@ -6,8 +6,9 @@
   the other allocation's pointer; for tests and single-GPU benchmarks) and
   `TorchSymmetricMemory` (one process per GPU, `torch.distributed._symmetric_memory`: peer
   views over NVLink; torch.distributed is imported lazily, nothing touches CUDA at import).
-- `ops`: `CommProgram`, which adds fused all-reduce (+ residual + RMSNorm) ops to a megakernel
-  `Program` (one-shot or two-shot by message size) and binds the symmetric views per rank.
+- `ops`: `CommProgram`, which adds fused all-reduce (+ residual + RMSNorm, or + the mHC post-mix:
+  `MHCEpilogue`) ops to a megakernel `Program` (one-shot or two-shot by message size) and binds
+  the symmetric views per rank.
 - `vm`: `MultiRankVM`, the PyVM of N ranks run together (interleaved, unsynchronised steps).
 - `runtime`: `TPRuntime`, N virtual ranks as N concurrent megakernel launches on one GPU.
 
@@ -15,7 +16,7 @@ The device code is `sdk/blocks/allreduce.py`; the design and its safety argument
 docs/allreduce.md.
 """
 from .buffers import SymmetricBuffers, SymmetricLayout, TorchSymmetricMemory, VirtualRanks
-from .ops import CommProgram, choose_algo, crossover_bytes
+from .ops import CommProgram, MHCEpilogue, choose_algo, crossover_bytes
 
 __all__ = ["SymmetricBuffers", "SymmetricLayout", "TorchSymmetricMemory", "VirtualRanks", "CommProgram",
-           "choose_algo", "crossover_bytes"]
+           "MHCEpilogue", "choose_algo", "crossover_bytes"]

@@ -22,6 +22,11 @@ one-shot (same bytes, one round trip fewer). Two-shot also needs the shards to f
 (`AllReduceBlock.check`), otherwise one-shot. The figures are assumptions until measured on the
 NVLink machine; on one GPU both algorithms only measure instruction overhead.
 
+mHC models (V4.1-Flash, GLM-5.3): `allreduce(partial, mhc=MHCEpilogue(streams=..., coef=...,
+streams_out=..., fn_next=..., part_next=...))` post-mixes the reduced sum into the residual
+streams in the all-reduce's epilogue (MHCPostBlock's math, y = the sum) instead of res + sum and
+the norm; N streams, their dtype, fn_next's rows and dtype are read off the bound buffers.
+
 Receive buffers are shared by all all-reduce ops of a program through two "colors"
 (`comm.data.c0`, `comm.data.c1`, each sized for its largest op) used alternately by
 consecutive all-reduces, and double-buffered inside by epoch parity; see docs/allreduce.md for
@@ -29,6 +34,8 @@ why that is enough. Requirement: each all-reduce op depends (transitively, throu
 counters) on the previous one, as in a layer chain.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -61,6 +68,36 @@ def choose_algo(m: int, d: int, ranks: int, wire: str = "bf16", oneshot_max_byte
     except UnsupportedConfigError:
         return "oneshot"
     return "twoshot"
+
+
+@dataclass(frozen=True)
+class MHCEpilogue:
+    """Program buffers of the all-reduce's mHC post-mix epilogue, named as MHCPostBlock's operands
+    (so MHCPreBlock reads part_next unchanged): streams [M, N, D] (bf16 / fp32), coef [M, (2+N)N]
+    fp32 (MHCPreBlock's), streams_out (may be streams: in place), and optionally fn_next
+    [R, N*D] with part_next [D / d_slice, M, R + 1] fp32, the next pre-mix's partials."""
+    streams: str
+    coef: str
+    streams_out: str
+    fn_next: str | None = None
+    part_next: str | None = None
+    d_slice: int = 128
+
+    def config_fields(self, prog, m: int, d: int) -> dict:
+        """The AllReduceConfig fields, read off the bound buffers' shapes and dtypes."""
+        if (self.fn_next is None) != (self.part_next is None):
+            raise ValueError("mHC epilogue: fn_next and part_next go together")
+        x = prog.buffers[self.streams]
+        if len(x.shape) != 3 or (x.shape[0], x.shape[2]) != (m, d):
+            raise ValueError(f"mHC epilogue: streams {self.streams!r} is {list(x.shape)}, want [{m}, N, {d}]")
+        fn = prog.buffers[self.fn_next] if self.fn_next else None
+        return dict(residual="", norm=False, mhc_streams=x.shape[1], mhc_d_slice=self.d_slice,
+                    stream_dtype=x.dtype, mhc_next_rows=fn.shape[0] if fn else 0,
+                    fn_dtype=fn.dtype if fn else "fp32")
+
+    def bindings(self) -> dict:
+        return {"streams": self.streams, "coef": self.coef, "streams_out": self.streams_out,
+                "fn_next": self.fn_next, "part_next": self.part_next}
 
 
 class CommProgram:
@@ -117,11 +154,14 @@ class CommProgram:
             self.op_kinds[label or base] = what
         return names
 
-    def allreduce(self, partial: str, resid_out: str, *, res: str | None = None, norm_weight: str | None = None,
-                  out: str | None = None, waits=(), label: str, algo: str = "auto", eps: float = 1e-6,
-                  tile_elems: int = 0, oneshot_max_bytes: float | None = None) -> int:
+    def allreduce(self, partial: str, resid_out: str | None = None, *, res: str | None = None,
+                  norm_weight: str | None = None, out: str | None = None, mhc: MHCEpilogue | None = None,
+                  waits=(), label: str, algo: str = "auto", eps: float = 1e-6, tile_elems: int = 0,
+                  oneshot_max_bytes: float | None = None) -> int:
         """resid_out = (res +) sum over ranks of partial; out = rmsnorm(resid_out) * norm_weight.
-        Returns the index of the (last) op, for later ops' waits."""
+        Or, with `mhc` (and none of resid_out / res / norm_weight / out): the mHC post-mix of the
+        sum into the residual streams (MHCEpilogue). Returns the index of the (last) op, for
+        later ops' waits."""
         if self._layout is not None:
             raise ValueError("the symmetric layout was already used; add all all-reduces first")
         p = self.prog
@@ -134,15 +174,20 @@ class CommProgram:
             raise UnsupportedConfigError(f"all-reduce algorithm {algo!r} (auto, oneshot, twoshot)")
         if (norm_weight is None) != (out is None):
             raise ValueError(f"{label}: norm_weight and out go together")
+        if (mhc is None) == (resid_out is None) or (mhc and (res or norm_weight)):
+            raise ValueError(f"{label}: either resid_out (with res / norm_weight / out) or the mhc epilogue")
         color = len(self.records) % 2
         region = f"comm.data.c{color}"
         base = dict(ranks=N, m=m, d=d, wire=wire, residual=p.buffers[res].dtype if res else "",
                     norm=norm_weight is not None, eps=eps, tile_elems=tile_elems)
-        tail = {"params": PARAMS, "err": ERR, "res": res, "norm_weight": norm_weight, "resid_out": resid_out,
-                "out": out}
+        # the epilogue's fields go to the phase that has the epilogue (oneshot, ag), not to rs
+        epi = mhc.config_fields(p, m, d) if mhc else {}
+        tail = {"params": PARAMS, "err": ERR,
+                **(mhc.bindings() if mhc else {"res": res, "norm_weight": norm_weight, "resid_out": resid_out,
+                                               "out": out})}
         wb = _WB[wire]
         if algo == "oneshot":
-            blk = AllReduceBlock(AllReduceConfig(phase="oneshot", **base))
+            blk = AllReduceBlock(AllReduceConfig(phase="oneshot", **{**base, **epi}))
             T = blk.num_tiles()
             recv = self._sym(f"{label}.recv", region, (2, N, m, d), wire)
             self._data_bytes[color] = max(self._data_bytes[color], 2 * N * m * d * wb)
@@ -159,7 +204,7 @@ class CommProgram:
             ops = [op]
         else:
             rs = AllReduceBlock(AllReduceConfig(phase="rs", **base))
-            ag = AllReduceBlock(AllReduceConfig(phase="ag", **base))
+            ag = AllReduceBlock(AllReduceConfig(phase="ag", **{**base, **epi}))
             S, T = rs.shard, rs.rs_tiles
             rsr = self._sym(f"{label}.rs_recv", region, (2, N, S), wire, 0)
             agr = self._sym(f"{label}.ag_recv", region, (2, N, S), wire, 2 * N * S)
@@ -174,7 +219,7 @@ class CommProgram:
                            f"ag_flags_{k}": agf[k]})
             op1 = p.op(rs, b1, waits=waits, label=label + ".rs")
             b2 = {"ag_recv_self": agr["self"], "ag_flags_self": agf["self"],
-                  "state": self._local(f"{label}.ag.state", (m,)), **tail}
+                  "state": self._local(f"{label}.ag.state", (ag.num_tiles(),)), **tail}
             # the ag tiles wait (locally) for the rs op: every rank then runs all its rs tiles
             # before any ag tile can occupy a CTA, so no rank's rs tile queues behind a spinning
             # ag tile (docs/allreduce.md: deadlock freedom)
@@ -232,3 +277,54 @@ class CommProgram:
         for r in bufs.local_ranks:
             for n in self.locals:
                 tensors_per_rank[r][n].zero_()
+
+
+def build_mhc_allreduce_chain(ranks: int, m: int, d: int, ops: int, *, n: int = 4, next_rows: int = 24,
+                              d_slice: int = 128, algo: str = "auto", wire: str = "bf16",
+                              stream_dtype: str = "fp32"):
+    """`ops` all-reduces with the mHC epilogue in a chain (tests, benchmarks): op 0 post-mixes
+    `streams_in` into `streams`, ops 1.. post-mix `streams` in place; op j uses coef.{j} and writes
+    the next mix's partials of its result to part.{j} (next_rows > 0, one fn_next for all).
+    Buffers: partial (wire, input), streams_in / streams [m, n, d], coef.{j} [m, (2+n)n] fp32,
+    fn_next [next_rows, n d] fp32, part.{j} [d / d_slice, m, next_rows + 1] fp32.
+    Returns (program, CommProgram)."""
+    from ..megakernel.program import Program
+    prog = Program()
+    comm = CommProgram(prog, ranks)
+    prog.buffer("partial", (m, d), wire, "input")
+    prog.buffer("streams_in", (m, n, d), stream_dtype, "input")
+    prog.buffer("streams", (m, n, d), stream_dtype, "output")
+    if next_rows:
+        prog.buffer("fn_next", (next_rows, n * d), "fp32", "weight")
+    prev = None
+    for j in range(ops):
+        prog.buffer(f"coef.{j}", (m, (2 + n) * n), "fp32", "input")
+        if next_rows:
+            prog.buffer(f"part.{j}", (d // d_slice, m, next_rows + 1), "fp32", "output")
+        epi = MHCEpilogue(streams="streams_in" if j == 0 else "streams", coef=f"coef.{j}", streams_out="streams",
+                          fn_next="fn_next" if next_rows else None, part_next=f"part.{j}" if next_rows else None,
+                          d_slice=d_slice)
+        prev = comm.allreduce("partial", mhc=epi, waits=[prev] if prev is not None else [], label=f"ar{j}",
+                              algo=algo)
+    return prog, comm
+
+
+def mhc_chain_reference(parts, streams, coefs, fn_next, *, d_slice: int = 128, wire_round: str | None = None):
+    """The unsharded definition of one step of `build_mhc_allreduce_chain`: y = the fp32 sum of
+    the ranks' partials (rank order), then MHCPostBlock.reference once per op (coefs: one per op).
+    wire_round: y rounded to that dtype first, as two-shot's reduce-scatter sends it back to every
+    rank. Returns (streams after the last op, [part_next of each op])."""
+    from ..blocks.mhc import MHCPostBlock, MHCPostConfig
+    m, n, d = streams.shape
+    sdt = {v: k for k, v in DTYPES.items()}[streams.dtype]
+    post = MHCPostBlock(MHCPostConfig(d=d, n=n, m=m, d_slice=d_slice, stream_dtype=sdt, y_dtype="fp32",
+                                      next_rows=fn_next.shape[0]))
+    y = sum(p.float() for p in parts)
+    if wire_round:
+        y = y.to(DTYPES[wire_round]).float()
+    out = []
+    for coef in coefs:
+        r = post.reference(streams=streams, y=y, coef=coef, fn_next=fn_next)
+        streams = r["streams_out"]
+        out.append(r["part_next"])
+    return streams, out

@@ -1,8 +1,9 @@
 """GPU tests of the fused in-kernel all-reduce with N virtual ranks on one GPU (N concurrent
 megakernel launches, one stream and num_sms // N CTAs each; peer stores land in local HBM):
-the TP-sharded MLP stack and all-reduce chains against the torch reference on fresh random
-inputs with NaN-poisoned outputs, several steps without host resets; a rank that never
-launches ends the others in KernelTimeoutError naming it, and the runtime recovers.
+the TP-sharded MLP stack, all-reduce chains and chains of the all-reduce fused with the mHC
+post-mix against the torch reference on fresh random inputs with NaN-poisoned outputs, several
+steps without host resets; a rank that never launches ends the others in KernelTimeoutError
+naming it, and the runtime recovers.
 Run: `pytest -m gpu tests/gpu/test_allreduce_gpu.py`."""
 
 import pytest
@@ -94,6 +95,62 @@ def test_allreduce_chain(n, algo, m, d, wire):
             assert rel_err(t["resid"], want) <= (1e-5 if algo == "oneshot" else BF16_TOL), f"rank {r} step {step}"
             assert rel_err(t["out"], ref["out"]) <= BF16_TOL
             assert torch.equal(t["resid"], rt.tensors[0]["resid"])
+
+
+def _mhc_chain(n, m, d, algo, k, stream_dtype, timeout_s=2.0):
+    from sdk.comm import VirtualRanks
+    from sdk.comm.ops import build_mhc_allreduce_chain
+    from sdk.comm.runtime import TPRuntime
+    prog, comm = build_mhc_allreduce_chain(n, m, d, k, algo=algo, stream_dtype=stream_dtype)
+    bufs = VirtualRanks(n, comm.layout, "cuda")
+    T = [comm.alloc_rank_tensors(bufs, r, "cuda") for r in range(n)]
+    return TPRuntime(prog, comm, bufs, T, timeout_s=timeout_s), comm
+
+
+@pytest.mark.parametrize("n,algo,m,d,sdt", [(2, "oneshot", 1, 5120, "fp32"), (4, "oneshot", 8, 4096, "bf16"),
+                                            (8, "oneshot", 1, 5120, "fp32"), (2, "twoshot", 64, 4096, "fp32"),
+                                            (4, "twoshot", 8, 5120, "bf16"), (8, "twoshot", 64, 5120, "fp32")])
+def test_mhc_allreduce_chain(n, algo, m, d, sdt):
+    """The all-reduce fused with the mHC post-mix (V4.1-Flash D 5120, GLM-5.3 D 4096; 4 streams,
+    the next mix's 24 partials): 3 chained per launch (the first out of place, then in place),
+    3 launches with fresh partials, streams and coefficients, poisoned outputs; every rank's
+    streams and partials equal the unsharded definition (sdk.comm.ops.mhc_chain_reference; y
+    rounded to bf16 for two-shot, as its reduce-scatter sends it) and rank 0's bit for bit.
+    Tolerances: fp32 streams 1e-5 (FMA contraction: ulps), bf16 streams 1e-2 (an ulp may flip a
+    bf16 rounding), partials 1e-3 (warp-reduction order; tests/gpu/test_mhc_gpu.py's bound)."""
+    need_gpu()
+    from sdk.comm.ops import mhc_chain_reference
+    K, hc = 3, 4
+    rt, comm = _mhc_chain(n, m, d, algo, K, sdt)
+    assert {r["algo"] for r in comm.records} == {algo}
+    dt = torch.float32 if sdt == "fp32" else torch.bfloat16
+    fn = torch.randn(24, hc * d, device="cuda") * 0.02
+    for t in rt.tensors:
+        t["fn_next"].copy_(fn)
+    for step in range(3):
+        parts = [torch.randn(m, d, device="cuda").to(torch.bfloat16) for _ in range(n)]
+        x = torch.randn(m, hc, d, device="cuda").to(dt)
+        # coefficients shaped like MHCPreBlock's: pre > 0, post in (0, 2), comb rows sum to 1
+        coefs = [torch.cat([torch.rand(m, 2 * hc, device="cuda") * 2,
+                            torch.softmax(torch.randn(m, hc * hc, device="cuda").view(m, hc, hc), -1).flatten(1)], 1)
+                 for _ in range(K)]
+        for t, p in zip(rt.tensors, parts):
+            t["partial"].copy_(p)
+            t["streams_in"].copy_(x)
+            t["streams"].fill_(float("nan"))
+            for j in range(K):
+                t[f"coef.{j}"].copy_(coefs[j])
+                t[f"part.{j}"].fill_(float("nan"))
+        rt.run()
+        want_x, want_p = mhc_chain_reference(parts, x, coefs, fn, wire_round="bf16" if algo == "twoshot" else None)
+        for r, t in enumerate(rt.tensors):
+            err = rel_err(t["streams"], want_x)
+            assert err <= (1e-5 if sdt == "fp32" else 1e-2), f"rank {r} step {step}: streams relative error {err:.3e}"
+            for j in range(K):
+                err = rel_err(t[f"part.{j}"], want_p[j])
+                assert err <= 1e-3, f"rank {r} step {step}: part.{j} relative error {err:.3e}"
+                assert torch.equal(t[f"part.{j}"], rt.tensors[0][f"part.{j}"]), f"rank {r}: part.{j} differs"
+            assert torch.equal(t["streams"], rt.tensors[0]["streams"]), f"rank {r} differs from rank 0"
 
 
 @pytest.mark.parametrize("algo", ["oneshot", "twoshot"])

@@ -16,6 +16,7 @@ Attention kinds (one frozen dataclass each, `kind` tells them apart):
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -43,13 +44,38 @@ def reject_unsupported(config: Any, model: str, checks: Mapping[str, Any]) -> No
 
 
 # ---------------------------------------------------------------------------------------- rope
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1.0 for factor <= 1): DeepSeek's
+    `yarn_get_mscale`, the `get_mscale` of transformers' `_compute_yarn_parameters`."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 @dataclass(frozen=True)
 class RopeSpec:
+    """A rope. `scaling` holds the HF rope_parameters beyond theta as sorted (key, value) pairs
+    (empty: plain RoPE). sdk/reference/common.py turns it into frequencies and the cos/sin factor
+    (rope types "default" and "yarn"); `mscale` below is derived from it, never stored, so that a
+    spec built from a config cannot disagree with its own scaling."""
     dim: int                       # rotated channels per head
     theta: float
     interleaved: bool = False      # pairs (2i, 2i+1) instead of halves
     scaling: tuple = ()            # sorted (key, value) pairs of the HF rope_parameters, if any
-    mscale: float = 1.0            # YaRN softmax-scale factor folded into the attention scale
+
+    @property
+    def rope_type(self) -> str:
+        return dict(self.scaling).get("rope_type", "default")
+
+    @property
+    def mscale(self) -> float:
+        """DeepSeek-V3's YaRN softmax-scale correction: yarn_mscale(factor, mscale_all_dim) when the
+        scaling is not the default rope and sets mscale_all_dim, else 1.0 (transformers'
+        `yarn_apply_mscale`). MLA multiplies its softmax scale by mscale ** 2
+        (sdk/reference/mla.py `mla_softmax_scale`); DeepSeek-V4's attention does not read it
+        (nor does transformers' deepseek_v4)."""
+        params = dict(self.scaling)
+        if self.rope_type == "default" or not params.get("mscale_all_dim"):
+            return 1.0
+        return yarn_mscale(params["factor"], params["mscale_all_dim"])
 
 
 # ---------------------------------------------------------------------------------- attention

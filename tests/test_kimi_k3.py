@@ -270,10 +270,11 @@ def test_mla_index_mask_attends_only_selected_tokens():
     assert (want - full).abs().max() > 1e-3                  # the mask did change the result
 
 
-def test_mla_rejects_rope_scaling():
+def test_mla_rejects_unsupported_rope_scaling():
+    """YaRN is supported (tests/test_mla_yarn.py); other rope types are refused by name."""
     s = MLASpec(num_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
-                rope=RopeSpec(dim=4, theta=1e4, scaling=(("factor", 40.0), ("rope_type", "yarn"))))
-    with pytest.raises(UnsupportedConfigError, match="rope scaling"):
+                rope=RopeSpec(dim=4, theta=1e4, scaling=(("factor", 8.0), ("rope_type", "llama3"))))
+    with pytest.raises(UnsupportedConfigError, match="llama3"):
         build(MLAReference, s)
 
 

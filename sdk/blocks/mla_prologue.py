@@ -7,7 +7,7 @@ p = seq_lens[b] - T + t):
     cache row of (b, p)       = [ kv_norm * bf16(rmsnorm(ckv[m, :L])),  rope(ckv[m, L:], p) ]
 with q_raw the q_b GEMV's output [M, H, nope + rope], ckv the kv_a GEMV's [M, L + rope] (fp32),
 cos / sin [M, rope] the host's tables for the tokens' positions (bf16, halves layout, as
-sdk/reference/common.rope_cos_sin makes them). RoPE modes: "interleaved" (pairs (2i, 2i+1),
+sdk/reference/common.rope_cos_sin makes them: YaRN's frequencies and attention factor included). RoPE modes: "interleaved" (pairs (2i, 2i+1),
 DeepSeek / Kimi: regrouped into halves first, as the reference does), "halves", or "none" (the
 rope part passes unrotated: kimi_linear NoPE); rope = 0 (GLM-5.3) writes the latent only.
 The W_UK block fills q[..., :L]; the decode core waits on both. Arithmetic follows

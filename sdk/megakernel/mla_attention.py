@@ -32,7 +32,7 @@ class MLAAttentionConfig:
     rope: int = 64
     v: int = 128
     softmax_scale: float = 192 ** -0.5
-    scale_factor: float = 1.0
+    scale_factor: float = 1.0         # extra factor on the scale (YaRN's mscale ** 2: mla_layer folds it in)
     batch: int = 1
     q_tokens: int = 1
     page_size: int = 64

@@ -16,6 +16,11 @@ Ops wait only for what they read, so the q and kv branches and the GEMVs stream 
 concurrently. `reference()` is sdk/reference/mla.py's MLAReference.forward (expanded keys and
 values, its own RoPE and norms) on the same cache, plus the residual: the program is checked
 against the model's definition, not against its own pieces.
+
+RoPE scaling (YaRN, DeepSeek-V3 style) needs no device code: the host's cos / sin tables
+(`rope_tables`) come from the reference's rope_cos_sin (YaRN frequencies, times its attention
+factor) and the decode's scale is the reference's mla_softmax_scale (times mscale ** 2), both
+read off `MLALayerConfig.spec`, the MLASpec that `reference()` runs.
 """
 from __future__ import annotations
 
@@ -33,16 +38,53 @@ from .program import Program
 
 @dataclass(frozen=True)
 class MLALayerConfig:
-    attn: mla.MLAAttentionConfig        # the shard's heads, cache geometry, batch, splits
+    # the shard's heads, cache geometry, batch, splits; softmax_scale * scale_factor is the base
+    # scale, before YaRN's mscale ** 2 (see `decode_attn`)
+    attn: mla.MLAAttentionConfig
     hidden: int = 7168
     q_lora: int = 1536
     rope_theta: float = 50000.0
     rope_mode: str = "interleaved"      # MLARopeAppendConfig.rope_mode
     eps: float = 1e-6
+    rope_scaling: tuple = ()            # RopeSpec.scaling: sorted (key, value) pairs of the HF rope_parameters
+
+    def __post_init__(self):
+        from ..errors import UnsupportedConfigError
+        from ..reference.mla import MLAReference
+        if self.rope_scaling and self.rope is None:
+            raise UnsupportedConfigError(f"MLA layer: rope_scaling {dict(self.rope_scaling)} without rope "
+                                         f"(rope_mode={self.rope_mode!r}, rope={self.attn.rope})")
+        MLAReference.check(self.spec)   # an unsupported rope type fails here, naming it
 
     @property
     def q_width(self) -> int:
         return self.attn.nope + self.attn.rope
+
+    @property
+    def rope(self):
+        """The RopeSpec of q_pe and k_pe; None for NoPE (rope_mode "none" or no rope columns)."""
+        from ..spec import RopeSpec
+        if self.rope_mode == "none" or not self.attn.rope:
+            return None
+        return RopeSpec(dim=self.attn.rope, theta=self.rope_theta, interleaved=self.rope_mode == "interleaved",
+                        scaling=self.rope_scaling)
+
+    @property
+    def spec(self):
+        """The MLASpec the sublayer computes (what `reference()` runs MLAReference with)."""
+        from ..spec import MLASpec
+        a = self.attn
+        return MLASpec(num_heads=a.heads, q_lora_rank=self.q_lora, kv_lora_rank=a.kv_lora, qk_nope_head_dim=a.nope,
+                       qk_rope_head_dim=a.rope, v_head_dim=a.v, softmax_scale=a.softmax_scale * a.scale_factor,
+                       rope=self.rope, latent_norm_eps=self.eps)
+
+    @property
+    def decode_attn(self) -> mla.MLAAttentionConfig:
+        """`attn` with the reference's whole softmax scale (mla_softmax_scale: YaRN's mscale ** 2
+        included) folded into softmax_scale, scale_factor 1: the decode computes the very number
+        MLAReference multiplies its logits by."""
+        from ..reference.mla import mla_softmax_scale
+        return replace(self.attn, softmax_scale=mla_softmax_scale(self.spec), scale_factor=1.0)
 
 
 RECORDS_MARGIN = 4096     # smem the kernel's instruction records take beside the ring (a few KB here)
@@ -65,7 +107,7 @@ def build_program(cfg: MLALayerConfig) -> Program:
 
 
 def _build(cfg: MLALayerConfig) -> Program:
-    a, D = cfg.attn, cfg.hidden
+    a, D = cfg.decode_attn, cfg.hidden
     H, L, M = a.heads, a.kv_lora, a.tokens
     prog = Program()
     prog.buffer("x", (M, D), "bf16", "input")
@@ -130,11 +172,17 @@ def make_weights(cfg: MLALayerConfig, seed: int = 0, device="cpu") -> dict[str, 
 
 
 def rope_tables(cfg: MLALayerConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [M, rope] bf16 of the new tokens' positions [B, T] (the host's per-step tables)."""
+    """cos, sin [M, rope] bf16 of the new tokens' positions [B, T] (the host's per-step tables):
+    the reference's rope_cos_sin of the layer's rope (YaRN included). NoPE: the identity rotation
+    [M, max(rope, 1)], which the prologue does not read."""
     from ..reference.common import rope_cos_sin
-    from ..spec import RopeSpec
-    cos, sin = rope_cos_sin(RopeSpec(dim=cfg.attn.rope, theta=cfg.rope_theta), positions, torch.bfloat16)
-    return cos.reshape(-1, cfg.attn.rope), sin.reshape(-1, cfg.attn.rope)
+    rope = cfg.rope
+    if rope is None:
+        shape = (positions.numel(), max(cfg.attn.rope, 1))
+        return (torch.ones(shape, dtype=torch.bfloat16, device=positions.device),
+                torch.zeros(shape, dtype=torch.bfloat16, device=positions.device))
+    cos, sin = rope_cos_sin(rope, positions, torch.bfloat16)
+    return cos.reshape(-1, rope.dim), sin.reshape(-1, rope.dim)
 
 
 def make_inputs(cfg: MLALayerConfig, lens, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
@@ -159,15 +207,9 @@ def reference(cfg: MLALayerConfig, weights: dict, inputs: dict) -> torch.Tensor:
 
     from ..reference.common import StepInfo, rms_norm
     from ..reference.mla import MLAReference
-    from ..spec import MLASpec, RopeSpec
     a = cfg.attn
-    rope = None if cfg.rope_mode == "none" or not a.rope else \
-        RopeSpec(dim=a.rope, theta=cfg.rope_theta, interleaved=cfg.rope_mode == "interleaved")
-    spec = MLASpec(num_heads=a.heads, q_lora_rank=cfg.q_lora, kv_lora_rank=a.kv_lora, qk_nope_head_dim=a.nope,
-                   qk_rope_head_dim=a.rope, v_head_dim=a.v, softmax_scale=a.softmax_scale * a.scale_factor,
-                   rope=rope, latent_norm_eps=cfg.eps)
     f = {k: v.float() for k, v in weights.items()}
-    ref = MLAReference(None, SimpleNamespace(attention=spec), {
+    ref = MLAReference(None, SimpleNamespace(attention=cfg.spec), {
         "q_a_proj.weight": f["q_a_proj"], "q_a_layernorm.weight": f["q_a_norm"], "q_b_proj.weight": f["q_b_proj"],
         "kv_a_proj_with_mqa.weight": f["kv_a_proj"], "kv_a_layernorm.weight": f["kv_a_norm"],
         "kv_b_proj.weight": f["kv_b_proj"], "o_proj.weight": f["o_proj"]})

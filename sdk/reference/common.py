@@ -5,10 +5,14 @@ proven token-for-token equal to transformers on tiny configs (tests/test_referen
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ..errors import UnsupportedConfigError
+from ..spec import yarn_mscale
 
 
 @dataclass
@@ -57,7 +61,6 @@ def activation(name: str):
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        from ..errors import UnsupportedConfigError
         raise UnsupportedConfigError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}") from None
 
 
@@ -69,13 +72,62 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", limit: float
     return activation(act)(gate) * up
 
 
+def rope_inv_freq(rope, device=None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim/2] fp32, attention factor) of a `RopeSpec`, as transformers'
+    `_compute_default_rope_parameters` / `_compute_yarn_parameters` compute them (the same code in
+    5.17 and 5.24); the attention factor multiplies cos and sin. Rope types "default" and "yarn";
+    any other raises UnsupportedConfigError naming it.
+
+    YaRN keys read from `rope.scaling`: factor, original_max_position_embeddings (both required:
+    transformers falls back to config.max_position_embeddings, which a RopeSpec does not carry, so
+    the spec builder must fill them), attention_factor, mscale, mscale_all_dim, beta_fast (32),
+    beta_slow (1), truncate (True; DeepSeek-V4's spec builder never keeps it, as transformers reads
+    V4's from the top level of its per-layer-type dict, where it is absent)."""
+    params = dict(rope.scaling)
+    kind, dim, base = rope.rope_type, rope.dim, rope.theta
+    # arange in int64, then float: transformers' values, and this function's before YaRN existed
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+    if kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    if kind != "yarn":
+        raise UnsupportedConfigError(f"rope scaling: unsupported rope_type {kind!r} (supported: default, yarn)")
+    missing = [k for k in ("factor", "original_max_position_embeddings") if not params.get(k)]
+    if missing:
+        raise UnsupportedConfigError(f"yarn rope scaling {params} lacks {', '.join(missing)}")
+    factor, orig = params["factor"], params["original_max_position_embeddings"]
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        """The dimension whose wavelength makes `rotations` turns over the original context."""
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001                  # transformers' guard against a zero-width ramp
+    # dims below `low` keep their frequency (extrapolate), above `high` are divided by factor
+    # (interpolate), linear in between
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 def rope_cos_sin(rope, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, T, rope.dim] for integer positions [B, T] (halves layout: cat(freqs, freqs))."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, rope.dim, 2, dtype=torch.int64,
-                                                  device=positions.device).float() / rope.dim))
+    """cos, sin [B, T, rope.dim] for integer positions [B, T] (halves layout: cat(freqs, freqs)),
+    YaRN frequencies and attention factor included (rope_inv_freq), cast to `dtype` last - what
+    transformers' rotary embeddings return."""
+    inv_freq, attention_factor = rope_inv_freq(rope, positions.device)
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:

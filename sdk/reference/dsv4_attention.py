@@ -12,8 +12,9 @@ What one layer computes for a token at position p (x = the attention input, alre
 RoPE is interleaved (pairs 2i, 2i+1) on the trailing `rope_dim` channels. `spec.rope` is the rope of
 q and kv (HF: "main" on sliding-only layers, "compress" on CSA/HCA layers); `spec.compress_rope`
 is the rope of the compressed entries and of the indexer's queries ("compress", possibly YaRN).
-Supported rope types: "default" and "yarn" (as transformers computes them, cos/sin multiplied by the
-attention factor, which V4 pins to 1.0 for YaRN unless the config sets it).
+Supported rope types: "default" and "yarn" (sdk/reference/common.py `rope_inv_freq`, as transformers
+computes them, cos/sin multiplied by the attention factor, which V4 pins to 1.0 for YaRN unless the
+config sets it). V4 does not fold YaRN's mscale into its softmax scale (unlike DeepSeek-V3's MLA).
 
 Compression (one entry per `r` = compress_ratio tokens of a sequence): the tokens' projections
 kv_proj(x), gate_proj(x) + position_bias[p % r] are pooled with a softmax over the window (per
@@ -52,14 +53,12 @@ fine for an oracle, not for 100K-token prompts.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedConfigError
 from ..spec import DSV4AttentionSpec, LayerSpec, ModelSpec, RopeSpec
-from .common import StepInfo
+from .common import StepInfo, rope_inv_freq
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -68,41 +67,6 @@ def rms_norm_v4(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tor
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (h if weight is None else weight.float() * h).to(x.dtype)
-
-
-def rope_inv_freq(rope: RopeSpec) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [dim/2], cos/sin factor) of a rope, as transformers computes them."""
-    params = dict(rope.scaling)
-    kind = params.get("rope_type", "default")
-    dim, base = rope.dim, rope.theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
-    if kind == "default":
-        return 1.0 / pos_freqs, 1.0
-    if kind != "yarn":
-        raise UnsupportedConfigError(f"deepseek_v4 attention: unsupported rope_type {kind!r} (default, yarn)")
-    factor = params["factor"]
-    orig = params["original_max_position_embeddings"]
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        def mscale(scale, m=1.0):
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    beta_fast = params.get("beta_fast") or 32
-    beta_slow = params.get("beta_slow") or 1
-
-    def correction_dim(rotations):
-        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    # transformers reads `truncate` from the top-level (rope-type keyed) dict for V4, so it is always True
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention_factor)
 
 
 class Rope:

@@ -18,7 +18,9 @@ Follows transformers 5.24 `KimiLinearAttention` (models/kimi_linear) and the att
 `k_pe` is one key part shared by all heads. With `spec.rope` None it is used as is (kimi_linear and
 glm5_next: "NoPE"; glm5_next has qk_rope_head_dim = 0, kimi_linear 64); with a `RopeSpec` both q_pe
 and k_pe are rotated at their absolute positions before k_pe is cached (DeepSeek-V2/V3 style; halves
-or interleaved pairs). YaRN / other rope scaling is not implemented and raises
+or interleaved pairs). Rope scaling: YaRN as DeepSeek-V3 and transformers' `DeepseekV3Attention`
+apply it - cos/sin from the YaRN frequencies times its attention factor (common.rope_cos_sin), and
+the softmax scale times RopeSpec.mscale ** 2 (`mla_softmax_scale`); another rope type raises
 `UnsupportedConfigError` naming it.
 
 Local weight names (= the HF names under `self_attn.`):
@@ -32,7 +34,7 @@ Local weight names (= the HF names under `self_attn.`):
     o_proj.weight [D, H*v] (+ o_proj.bias if spec.attention_bias)
 
 Spec fields read (`MLASpec`): num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
-qk_rope_head_dim, v_head_dim, softmax_scale (0 = (nope+rope)^-0.5), rope, latent_norm_eps
+qk_rope_head_dim, v_head_dim, softmax_scale (the base: 0 = (nope+rope)^-0.5), rope, latent_norm_eps
 (kimi_linear builds its latent norms with the RMSNorm default 1e-6; glm5_next with rms_norm_eps),
 attention_bias, output_gate. `spec.indexer` is not read here: a DSA indexer lives in its own module that wraps
 or subclasses this one and passes `index_mask` (below).
@@ -54,8 +56,18 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedConfigError
-from ..spec import LayerSpec, MLASpec, ModelSpec, RopeSpec
-from .common import StepInfo, apply_rope, rms_norm, rope_cos_sin
+from ..spec import LayerSpec, MLASpec, ModelSpec
+from .common import StepInfo, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+
+
+def mla_softmax_scale(s: MLASpec) -> float:
+    """The attention's logit scale: spec.softmax_scale (0 = (nope+rope)^-0.5) times YaRN's
+    mscale ** 2 when the rope sets mscale_all_dim (transformers' `yarn_apply_mscale`, same order of
+    products). The megakernel's decode takes this value too (sdk/megakernel/mla_layer.py)."""
+    scale = s.softmax_scale or (s.qk_nope_head_dim + s.qk_rope_head_dim) ** -0.5
+    if s.rope is not None:
+        scale = scale * s.rope.mscale * s.rope.mscale
+    return scale
 
 
 class MLAReference:
@@ -64,15 +76,12 @@ class MLAReference:
         self.check(s)
         self.spec, self.w = s, weights
         self.qk_head_dim = s.qk_nope_head_dim + s.qk_rope_head_dim
-        self.scale = s.softmax_scale or self.qk_head_dim ** -0.5
+        self.scale = mla_softmax_scale(s)
 
     @staticmethod
     def check(s: MLASpec) -> None:
         if s.rope is not None:
-            if s.rope.scaling:
-                raise UnsupportedConfigError(f"MLA: rope scaling {dict(s.rope.scaling)} is not implemented")
-            if s.rope.mscale != 1.0:
-                raise UnsupportedConfigError(f"MLA: rope mscale={s.rope.mscale} is not implemented")
+            rope_inv_freq(s.rope)          # raises naming an unsupported rope type or a YaRN key it lacks
             if s.rope.dim != s.qk_rope_head_dim:
                 raise UnsupportedConfigError(
                     f"MLA: rope.dim={s.rope.dim} must equal qk_rope_head_dim={s.qk_rope_head_dim}")

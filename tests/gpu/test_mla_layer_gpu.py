@@ -1,7 +1,7 @@
 """The whole MLA attention sublayer (input norm, q / kv projections with their norms, RoPE, cache
 append, absorbed split-KV attention, o_proj + residual) in ONE megakernel launch on the H200, at
 the Kimi K3 TP8 / TP16 head shards, against MLAReference.forward + residual (fp32, the model's own RoPE
-and norms); ragged batch, pages scattered, outputs poisoned, two launches.
+and norms; plain RoPE and YaRN); ragged batch, pages scattered, outputs poisoned, two launches.
 Run: `pytest -m gpu tests/gpu/test_mla_layer_gpu.py`."""
 import pytest
 import torch
@@ -11,9 +11,14 @@ from harness import clock_seed, need_gpu, rel_err
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("T,heads,mode,kvd", [(1, 12, "interleaved", "bf16"), (2, 6, "halves", "bf16"),
-                                              (1, 12, "interleaved", "fp8_e4m3")])
-def test_mla_sublayer_one_launch(T, heads, mode, kvd):
+YARN = (("factor", 4.0), ("mscale", 1.0), ("mscale_all_dim", 1.0), ("original_max_position_embeddings", 2048),
+        ("rope_type", "yarn"))
+
+
+@pytest.mark.parametrize("T,heads,mode,kvd,scaling", [(1, 12, "interleaved", "bf16", ()), (2, 6, "halves", "bf16", ()),
+                                                      (1, 12, "interleaved", "fp8_e4m3", ()),
+                                                      (1, 12, "interleaved", "bf16", YARN)])
+def test_mla_sublayer_one_launch(T, heads, mode, kvd, scaling):
     need_gpu()
     from sdk.megakernel.mla_attention import MLAAttentionConfig
     from sdk.megakernel.mla_layer import MLALayerConfig, build_program, make_inputs, make_weights, reference
@@ -23,7 +28,7 @@ def test_mla_sublayer_one_launch(T, heads, mode, kvd):
     lens = [T, 3001, 9000]
     attn = MLAAttentionConfig(heads=heads, batch=3, q_tokens=T, num_pages=sum(-(-x // 64) for x in lens) + 4,
                               max_seq_len=9000, kv_dtype=kvd)
-    cfg = MLALayerConfig(attn, rope_mode=mode)
+    cfg = MLALayerConfig(attn, rope_mode=mode, rope_scaling=scaling)      # YaRN: host tables + scale
     prog = build_program(cfg)
     w = make_weights(cfg, seed=seed, device="cuda")
     tensors = PyVM.alloc(prog, device="cuda")

@@ -107,3 +107,20 @@ def test_bench_gemv_cases_default_to_pdl():
         plain = {c[:2] for c in cases if c[5] is False}
         assert (7168, 2048) in plain and all(c[5] is True for c in cases if c[:2] not in plain)
     assert {c[:2] for c in gemv_cases(False) if c[5] is False} == {(7168, 2048), (4096, 7168)}
+
+
+@pytest.mark.parametrize("n,k,m,wd", [(7168, 2048, 1, "bf16"), (4096, 7168, 1, "bf16"), (18432, 7168, 1, "fp8_e4m3"),
+                                      (18432, 7168, 8, "bf16"), (7168, 2048, 64, "bf16")])
+def test_coresident_ring_fits_two_ctas_per_sm(n, k, m, wd):
+    """With PDL the standalone ring is sized for two CTAs per SM (consecutive launches overlap):
+    both CTAs' shared memory (ring + staged x + scratch + the hardware's per-CTA reserve) fits the
+    SM, and the ring keeps at least 3 stages."""
+    from sdk.blocks.base import CTA_RESERVED_SMEM, SCRATCH_WORDS, SM_SMEM, coresident_stages, ring_geometry
+    block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype=wd))
+    stages = coresident_stages([block])
+    stage, got, xbytes = ring_geometry([block], stages)
+    assert got == stages >= 3
+    per_cta = stage * stages + xbytes + 4 * SCRATCH_WORDS + 256 + CTA_RESERVED_SMEM
+    assert 2 * per_cta <= SM_SMEM
+    assert ring_geometry([block])[1] > stages          # one CTA per SM would take a deeper ring
+

@@ -24,7 +24,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from .allreduce import ERR_PEER_TIMEOUT
-from .base import NUM_THREADS, PRODUCER_FIRST, SCRATCH_WORDS, ring_geometry
+from .base import NUM_THREADS, PRODUCER_FIRST, SCRATCH_WORDS, coresident_stages, ring_geometry
 
 DTYPE_MAP = {
     "bf16": cutlass.BFloat16,
@@ -262,6 +262,9 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     measured on the H200 (2026-12-03), GEMV bf16 M=1 7168 x 2048 alone 52.4% -> 69.3% of the copy
     bandwidth, 4096 x 7168 73.4% -> 86.7%, outputs equal. `pdl=False` launches plainly. (The
     megakernel's own launch keeps PDL opt-in: `MegakernelRuntime(pdl=...)`, see its docstring.)
+    With PDL and no `max_stages`, the ring is sized so two CTAs share an SM (`coresident_stages`):
+    the next launch then streams beside the previous one instead of waiting for its SM (7168 x 2048
+    69.3% -> 84.0%).
 
     Returns `fn(optab_addr: int, stream)`. With `arch` set, compiles for that GPU arch with no GPU
     present (compile check)."""
@@ -302,6 +305,9 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
     ntiles = block.num_tiles()
     nch = block.stream_chunks()
     G = min(ntiles, num_ctas)
+    if pdl and max_stages is None:
+        # a ring two CTAs fit on one SM: consecutive launches overlap on every SM (coresident_stages)
+        max_stages = coresident_stages([block])
     stage_bytes, P, xbytes = ring_geometry([block], max_stages)
 
     @cute.jit

@@ -67,6 +67,10 @@ STATS_OFFSET = 8 * 64
 # small static allocations): the weight ring takes what the staged activations leave.
 SMEM_BUDGET = 220 * 1024
 MAX_STAGES = 16
+# Shared memory of one SM (H100 / H200 / B200: 228 KB) and what the hardware reserves per CTA (1 KB):
+# `coresident_stages` sizes a ring so that several CTAs share an SM.
+SM_SMEM = 228 * 1024
+CTA_RESERVED_SMEM = 1024
 # Largest operand (in elements) that 32-bit offsets address (see Block.wide_operands).
 INDEX_LIMIT = 2 ** 31 - 1
 # Threads that issue the weight ring's cp.async copies: all but warp 0 (see the module docstring).
@@ -96,6 +100,23 @@ def ring_geometry(blocks, max_stages: int | None = None, reserved: int = 0) -> t
                                      f"for {stages} stage(s) beside {reserved} B of other shared memory"
                                      f"{beside}; need 2 (fewer pipeline stages in those blocks)")
     return stage, stages, xbytes
+
+def coresident_stages(blocks, ctas: int = 2, min_stages: int = 3) -> int | None:
+    """The most ring stages with which `ctas` CTAs of this ring fit one SM's shared memory, or None
+    when fewer than `min_stages` would. The standalone streaming kernel launched with PDL uses it
+    (two CTAs): the next launch's CTA then starts beside the previous launch's on the same SM and
+    streams its weights while the previous one finishes, instead of after it. Measured on the H200
+    (2026-12-03, bf16 GEMV M=1, back-to-back launches): 7168 x 2048 (29 MB) 66.5% -> 84.0% of the
+    copy bandwidth, 4096 x 7168 86.7% -> 89.9%, 18432 x 7168 96.0% -> 96.4% (6 stages vs the
+    13 / 12 of one CTA per SM)."""
+    stream = [b for b in blocks if b.stream_chunks() > 0]
+    if not stream:
+        return None
+    stage, _, xbytes = ring_geometry(blocks, max_stages=2)
+    per_cta = SM_SMEM // ctas - CTA_RESERVED_SMEM
+    stages = min(MAX_STAGES, (per_cta - xbytes - 4 * SCRATCH_WORDS - 256) // stage)
+    return stages if stages >= min_stages else None
+
 
 DTYPES = {
     "bf16": torch.bfloat16,

@@ -49,6 +49,8 @@ class MLPStackConfig:
     num_sms: int = 132                  # SMs the balanced tiles are cut for
     fuse_norm: bool | None = None       # RMSNorm inside the gate/up tiles; None = batch <= 2
     fp8_decode: str = "cvt"             # GemvConfig.fp8_decode of the CUDA-core fp8 tiles
+    gateup_mma: bool | None = None      # GemvConfig.mma of the gate/up GEMVs (None = auto)
+    down_mma: bool | None = None        # ... of the down GEMVs
 
     @property
     def norm_fused(self) -> bool:
@@ -80,13 +82,13 @@ def build_program(cfg: MLPStackConfig) -> Program:
 
     def gateup(first):
         return gemv_block(GemvConfig(n=i, k=d, m=m, weight_dtype=wd, swiglu=True, swiglu_limit=cfg.swiglu_limit,
-                                     norm=fused, norm_eps=cfg.eps, fp8_decode=cfg.fp8_decode,
+                                     norm=fused, norm_eps=cfg.eps, fp8_decode=cfg.fp8_decode, mma=cfg.gateup_mma,
                                      x_dtype=("bf16" if first else "fp32") if fused else "bf16"),
                           cfg.gateup_rows, cfg.num_sms)
 
     def down(first):
         return gemv_block(GemvConfig(n=d, k=i, m=m, weight_dtype=wd, out_dtype="fp32", fp8_decode=cfg.fp8_decode,
-                                     residual="bf16" if first else "fp32"), cfg.down_rows, cfg.num_sms)
+                                     mma=cfg.down_mma, residual="bf16" if first else "fp32"), cfg.down_rows, cfg.num_sms)
 
     def norm(first):
         return RMSNormBlock(RMSNormConfig(d=d, m=m, eps=cfg.eps, residual_in=False,

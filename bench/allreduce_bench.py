@@ -22,7 +22,8 @@ kernels ran only after others had ended, and 4 of 16 cases timed out ('rank 5 ne
 2026-12-03; bench/NOTES.md).
 
 Message = M tokens x D=4096 bf16 (8 KB per token): 8 KB .. 1 MB. JSON: commit, command, GPU,
-ranks, note, per (algo, bytes): us per all-reduce, op span, wall us.
+ranks, note, per (algo, bytes): us per all-reduce, op span, wall us. --mhc: the same with the mHC
+post-mix epilogue (GLM-5.3 / V4.1-Flash residual streams; allreduce_mhc_bench.json).
 """
 from __future__ import annotations
 
@@ -38,16 +39,25 @@ import torch
 from bench.common import commit, launch_together, write_json
 
 
-def measure(n: int, m: int, d: int, algo: str, k: int, reps: int, sms_per_rank: int | None = None) -> dict:
+def measure(n: int, m: int, d: int, algo: str, k: int, reps: int, sms_per_rank: int | None = None,
+            mhc: bool = False) -> dict:
+    """mhc: the all-reduces post-mix into 4 mHC residual streams (fp32) with the next pre-mix's
+    24 partials (sdk.comm.ops.build_mhc_allreduce_chain) instead of residual + RMSNorm."""
     from sdk.comm import VirtualRanks
+    from sdk.comm.ops import build_mhc_allreduce_chain
     from sdk.comm.runtime import TPRuntime
     from sdk.megakernel.tp_stack import build_allreduce_chain
-    prog, comm = build_allreduce_chain(n, m, d, k, algo=algo)
+    build = build_mhc_allreduce_chain if mhc else build_allreduce_chain
+    prog, comm = build(n, m, d, k, algo=algo)
     bufs = VirtualRanks(n, comm.layout, "cuda")
     T = [comm.alloc_rank_tensors(bufs, r, "cuda") for r in range(n)]
     for t in T:
         t["partial"].copy_(torch.randn(m, d, device="cuda").to(torch.bfloat16) * 1e-3)
-        t["norm.weight"].fill_(1.0)
+        if mhc:       # streams, mixing coefficients (positive, < 1) and the next mix's weights
+            for name in ["streams_in", "fn_next"] + [f"coef.{j}" for j in range(k)]:
+                t[name].copy_(torch.rand_like(t[name]) * 0.5)
+        else:
+            t["norm.weight"].fill_(1.0)
     t0 = time.time()
     rt = TPRuntime(prog, comm, bufs, T, timing=True, num_sms=sms_per_rank)
     rt.run()                                   # compile + first launch
@@ -80,7 +90,8 @@ def measure(n: int, m: int, d: int, algo: str, k: int, reps: int, sms_per_rank: 
             np.maximum.at(end, A_, tim[S_, J_, 1])
         lat.append((end[-1] - end[0]) / (k - 1) / 1e3)
         span.append(float(np.median(end - start)) / 1e3)
-    return {"algo": algo, "m": m, "d": d, "bytes": m * d * 2, "ranks": n, "chain": k,
+    return {"algo": algo, "epilogue": "mhc" if mhc else "residual+norm", "m": m, "d": d, "bytes": m * d * 2,
+            "ranks": n, "chain": k,
             "us_per_allreduce": round(statistics.median(lat), 3), "op_span_us": round(statistics.median(span), 3),
             "wall_us_per_launch": round(statistics.median(wall), 2), "tiles": [len(prog.ops[o].instructions)
                                                                               for o in comm.records[0]["ops"]],
@@ -96,10 +107,12 @@ def main(argv=None):
     ap.add_argument("--chain", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer sizes (8 KB, 64 KB, 256 KB, 1 MB)")
+    ap.add_argument("--mhc", action="store_true", help="the mHC post-mix epilogue (4 streams, 24 next-mix "
+                    "partials) instead of residual + RMSNorm; sizes M = 1, 8, 64 unless --quick")
     ap.add_argument("--sms-per-rank", type=int, default=None,
                     help="CTAs (SMs) of each rank's launch; default SMs // ranks (ranks x this must fit the GPU)")
     args = ap.parse_args(argv)
-    ms = [1, 8, 32, 128] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]
+    ms = [1, 8, 32, 128] if args.quick else [1, 8, 64] if args.mhc else [1, 2, 4, 8, 16, 32, 64, 128]
     gpu = torch.cuda.get_device_name()
     from sdk.comm.runtime import ctas_per_rank
     for n in args.ranks:      # every rank's CTAs must fit the GPU at once: refuse now, not time out later
@@ -113,7 +126,7 @@ def main(argv=None):
                 chain = args.chain
                 while True:
                     try:
-                        r = measure(n, m, args.d, algo, chain, args.reps, args.sms_per_rank)
+                        r = measure(n, m, args.d, algo, chain, args.reps, args.sms_per_rank, args.mhc)
                     except Exception as exc:      # e.g. a size two-shot cannot tile: record, go on
                         # a long chain of large messages puts more instruction records on one SM
                         # than its shared memory holds: measure a shorter chain instead
@@ -131,7 +144,7 @@ def main(argv=None):
            "note": "virtual ranks on one GPU: peer stores land in local HBM, so this is the instruction's "
                    "overhead (pushes, fence.sys, flag round trip, reduce, residual, RMSNorm, counter hop), "
                    "not NVLink", "results": rows}
-    path = write_json(args.out, "allreduce_bench.json", res)
+    path = write_json(args.out, "allreduce_mhc_bench.json" if args.mhc else "allreduce_bench.json", res)
     print(f"\nall-reduce latency (us per fused all-reduce in a chain; op span in parentheses), D={args.d} bf16")
     print(f"{'ranks':>5} {'bytes':>9} " + " ".join(f"{a:>18}" for a in ("oneshot", "twoshot")))
     for n in args.ranks:

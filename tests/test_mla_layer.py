@@ -105,10 +105,30 @@ def test_layer_program_equals_mla_reference_forward(T, mode, kvd):
 
 
 def test_layer_program_fits_the_ring_or_says_why():
-    """Decode stages step down until the projections' ring has 2 stages; a shard that cannot
-    fit (T x heads = 24 rows: a 32-row MMA tile) is a clear error naming the decode tile."""
+    """Decode stages step down until the projections' ring has 2 stages; T x heads = 24 rows (a
+    32-row MMA decode tile) fits only with the fallback 16-row projection tiles; past the decode
+    tile's rows a clear error names the limit."""
+    from sdk.megakernel.mla_layer import FALLBACK_GEMV_ROWS
     ok = build_program(MLALayerConfig(MLAAttentionConfig(heads=12, batch=3, num_pages=200, max_seq_len=9000)))
     assert ok.ops[5].block.stages == 2
-    with pytest.raises(UnsupportedConfigError, match="MLADecodeBlock tiles"):
-        build_program(MLALayerConfig(MLAAttentionConfig(heads=12, batch=3, q_tokens=2, num_pages=200,
+    t2 = build_program(MLALayerConfig(MLAAttentionConfig(heads=12, batch=3, q_tokens=2, num_pages=200,
+                                                         max_seq_len=9000)))
+    assert {b.config.rows_per_tile for b in t2.opcodes.blocks if b.stream_chunks()} == {FALLBACK_GEMV_ROWS}
+    with pytest.raises(UnsupportedConfigError, match="q_tokens x heads = 36 rows"):
+        build_program(MLALayerConfig(MLAAttentionConfig(heads=12, batch=3, q_tokens=3, num_pages=200,
                                                         max_seq_len=9000)))
+
+
+def test_batch8_k3_shard_builds_with_smaller_projection_tiles():
+    """Kimi K3 TP8 at batch 8: the projections' balanced tiles (o_proj 56 rows: 29.6 KB ring
+    stages) beside 57 KB of staged activations and the decode's shared memory leave no 2-stage
+    ring; the program falls back to 16-row projection tiles and still fits (the B=8 sublayer
+    bench refused to build before)."""
+    from sdk.blocks.base import ring_geometry
+    from sdk.megakernel.mla_attention import MLAAttentionConfig
+    from sdk.megakernel.mla_layer import FALLBACK_GEMV_ROWS, RECORDS_MARGIN, MLALayerConfig, build_program
+    attn = MLAAttentionConfig(heads=12, batch=8, q_tokens=1, num_pages=8 * 512 + 8, max_seq_len=32768)
+    prog = build_program(MLALayerConfig(attn))
+    gemvs = [b for b in prog.opcodes.blocks if b.stream_chunks()]
+    assert {b.config.rows_per_tile for b in gemvs} == {FALLBACK_GEMV_ROWS}
+    assert ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)[1] >= 2

@@ -90,23 +90,33 @@ class MLALayerConfig:
 RECORDS_MARGIN = 4096     # smem the kernel's instruction records take beside the ring (a few KB here)
 
 
+# rows per tile of the projections when their balanced tiles leave no room: batch 8 at Kimi K3
+# TP8 cut o_proj into 56-row tiles (29.6 KB ring stages) beside 57 KB of staged activations and the
+# decode's 98 KB (measured: the B=8 sublayer bench refused to build)
+FALLBACK_GEMV_ROWS = 16
+
+
 def build_program(cfg: MLALayerConfig) -> Program:
     """The sublayer's program, with as many decode pipeline stages (attn.decode_stages down to
-    2) as leave the projections' weight ring 2 stages of shared memory; else the ring's error."""
+    2) as leave the projections' weight ring 2 stages of shared memory - with the projections'
+    balanced tiles, else with FALLBACK_GEMV_ROWS-row tiles (smaller ring stages); else the ring's
+    error."""
     from ..blocks.base import ring_geometry
     from ..errors import UnsupportedConfigError
     err = None
-    for st in range(cfg.attn.decode_stages, 1, -1):
-        prog = _build(replace(cfg, attn=replace(cfg.attn, decode_stages=st)))
-        try:
-            ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)
-            return prog
-        except UnsupportedConfigError as exc:
-            err = exc
+    for rows in (0, FALLBACK_GEMV_ROWS):
+        for st in range(cfg.attn.decode_stages, 1, -1):
+            prog = _build(replace(cfg, attn=replace(cfg.attn, decode_stages=st)), rows)
+            try:
+                ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)
+                return prog
+            except UnsupportedConfigError as exc:
+                err = exc
     raise err
 
 
-def _build(cfg: MLALayerConfig) -> Program:
+def _build(cfg: MLALayerConfig, gemv_rows: int = 0) -> Program:
+    """gemv_rows: rows per tile of every projection (0: balanced over the SMs)."""
     a, D = cfg.decode_attn, cfg.hidden
     H, L, M = a.heads, a.kv_lora, a.tokens
     prog = Program()
@@ -125,7 +135,7 @@ def _build(cfg: MLALayerConfig) -> Program:
     prog.buffer("resid", (M, D), "fp32", "output")
 
     def gemv(n, k, **kw):
-        return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), 0, a.num_sms)
+        return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), gemv_rows, a.num_sms)
 
     qa = prog.op(gemv(cfg.q_lora, D, norm=True), {"w": "q_a_proj", "x": "x", "norm_weight": "input_norm", "y": "q_a"},
                  label="attn.q_a")

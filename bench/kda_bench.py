@@ -138,6 +138,8 @@ def cases(quick: bool):
             for vs in splits:
                 out.append((model, heads, batch, f"core v_split={vs}", [dict(v_split=vs)]))
             out.append((model, heads, batch, "fused conv+norm", [dict(conv=True, out_norm=True)]))
+            out.append((model, heads, batch, "fused conv+norm staged",
+                        [dict(conv=True, out_norm=True, conv_staged=True)]))
             if batch == 64:     # register-capped occupancy: 2 / 3 CTAs per SM (ptxas: 128 / 80 registers)
                 out.append((model, heads, batch, "core v_split=1 ctas=2", [dict(v_split=1, ctas_per_sm=2)]))
                 out.append((model, heads, batch, "core v_split=2 ctas=3", [dict(v_split=2, ctas_per_sm=3)]))

@@ -210,7 +210,8 @@ def test_verify_then_commit_equals_single_steps(kw):
 # ------------------------------------------------------------------ static checks
 @pytest.mark.parametrize("kw", [dict(v_split=2, conv=True), dict(v_split=2, out_norm=True), dict(v_split=8),
                                 dict(head_dim=256), dict(tokens=17), dict(commit="later"),
-                                dict(gate_kind="exp"), dict(state_dtype="fp8_e4m3")])
+                                dict(gate_kind="exp"), dict(state_dtype="fp8_e4m3"), dict(conv_staged=True),
+                                dict(ctas_per_sm=9)])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):
         KDABlock(KDAConfig(**{**TINY, "head_dim": 128, **kw}))
@@ -230,6 +231,7 @@ COMPILE_VARIANTS = [
     dict(batch=8, heads=12, tokens=4, v_split=4, state_dtype="bf16", commit="accepted", gate_kind="softplus"),
     dict(batch=1, heads=8, tokens=3, v_split=2, commit="per_token", gate_kind="log_decay", out_dtype="fp32"),
     dict(batch=2, heads=12, tokens=2, commit="none", conv=True, conv_w_dtype="fp32", out_norm=True),
+    dict(batch=2, heads=12, tokens=3, commit="accepted", conv=True, out_norm=True, conv_staged=True),
 ]
 
 
@@ -248,5 +250,7 @@ def test_inlines_into_the_megakernel():
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     from sdk.blocks.rmsnorm import RMSNormBlock, RMSNormConfig
     from sdk.megakernel.kernel import compile_megakernel
-    blocks = [RMSNormBlock(RMSNormConfig(d=7168, m=8)), KDABlock(KDAConfig(batch=8, heads=12, conv=True, out_norm=True))]
+    blocks = [RMSNormBlock(RMSNormConfig(d=7168, m=8)), KDABlock(KDAConfig(batch=8, heads=12, conv=True, out_norm=True)),
+              KDABlock(KDAConfig(batch=8, heads=12, conv=True, out_norm=True, conv_staged=True))]
     compile_megakernel(blocks, 132, 8, arch="sm_90a")
+    assert blocks[2].own_smem_bytes() == 3 * 128 * 4 and blocks[1].own_smem_bytes() == 0

@@ -87,6 +87,9 @@ class KDAConfig:
     out_dtype: str = "bf16"              # "bf16" | "fp32"
     ctas_per_sm: int = 0                 # standalone kernel: CTAs per SM ptxas must fit (registers
                                          # capped; 0 = no request) - more state bytes in flight
+    conv_staged: bool = False            # conv=True: the head's 3K conv outputs per token computed
+                                         # once per tile into shared memory (one thread per channel)
+                                         # instead of by every lane that reads them (32x for q, k)
 
 
 class KDABlock(Block):
@@ -131,6 +134,8 @@ class KDABlock(Block):
         if (c.conv or c.out_norm) and c.v_split != 1:
             u("kda: conv / out_norm fusion needs the whole head in one tile (v_split=1): the conv "
               "state is shared by the head's tiles and the norm reduces over all of V")
+        if c.conv_staged and not c.conv:
+            u("kda: conv_staged needs conv=True (it stages the fused conv's outputs)")
         if c.conv and c.conv_kernel < 2:
             u(f"kda: conv_kernel={c.conv_kernel} (supported: >= 2)")
         if not 1 <= c.batch:
@@ -168,6 +173,10 @@ class KDABlock(Block):
     def num_tiles(self) -> int:
         c = self.config
         return c.batch * c.heads * c.v_split
+
+    def own_smem_bytes(self) -> int:
+        c = self.config
+        return c.tokens * 3 * c.head_dim * 4 if c.conv_staged else 0
 
     def standalone_ctas_per_sm(self) -> int:
         return self.config.ctas_per_sm

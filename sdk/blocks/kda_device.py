@@ -26,6 +26,8 @@ def build_kda_tile(block):
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
+    from cutlass.memory import SmemAllocator
+
     from ._cute import DTYPE_MAP, gmem_tensor
 
     c = block.config
@@ -60,6 +62,8 @@ def build_kda_tile(block):
     eps = L2NORM_EPS
     norm_eps = float(c.norm_eps)
     beta_sig = c.beta_sigmoid
+    staged = c.conv_staged
+    NCONV = T * 3 * K                        # staged conv outputs of the tile's head (all tokens)
 
     def kred(x):
         """Sum over the K lanes of the warp (all of K for this lane's columns)."""
@@ -149,6 +153,19 @@ def build_kda_tile(block):
         for j in cutlass.range_constexpr(RK):
             rS[j, None].store(mS[b, h, k0 + j, c4, None].load().to(Float32))
 
+        sConv = None
+        if cutlass.const_expr(staged):
+            # the head's conv outputs [T, q|k|v, K], each computed by one thread while the state
+            # loads are in flight; the token loop reads its rows / columns as vectors
+            sConv = SmemAllocator().allocate_tensor(Float32, cute.make_layout((T, 3, K), stride=(3 * K, K, 1)),
+                                                    byte_alignment=16)
+            for i in cutlass.range(tid, NCONV, NUM_THREADS, unroll=1):
+                tt = i // (3 * K)
+                part = (i // K) % 3
+                ch = i % K
+                sConv[tt, part, ch] = conv_out(mX, mCS, mCW, b, part * C + h * K + ch, tt)
+            cute.arch.sync_threads()
+
         rq = cute.make_rmem_tensor((RK,), Float32)
         rk = cute.make_rmem_tensor((RK,), Float32)
         rd = cute.make_rmem_tensor((RK,), Float32)
@@ -156,7 +173,13 @@ def build_kda_tile(block):
         racc = cute.make_rmem_tensor((4,), Float32)
         for t in cutlass.range(n_tok, unroll=1):
             # -- inputs of this token: q, k rows k0.., v columns, gate -> decay, beta
-            if cutlass.const_expr(conv):
+            if cutlass.const_expr(staged):
+                sQK = cute.make_tensor(sConv.iterator, cute.make_layout((T, 3, LK, RK), stride=(3 * K, K, RK, 1)))
+                sV4 = cute.make_tensor(sConv.iterator, cute.make_layout((T, 3, K // 4, 4), stride=(3 * K, K, 4, 1)))
+                rq.store(sQK[t, 0, kl, None].load())
+                rk.store(sQK[t, 1, kl, None].load())
+                rv.store(sV4[t, 2, c4, None].load())
+            elif cutlass.const_expr(conv):
                 for j in cutlass.range_constexpr(RK):
                     rq[j] = conv_out(mX, mCS, mCW, b, h * K + k0 + j, t)
                     rk[j] = conv_out(mX, mCS, mCW, b, C + h * K + k0 + j, t)

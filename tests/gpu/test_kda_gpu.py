@@ -79,6 +79,23 @@ def test_kda_block_matches_reference(batch, model, kw):
     check_against_reference(block, t)
 
 
+@pytest.mark.parametrize("batch,model,tokens", [(8, "kimi_k3_tp8", 1), (64, "glm53_tp8", 1), (4, "kimi_k3_tp8", 3)])
+def test_kda_staged_conv_equals_per_lane_conv(batch, model, tokens):
+    """conv_staged (each conv output computed once per tile into shared memory) runs the same fp32
+    operations as the per-lane conv: outputs, state and conv state bit-identical, and equal to
+    the reference."""
+    need_gpu()
+    from sdk.blocks.kda import KDABlock, KDAConfig
+    kw = dict(batch=batch, heads=SHAPES[model], head_dim=128, tokens=tokens, conv=True, out_norm=True)
+    plain, staged = KDABlock(KDAConfig(**kw)), KDABlock(KDAConfig(conv_staged=True, **kw))
+    t = gpu_inputs(plain, seed=batch + tokens)
+    got_staged = check_against_reference(staged, t)
+    got_plain = {k: v.clone() for k, v in t.items()}
+    run_standalone(plain, got_plain)
+    for name in ("o", "state", "conv_state"):
+        assert torch.equal(got_staged[name], got_plain[name]), f"{name}: staged conv differs from the per-lane conv"
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(conv=True, out_norm=True), dict(state_dtype="bf16", v_split=2)],
                          ids=["core", "conv+norm", "bf16-state"])
 def test_kda_ragged_accepted_commit(kw):

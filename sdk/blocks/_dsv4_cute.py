@@ -296,11 +296,19 @@ def build_dsv4_decode_tile(block):
 
 
 def build_dsv4_combine_tile(block):
+    """Tile (b, tq, h, cq): the head's split weights (sink in the denominator), then the weighted
+    sum of 128 columns with thread (split group sg, 16-byte column group cg) summing splits sg,
+    sg + SG, ... (4 loads in flight), the groups' sums added through smem, rounded to bf16 and
+    un-roped in pairs (the reference's order)."""
+    from .dsv4_attention import COMBINE_COLS
     c = block.config
     B, T, H, D, S = c.batch, c.q_tokens, c.heads, c.head_dim, c.num_splits
     G, R = block.groups, block.rows
     PTG = c.per_token_groups
-    CPT = D // NUM_THREADS               # consecutive columns per thread
+    CW = COMBINE_COLS
+    NCQ = D // CW
+    CG = CW // 4                         # 16-byte column groups of a tile
+    SG = NUM_THREADS // CG               # split groups
     RD = c.rope_dim
     R2 = max(RD // 2, 1)
     NEG_INF = -math.inf
@@ -308,59 +316,80 @@ def build_dsv4_combine_tile(block):
     @cute.jit
     def tile(ptrs, t: Int32, scratch):
         tid, _, _ = cute.arch.thread_idx()
-        b = t // T
-        tq = t % T
+        lane = tid % 32
+        cq = t % NCQ
+        h = (t // NCQ) % H
+        tq = (t // (NCQ * H)) % T
+        b = t // (NCQ * H * T)
         g = Int32(0)
-        r0 = tq * H
+        r = tq * H + h
         if cutlass.const_expr(PTG):
             g = tq
-            r0 = Int32(0)
-        mO = gmem_tensor(ptrs[0], Float32, (B, G, S, R, NUM_THREADS, CPT), 4)
+            r = h
+        mO = gmem_tensor(ptrs[0], Float32, (B, G, S, R, D // 4, 4), 16)
         mL = gmem_tensor(ptrs[1], Float32, (B, G, S, R), 4)
         mSink = gmem_tensor(ptrs[2], Float32, (H,), 4)
-        mOut = gmem_tensor(ptrs[5], BFloat16, (B, T, H, NUM_THREADS, CPT), 2)
+        mOut = gmem_tensor(ptrs[5], BFloat16, (B, T, H, D), 2)
         smem = SmemAllocator()
-        sL = smem.allocate_tensor(Float32, cute.make_layout((S, H), stride=(H, 1)), byte_alignment=16)
-        sM = smem.allocate_tensor(Float32, cute.make_layout((2, H), stride=(H, 1)), byte_alignment=16)
-        for i in cutlass.range(tid, S * H, NUM_THREADS, unroll=1):
-            sL[i // H, i % H] = mL[b, g, i // H, r0 + i % H]
-        cute.arch.sync_threads()
-        if tid < H:
-            sink = mSink[tid]
+        sW = smem.allocate_tensor(Float32, cute.make_layout(S), byte_alignment=16)
+        sR = smem.allocate_tensor(Float32, cute.make_layout((SG, CW), stride=(CW, 1)), byte_alignment=16)
+        sM = smem.allocate_tensor(Float32, cute.make_layout(2), byte_alignment=16)
+        # ---- the head's weights: warp 0 reduces max and sum of exp over the S lse values + sink ----
+        if tid < 32:
+            sink = mSink[h]
             mx = sink
-            for sp in cutlass.range(S, unroll=1):
-                mx = cute.arch.fmax(mx, sL[sp, tid])
-            den = cute.math.exp(sink - mx, fastmath=False)          # the sink's share of the denominator
-            for sp in cutlass.range(S, unroll=1):
-                den = den + cute.math.exp(sL[sp, tid] - mx, fastmath=False)
-            sM[0, tid] = mx
-            sM[1, tid] = den
+            for sp in cutlass.range(lane, S, 32, unroll=1):
+                mx = cute.arch.fmax(mx, mL[b, g, sp, r])
+            for off in cutlass.range_constexpr(5):
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << off, mask=-1,
+                                                                     mask_and_clamp=31))
+            den = Float32(0.0)
+            for sp in cutlass.range(lane, S, 32, unroll=1):
+                den = den + cute.math.exp(mL[b, g, sp, r] - mx, fastmath=False)
+            for off in cutlass.range_constexpr(5):
+                den = den + cute.arch.shuffle_sync_bfly(den, offset=1 << off, mask=-1, mask_and_clamp=31)
+            if tid == 0:
+                sM[0] = mx
+                sM[1] = den + cute.math.exp(sink - mx, fastmath=False)    # the sink's share
         cute.arch.sync_threads()
-        col0 = tid * CPT
-        for h in cutlass.range(H, unroll=1):
-            mx = sM[0, h]
-            inv = Float32(1.0) / sM[1, h]
-            acc = cute.make_rmem_tensor((CPT,), Float32)
-            acc.fill(0.0)
-            for sp in cutlass.range(S, unroll=1):
-                w = cute.math.exp(sL[sp, h] - mx, fastmath=False) * inv
-                if w > Float32(0.0):
-                    acc.store(acc.load() + mO[b, g, sp, r0 + h, tid, None].load() * w)
-            res = cute.make_rmem_tensor((CPT,), Float32)
-            res.store(acc.load().to(BFloat16).to(Float32))          # the reference rounds o to bf16 first
+        mx = sM[0]
+        inv = Float32(1.0) / sM[1]
+        for sp in cutlass.range(tid, S, NUM_THREADS, unroll=1):
+            sW[sp] = cute.math.exp(mL[b, g, sp, r] - mx, fastmath=False) * inv
+        cute.arch.sync_threads()
+        # ---- weighted sum: 16-byte loads, several splits in flight per thread -----------------
+        cg = tid % CG
+        sg = tid // CG
+        acc = cute.make_rmem_tensor((4,), Float32)
+        acc.fill(0.0)
+        for sp in cutlass.range(sg, S, SG, unroll=4):
+            acc.store(acc.load() + mO[b, g, sp, r, cq * CG + cg, None].load() * sW[sp])
+        for e in cutlass.range_constexpr(4):
+            sR[sg, cg * 4 + e] = acc[e]
+        cute.arch.sync_threads()
+        # ---- the groups' sums, bf16 (the reference rounds o first), un-roped in column pairs ----
+        for p in cutlass.range(tid, CW // 2, NUM_THREADS, unroll=1):
+            x0 = Float32(0.0)
+            x1 = Float32(0.0)
+            for gi in cutlass.range_constexpr(SG):
+                x0 = x0 + sR[gi, 2 * p]
+                x1 = x1 + sR[gi, 2 * p + 1]
+            x0 = x0.to(BFloat16).to(Float32)
+            x1 = x1.to(BFloat16).to(Float32)
+            col = cq * CW + 2 * p
             if cutlass.const_expr(RD > 0):
-                if col0 >= D - RD:
+                if col >= D - RD:
                     mCos = gmem_tensor(ptrs[3], BFloat16, (B, T, R2), 2)
                     mSin = gmem_tensor(ptrs[4], BFloat16, (B, T, R2), 2)
-                    for pr in cutlass.range_constexpr(CPT // 2):
-                        i = (col0 - (D - RD)) // 2 + pr
-                        cs = mCos[b, tq, i].to(Float32)
-                        sn = mSin[b, tq, i].to(Float32)
-                        x0 = res[2 * pr]
-                        x1 = res[2 * pr + 1]
-                        res[2 * pr] = x0 * cs + x1 * sn       # rotate by -position: (x0, x1) R(-theta)
-                        res[2 * pr + 1] = x1 * cs - x0 * sn
-            mOut[b, tq, h, tid, None].store(res.load().to(BFloat16))
-        cute.arch.sync_threads()
+                    i = (col - (D - RD)) // 2
+                    cs = mCos[b, tq, i].to(Float32)
+                    sn = mSin[b, tq, i].to(Float32)
+                    y0 = x0 * cs + x1 * sn               # rotate by -position: (x0, x1) R(-theta)
+                    y1 = x1 * cs - x0 * sn
+                    x0 = y0
+                    x1 = y1
+            mOut[b, tq, h, col] = x0.to(BFloat16)
+            mOut[b, tq, h, col + 1] = x1.to(BFloat16)
+        cute.arch.sync_threads()                # smem is reused by the next instruction
 
     return tile

@@ -140,6 +140,11 @@ def cases(quick: bool):
             out.append((model, heads, batch, "fused conv+norm", [dict(conv=True, out_norm=True)]))
             out.append((model, heads, batch, "fused conv+norm staged",
                         [dict(conv=True, out_norm=True, conv_staged=True)]))
+            if batch == 64:     # a tile = several units, the next unit's state cp.async'ed while one computes
+                for vs, upt in ((2, 6), (2, 4), (1, 3)):
+                    out.append((model, heads, batch, f"core v_split={vs} units={upt}", [dict(v_split=vs, units_per_tile=upt)]))
+                out.append((model, heads, batch, "fused conv+norm staged units=4",
+                            [dict(conv=True, out_norm=True, conv_staged=True, units_per_tile=4)]))
             if batch == 64:     # register-capped occupancy: 2 / 3 CTAs per SM (ptxas: 128 / 80 registers)
                 out.append((model, heads, batch, "core v_split=1 ctas=2", [dict(v_split=1, ctas_per_sm=2)]))
                 out.append((model, heads, batch, "core v_split=2 ctas=3", [dict(v_split=2, ctas_per_sm=3)]))

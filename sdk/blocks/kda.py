@@ -90,6 +90,9 @@ class KDAConfig:
     conv_staged: bool = False            # conv=True: the head's 3K conv outputs per token computed
                                          # once per tile into shared memory (one thread per channel)
                                          # instead of by every lane that reads them (32x for q, k)
+    units_per_tile: int = 1              # > 1: a tile runs that many consecutive (sequence, head,
+                                         # slice) units, the next unit's state slice cp.async'ed into
+                                         # shared memory while this one computes (fp32 state)
 
 
 class KDABlock(Block):
@@ -140,6 +143,13 @@ class KDABlock(Block):
             u(f"kda: conv_kernel={c.conv_kernel} (supported: >= 2)")
         if not 1 <= c.batch:
             u(f"kda: batch={c.batch}")
+        if c.units_per_tile < 1 or (c.batch * c.heads * c.v_split) % c.units_per_tile:
+            u(f"kda: units_per_tile={c.units_per_tile} must divide the {c.batch * c.heads * c.v_split} "
+              f"(sequence, head, slice) units")
+        if c.units_per_tile > 1 and (c.state_dtype != "fp32" or c.commit == "per_token"
+                                     or (c.head_dim * self.vs // 4) % NUM_THREADS):
+            u("kda: units_per_tile > 1 streams an fp32 state slice of a multiple of 256 16-byte pieces "
+              "(state_dtype fp32, commit not per_token)")
         if not 0 <= c.ctas_per_sm <= 8:
             u(f"kda: ctas_per_sm={c.ctas_per_sm} (0 = no request, else 1..8)")
 
@@ -170,13 +180,22 @@ class KDABlock(Block):
         specs.append(OperandSpec("o", (B, T, H, K), c.out_dtype, output=True))
         return specs
 
-    def num_tiles(self) -> int:
+    @property
+    def units(self) -> int:
+        """(sequence, head, V-slice) units: one state slice each."""
         c = self.config
         return c.batch * c.heads * c.v_split
 
+    def num_tiles(self) -> int:
+        return self.units // self.config.units_per_tile
+
+    def state_stage_bytes(self) -> int:
+        """One staged fp32 state slice (units_per_tile > 1; double-buffered)."""
+        return self.config.head_dim * self.vs * 4 if self.config.units_per_tile > 1 else 0
+
     def own_smem_bytes(self) -> int:
         c = self.config
-        return c.tokens * 3 * c.head_dim * 4 if c.conv_staged else 0
+        return (c.tokens * 3 * c.head_dim * 4 if c.conv_staged else 0) + 2 * self.state_stage_bytes()
 
     def standalone_ctas_per_sm(self) -> int:
         return self.config.ctas_per_sm
@@ -202,7 +221,7 @@ class KDABlock(Block):
             b += 3 * K * (c.conv_kernel - 1) * 2 * 2 + 3 * K * c.conv_kernel * 4
         if c.out_norm:
             b += T * vs * 2 + vs * 2
-        return Cost(bytes=b, flops=T * K * vs * 10)
+        return Cost(bytes=b * c.units_per_tile, flops=T * K * vs * 10 * c.units_per_tile)
 
     def _kspec(self) -> KDASpec:
         c = self.config
@@ -345,11 +364,12 @@ class KDABlock(Block):
 
     def emulate_tile(self, t: dict[str, torch.Tensor], tile: int) -> None:
         c = self.config
-        b, rest = divmod(tile, c.heads * c.v_split)
-        h, sl = divmod(rest, c.v_split)
-        b_sl, heads, cols = slice(b, b + 1), slice(h, h + 1), slice(sl * self.vs, (sl + 1) * self.vs)
-        o, s, n, full = self._run(t, b_sl, heads, cols, t["state"][b_sl, heads, :, cols].float())
-        self._store(t, b_sl, heads, cols, o, s, n, full, t)
+        for unit in range(tile * c.units_per_tile, (tile + 1) * c.units_per_tile):
+            b, rest = divmod(unit, c.heads * c.v_split)
+            h, sl = divmod(rest, c.v_split)
+            b_sl, heads, cols = slice(b, b + 1), slice(h, h + 1), slice(sl * self.vs, (sl + 1) * self.vs)
+            o, s, n, full = self._run(t, b_sl, heads, cols, t["state"][b_sl, heads, :, cols].float())
+            self._store(t, b_sl, heads, cols, o, s, n, full, t)
 
     # -- device face ---------------------------------------------------------------------------
     def _build_device_tile(self):

@@ -65,6 +65,8 @@ CASES = [
     dict(v_split=4, state_dtype="bf16", gate_kind="softplus"),
     dict(v_split=2, tokens=4, commit="none", out_dtype="fp32"),    # verify pass
     dict(tokens=3, commit="per_token", conv=True, out_norm=True, conv_w_dtype="fp32"),
+    dict(v_split=2, units_per_tile=4),                            # state slices cp.async'ed a unit ahead
+    dict(units_per_tile=4, conv=True, out_norm=True, conv_staged=True, tokens=2, commit="accepted"),
 ]
 
 

@@ -1,7 +1,9 @@
 """Where RouterSelect's ~10 us (Kimi K3 batch 1, timelines v5 / v6) goes: the same select twice
 in a row on one SM of a one-launch program, from the timing record. If the second run (its code
 now in the instruction caches) is much shorter than the first, the tile is bound by the cold
-instruction fetch of code that runs once per step, not by its arithmetic.
+instruction fetch of code that runs once per step, not by its arithmetic. Each case runs with
+both warp argmax forms (RouterSelectConfig.warp_argmax: butterfly shuffles / redux.sync): the top-k
+rounds are chains of shuffles (~300 cycles each, 2 x 16 rounds at Kimi K3 batch 1).
 
     python -m bench.select_bench [--out DIR]     (GPU; JSON select_bench.json)
 """
@@ -22,10 +24,10 @@ CASES = {   # name: RouterSelectConfig kwargs (the MoE presets' routers)
 }
 
 
-def program(name: str, batch: int, repeats: int = 3):
+def program(name: str, batch: int, repeats: int = 3, argmax: str = "shuffle"):
     from sdk.blocks.router import RouterSelectBlock, RouterSelectConfig
     from sdk.megakernel.program import Program
-    blk = RouterSelectBlock(RouterSelectConfig(m=batch, **CASES[name]))
+    blk = RouterSelectBlock(RouterSelectConfig(m=batch, warp_argmax=argmax, **CASES[name]))
     prog = Program()
     for s in blk.operand_specs():
         if s.name in ("tid2eid", "input_ids"):
@@ -42,23 +44,22 @@ def run(out_dir=None):
     from sdk.megakernel.pyvm import PyVM
     from sdk.megakernel.runtime import MegakernelRuntime
     res = {"gpu": torch.cuda.get_device_name(), "cases": []}
-    for name in CASES:
-        for batch in (1, 8):
-            prog, blk = program(name, batch)
-            t = PyVM.alloc(prog, device="cuda")
-            t["logits"].copy_(torch.randn(batch, blk.config.num_experts, device="cuda"))
-            if "bias" in t:
-                t["bias"].copy_(torch.randn(blk.config.num_experts, device="cuda") * 0.1)
-            rt = MegakernelRuntime(prog, t, num_sms=1, timing=True)
-            per_launch = []
-            for _ in range(3):
-                rt.run()
-                rec = rt.timing_record()
-                per_launch.append([round((e - s) / 1e3, 2) for s, e in zip(rec["start_ns"], rec["end_ns"])])
-            r = {"router": name, "batch": batch, "warps_per_token": blk.warps_per_token,
-                 "us_per_select_by_launch": per_launch}
-            print(json.dumps(r), flush=True)
-            res["cases"].append(r)
+    for name, batch, argmax in [(n, b, a) for n in CASES for b in (1, 8) for a in ("shuffle", "redux")]:
+        prog, blk = program(name, batch, argmax=argmax)
+        t = PyVM.alloc(prog, device="cuda")
+        t["logits"].copy_(torch.randn(batch, blk.config.num_experts, device="cuda"))
+        if "bias" in t:
+            t["bias"].copy_(torch.randn(blk.config.num_experts, device="cuda") * 0.1)
+        rt = MegakernelRuntime(prog, t, num_sms=1, timing=True)
+        per_launch = []
+        for _ in range(3):
+            rt.run()
+            rec = rt.timing_record()
+            per_launch.append([round((e - s) / 1e3, 2) for s, e in zip(rec["start_ns"], rec["end_ns"])])
+        r = {"router": name, "batch": batch, "warp_argmax": argmax, "warps_per_token": blk.warps_per_token,
+             "us_per_select_by_launch": per_launch}
+        print(json.dumps(r), flush=True)
+        res["cases"].append(r)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "select_bench.json"), "w") as f:

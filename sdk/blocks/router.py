@@ -62,6 +62,10 @@ class RouterSelectConfig:
     vocab: int = 0                       # rows of tid2eid (hash routing)
     local_start: int = 0                 # this rank's experts: [local_start, local_start + num_local)
     num_local: int = 0                   # 0 = all experts
+    warp_argmax: str = "shuffle"         # each top-k round's warp (value, index) max: "shuffle" (5
+                                         # butterfly steps of value + index, ~300 cycles of latency)
+                                         # or "redux" (redux.sync max of an order-preserving key, then
+                                         # min of the tied indices: 2 instructions)
 
 
 def route_rule(cfg: RouterSelectConfig, logits: torch.Tensor, bias: torch.Tensor | None,
@@ -107,6 +111,8 @@ class RouterSelectBlock(Block):
         c = self.config
         if c.scoring not in SCORING:
             self.unsupported(f"router_select: scoring {c.scoring!r} (supported: {SCORING})")
+        if c.warp_argmax not in ("shuffle", "redux"):
+            self.unsupported(f"router_select: warp_argmax {c.warp_argmax!r} (supported: shuffle, redux)")
         if c.num_experts % 32 or c.num_experts > 1024:
             self.unsupported(f"router_select: {c.num_experts} experts (supported: multiples of 32, <= 1024)")
         if not 1 <= c.top_k <= 32:
@@ -206,7 +212,7 @@ class RouterSelectBlock(Block):
         import cutlass.cute as cute
         from cutlass import Float32, Int32
 
-        from ._cute import gmem_tensor, write_hit_list
+        from ._cute import bits_to_f32, gmem_tensor, write_hit_list
 
         c = self.config
         E, M, K = c.num_experts, c.m, c.top_k
@@ -258,6 +264,27 @@ class RouterSelectBlock(Block):
                 e = sel_i(take, oe, e)
             return v, e
 
+        @cute.jit
+        def redux_u32(x: Int32, op: cutlass.Constexpr) -> Int32:
+            """Warp-wide unsigned max / min of x (redux.sync, sm_80+); every lane gets it."""
+            return cute.arch.inline_ptx(f"redux.sync.{op}.u32 {{$w0}}, {{$r0}}, 0xffffffff;",
+                                        write_only_types=[Int32], read_only_args=[x])
+
+        @cute.jit
+        def argmax_redux(v: Float32, e: Int32):
+            """argmax_bfly's result (max value, ties: lower index) in two redux instructions: the
+            max of an order-preserving unsigned key of v (sign bit flipped for v >= 0, all bits
+            for v < 0), then the min index among the lanes holding that key. (-0.0 sorts below
+            +0.0 here; the scores it compares are sigmoid / softmax / sqrtsoftplus + bias.)"""
+            bits = cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[v])
+            key = bits ^ ((bits >> 31) | Int32(-2147483648))
+            top = redux_u32(key, "max")
+            be = redux_u32(sel_i(key == top, e, Int32(2147483647)), "min")
+            back = sel_i(top < 0, top ^ Int32(-2147483648), top ^ Int32(-1))     # top bit set: v >= 0
+            return bits_to_f32(back), be
+
+        warp_argmax = argmax_redux if c.warp_argmax == "redux" else argmax_bfly
+
         def argmax_slots(v, e, n):
             """(value, index) max over n register slots as a tree (depth log2 n, not a chain of n);
             ties: lower index. Plain Python: the tree is unrolled while tracing."""
@@ -283,7 +310,7 @@ class RouterSelectBlock(Block):
             my_e = Int32(E)
             for j in cutlass.range(K, unroll=1):
                 bv, be = argmax_slots(v, e, n)
-                bv, be = argmax_bfly(bv, be)
+                bv, be = warp_argmax(bv, be)
                 for i in cutlass.range_constexpr(n):
                     v[i] = sel_f(e[i] == be, Float32(NEG), v[i])
                     e[i] = sel_i(e[i] == be, Int32(E + 1), e[i])
@@ -446,7 +473,7 @@ class RouterSelectBlock(Block):
                                 better = (ch[i] > bv) | (be == E)
                                 bv = sel_f(better, ch[i], bv)
                                 be = sel_i(better, Int32(i * 32) + lane, be)
-                            bv, be = argmax_bfly(bv, be)
+                            bv, be = warp_argmax(bv, be)
                             for i in cutlass.range_constexpr(NE):
                                 ch[i] = sel_f(be == i * 32 + lane, Float32(NEG), ch[i])
                             my_e = sel_i(lane == j, be, my_e)

@@ -70,15 +70,9 @@ def _check_routing(cfg, weights, rt, x, ids=None):
     return (got.sort(-1)[0] == ids_ref.sort(-1)[0]).all()
 
 
-@pytest.mark.parametrize("case,m", [("ties", 8), ("groups_ties", 8), ("random_kimi", 8), ("softmax_ep", 8),
-                                    ("ties", 3), ("ties", 1), ("random_kimi", 1), ("random_kimi", 2),
-                                    ("glm", 1), ("sqrtsoftplus", 1)])
-def test_router_select_matches_rule(case, m):
-    """The select tile on given logits: ids in selection order and weights equal the torch rule
-    (ties: lower index first), the dispatch table equal up to the order inside each list. Batch
-    1..3: the token's experts split over 8 / 4 / 2 warps, candidates merged (warps_per_token)."""
-    need_gpu()
-    from sdk.blocks.router import RouterSelectBlock, RouterSelectConfig
+def _select_case(case, m):
+    """(RouterSelectConfig, logits [m, E]) of a named routing case."""
+    from sdk.blocks.router import RouterSelectConfig
     if case == "ties":
         cfg = RouterSelectConfig(num_experts=64, top_k=4, m=m)
         logits = (torch.arange(64).float() % 4).repeat(m, 1)
@@ -103,6 +97,27 @@ def test_router_select_matches_rule(case, m):
         cfg = RouterSelectConfig(num_experts=384, top_k=6, m=m, scoring="softmax", routed_scaling_factor=1.5,
                                  local_start=96, num_local=48)
         logits = torch.randn(m, 384) * 3
+    return cfg, logits
+
+
+@pytest.mark.parametrize("case,m,argmax", [("ties", 8, "shuffle"), ("groups_ties", 8, "shuffle"),
+                                           ("random_kimi", 8, "shuffle"), ("softmax_ep", 8, "shuffle"),
+                                           ("ties", 3, "shuffle"), ("ties", 1, "shuffle"),
+                                           ("random_kimi", 1, "shuffle"), ("random_kimi", 2, "shuffle"),
+                                           ("glm", 1, "shuffle"), ("sqrtsoftplus", 1, "shuffle"),
+                                           ("ties", 8, "redux"), ("groups_ties", 8, "redux"), ("ties", 1, "redux"),
+                                           ("random_kimi", 1, "redux"), ("glm", 1, "redux"), ("softmax_ep", 8, "redux")])
+def test_router_select_matches_rule(case, m, argmax):
+    """The select tile on given logits: ids in selection order and weights equal the torch rule
+    (ties: lower index first), the dispatch table equal up to the order inside each list. Batch
+    1..3: the token's experts split over 8 / 4 / 2 warps, candidates merged (warps_per_token).
+    Both warp argmax forms (butterfly shuffles, redux.sync)."""
+    need_gpu()
+    import dataclasses
+
+    from sdk.blocks.router import RouterSelectBlock
+    cfg, logits = _select_case(case, m)
+    cfg = dataclasses.replace(cfg, warp_argmax=argmax)
     block = RouterSelectBlock(cfg)
     t = {k: v.cuda() for k, v in block.alloc_operands().items()}
     t["logits"] = logits.cuda()

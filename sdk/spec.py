@@ -166,8 +166,10 @@ class DSV4AttentionSpec(AttentionSpec):
 class DenseMlpSpec:
     kind: str = "dense"
     intermediate_size: int = 0
-    activation: str = "silu"       # SwiGLU: act(gate) * up
+    activation: str = "silu"       # gated: act(gate) * up, or "situ" (Kimi K3; sdk/reference/common.py `situ`)
     swiglu_limit: float | None = None
+    situ_beta: float = 4.0         # "situ" only: the gate's beta and the up's beta_lin
+    situ_linear_beta: float = 25.0
 
 
 @dataclass(frozen=True)
@@ -185,8 +187,15 @@ class MoESpec:
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     hash_routed: bool = False      # token id -> experts table instead of a learned top-k
-    activation: str = "silu"
+    activation: str = "silu"       # experts' and shared experts' gated activation: "silu" | ... | "situ"
     swiglu_limit: float | None = None
+    situ_beta: float = 4.0         # "situ" only (Kimi K3: 4 and 25 [MODEL-FACTS F1, F7])
+    situ_linear_beta: float = 25.0
+    # Kimi K3's Stable LatentMoE: the routed experts run on a latent z = latent_down(x) of this
+    # width; their weighted sum is RMSNorm'ed (eps below) and projected back (latent_up).
+    # The router and the shared experts stay on the hidden size. 0 = no latent (experts on x).
+    latent_size: int = 0
+    latent_norm_eps: float = 1e-5
     extra: tuple = ()
 
 

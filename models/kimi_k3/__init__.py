@@ -9,9 +9,10 @@ from . import weights as _weights
 ENTRY = ModelEntry(
     name="kimi_k3",
     hf_model_type="kimi_linear",
-    summary="Kimi K3: KDA + NoPE MLA hybrid, 896-expert top-16 MoE (transformers kimi_linear + K3's sigmoid KDA gate)",
+    summary="Kimi K3: KDA + NoPE MLA hybrid, 896-expert top-16 latent MoE with SiTU (transformers kimi_linear "
+            "+ K3's sigmoid KDA gate, Stable LatentMoE and SiTU)",
     spec_from_config=_config.spec_from_config,
-    configs={"tiny": _config.tiny, "full": _config.full},
+    configs={"tiny": _config.tiny, "tiny_k3": _config.tiny_k3, "full": _config.full},
     hf_config=_config.hf_config,
     hf_causal_lm="transformers.KimiLinearForCausalLM",
     load_weights=_weights.load_weights,

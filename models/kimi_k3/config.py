@@ -12,13 +12,18 @@ public Kimi K3 ports read, e.g. vLLM's and TensorRT-LLM's kimi_linear K3 support
     name; `linear_attn_config["safe_gate"] = True` without a bound means -5, as in glm5_next);
   - the full-rank KDA output gate g_proj [MODEL-FACTS F3]: `linear_attn_config["use_full_rank_gate"]`;
   - the sigmoid MLA output gate, out * sigmoid(g_proj x) before o_proj: `mla_use_output_gate`
-    (not in MODEL-FACTS: seen in public ports only, so the "full" config leaves it off).
+    (not in MODEL-FACTS: seen in public ports only, so the "full" config leaves it off);
+  - Stable LatentMoE [MODEL-FACTS F1, F8, F15]: `routed_expert_hidden_size` (the latent width,
+    3584 in K3): the routed experts run on latent_down(x), their weighted sum is RMSNorm'ed
+    (eps 1e-5) and projected back by latent_up (MoESpec.latent_size; weight names in
+    sdk/reference/moe.py, ours: no public class has them);
+  - SiTU [MODEL-FACTS F1, F7]: `hidden_act="situ"`, for the routed and shared experts and the
+    dense first layer alike (the config has one hidden_act); betas from the optional keys
+    `situ_beta` / `situ_linear_beta` (cutlass' names; default 4 and 25). KDA's short conv stays
+    SiLU (transformers' kimi_linear feeds hidden_act to it; SiTU is a gated activation).
 
 Kimi K3 features NOT implemented are rejected by name when their key is set:
-`routed_expert_hidden_size` (Stable LatentMoE: experts on a 3584-wide latent [F1, F8, F15]),
-`hidden_act="situ"` (SiTU activation [F1, F7]), `attn_res_block_size` (attention residuals [F5]).
-The "full" config therefore models K3's MoE as a plain kimi_linear MoE at K3 sizes
-(docs/models/kimi_k3.md).
+`attn_res_block_size` (attention residuals [F5]).
 
 Both a transformers config object and a plain dict are accepted. A dict may use the attribute
 names (n_group, num_experts_per_tok, ...) or the checkpoint names transformers maps them from
@@ -95,6 +100,13 @@ TINY = {
 }
 
 
+# TINY with Kimi K3's own MoE: Stable LatentMoE (a 48-wide latent of the 64 hidden) and SiTU (at
+# betas other than K3's, so that a lost beta shows). transformers implements neither: this config
+# runs on the SDK's backends only (tests/test_kimi_k3.py).
+TINY_K3 = dict(TINY, routed_expert_hidden_size=48, hidden_act="situ", situ_beta=3.0, situ_linear_beta=20.0,
+               n_group=1, topk_group=1, routed_scaling_factor=1.0)
+
+
 def _full_layer_types(n: int = 61) -> list[str]:
     # ASSUMED (not stated [F3]): Kimi-Linear's 3:1 pattern as in its checkpoint, MLA on every 4th
     # layer (1-indexed 4, 8, ...) and on the last one.
@@ -107,7 +119,8 @@ FULL = {
     "vocab_size": 163840,                 # assumed: Kimi K2 / Kimi-Linear tokenizer
     "hidden_size": 7168,                  # [F1]
     "intermediate_size": 18432,           # assumed: Kimi K2's dense first-layer MLP
-    "moe_intermediate_size": 3072,        # [F1, F8] expert 3584 -> 2*3072 -> 3584 (here on 7168: no latent MoE)
+    "moe_intermediate_size": 3072,        # [F1, F8] expert 3584 -> 2*3072 -> 3584
+    "routed_expert_hidden_size": 3584,    # [F1, F8, F15] Stable LatentMoE: experts on a 3584-wide latent
     "num_hidden_layers": 61,              # assumed: Kimi K2's depth (count not stated [F3])
     "num_attention_heads": 96,            # [F10]
     "num_key_value_heads": 96,
@@ -131,7 +144,8 @@ FULL = {
     "n_shared_experts": 2,                # [F1] one shared MLP of 6144 = 2 * moe_intermediate_size
     "routed_scaling_factor": 1.0,         # [F2] no routed scale
     "norm_topk_prob": True,               # [F2] renormalised over the selected experts
-    "hidden_act": "silu",                 # K3 uses SiTU [F1, F7]: not implemented, SwiGLU stands in
+    "hidden_act": "situ",                 # [F1, F7] SiTU, beta 4, beta_lin 25 (the defaults of situ_beta /
+                                          # situ_linear_beta); assumed for the dense first layer too
     "rms_norm_eps": 1e-5,                 # [F1, F5] eps 1e-5 in K3's own norms
     "attention_bias": False,
     "tie_word_embeddings": False,
@@ -146,6 +160,10 @@ def _copy(config: dict) -> dict:
 
 def tiny() -> dict:
     return _copy(TINY)
+
+
+def tiny_k3() -> dict:
+    return _copy(TINY_K3)
 
 
 def full() -> dict:
@@ -206,11 +224,11 @@ def spec_from_config(config: Any) -> ModelSpec:
         # transformers' kimi_linear is NoPE only; a checkpoint saying otherwise is not followed
         "mla_use_nope": lambda v: v is None or v is True,
         "moe_router_activation_func": lambda v: v is None or v == "sigmoid",
-        "hidden_act": lambda v: v is None or v == "silu",
+        "hidden_act": lambda v: v is None or v in ("silu", "situ"),
         # kimi_linear's MLA expands the latent to num_attention_heads key/value heads
         "num_key_value_heads": lambda v: v is None or v == heads,
+        "routed_expert_hidden_size": lambda v: not v or (isinstance(v, int) and v > 0),
         # Kimi K3 features not implemented yet (docs/models/kimi_k3.md)
-        "routed_expert_hidden_size": lambda v: not v,     # Stable LatentMoE
         "attn_res_block_size": lambda v: not v,           # AttnRes
     })
     layer_types, mlp_types = _layer_types(config, n), _mlp_layer_types(config, n)
@@ -221,10 +239,15 @@ def spec_from_config(config: Any) -> ModelSpec:
             f"{MODEL}: unsupported config feature(s): layer_types/mlp_layer_types {bad or 'of wrong length'} "
             f"(supported: linear_attention, full_attention / dense, sparse; one per layer)")
     gate_kind, bound = _kda_gate(config)
+    act = _get(config, "hidden_act")
+    # SiTU's betas (cutlass' situ_beta / situ_linear_beta names; 4 and 25 in K3 [MODEL-FACTS F7])
+    betas = dict(situ_beta=float(cfg_get(config, "situ_beta", None) or 4.0),
+                 situ_linear_beta=float(cfg_get(config, "situ_linear_beta", None) or 25.0))
     kda = KDASpec(num_heads=_get(config, "linear_num_heads"), head_dim=_get(config, "linear_head_dim"),
                   conv_kernel=_get(config, "linear_conv_kernel_dim"), gate_kind=gate_kind, gate_lower_bound=bound,
                   output_gate_full_rank=bool((cfg_get(config, "linear_attn_config") or {}).get("use_full_rank_gate")),
-                  conv_activation=_get(config, "hidden_act"))
+                  # SiTU is a gated (two-input) activation: K3's short conv keeps SiLU
+                  conv_activation="silu" if act == "situ" else act)
     nope, rope = _get(config, "qk_nope_head_dim"), _get(config, "qk_rope_head_dim")
     mla = MLASpec(num_heads=heads, q_lora_rank=_get(config, "q_lora_rank") or None,
                   kv_lora_rank=_get(config, "kv_lora_rank"), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
@@ -241,8 +264,11 @@ def spec_from_config(config: Any) -> ModelSpec:
                   n_group=_get(config, "n_group") or 1, topk_group=_get(config, "topk_group") or 1,
                   norm_topk_prob=bool(_get(config, "norm_topk_prob")),
                   routed_scaling_factor=float(_get(config, "routed_scaling_factor")),
-                  activation=_get(config, "hidden_act"))
-    dense = DenseMlpSpec(intermediate_size=_get(config, "intermediate_size"), activation=_get(config, "hidden_act"))
+                  activation=act, **betas,
+                  # Stable LatentMoE; its norm's eps 1e-5 is stated [MODEL-FACTS F1, F8, F15]
+                  latent_size=cfg_get(config, "routed_expert_hidden_size", None) or 0, latent_norm_eps=1e-5)
+    # the dense first layer follows hidden_act too (SiTU in "full": assumed, not stated)
+    dense = DenseMlpSpec(intermediate_size=_get(config, "intermediate_size"), activation=act, **betas)
     layers = tuple(LayerSpec(index=i, attention=kda if layer_types[i] == "linear_attention" else mla,
                              mlp=moe if mlp_types[i] == "sparse" else dense) for i in range(n))
     return ModelSpec(name=MODEL, arch="kimi_linear", hidden_size=_get(config, "hidden_size"),

@@ -49,13 +49,26 @@ def gmem_tensor(addr: Int64, dtype: cutlass.Constexpr, shape: cutlass.Constexpr,
 
 
 @cute.jit
-def swiglu_act(gate: Float32, up: Float32, limit: cutlass.Constexpr) -> Float32:
-    """silu(gate) * up for one output, with the optional clamp limit (gate <= limit,
-    |up| <= limit; limit None: no clamp) - the SwiGLU epilogue of the GEMV and expert tiles."""
+def swiglu_act(gate: Float32, up: Float32, limit: cutlass.Constexpr, activation: cutlass.Constexpr = "silu",
+               betas: cutlass.Constexpr = (4.0, 25.0)) -> Float32:
+    """The gated epilogue of the GEMV and expert tiles, for one output, in fp32 (the caller rounds
+    once when it stores): activation "silu": silu(gate) * up; "situ" (Kimi K3): beta *
+    tanh(gate / beta) * sigmoid(gate) * beta_lin * tanh(up / beta_lin), (beta, beta_lin) = betas
+    (sdk/reference/common.py `situ`). The optional clamp limit (gate <= limit, |up| <= limit;
+    None: no clamp) applies before either. SiTU's tanh is cute.math.tanh without approx (the
+    tanh.approx.f32 instruction's ~2^-11 relative error would be a quarter of a bf16 ulp)."""
     if cutlass.const_expr(limit is not None):
         gate = cute.arch.fmin(gate, Float32(limit))
         up = cute.arch.fmax(cute.arch.fmin(up, Float32(limit)), Float32(-limit))
-    return gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
+    out = Float32(0.0)
+    if cutlass.const_expr(activation == "situ"):
+        b, bl = betas
+        g_cap = Float32(b) * cute.math.tanh(gate * Float32(1.0 / b))
+        u_cap = Float32(bl) * cute.math.tanh(up * Float32(1.0 / bl))
+        out = g_cap / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * u_cap
+    else:
+        out = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
+    return out
 
 
 @cute.jit

@@ -1,7 +1,7 @@
 """Routed-expert block: the gate/up + SwiGLU stage and the down + weighted-combine stage of the
 experts of ONE rank, driven by the router's dispatch table (`router.RouterSelectBlock`).
 
-    stage "gateup":  act[a, :] = silu(gate_e(x[tok])) * up_e(x[tok])    (with the optional clamp
+    stage "gateup":  act[a, :] = silu(gate_e(x[tok])) * up_e(x[tok])    (or SiTU; with the optional clamp
                      limit: gate <= limit, |up| <= limit) for every local assignment a = (tok, j)
                      routed to local expert e;  act is bf16 [M * top_k, I], row a = tok * k + j
     stage "down":    out[m, :] = shared[m, :] + sum over m's local assignments a, in the fixed
@@ -43,7 +43,8 @@ Tensor cores (`tile_mma`, MXFP4; `ExpertsBlock.use_mma`): by default from MMA_MI
 Supported: M = 1..64, top_k <= 32, K (hidden for gate/up, I for down) a multiple of the
 elements per 16-byte load (8 bf16, 16 fp8, 32 mxfp4) and, for fp8, of 128. Not yet: the
 tensor-core path for large per-expert token counts (a group of 8 re-reads the expert's rows
-for each further 8 tokens, from L2), SiTU (Kimi K3's activation), NVFP4.
+for each further 8 tokens, from L2), NVFP4. SiTU (Kimi K3's activation, `activation="situ"`)
+is compile-checked only (not yet run on a GPU).
 """
 from __future__ import annotations
 
@@ -83,6 +84,9 @@ class ExpertsConfig:
     m: int = 1
     weight_dtype: str = "bf16"           # "bf16" | "fp8_e4m3" | "mxfp4"
     swiglu_limit: float | None = None    # gateup
+    activation: str = "silu"             # gateup: "silu" (SwiGLU) | "situ" (Kimi K3, with the betas below)
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
     shared: bool = False                 # down: add a shared-expert output [M, D] fp32
     out_dtype: str = "bf16"              # down: "bf16" | "fp32"
     rows_per_tile: int = 8
@@ -240,6 +244,8 @@ class ExpertsBlock(Block):
             self.unsupported(f"experts: out dtype {c.out_dtype!r}")
         if c.stage == "down" and c.swiglu_limit is not None:
             self.unsupported("experts: swiglu_limit belongs to the gateup stage")
+        if c.activation not in ("silu", "situ") or (c.activation != "silu" and c.stage != "gateup"):
+            self.unsupported(f"experts: activation {c.activation!r} (supported: silu, situ; gateup stage)")
         if c.rows and not (c.m <= c.rows <= 72 * 64):
             self.unsupported(f"experts: rows={c.rows} (supported: m..{72 * 64})")
         if c.rows > 64 and c.stage == "down" and not c.scatter:
@@ -334,7 +340,8 @@ class ExpertsBlock(Block):
                 x = t["x"][toks].float()
                 g = x @ wd[:R].T
                 u = x @ wd[R:].T
-                t["act"][slots, rows] = swiglu_ref(g, u, "silu", c.swiglu_limit).to(t["act"].dtype)
+                t["act"][slots, rows] = swiglu_ref(g, u, c.activation, c.swiglu_limit, c.situ_beta,
+                                                   c.situ_linear_beta).to(t["act"].dtype)
         elif c.scatter:
             for le in hit:
                 n = int(t["counts"][le])
@@ -377,6 +384,7 @@ class ExpertsBlock(Block):
         gateup = c.stage == "gateup"
         nw = self.nw
         limit = c.swiglu_limit
+        act, betas = c.activation, (c.situ_beta, c.situ_linear_beta)
         has_shared = c.shared
         odt = DTYPE_MAP[c.out_dtype]
         groups = [g for g in GROUPS if g <= M] or [1]
@@ -576,7 +584,7 @@ class ExpertsBlock(Block):
                         for g in cutlass.range_constexpr(GMAX):
                             v = cute.arch.warp_reduction_sum(acc[0, g])
                             if cutlass.const_expr(gateup):
-                                v = swiglu_act(v, cute.arch.warp_reduction_sum(acc[1, g]), limit)
+                                v = swiglu_act(v, cute.arch.warp_reduction_sum(acc[1, g]), limit, act, betas)
                                 if (lane == 0) & (g < ng):
                                     mAct[sl[g], row] = v.to(cutlass.BFloat16)
                             elif cutlass.const_expr(scatter):
@@ -746,7 +754,7 @@ class ExpertsBlock(Block):
                                     v = scratch[j * RP + row]
                                     slot = mSlot[le, g0 + j]
                                     if cutlass.const_expr(gateup):
-                                        v = swiglu_act(v, scratch[(8 + j) * RP + row], limit)
+                                        v = swiglu_act(v, scratch[(8 + j) * RP + row], limit, act, betas)
                                         mAct[slot, t * R + row] = v.to(cutlass.BFloat16)
                                     else:
                                         mOut[slot, t * R + row] = v.to(odt)

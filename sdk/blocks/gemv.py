@@ -7,7 +7,9 @@ Supported:
   multiplied in);
 - x bf16 or fp32 [M, K]; y bf16 or fp32 [M, N]; fp32 accumulation;
 - fused SwiGLU epilogue (`swiglu=True`): two weights (gate, up) and
-  y = act(gate(x)) * up(x), with the optional clamp limit (gate <= limit, |up| <= limit);
+  y = silu(gate(x)) * up(x), with the optional clamp limit (gate <= limit, |up| <= limit), or
+  (`activation="situ"`, Kimi K3) y = SiTU(gate(x), up(x)) with `situ_beta` / `situ_linear_beta`
+  (compile-checked, not yet run on a GPU);
 - fused RMSNorm prologue (`norm=True`): the tile computes rstd[m] = rsqrt(mean(x[m]^2) + eps)
   over the whole row itself and uses x_n = x * rstd * norm_weight (rounded to bf16, like a
   separate norm op's bf16 output) - no norm op, no dependency hop, no one-CTA critical path;
@@ -63,6 +65,9 @@ class GemvConfig:
     weight_dtype: str = "bf16"           # "bf16" | "fp8_e4m3"
     swiglu: bool = False
     swiglu_limit: float | None = None
+    activation: str = "silu"             # the swiglu epilogue's: "silu" | "situ" (Kimi K3, with the betas below)
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
     out_dtype: str = "bf16"              # "bf16" | "fp32"
     chunk_k: int = 0                     # K columns per ring chunk; 0 = auto (~16 KB of weights)
     x_dtype: str = "bf16"                # "bf16" | "fp32"
@@ -228,6 +233,8 @@ class GemvBlock(Block):
             self.unsupported(f"gemv: m={c.m} x chunk_k={kc} bf16 activations exceed {X_SMEM_MAX} B of smem")
         if c.swiglu_limit is not None and not c.swiglu:
             self.unsupported("gemv: swiglu_limit without swiglu")
+        if c.activation not in ("silu", "situ") or (c.activation != "silu" and not c.swiglu):
+            self.unsupported(f"gemv: activation {c.activation!r} (supported: silu, situ; the swiglu epilogue's)")
         if c.fp8_decode not in ("cvt", "int"):
             self.unsupported(f"gemv: fp8_decode {c.fp8_decode!r} (supported: cvt, int)")
         if c.mma and c.weight_dtype == "fp32":
@@ -337,7 +344,7 @@ class GemvBlock(Block):
         if c.swiglu:
             g = x @ self.dequant(t["w_gate"], t.get("w_gate_scale")).T
             u = x @ self.dequant(t["w_up"], t.get("w_up_scale")).T
-            y = swiglu_ref(g, u, "silu", c.swiglu_limit)
+            y = swiglu_ref(g, u, c.activation, c.swiglu_limit, c.situ_beta, c.situ_linear_beta)
         else:
             y = x @ self.dequant(t["w"], t.get("w_scale")).T
         if c.residual:
@@ -358,7 +365,8 @@ class GemvBlock(Block):
             return x @ w.T
 
         if c.swiglu:
-            y = swiglu_ref(part("w_gate"), part("w_up"), "silu", c.swiglu_limit)
+            y = swiglu_ref(part("w_gate"), part("w_up"), c.activation, c.swiglu_limit, c.situ_beta,
+                           c.situ_linear_beta)
         else:
             y = part("w")
         if c.residual:
@@ -397,6 +405,7 @@ class GemvBlock(Block):
         xdt = DTYPE_MAP[c.x_dtype]
         rdt = DTYPE_MAP[c.residual] if c.residual else None
         swiglu, limit, norm, eps = c.swiglu, c.swiglu_limit, c.norm, c.norm_eps
+        act, betas = c.activation, (c.situ_beta, c.situ_linear_beta)
         # operand-table positions
         i_w = list(range(nw))
         i_s = list(range(nw, 2 * nw)) if fp8 else []
@@ -638,7 +647,7 @@ class GemvBlock(Block):
                 for m in cutlass.range_constexpr(M):
                     a = cute.arch.warp_reduction_sum(acc[rr, 0, m])
                     if cutlass.const_expr(swiglu):
-                        a = swiglu_act(a, cute.arch.warp_reduction_sum(acc[rr, 1, m]), limit)
+                        a = swiglu_act(a, cute.arch.warp_reduction_sum(acc[rr, 1, m]), limit, act, betas)
                     if lane == 0:
                         if cutlass.const_expr(pre_res):
                             a = a + resv[rr, m]
@@ -746,7 +755,7 @@ class GemvBlock(Block):
                     row = o - tok * R
                     a = sRed[0, tok, row]
                     if cutlass.const_expr(swiglu):
-                        a = swiglu_act(a, sRed[1, tok, row], limit)
+                        a = swiglu_act(a, sRed[1, tok, row], limit, act, betas)
                     if cutlass.const_expr(c.residual is not None):
                         a = a + resv[e]
                     mY[tok, t * R + row] = a.to(odt)

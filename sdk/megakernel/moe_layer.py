@@ -8,7 +8,19 @@
     down    : out = shared + sum_a topk_w[a] * down_e(act[a])  ExpertsBlock down  (D/8 tiles)
 
 Dependencies (counters): select waits logits; gateup waits select; shared-down waits shared-gateup;
-down waits gateup and shared-down. The shared expert and the router run side by side; no host
+down waits gateup and shared-down.
+
+Kimi K3's Stable LatentMoE (`latent` = L > 0; sdk/reference/moe.py's latent forward):
+
+    z       = x @ W_ldown^T  [M, L] bf16                      GemvBlock          (waits nothing)
+    gateup  : act[a] = act_e(z[tok(a)])                       ExpertsBlock gateup on L (waits select, z)
+    down    : routed = sum_a topk_w[a] * down_e(act[a])       ExpertsBlock down, L rows, fp32 out, no shared
+    up      : out = shared + RMSNorm(routed) * w_n @ W_lup^T  GemvBlock norm=True, fp32 x, fp32 residual
+                                                              (waits down and shared-down)
+
+The norm needs whole latent rows, so the up GEMV waits for every down tile (one more counter hop,
+~0.5 us, than the plain layer). Its fused norm rounds norm(routed) * w_n to bf16 once (the
+reference rounds before the weight: within the tests' bf16 tolerance). The shared expert and the router run side by side; no host
 round trip anywhere (the dispatch table lives in global memory; see sdk/blocks/router.py).
 
 Expert parallelism is simulated on one GPU: the router scores all experts, the layer holds the
@@ -58,6 +70,11 @@ class MoELayerConfig:
     hash_routed: bool = False
     vocab: int = 0
     swiglu_limit: float | None = None
+    activation: str = "silu"             # experts' and shared expert's: "silu" | "situ" (Kimi K3)
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    latent: int = 0                      # Stable LatentMoE: experts on this width (0 = on the hidden)
+    latent_norm_eps: float = 1e-5
     batch: int = 1
     expert_dtype: str = "bf16"           # "bf16" | "fp8_e4m3" | "mxfp4"
     router_dtype: str = "fp32"           # "fp32" | "bf16"
@@ -78,6 +95,11 @@ class MoELayerConfig:
     def local_start(self) -> int:
         return self.rank * self.local
 
+    @property
+    def expert_hidden(self) -> int:
+        """The experts' width: the latent, or the hidden size."""
+        return self.latent or self.hidden
+
     def moe_spec(self) -> MoESpec:
         """The reference's spec of this layer (sdk/spec.py)."""
         return MoESpec(num_experts=self.num_experts, top_k=self.top_k, expert_intermediate_size=self.intermediate,
@@ -85,7 +107,13 @@ class MoELayerConfig:
                        shared_intermediate_size=self.shared_intermediate, scoring=self.scoring,
                        correction_bias=self.correction_bias, n_group=self.n_group, topk_group=self.topk_group,
                        norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.routed_scaling_factor,
-                       hash_routed=self.hash_routed, activation="silu", swiglu_limit=self.swiglu_limit)
+                       hash_routed=self.hash_routed, activation=self.activation, swiglu_limit=self.swiglu_limit,
+                       situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
+                       latent_size=self.latent, latent_norm_eps=self.latent_norm_eps)
+
+    def act_fields(self) -> dict:
+        """The gated activation's fields of GemvConfig / ExpertsConfig."""
+        return dict(activation=self.activation, situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta)
 
 
 def expected_hits(cfg: MoELayerConfig) -> float:
@@ -98,7 +126,10 @@ def expected_hits(cfg: MoELayerConfig) -> float:
 # shard where GemvBlock's shapes allow it (K a multiple of 256 for bf16), else replicated.
 PRESETS = {
     # Kimi K3: 896 experts top-16, I 3072, EP16 -> 56 local; sigmoid + bias, no groups, no scale;
-    # shared expert I 6144 TP8 -> 768 (SiTU in the real model: SwiGLU here, docs/moe.md)
+    # shared expert I 6144 TP8 -> 768. The real model's SiTU and 3584 latent are
+    # preset("kimi_k3", b, activation="situ", latent=3584): compile-checked and PyVM-tested only,
+    # so this preset (the GPU tests' and benchmarks') stays on the GPU-verified SwiGLU, no latent
+    # (docs/moe.md)
     "kimi_k3": dict(hidden=7168, num_experts=896, top_k=16, intermediate=3072, num_local=56,
                     shared_intermediate=768, scoring="sigmoid", correction_bias=True,
                     routed_scaling_factor=1.0, router_dtype="fp32"),
@@ -120,9 +151,9 @@ def preset(model: str, batch: int = 1, **overrides) -> MoELayerConfig:
 
 
 def blocks(cfg: MoELayerConfig) -> dict:
-    d, m, L = cfg.hidden, cfg.batch, cfg.local
+    d, m, L, h = cfg.hidden, cfg.batch, cfg.local, cfg.expert_hidden
     hits = expected_hits(cfg)
-    er = {st: cfg.expert_rows or balanced_rows(cfg.intermediate if st == "gateup" else d, cfg.num_sms)
+    er = {st: cfg.expert_rows or balanced_rows(cfg.intermediate if st == "gateup" else h, cfg.num_sms)
           for st in ("gateup", "down")}
     out = {
         # the router GEMV streams its (fp32 or bf16) weights through the smem ring: issued at the
@@ -134,21 +165,31 @@ def blocks(cfg: MoELayerConfig) -> dict:
             correction_bias=cfg.correction_bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
             norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
             hash_routed=cfg.hash_routed, vocab=cfg.vocab, local_start=cfg.local_start, num_local=L)),
-        "gateup": ExpertsBlock(ExpertsConfig(stage="gateup", hidden=d, intermediate=cfg.intermediate,
+        "gateup": ExpertsBlock(ExpertsConfig(stage="gateup", hidden=h, intermediate=cfg.intermediate,
                                              num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
-                                             swiglu_limit=cfg.swiglu_limit, rows_per_tile=er["gateup"],
+                                             swiglu_limit=cfg.swiglu_limit, **cfg.act_fields(),
+                                             rows_per_tile=er["gateup"],
                                              mma=cfg.expert_mma,
                                              weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
-        "down": ExpertsBlock(ExpertsConfig(stage="down", hidden=d, intermediate=cfg.intermediate,
+        "down": ExpertsBlock(ExpertsConfig(stage="down", hidden=h, intermediate=cfg.intermediate,
                                            num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
-                                           shared=bool(cfg.shared_intermediate), rows_per_tile=er["down"],
+                                           # latent: the shared expert (on the hidden) joins in the up GEMV
+                                           shared=bool(cfg.shared_intermediate) and not cfg.latent,
+                                           out_dtype="fp32" if cfg.latent else "bf16", rows_per_tile=er["down"],
                                            mma=cfg.expert_mma,
                                            weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
     }
+    if cfg.latent:
+        out["latent_down"] = gemv_block(GemvConfig(n=h, k=d, m=m), cfg.shared_rows, cfg.num_sms)
+        out["latent_up"] = gemv_block(GemvConfig(n=d, k=h, m=m, x_dtype="fp32", norm=True,
+                                                 norm_eps=cfg.latent_norm_eps,
+                                                 residual="fp32" if cfg.shared_intermediate else None),
+                                      cfg.shared_rows, cfg.num_sms)
     if cfg.shared_intermediate:
         s = cfg.shared_intermediate
         out["shared_gateup"] = gemv_block(GemvConfig(n=s, k=d, m=m, weight_dtype=cfg.shared_dtype, swiglu=True,
-                                                     swiglu_limit=cfg.swiglu_limit), cfg.shared_rows, cfg.num_sms)
+                                                     swiglu_limit=cfg.swiglu_limit, **cfg.act_fields()),
+                                          cfg.shared_rows, cfg.num_sms)
         out["shared_down"] = gemv_block(GemvConfig(n=d, k=s, m=m, weight_dtype=cfg.shared_dtype, out_dtype="fp32"),
                                         cfg.shared_rows, cfg.num_sms)
     return out
@@ -168,7 +209,7 @@ def _expert_buffers(prog, name, shape, fmt):
 def add_inputs_and_weights(prog: Program, cfg: MoELayerConfig, tokens: int, local: int) -> None:
     """x [tokens, hidden], the router's weights (bias, hash table and input_ids where the layer has
     them) and the weights of `local` routed experts."""
-    d, k, E, I = cfg.hidden, cfg.top_k, cfg.num_experts, cfg.intermediate
+    d, k, E, I, h = cfg.hidden, cfg.top_k, cfg.num_experts, cfg.intermediate, cfg.expert_hidden
     prog.buffer("x", (tokens, d), "bf16", "input")
     prog.buffer("router.weight", (E, d), cfg.router_dtype, "weight")
     if cfg.correction_bias:
@@ -176,8 +217,12 @@ def add_inputs_and_weights(prog: Program, cfg: MoELayerConfig, tokens: int, loca
     if cfg.hash_routed:
         prog.buffer("input_ids", (tokens,), "int32", "input")
         prog.buffer("router.tid2eid", (cfg.vocab, k), "int32", "weight")
-    _expert_buffers(prog, "experts.gate_up", (local, 2 * I, d), cfg.expert_dtype)
-    _expert_buffers(prog, "experts.down", (local, d, I), cfg.expert_dtype)
+    _expert_buffers(prog, "experts.gate_up", (local, 2 * I, h), cfg.expert_dtype)
+    _expert_buffers(prog, "experts.down", (local, h, I), cfg.expert_dtype)
+    if cfg.latent:
+        prog.buffer("latent_down.weight", (h, d), "bf16", "weight")
+        prog.buffer("latent_norm.weight", (h,), "bf16", "weight")
+        prog.buffer("latent_up.weight", (d, h), "bf16", "weight")
 
 
 def add_router(prog: Program, cfg: MoELayerConfig, b: dict, table: dict) -> int:
@@ -233,6 +278,8 @@ def build_program(cfg: MoELayerConfig) -> Program:
 
     table = {"counts": "counts", "hits": "hits", "tok": "tok", "slot": "slot"}
     sel = add_router(prog, cfg, b, table)
+    if cfg.latent:
+        return _latent_tail(prog, cfg, b, table, sel)
     gu = prog.op(b["gateup"], {**expert_weights(cfg, "experts.gate_up"), **table, "x": "x", "act": "act"},
                  waits=[sel], label="experts.gateup")
     down_b = {**expert_weights(cfg, "experts.down"), **table, "act": "act", "topk_w": "topk_w", "out": "out"}
@@ -244,12 +291,32 @@ def build_program(cfg: MoELayerConfig) -> Program:
     return prog
 
 
+def _latent_tail(prog: Program, cfg: MoELayerConfig, b: dict, table: dict, sel: int) -> Program:
+    """Stable LatentMoE after the router: z = latent_down(x), the experts on z into `routed`
+    [M, L] fp32, then out = shared_out + latent_up(RMSNorm(routed)) in one GEMV (module docstring)."""
+    m, h = cfg.batch, cfg.expert_hidden
+    prog.buffer("z", (m, h), "bf16")
+    prog.buffer("routed", (m, h), "fp32")
+    zd = prog.op(b["latent_down"], {"w": "latent_down.weight", "x": "x", "y": "z"}, label="latent.down")
+    gu = prog.op(b["gateup"], {**expert_weights(cfg, "experts.gate_up"), **table, "x": "z", "act": "act"},
+                 waits=[sel, zd], label="experts.gateup")
+    dn = prog.op(b["down"], {**expert_weights(cfg, "experts.down"), **table, "act": "act", "topk_w": "topk_w",
+                             "out": "routed"}, waits=[gu], label="experts.down")
+    up_b = {"w": "latent_up.weight", "x": "routed", "norm_weight": "latent_norm.weight", "y": "out"}
+    waits = [dn]
+    if cfg.shared_intermediate:
+        waits.append(add_shared_expert(prog, cfg, b))
+        up_b["res"] = "shared_out"
+    prog.op(b["latent_up"], up_b, waits=waits, label="latent.up")
+    return prog
+
+
 # -- weights and reference ---------------------------------------------------------------------
 def make_weights(cfg: MoELayerConfig, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
     """Random weights of this rank in the kernel's layout (generated on `device`), scaled so
     that logits and activations are O(1)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    d, k, L, E, I = cfg.hidden, cfg.top_k, cfg.local, cfg.num_experts, cfg.intermediate
+    d, k, L, E, I, h = cfg.hidden, cfg.top_k, cfg.local, cfg.num_experts, cfg.intermediate, cfg.expert_hidden
 
     def rnd(*shape, std=1.0):
         return torch.randn(*shape, generator=g, device=device) * std
@@ -260,7 +327,11 @@ def make_weights(cfg: MoELayerConfig, seed: int = 0, device="cpu") -> dict[str, 
     if cfg.hash_routed:
         w["router.tid2eid"] = torch.stack([torch.randperm(E, generator=g, device=device)[:k]
                                            for _ in range(cfg.vocab)]).to(torch.int32)
-    for name, shape, fan_in in (("experts.gate_up", (L, 2 * I, d), d), ("experts.down", (L, d, I), I)):
+    if cfg.latent:
+        w["latent_down.weight"] = rnd(h, d, std=d ** -0.5).to(torch.bfloat16)
+        w["latent_norm.weight"] = (1 + 0.2 * rnd(h)).to(torch.bfloat16)
+        w["latent_up.weight"] = rnd(d, h, std=h ** -0.5).to(torch.bfloat16)
+    for name, shape, fan_in in (("experts.gate_up", (L, 2 * I, h), h), ("experts.down", (L, h, I), I)):
         # generated per expert: the full bf16 tensor of a real shard is several GB
         full = torch.empty(shape, dtype=torch.bfloat16, device=device)
         for e in range(L):
@@ -319,30 +390,35 @@ def reference(cfg: MoELayerConfig, weights: dict, x: torch.Tensor, input_ids: to
         rw, ids = route(spec, router_logits(cfg, weights, x), weights.get("router.bias"), hashed)
     else:
         rw, ids = routing
-    out = torch.zeros_like(xf)
+    xe = xf @ weights["latent_down.weight"].float().T if cfg.latent else xf     # the experts' input
+    out = torch.zeros_like(xe)
     lo = cfg.local_start
     for e in torch.unique(ids).tolist():
         if not lo <= e < lo + cfg.local:
             continue                        # another rank's expert
         gu, dn = local_expert_weights(cfg, weights, e - lo)
         tok, slot = torch.where(ids == e)
-        gate, up = F.linear(xf[tok], gu).chunk(2, dim=-1)
-        y = F.linear(swiglu(gate, up, "silu", cfg.swiglu_limit), dn)
+        gate, up = F.linear(xe[tok], gu).chunk(2, dim=-1)
+        y = F.linear(swiglu(gate, up, cfg.activation, cfg.swiglu_limit, cfg.situ_beta, cfg.situ_linear_beta), dn)
         out.index_add_(0, tok, y * rw[tok, slot, None].float())
+    if cfg.latent:
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + cfg.latent_norm_eps)
+        out = (out * weights["latent_norm.weight"].float()) @ weights["latent_up.weight"].float().T
     if cfg.shared_intermediate:
         gate = xf @ _shared_dense(cfg, weights, "shared.gate").T
         up = xf @ _shared_dense(cfg, weights, "shared.up").T
-        out = out + swiglu(gate, up, "silu", cfg.swiglu_limit) @ _shared_dense(cfg, weights, "shared.down").T
+        act = swiglu(gate, up, cfg.activation, cfg.swiglu_limit, cfg.situ_beta, cfg.situ_linear_beta)
+        out = out + act @ _shared_dense(cfg, weights, "shared.down").T
     return out
 
 
 def reference_weights_full(cfg: MoELayerConfig, weights: dict) -> dict[str, torch.Tensor]:
     """The layer's weights in sdk/reference/moe.py's names and layout (fp32), all E experts, the
     non-local ones zero: `MoEReference(...).forward` on these equals this rank's output."""
-    d, E, I = cfg.hidden, cfg.num_experts, cfg.intermediate
+    h, E, I = cfg.expert_hidden, cfg.num_experts, cfg.intermediate
     lo, L = cfg.local_start, cfg.local
-    gu = torch.zeros(E, 2 * I, d)
-    dn = torch.zeros(E, d, I)
+    gu = torch.zeros(E, 2 * I, h)
+    dn = torch.zeros(E, h, I)
     for e in range(L):
         gu[lo + e], dn[lo + e] = local_expert_weights(cfg, weights, e)
     w = {"gate.weight": weights["router.weight"].float(), "experts.gate_up_proj": gu, "experts.down_proj": dn}
@@ -350,6 +426,9 @@ def reference_weights_full(cfg: MoELayerConfig, weights: dict) -> dict[str, torc
         w["gate.e_score_correction_bias"] = weights["router.bias"].float()
     if cfg.hash_routed:
         w["gate.tid2eid"] = weights["router.tid2eid"].long()
+    if cfg.latent:
+        for n in ("latent_down", "latent_norm", "latent_up"):
+            w[f"{n}.weight"] = weights[f"{n}.weight"].float()
     if cfg.shared_intermediate:
         for n in ("gate", "up", "down"):
             w[f"shared_experts.{n}_proj.weight"] = _shared_dense(cfg, weights, f"shared.{n}")
@@ -379,6 +458,8 @@ def weight_bytes_hit(cfg: MoELayerConfig, prog: Program, hit_local: int) -> dict
     shared = 0
     if cfg.shared_intermediate:
         shared = b["shared_gateup"].weight_bytes() + b["shared_down"].weight_bytes()
+    if cfg.latent:                          # replicated bf16 latent down/up (+ the norm weight)
+        shared += b["latent_down"].weight_bytes() + b["latent_up"].weight_bytes() + 2 * cfg.latent
     act = cfg.batch * cfg.hidden * 2 * 2
     return {"router": router, "experts": int(experts), "shared": shared, "activations": act,
             "total": int(router + experts + shared + act)}
@@ -394,12 +475,22 @@ def moe_block_cases() -> list:
     b3, b4, bg = blocks(k3), blocks(v4), blocks(glm)
     bm = blocks(preset("kimi_k3", 8, expert_dtype="mxfp4", expert_mma=True))      # the tensor-core tile
     return [b3["logits"], b3["select"], b4["select"], b3["gateup"], b4["gateup"], b4["down"], bg["gateup"], bg["down"],
-            bm["gateup"], bm["down"]]
+            bm["gateup"], bm["down"]] + situ_block_cases()
+
+
+def situ_block_cases() -> list:
+    """Kimi K3's SiTU epilogue (compile-checked; not yet run on a GPU): the shared expert's gate/up
+    GEMV (CUDA-core and tensor-core tiles) and the experts' gate/up stage (CUDA-core and MXFP4
+    tensor-core tiles)."""
+    one, eight = (blocks(preset("kimi_k3", m, activation="situ", expert_dtype="mxfp4")) for m in (1, 8))
+    return [one["shared_gateup"], eight["shared_gateup"], one["gateup"], eight["gateup"]]
 
 
 def moe_megakernel_cases() -> list:
-    return [MoELayerConfig(hidden=1024, num_experts=64, top_k=4, intermediate=256, num_local=16, batch=8,
-                           correction_bias=True, shared_intermediate=256, expert_dtype="mxfp4", swiglu_limit=10.0)]
+    base = MoELayerConfig(hidden=1024, num_experts=64, top_k=4, intermediate=256, num_local=16, batch=8,
+                          correction_bias=True, shared_intermediate=256, expert_dtype="mxfp4", swiglu_limit=10.0)
+    # Kimi K3's shape of layer: Stable LatentMoE (latent down / up GEMVs) and SiTU (not run on a GPU yet)
+    return [base, replace(base, swiglu_limit=None, activation="situ", latent=512)]
 
 
 def compile_check(archs, num_sms: int = 132, blocks_too: bool = False) -> dict:

@@ -61,14 +61,34 @@ def activation(name: str):
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        raise UnsupportedConfigError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}") from None
+        raise UnsupportedConfigError(f"unsupported activation {name!r}; supported: "
+                                     f"{sorted(ACTIVATIONS)} (and, gated MLPs only, {list(GATED)})") from None
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", limit: float | None = None) -> torch.Tensor:
-    """act(gate) * up, with the DeepSeek-V4 / GLM clamp (gate <= limit, |up| <= limit) when given."""
+# Gated activations that are not act(gate) * up: they take the pair (gate, up) whole.
+GATED = ("situ",)
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """Kimi K3's SiTU [MODEL-FACTS F1, F7]:
+        beta * tanh(gate / beta) * sigmoid(gate) * linear_beta * tanh(up / linear_beta)
+    in fp32, rounded once to gate's dtype (the result is the only rounding). Both tanh soft-caps are
+    odd and bounded: |out| < beta * linear_beta = 100 at K3's betas (4, 25)."""
+    g, u = gate.float(), up.float()
+    out = (beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (linear_beta * torch.tanh(u / linear_beta))
+    return out.to(gate.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", limit: float | None = None,
+           beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """The gated MLP activation: act(gate) * up, with the DeepSeek-V4 / GLM clamp (gate <= limit,
+    |up| <= limit) when given; act = "situ" is Kimi K3's SiTU with its two betas (`situ`; the
+    betas are read for "situ" only)."""
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
+    if act == "situ":
+        return situ(gate, up, beta, linear_beta)
     return activation(act)(gate) * up
 
 

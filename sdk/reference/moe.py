@@ -1,4 +1,5 @@
-"""Reference MLPs: the dense SwiGLU MLP and the routed Mixture-of-Experts with shared experts.
+"""Reference MLPs: the dense gated MLP (SwiGLU or SiTU) and the routed Mixture-of-Experts with
+shared experts, optionally on a latent (Kimi K3's Stable LatentMoE).
 
 Local weight names (under `layers.{i}.mlp.`):
   dense:  gate_proj.weight [I, D], up_proj.weight [I, D], down_proj.weight [D, I]
@@ -8,6 +9,18 @@ Local weight names (under `layers.{i}.mlp.`):
           experts.gate_up_proj [E, 2I, D]     gate rows first, then up rows
           experts.down_proj [E, D, I]
           shared_experts.{gate,up,down}_proj.weight   if spec.num_shared_experts
+  latent moe (spec.latent_size = L > 0; names are ours: no public HF class has this MoE):
+          latent_down.weight [L, D]           x -> z, the experts' input
+          latent_norm.weight [L]              RMSNorm of the weighted expert sum
+          latent_up.weight [D, L]             back to the hidden size
+          experts.gate_up_proj [E, 2I, L], experts.down_proj [E, L, I]   (on the latent)
+          the router and the shared experts stay on D.
+
+Latent forward: y = latent_up(RMSNorm(sum_j w_j * expert_j(z))) + shared(x), z = latent_down(x).
+The weighted sum is accumulated in fp32 (each expert's output is in the activations' dtype, then
+weighted and added in fp32); the norm runs on the fp32 sum and rounds once to the activations'
+dtype before its weight, as `rms_norm` does. The plain (non-latent) MoE accumulates its weighted
+sum in the activations' dtype (transformers' kimi_linear / deepseek order), which is unchanged.
 
 MoESpec.extra keys read here: "router_logits_dtype" = "model" computes the router logits in the
 activations' dtype (DeepSeek-V4) instead of fp32 (the default).
@@ -19,7 +32,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedConfigError
 from ..spec import DenseMlpSpec, LayerSpec, ModelSpec, MoESpec
-from .common import StepInfo, swiglu
+from .common import StepInfo, rms_norm, swiglu
 
 SCORING = ("sigmoid", "softmax", "sqrtsoftplus")
 
@@ -29,10 +42,21 @@ def dense_mlp_weights(prefix: str, hidden: int, inter: int) -> dict[str, tuple]:
             f"{prefix}down_proj.weight": (hidden, inter)}
 
 
-def dense_mlp(x, w, prefix: str, act: str = "silu", limit: float | None = None):
+def gated_act(spec: DenseMlpSpec | MoESpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The spec's gated activation (SwiGLU with its clamp, or SiTU with its betas)."""
+    return swiglu(gate, up, spec.activation, spec.swiglu_limit, spec.situ_beta, spec.situ_linear_beta)
+
+
+def dense_mlp(x, w, prefix: str, act: str = "silu", limit: float | None = None,
+              beta: float = 4.0, linear_beta: float = 25.0):
     gate = F.linear(x, w[f"{prefix}gate_proj.weight"])
     up = F.linear(x, w[f"{prefix}up_proj.weight"])
-    return F.linear(swiglu(gate, up, act, limit), w[f"{prefix}down_proj.weight"])
+    return F.linear(swiglu(gate, up, act, limit, beta, linear_beta), w[f"{prefix}down_proj.weight"])
+
+
+def spec_dense_mlp(x, w, prefix: str, spec: DenseMlpSpec | MoESpec):
+    """dense_mlp with the spec's activation parameters."""
+    return dense_mlp(x, w, prefix, spec.activation, spec.swiglu_limit, spec.situ_beta, spec.situ_linear_beta)
 
 
 class DenseMLPReference:
@@ -45,7 +69,7 @@ class DenseMLPReference:
         return dense_mlp_weights("", model.hidden_size, layer.mlp.intermediate_size)
 
     def forward(self, x: torch.Tensor, step: StepInfo) -> torch.Tensor:
-        return dense_mlp(x, self.w, "", self.spec.activation, self.spec.swiglu_limit)
+        return spec_dense_mlp(x, self.w, "", self.spec)
 
 
 def route(spec: MoESpec, logits: torch.Tensor, bias: torch.Tensor | None,
@@ -92,7 +116,10 @@ class MoEReference:
     def expected_weights(model: ModelSpec, layer: LayerSpec) -> dict[str, tuple]:
         s: MoESpec = layer.mlp
         d, e, i = model.hidden_size, s.num_experts, s.expert_intermediate_size
-        out = {"gate.weight": (e, d), "experts.gate_up_proj": (e, 2 * i, d), "experts.down_proj": (e, d, i)}
+        h = s.latent_size or d                  # the experts' width
+        out = {"gate.weight": (e, d), "experts.gate_up_proj": (e, 2 * i, h), "experts.down_proj": (e, h, i)}
+        if s.latent_size:
+            out.update({"latent_down.weight": (h, d), "latent_norm.weight": (h,), "latent_up.weight": (d, h)})
         if s.correction_bias:
             out["gate.e_score_correction_bias"] = (e,)
         if s.hash_routed:
@@ -114,23 +141,37 @@ class MoEReference:
         hashed = self.w["gate.tid2eid"][step.input_ids.reshape(-1)].long() if s.hash_routed else None
         return route(s, logits, bias, hashed)
 
-    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Hit experts only: each expert runs on the tokens routed to it."""
-        s = self.spec
-        out = torch.zeros_like(x)
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                acc_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Hit experts only: each expert runs on the tokens routed to it (x [N, H], H = the
+        experts' width). Each expert's output, in x's dtype, is weighted and summed in
+        `acc_dtype` (default: x's dtype - the plain MoE; the latent MoE passes fp32)."""
+        out = torch.zeros(x.shape, dtype=acc_dtype or x.dtype, device=x.device)
         gate_up, down = self.w["experts.gate_up_proj"], self.w["experts.down_proj"]
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)
             gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(swiglu(gate, up, s.activation, s.swiglu_limit), down[e])
-            out.index_add_(0, tok, (y * weights[tok, slot, None].to(y.dtype)).to(out.dtype))
+            y = F.linear(gated_act(self.spec, gate, up), down[e])
+            w = weights[tok, slot, None]
+            out.index_add_(0, tok, (y * w.to(y.dtype)).to(out.dtype) if acc_dtype is None else
+                           y.to(out.dtype) * w.to(out.dtype))
         return out
+
+    def latent_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Stable LatentMoE, routed part: latent_up(RMSNorm(sum_j w_j expert_j(latent_down(x)))),
+        x [N, D] -> [N, D] in x's dtype (sum in fp32; module docstring)."""
+        s = self.spec
+        z = F.linear(x, self.w["latent_down.weight"])
+        acc = self.experts(z, weights, ids, acc_dtype=torch.float32)
+        h = rms_norm(acc, None, s.latent_norm_eps).to(x.dtype) * self.w["latent_norm.weight"]
+        return F.linear(h, self.w["latent_up.weight"])
 
     def forward(self, x: torch.Tensor, step: StepInfo) -> torch.Tensor:
         b, t, d = x.shape
         flat = x.reshape(-1, d)
         weights, ids = self.router(flat, step)
-        y = self.experts(flat, weights, ids).view(b, t, d)
+        routed = self.latent_experts if self.spec.latent_size else self.experts
+        y = routed(flat, weights, ids).view(b, t, d)
         if self.spec.num_shared_experts:
-            y = y + dense_mlp(x, self.w, "shared_experts.", self.spec.activation, self.spec.swiglu_limit)
+            y = y + spec_dense_mlp(x, self.w, "shared_experts.", self.spec)
         return y

@@ -77,7 +77,7 @@ def _gemv_name(n, k, m, wd, stages=None, pdl=True, overrides=None) -> str:
     ov = dict(overrides or {})
     dec = ov.pop("fp8_decode", "cvt")
     return (f"gemv n={n} k={k} m={m} {wd}" + (f" stages={stages}" if stages else "") + ("" if pdl else " no-pdl")
-            + (" int-decode" if dec == "int" else "") + "".join(f" {key}={v}" for key, v in ov.items()))
+            + (f" {dec}-decode" if dec != "cvt" else "") + "".join(f" {key}={v}" for key, v in ov.items()))
 
 
 def _num_sms() -> int:
@@ -176,7 +176,7 @@ def _stack_name(cfg) -> str:
     return (f"mlp_stack L={cfg.layers} I={cfg.intermediate} B={cfg.batch} {cfg.weight_dtype}"
             + ("" if cfg.fuse_norm is None else f" fuse_norm={cfg.fuse_norm}")
             + (f" rows={cfg.gateup_rows}/{cfg.down_rows}" if cfg.gateup_rows or cfg.down_rows else "")
-            + (" int-decode" if cfg.fp8_decode == "int" else ""))
+            + (f" {cfg.fp8_decode}-decode" if cfg.fp8_decode != "cvt" else ""))
 
 
 def bench_stack(cfg, copy_bw, timeline_path=None, pdl=False):
@@ -238,7 +238,10 @@ def stack_cases(quick: bool) -> list:
              MLPStackConfig(intermediate=2048, layers=8, batch=1, gateup_rows=8, down_rows=16),  # v2's tiles
              MLPStackConfig(intermediate=18432, layers=4, batch=1),
              MLPStackConfig(intermediate=2048, layers=8, batch=8),
-             MLPStackConfig(intermediate=2048, layers=8, batch=1, weight_dtype="fp8_e4m3")]
+             MLPStackConfig(intermediate=2048, layers=8, batch=1, weight_dtype="fp8_e4m3"),
+             # packed f16 FMAs for fp8 at batch 1 (GemvConfig.fp8_decode="hfma2"; not yet measured)
+             MLPStackConfig(intermediate=2048, layers=8, batch=1, weight_dtype="fp8_e4m3", fp8_decode="hfma2"),
+             MLPStackConfig(intermediate=18432, layers=4, batch=1, weight_dtype="fp8_e4m3", fp8_decode="hfma2")]
     if not quick:
         cases += [MLPStackConfig(intermediate=4096, layers=8, batch=1),
                   MLPStackConfig(intermediate=12288, layers=4, batch=1),
@@ -268,7 +271,10 @@ def gemv_cases(quick: bool):
              # fp8 at batch 1 on the tensor cores with full 16-row m-tiles (8-row tiles pad the
              # MMA's 16 rows with a repeated row: twice the conversions; measured 41% at 8 rows)
              (18432, 7168, 1, "fp8_e4m3", None, True), (18432, 7168, 1, "fp8_e4m3", None, True, {"mma": True, "rows_per_tile": 16}),
-             (7168, 2048, 1, "fp8_e4m3", None, True, {"mma": True, "rows_per_tile": 16})]
+             (7168, 2048, 1, "fp8_e4m3", None, True, {"mma": True, "rows_per_tile": 16}),
+             (18432, 7168, 1, "fp8_e4m3", None, True, {"fp8_decode": "hfma2"}),
+             (7168, 2048, 1, "fp8_e4m3", None, True, {"fp8_decode": "hfma2"}),
+             (7168, 2048, 1, "bf16", None, True, {"chunk_k": 2048}), (7168, 2048, 1, "bf16", None, True, {"chunk_k": 512})]
     if not quick:
         cases += [(18432, 7168, 1, "bf16", 4, True), (18432, 7168, 1, "bf16", 8, True),   # bytes in flight
                   (4096, 7168, 1, "bf16", None, True), (4096, 7168, 1, "bf16", None, False),

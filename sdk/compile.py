@@ -33,6 +33,7 @@ def block_cases():
         GemvBlock(GemvConfig(n=7168, k=2048, m=8, out_dtype="fp32", residual="fp32")),               # MMA, bf16
         GemvBlock(GemvConfig(n=2048, k=7168, m=1, weight_dtype="fp8_e4m3", swiglu=True, norm=True)),  # CUDA cores
         GemvBlock(GemvConfig(n=2048, k=7168, m=2, weight_dtype="fp8_e4m3", swiglu=True, fp8_decode="int")),
+        GemvBlock(GemvConfig(n=2048, k=7168, m=1, weight_dtype="fp8_e4m3", swiglu=True, norm=True, fp8_decode="hfma2")),
         GemvBlock(GemvConfig(n=7168, k=2048, m=64, rows_per_tile=16, weight_dtype="fp8_e4m3", out_dtype="fp32",
                              residual="fp32")),
         KDABlock(KDAConfig(batch=64, heads=12, conv=True, out_norm=True)),

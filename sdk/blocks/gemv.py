@@ -76,9 +76,11 @@ class GemvConfig:
     residual: str | None = None          # None | "bf16" | "fp32": y = res + x @ W^T
     scale_block: int = 128
     mma: bool | None = None              # tensor cores (warp mma.sync); None = auto (use_mma)
-    fp8_decode: str = "cvt"              # CUDA-core fp8 -> fp32: "cvt" (e4m3x2 -> f16x2 -> f32) or "int"
-                                         # (bit placement, x staged x 2^64; correct on the H200 but
-                                         # slower: 18432x7168 55.0% vs 59.0% of the copy bandwidth)
+    fp8_decode: str = "cvt"              # CUDA-core fp8: "cvt" (e4m3x2 -> f16x2 -> f32); "int" (bit
+                                         # placement, x staged x 2^64; correct on the H200 but slower:
+                                         # 18432x7168 55.0% vs 59.0% of the copy bandwidth); "hfma2"
+                                         # (packed f16 FMAs, opt-in: x rms ~1e-2 .. 3e4, see
+                                         # tests/test_megakernel_pyvm.py; not yet run on a GPU)
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
@@ -235,8 +237,8 @@ class GemvBlock(Block):
             self.unsupported("gemv: swiglu_limit without swiglu")
         if c.activation not in ("silu", "situ") or (c.activation != "silu" and not c.swiglu):
             self.unsupported(f"gemv: activation {c.activation!r} (supported: silu, situ; the swiglu epilogue's)")
-        if c.fp8_decode not in ("cvt", "int"):
-            self.unsupported(f"gemv: fp8_decode {c.fp8_decode!r} (supported: cvt, int)")
+        if c.fp8_decode not in ("cvt", "int", "hfma2"):
+            self.unsupported(f"gemv: fp8_decode {c.fp8_decode!r} (supported: cvt, int, hfma2)")
         if c.mma and c.weight_dtype == "fp32":
             self.unsupported("gemv: the MMA path takes bf16 or fp8 weights, not fp32")
         if self.use_mma and not self._mma_chunk_ok(kc):
@@ -427,14 +429,23 @@ class GemvBlock(Block):
         XBYTES = M * KX * 2                     # staged x, then the cross-warp sums
         RED_WORDS = self.red_smem_bytes() // 4
         EPI = -(-(R * M) // NT) if mma else 0   # epilogue outputs per thread
-        SXT = cutlass.Float16 if (mma and fp8) else BFloat16   # staged x: the MMA's B type
+        # fp8_decode="hfma2" (CUDA cores): e4m3x2 -> f16x2 (one conversion per 2 weights), products
+        # as packed f16 FMAs (fma.rn.f16x2) in 2 chains of 4 per 16-byte unit, each chain's f16x2
+        # then widened to fp32 and summed there: ~1.5 instructions per weight instead of the "cvt"
+        # path's ~4 (e4m3 -> f16 -> f32 per weight, then an fp32 FMA; Nsight Compute: 7.2 issued per
+        # weight, H200 2026-12-03). x is staged as f16 * 2^-10 (the products and 4-term sums stay
+        # far below f16's 65504 for |x| < ~30000; the chunk scale takes the 2^10 back); each f16
+        # product / partial sum rounds at 2^-11 relative (bf16 outputs round at 2^-8).
+        hfma2 = fp8 and not mma and c.fp8_decode == "hfma2"
+        SXT = cutlass.Float16 if (fp8 and (mma or hfma2)) else BFloat16   # staged x: the MMA's B type
         # fp8_decode="int" (CUDA cores): e4m3 bits placed into bf16 bits - sign to bit 15, the
         # other 7 bits to 4..10 - read as bf16 that is the e4m3 value * 2^-120 exactly (subnormals
         # too), and bf16 -> fp32 is a shift: no conversion instruction (F2F is quarter rate: the
         # "cvt" path's limit). x is staged * 2^64 so the products stay in fp32's normal range; the
         # chunk scale takes the 2^(120 - 64) back.
         int_fp8 = fp8 and not mma and c.fp8_decode == "int"
-        X_PRESCALE = 2.0 ** 64 if int_fp8 else 1.0
+        X_PRESCALE = 2.0 ** 64 if int_fp8 else 2.0 ** -10 if hfma2 else 1.0
+        HFMA2_UNSCALE = 2.0 ** 10
         INT_FP8_UNSCALE = 2.0 ** 56
         mma_kind = "f16" if fp8 else "bf16"
 
@@ -578,7 +589,7 @@ class GemvBlock(Block):
                             v = mX[m, xb * XU + ku, None].load().to(Float32)
                             if cutlass.const_expr(norm):
                                 v = v * scratch[STATS_OFFSET + m] * mNW[xb * XU + ku, None].load().to(Float32)
-                            if cutlass.const_expr(int_fp8):
+                            if cutlass.const_expr(int_fp8 or hfma2):
                                 v = v * Float32(X_PRESCALE)
                             sX[m, ku, None].store(v.to(SXT))
 
@@ -591,6 +602,59 @@ class GemvBlock(Block):
                 pair = ((v & 0x007F007F) << 4) | ((v & 0x00800080) << 8)     # bf16 x2: bytes half, half+2
                 wr[i, rr, e0 + half] = bits_to_f32(pair << 16)
                 wr[i, rr, e0 + half + 2] = bits_to_f32(pair & -65536)
+
+        @cute.jit
+        def fma_f16x2(a: Int32, b: Int32, c_: Int32) -> Int32:
+            return cute.arch.inline_ptx("fma.rn.f16x2 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[Int32],
+                                        read_only_args=[a, b, c_])
+
+        @cute.jit
+        def mul_f16x2(a: Int32, b: Int32) -> Int32:
+            return cute.arch.inline_ptx("mul.rn.f16x2 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
+                                        read_only_args=[a, b])
+
+        @cute.jit
+        def f16x2_sum_f32(v: Int32) -> Float32:
+            """The two f16 halves of v, widened and added in fp32."""
+            lo, hi = cute.arch.inline_ptx(
+                "{ .reg .b16 l, h; mov.b32 {l, h}, {$r0}; cvt.f32.f16 {$w0}, l; cvt.f32.f16 {$w1}, h; }",
+                write_only_types=[Float32, Float32], read_only_args=[v])
+            return lo + hi
+
+        @cute.jit
+        def consume_hfma2(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):
+            acc = state[0]
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            warp = tid // 32
+            sWw = smem_tensor(stage_addr, Int32, (nw, R, PITCH, 4))       # 4 words = 16 e4m3
+            sXw = smem_tensor(sx, Int32, (M, KX // 8, 4))                  # 4 words = 8 f16 of x
+            xo = (ch % CPX) * (KC // 8)
+            sc = cute.make_rmem_tensor((nw,), Float32)
+            for cj in cutlass.range_constexpr(KCU // 32):
+                cu = lane + 32 * cj
+                # the unit's weights as 8 f16x2 pairs (elements 2p, 2p + 1) per row
+                wp = [[[None] * 8 for _ in range(RW)] for _ in range(nw)]
+                for i in cutlass.range_constexpr(nw):
+                    for rr in cutlass.range_constexpr(RW):
+                        for wi in cutlass.range_constexpr(4):
+                            lo, hi = e4m3x4_to_f16x2x2(sWw[i, warp + NWARP * rr, cu, wi])
+                            wp[i][rr][2 * wi] = lo
+                            wp[i][rr][2 * wi + 1] = hi
+                sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU * 4))
+                for i in cutlass.range_constexpr(nw):
+                    sc[i] = sS[i, cu // (SB // E)] * Float32(HFMA2_UNSCALE)
+                for m in cutlass.range_constexpr(M):
+                    xp = [sXw[m, xo + 2 * cu + h, q] for h in range(2) for q in range(4)]   # 8 f16x2
+                    for i in cutlass.range_constexpr(nw):
+                        for rr in cutlass.range_constexpr(RW):
+                            a0 = mul_f16x2(wp[i][rr][0], xp[0])
+                            a1 = mul_f16x2(wp[i][rr][1], xp[1])
+                            for p in cutlass.range_constexpr(1, 4):
+                                a0 = fma_f16x2(wp[i][rr][2 * p], xp[2 * p], a0)
+                                a1 = fma_f16x2(wp[i][rr][2 * p + 1], xp[2 * p + 1], a1)
+                            d = f16x2_sum_f32(a0) + f16x2_sum_f32(a1)
+                            acc[rr, i, m] = acc[rr, i, m] + d * sc[i]
 
         @cute.jit
         def consume(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):
@@ -764,4 +828,4 @@ class GemvBlock(Block):
 
         if mma:
             return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma, end=end_mma)
-        return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume, end=end)
+        return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_hfma2 if hfma2 else consume, end=end)

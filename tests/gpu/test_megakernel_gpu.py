@@ -50,14 +50,17 @@ def test_gemv_block(m, wd, swiglu):
     assert rel_err(t["y"], ref) <= BF16_TOL
 
 
-@pytest.mark.parametrize("m,norm", [(1, False), (1, True), (4, True), (4, False)])
-def test_gemv_fp8_int_decode(m, norm):
-    """fp8_decode="int" (e4m3 bits placed into bf16, x staged * 2^64): plain, fused norm merged
-    (m = 1) and staged per x block (m = 4), SwiGLU, tiles > SMs."""
+@pytest.mark.parametrize("m,norm,decode", [(1, False, "int"), (1, True, "int"), (4, True, "int"), (4, False, "int"),
+                                           (1, False, "hfma2"), (1, True, "hfma2"), (4, True, "hfma2"),
+                                           (2, False, "hfma2")])
+def test_gemv_fp8_alternative_decodes(m, norm, decode):
+    """fp8_decode="int" (e4m3 bits placed into bf16, x staged * 2^64) and "hfma2" (packed f16 FMAs,
+    x staged as f16 * 2^-10): plain, fused norm merged (m = 1) and staged per x block (m = 4),
+    SwiGLU, tiles > SMs."""
     need_gpu()
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     block = GemvBlock(GemvConfig(n=1024, k=7168, m=m, weight_dtype="fp8_e4m3", swiglu=True, norm=norm,
-                                 fp8_decode="int", rows_per_tile=8))
+                                 fp8_decode=decode, rows_per_tile=8))
     t = gemv_inputs(block, 300 + m)
     run_standalone(block, t)
     assert rel_err(t["y"], block.reference(**t)["y"]) <= BF16_TOL

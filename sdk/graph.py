@@ -183,11 +183,15 @@ def mlp_ops(spec: ModelSpec, layer: LayerSpec, tp: int, ep: int, batch: int, q: 
     if m.num_experts % ep:
         raise UnsupportedConfigError(f"{m.num_experts} experts do not shard over ep={ep}")
     hit = expected_experts_hit(m.num_experts, m.top_k, batch) / ep
+    h = m.latent_size or d                  # the experts' width (Kimi K3: the 3584 latent)
     # ep = 1 with tp > 1 is MoE-TP: every GPU holds a 1/tp slice of every expert's intermediate.
-    expert_w = 3 * d * m.expert_intermediate_size / (tp if ep == 1 else 1)
-    ops = [Op("router", m.num_experts * d * 2.0, flops=2 * batch * m.num_experts * d),
-           Op(f"experts (~{hit:.1f} hit of {m.num_experts // ep})", hit * expert_w * _w(q.experts),
-              flops=2 * batch * m.top_k / ep * expert_w)]
+    expert_w = 3 * h * m.expert_intermediate_size / (tp if ep == 1 else 1)
+    ops = [Op("router", m.num_experts * d * 2.0, flops=2 * batch * m.num_experts * d)]
+    if m.latent_size:       # bf16 latent down (replicated) and up (rows split over TP: MODEL-FACTS F4)
+        lw = d * h * (1 + 1 / tp)
+        ops.append(Op("latent down/up", lw * 2.0, flops=2 * batch * lw))
+    ops.append(Op(f"experts (~{hit:.1f} hit of {m.num_experts // ep})", hit * expert_w * _w(q.experts),
+                  flops=2 * batch * m.top_k / ep * expert_w))
     if m.num_shared_experts:
         w = 3 * d * m.shared_intermediate_size / tp
         ops.append(Op("shared experts", w * _w(q.dense), flops=2 * batch * w))

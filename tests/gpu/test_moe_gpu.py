@@ -257,3 +257,32 @@ def _check_two_steps(cfg, batch):
             assert err <= BF16_TOL, f"step {step}: relative error {err:.3e} (oracle routing)"
         hits = int(rt.tensors["hits"][0])
         assert hits == int((rt.tensors["counts"] > 0).sum())
+
+
+@pytest.mark.parametrize("batch,fmt,mma", [(1, "mxfp4", False), (8, "mxfp4", True), (4, "bf16", False)])
+def test_moe_layer_latent_situ_equals_moe_reference(batch, fmt, mma):
+    """Kimi K3's Stable LatentMoE with SiTU (betas 2 / 3, so a lost beta shows): latent-down GEMV,
+    experts on the latent with the SiTU epilogue (CUDA-core and tensor-core tiles), the fp32 sum's
+    RMSNorm + latent-up GEMV with the SiTU shared expert - against MoEReference.forward itself,
+    three launches with fresh inputs."""
+    need_gpu()
+    from sdk.megakernel.moe_layer import MoELayerConfig, moe_reference_forward
+    cfg = MoELayerConfig(hidden=2048, num_experts=128, top_k=6, intermediate=512, num_local=32, rank=1,
+                         batch=batch, expert_dtype=fmt, expert_mma=mma, correction_bias=True,
+                         shared_intermediate=512, activation="situ", situ_beta=2.0, situ_linear_beta=3.0,
+                         latent=1024)
+    rt, weights = _runtime(cfg, seed=11)
+    cpu_w = {k: v.cpu() for k, v in weights.items()}
+    for step in range(3):
+        x = torch.randn(cfg.batch, cfg.hidden, device="cuda").to(torch.bfloat16)
+        out = _launch(rt, cfg, x)
+        ref = moe_reference_forward(cfg, cpu_w, x.cpu())
+        assert rel_err(out.cpu(), ref) <= BF16_TOL, f"step {step}"
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_kimi_k3_latent_shard_one_launch(batch):
+    """Kimi K3's real per-GPU MoE shard (EP16) with its latent (3584) and SiTU, two launches."""
+    need_gpu()
+    from sdk.megakernel.moe_layer import preset
+    _check_two_steps(preset("kimi_k3", batch, expert_dtype="mxfp4", activation="situ", latent=3584), batch)

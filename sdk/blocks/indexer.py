@@ -237,6 +237,10 @@ class TopKBlock(Block):
                 OperandSpec("start", (c.batch,), "int32"),
                 OperandSpec("index", (c.batch, c.q_tokens, self.width), "int32", output=True)]
 
+    def own_smem_bytes(self) -> int:
+        # the radix histogram (one Int32 per thread = bin) and 2 + 2 x 8 exchange words, 16-B aligned
+        return NUM_THREADS * 4 + 128
+
     def num_tiles(self) -> int:
         return self.config.batch * self.config.q_tokens
 

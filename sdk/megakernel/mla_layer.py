@@ -96,17 +96,18 @@ RECORDS_MARGIN = 4096     # smem the kernel's instruction records take beside th
 FALLBACK_GEMV_ROWS = 16
 
 
-def build_program(cfg: MLALayerConfig) -> Program:
+def build_program(cfg: MLALayerConfig, builder=None) -> Program:
     """The sublayer's program, with as many decode pipeline stages (attn.decode_stages down to
     2) as leave the projections' weight ring 2 stages of shared memory - with the projections'
     balanced tiles, else with FALLBACK_GEMV_ROWS-row tiles (smaller ring stages); else the ring's
-    error."""
+    error. builder(cfg, gemv_rows) -> Program: `_build` unless given (sdk/megakernel/dsa_layer.py
+    passes one that adds the DSA indexer)."""
     from ..blocks.base import ring_geometry
     from ..errors import UnsupportedConfigError
     err = None
     for rows in (0, FALLBACK_GEMV_ROWS):
         for st in range(cfg.attn.decode_stages, 1, -1):
-            prog = _build(replace(cfg, attn=replace(cfg.attn, decode_stages=st)), rows)
+            prog = (builder or _build)(replace(cfg, attn=replace(cfg.attn, decode_stages=st)), rows)
             try:
                 ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)
                 return prog
@@ -115,11 +116,14 @@ def build_program(cfg: MLALayerConfig) -> Program:
     raise err
 
 
-def _build(cfg: MLALayerConfig, gemv_rows: int = 0) -> Program:
-    """gemv_rows: rows per tile of every projection (0: balanced over the SMs)."""
+def _build(cfg: MLALayerConfig, gemv_rows: int = 0, extend=None, prog: Program | None = None) -> Program:
+    """gemv_rows: rows per tile of every projection (0: balanced over the SMs). extend (DSA,
+    sdk/megakernel/dsa_layer.py): extend(prog, dec, ops, gemv) -> (decode block, decode waits),
+    called before the attention core with the ops so far {"q_a", "kv_a", "q_b", "rope_append",
+    "w_uk"} and the GEMV block factory; prog: the Program to fill (default a new one)."""
     a, D = cfg.decode_attn, cfg.hidden
     H, L, M = a.heads, a.kv_lora, a.tokens
-    prog = Program()
+    prog = Program() if prog is None else prog
     prog.buffer("x", (M, D), "bf16", "input")
     prog.buffer("cos", (M, max(a.rope, 1)), "bf16", "input")
     prog.buffer("sin", (M, max(a.rope, 1)), "bf16", "input")
@@ -156,7 +160,10 @@ def _build(cfg: MLALayerConfig, gemv_rows: int = 0) -> Program:
     ra = prog.op(rope, rb, waits=[kva, qb], label="attn.rope_append")
     uk = prog.op(MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=L, k=a.nope, m=M, x_stride=cfg.q_width, y_stride=a.d_qk)),
                  {"x": "q_raw", "w": "w_uk_t", "y": "q"}, waits=[qb], label="attn.w_uk")
-    uv = mla.add_attention_core(prog, a, dec, [ra, uk])
+    waits = [ra, uk]
+    if extend is not None:
+        dec, waits = extend(prog, dec, {"q_a": qa, "kv_a": kva, "q_b": qb, "rope_append": ra, "w_uk": uk}, gemv)
+    uv = mla.add_attention_core(prog, a, dec, waits)
     prog.op(gemv(D, H * a.v, out_dtype="fp32", residual="bf16"), {"w": "o_proj", "x": "o", "res": "x", "y": "resid"},
             waits=[uv], label="attn.o_proj")
     return prog

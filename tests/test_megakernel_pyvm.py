@@ -203,35 +203,38 @@ def test_critical_path_order_is_topological_and_runs(model):
         schedule(prog, 132, order="fastest")
 
 
-def _hfma2_dot(wq: torch.Tensor, x: torch.Tensor, prescale: float = 2.0 ** -10) -> torch.Tensor:
-    """GemvBlock's fp8_decode="hfma2" arithmetic in torch: per 16-weight unit, pairs (2p, 2p+1) of
-    e4m3 -> f16 weights times f16(x * 2^-10), accumulated as f16x2 in two chains of 4 pairs (each
-    step rounded to f16: fma.rn.f16x2), the four f16 halves summed in fp32, then the unit's sum
-    times the block scale (1 here) and 2^10. wq [N, K] float8_e4m3fn, x [K] -> [N] fp32."""
+def _hfma2_dot(wq: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """GemvBlock's fp8_decode="hfma2" arithmetic in torch: x scaled by the power of two 2^s that
+    puts max |x| in [8, 16) (the device's per-token scale) and rounded to f16; per 16-weight unit,
+    pairs (2p, 2p+1) of e4m3 -> f16 weights times x, accumulated as f16x2 in two chains of 4 pairs
+    (each step rounded to f16: fma.rn.f16x2), the four f16 halves summed in fp32, times 2^-s.
+    wq [N, K] float8_e4m3fn, x [K] -> [N] fp32."""
     n, k = wq.shape
+    amax = x.float().abs().max()
+    s = 3 - int(torch.floor(torch.log2(amax))) if amax > 0 else 126
     w = wq.float().view(n, k // 16, 8, 2)                    # [N, unit, pair, half]
-    xs = (x.float() * prescale).half().float().view(k // 16, 8, 2)
+    xs = (x.float() * 2.0 ** s).half().float().view(k // 16, 8, 2)
     acc = torch.zeros(n, k // 16, 2, 2)                      # [N, unit, chain, half]
     for p in range(4):
         for chain in range(2):
             q = 2 * p + chain
             acc[:, :, chain] = (w[:, :, q] * xs[:, q] + acc[:, :, chain]).half().float()
-    return acc.sum(dim=(2, 3)).sum(dim=1) / prescale
+    assert acc.abs().max() < 65504
+    return acc.sum(dim=(2, 3)).sum(dim=1) * 2.0 ** -s
 
 
-def test_gemv_fp8_hfma2_numerics_and_their_domain():
+def test_gemv_fp8_hfma2_numerics_over_any_activation_range():
     """The packed-f16 products and partial sums of fp8_decode="hfma2" against the fp64 dot product,
-    DeepSeek-style fp8 weights (the whole e4m3 range): relative error ~4e-4 for activations of rms
-    0.1 .. 3e4 (f16's 65504 bounds the 4-term sums: the 2^-10 prescale leaves room up to ~3e4);
-    below ~1e-2 the prescaled x is an f16 subnormal and the error grows (2% at rms 1e-3) - why
-    "hfma2" is an opt-in decode until x gets a per-token scale."""
+    DeepSeek-style fp8 weights (the whole e4m3 range), activations of rms 1e-4 .. 1e5: the
+    per-token power-of-two scale (max |x| into [8, 16)) keeps every f16 4-term sum under 65504 and
+    the values normal, so the error stays ~4e-4 (bf16 outputs round at 2^-8)."""
     torch.manual_seed(0)
     k = 7168
     wq = (torch.randn(64, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    for amp, tol in ((0.1, 2e-3), (1.0, 1e-3), (100.0, 1e-3), (3e4, 1e-3), (1e-3, 5e-2)):
+    for amp in (1e-4, 1e-2, 1.0, 100.0, 1e5):
         x = (torch.randn(k) * amp).to(torch.bfloat16)
         got = _hfma2_dot(wq, x)
         want = wq.double() @ x.double()
         assert torch.isfinite(got).all(), amp
         err = ((got.double() - want).norm() / want.norm()).item()
-        assert err < tol, (amp, err)
+        assert err < 1.5e-3, (amp, err)

@@ -105,23 +105,29 @@ def smem_tensor(addr, dtype: cutlass.Constexpr, shape: cutlass.Constexpr):
 
 
 @cute.jit
-def block_sum_multi(values, scratch: cute.Tensor):
-    """Sums of len(values) <= 64 fp32 values over all threads; every thread gets all sums.
-    Uses scratch[0 : 8 * len(values)]; ends with a barrier."""
+def block_sum_multi(values, scratch: cute.Tensor, op: cutlass.Constexpr = "sum"):
+    """Sums (op "max": maxima) of len(values) <= 64 fp32 values over all threads; every thread
+    gets all of them. Uses scratch[0 : 8 * len(values)]; ends with a barrier."""
     tid, _, _ = cute.arch.thread_idx()
     lane = tid % 32
     warp = tid // 32
     n = len(values)
     for i in cutlass.range_constexpr(n):
-        v = cute.arch.warp_reduction_sum(values[i])
+        if cutlass.const_expr(op == "max"):
+            v = cute.arch.warp_reduction_max(values[i])
+        else:
+            v = cute.arch.warp_reduction_sum(values[i])
         if lane == 0:
             scratch[warp * n + i] = v
     cute.arch.sync_threads()
     out = []
     for i in cutlass.range_constexpr(n):
-        total = Float32(0.0)
-        for w in cutlass.range_constexpr(NUM_THREADS // 32):
-            total = total + scratch[w * n + i]
+        total = scratch[i]
+        for w in cutlass.range_constexpr(1, NUM_THREADS // 32):
+            if cutlass.const_expr(op == "max"):
+                total = cute.arch.fmax(total, scratch[w * n + i])
+            else:
+                total = total + scratch[w * n + i]
         out.append(total)
     cute.arch.sync_threads()
     return out

@@ -79,8 +79,8 @@ class GemvConfig:
     fp8_decode: str = "cvt"              # CUDA-core fp8: "cvt" (e4m3x2 -> f16x2 -> f32); "int" (bit
                                          # placement, x staged x 2^64; correct on the H200 but slower:
                                          # 18432x7168 55.0% vs 59.0% of the copy bandwidth); "hfma2"
-                                         # (packed f16 FMAs, opt-in: x rms ~1e-2 .. 3e4, see
-                                         # tests/test_megakernel_pyvm.py; not yet run on a GPU)
+                                         # (packed f16 FMAs, x scaled per token into f16's range;
+                                         # opt-in until measured: not yet run on a GPU)
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
@@ -292,7 +292,14 @@ class GemvBlock(Block):
         return 16 * (self.nw * self.config.rows_per_tile * self.pitch_units + self.nw * self.scale_units)
 
     def x_smem_bytes(self) -> int:
-        return self.config.m * self.x_block * 2 + self.red_smem_bytes()
+        # hfma2: the staged block's per-token scales (fp32) follow it
+        return self.config.m * self.x_block * 2 + self.red_smem_bytes() + (4 * self.config.m if self.hfma2 else 0)
+
+    @property
+    def hfma2(self) -> bool:
+        """fp8 on the CUDA cores with packed f16 FMAs (fp8_decode="hfma2")."""
+        c = self.config
+        return c.weight_dtype == "fp8_e4m3" and not self.use_mma and c.fp8_decode == "hfma2"
 
     def red_smem_bytes(self) -> int:
         """MMA path: the cross-warp sums [weight][token n8-padded][row m16-padded] fp32, after x."""
@@ -433,10 +440,12 @@ class GemvBlock(Block):
         # as packed f16 FMAs (fma.rn.f16x2) in 2 chains of 4 per 16-byte unit, each chain's f16x2
         # then widened to fp32 and summed there: ~1.5 instructions per weight instead of the "cvt"
         # path's ~4 (e4m3 -> f16 -> f32 per weight, then an fp32 FMA; Nsight Compute: 7.2 issued per
-        # weight, H200 2026-12-03). x is staged as f16 * 2^-10 (the products and 4-term sums stay
-        # far below f16's 65504 for |x| < ~30000; the chunk scale takes the 2^10 back); each f16
-        # product / partial sum rounds at 2^-11 relative (bf16 outputs round at 2^-8).
-        hfma2 = fp8 and not mma and c.fp8_decode == "hfma2"
+        # weight, H200 2026-12-03). Each staged x block is scaled per token by a power of two that
+        # puts its largest |x| in [8, 16) (x_scale): |e4m3| <= 448, so a product is < 7168 and a
+        # 4-term f16 sum < 28672 < 65504, whatever the activations' range; the block's inverse
+        # scales follow it in smem and multiply each unit's fp32 sum. Each f16 product / partial
+        # sum rounds at 2^-11 relative (bf16 outputs round at 2^-8).
+        hfma2 = self.hfma2
         SXT = cutlass.Float16 if (fp8 and (mma or hfma2)) else BFloat16   # staged x: the MMA's B type
         # fp8_decode="int" (CUDA cores): e4m3 bits placed into bf16 bits - sign to bit 15, the
         # other 7 bits to 4..10 - read as bf16 that is the e4m3 value * 2^-120 exactly (subnormals
@@ -444,8 +453,7 @@ class GemvBlock(Block):
         # "cvt" path's limit). x is staged * 2^64 so the products stay in fp32's normal range; the
         # chunk scale takes the 2^(120 - 64) back.
         int_fp8 = fp8 and not mma and c.fp8_decode == "int"
-        X_PRESCALE = 2.0 ** 64 if int_fp8 else 2.0 ** -10 if hfma2 else 1.0
-        HFMA2_UNSCALE = 2.0 ** 10
+        X_PRESCALE = 2.0 ** 64 if int_fp8 else 1.0
         INT_FP8_UNSCALE = 2.0 ** 56
         mma_kind = "f16" if fp8 else "bf16"
 
@@ -537,12 +545,23 @@ class GemvBlock(Block):
                             sums.append(s_)
                         tot = block_sum_multi(sums, scratch)
                         sXv = smem_tensor(sx, SXT, (M, NU, XV))
+                        rstds = [cute.math.rsqrt(tot[m] / Float32(K) + Float32(eps), fastmath=False)
+                                 for m in range(M)]
+                        tscale = [Float32(X_PRESCALE) for _ in range(M)]
+                        if cutlass.const_expr(hfma2):
+                            # per-token scales of the normalised row (see consume_hfma2)
+                            amax = [Float32(0.0) for _ in range(M)]
+                            for m in cutlass.range_constexpr(M):
+                                for j in cutlass.range_constexpr(NJ):
+                                    a = abs_max(xr[m, j, None].load() * rstds[m] * wr[j, None].load())
+                                    amax[m] = cute.arch.fmax(amax[m], Float32(cutlass.select_(
+                                        tid + NT * j < NU, a, Float32(0.0))))
+                            tscale = list(token_scales(amax, scratch, sx))
                         for m in cutlass.range_constexpr(M):
-                            rstd = cute.math.rsqrt(tot[m] / Float32(K) + Float32(eps), fastmath=False)
                             for j in cutlass.range_constexpr(NJ):
                                 u = tid + NT * j
                                 if u < NU:
-                                    sXv[m, u, None].store((xr[m, j, None].load() * (rstd * X_PRESCALE)
+                                    sXv[m, u, None].store((xr[m, j, None].load() * (rstds[m] * tscale[m])
                                                            * wr[j, None].load()).to(SXT))
                     else:
                         # rstd of every token over the whole row, kept in scratch[STATS_OFFSET + m]
@@ -566,6 +585,53 @@ class GemvBlock(Block):
             return acc, resv
 
         @cute.jit
+        def x_scale(amax: Float32):
+            """(2^s, 2^-s) with amax * 2^s in [8, 16) (hfma2's staged x), from amax's exponent bits;
+            the scale's biased exponent is clamped to 253 so 2^-s stays a normal fp32 (amax 0)."""
+            bits = cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[amax])
+            se = Int32(257) - ((bits >> 23) & 255)       # amax in [2^(E-127), 2^(E-126)): * 2^(130-E)
+            se = Int32(cutlass.select_(se > 253, Int32(253), se))
+            return bits_to_f32(se << 23), bits_to_f32((Int32(254) - se) << 23)
+
+        def abs_max(v):
+            """max |v_i| of a register vector (fp32)."""
+            return cute.arch.fmax(v.reduce(cute.ReductionOp.MAX, Float32(0.0), 0),
+                                  (-v).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
+
+        @cute.jit
+        def token_scales(amax, scratch, sx):
+            """hfma2: every token's scale from the per-thread maxima `amax` [M] of the block being
+            staged (block-wide max, all threads get them: a tuple of M scales); thread 0 writes the
+            inverses after the staged block (sx + XBYTES), where consume_hfma2 reads them."""
+            tot = block_sum_multi(amax, scratch, "max")
+            scales = [x_scale(tot[mm]) for mm in range(M)]
+            tid, _, _ = cute.arch.thread_idx()
+            if tid == 0:
+                sInv = smem_tensor(sx + XBYTES, Float32, (M,))
+                for mm in cutlass.range_constexpr(M):
+                    sInv[mm] = scales[mm][1]
+            return tuple(sc_[0] for sc_ in scales)
+
+        def scale_of(scales, m):
+            """The scale of (dynamic) token m."""
+            sc_m = scales[0]
+            for mm in range(1, M):
+                sc_m = Float32(cutlass.select_(m == mm, scales[mm], sc_m))
+            return sc_m
+
+        @cute.jit
+        def x_unit(mX, mNW, scratch, xb, j: cutlass.Constexpr, tid):
+            """hfma2 staging: 8-element unit tid + NT j of the x block xb (normalised when the GEMV
+            norms); units past the end re-do the last one (same max, same store: no branch)."""
+            u = Int32(cutlass.select_(tid + NT * j < M * XU, tid + NT * j, M * XU - 1))
+            m = u // XU
+            ku = u - m * XU
+            v = mX[m, xb * XU + ku, None].load().to(Float32)
+            if cutlass.const_expr(norm):
+                v = v * scratch[STATS_OFFSET + m] * mNW[xb * XU + ku, None].load().to(Float32)
+            return m, ku, v
+
+        @cute.jit
         def prep(ptrs, t: Int32, ch: Int32, state, sx, scratch, fresh: Int32):
             # stage the next x block (bf16) when chunk ch starts one - unless the whole x is
             # already in sx (staged by the previous tile of this op, or by the merged norm);
@@ -581,17 +647,33 @@ class GemvBlock(Block):
                     mX = gmem_tensor(ptrs[i_x], xdt, (M, K // 8, 8), 16)
                     if cutlass.const_expr(norm):
                         mNW = gmem_tensor(ptrs[i_nw], BFloat16, (K // 8, 8), 16)
-                    for j in cutlass.range_constexpr(-(-(M * XU) // NT)):
-                        u = tid + NT * j
-                        if u < M * XU:
-                            m = u // XU
-                            ku = u - m * XU
-                            v = mX[m, xb * XU + ku, None].load().to(Float32)
-                            if cutlass.const_expr(norm):
-                                v = v * scratch[STATS_OFFSET + m] * mNW[xb * XU + ku, None].load().to(Float32)
-                            if cutlass.const_expr(int_fp8 or hfma2):
-                                v = v * Float32(X_PRESCALE)
-                            sX[m, ku, None].store(v.to(SXT))
+                    if cutlass.const_expr(hfma2):
+                        # two passes over the block (x is small, the second read hits L1): the
+                        # per-token max |x| (block-wide), then x * its token's scale
+                        mNWh = mNW if cutlass.const_expr(norm) else None
+                        NJX = -(-(M * XU) // NT)
+                        amax = [Float32(0.0) for _ in range(M)]
+                        for j in cutlass.range_constexpr(NJX):
+                            m, _, v = x_unit(mX, mNWh, scratch, xb, j, tid)
+                            a = abs_max(v)
+                            for mm in cutlass.range_constexpr(M):
+                                amax[mm] = cute.arch.fmax(amax[mm], Float32(cutlass.select_(m == mm, a, Float32(0.0))))
+                        scales = token_scales(amax, scratch, sx)
+                        for j in cutlass.range_constexpr(NJX):
+                            m, ku, v = x_unit(mX, mNWh, scratch, xb, j, tid)
+                            sX[m, ku, None].store((v * scale_of(scales, m)).to(SXT))
+                    else:
+                        for j in cutlass.range_constexpr(-(-(M * XU) // NT)):
+                            u = tid + NT * j
+                            if u < M * XU:
+                                m = u // XU
+                                ku = u - m * XU
+                                v = mX[m, xb * XU + ku, None].load().to(Float32)
+                                if cutlass.const_expr(norm):
+                                    v = v * scratch[STATS_OFFSET + m] * mNW[xb * XU + ku, None].load().to(Float32)
+                                if cutlass.const_expr(int_fp8):
+                                    v = v * Float32(X_PRESCALE)
+                                sX[m, ku, None].store(v.to(SXT))
 
         @cute.jit
         def fp8_word_to_f32(w: Int32, wr, i, rr, e0):
@@ -629,6 +711,7 @@ class GemvBlock(Block):
             warp = tid // 32
             sWw = smem_tensor(stage_addr, Int32, (nw, R, PITCH, 4))       # 4 words = 16 e4m3
             sXw = smem_tensor(sx, Int32, (M, KX // 8, 4))                  # 4 words = 8 f16 of x
+            sInv = smem_tensor(sx + XBYTES, Float32, (M,))                 # per-token x scales, inverted
             xo = (ch % CPX) * (KC // 8)
             sc = cute.make_rmem_tensor((nw,), Float32)
             for cj in cutlass.range_constexpr(KCU // 32):
@@ -643,9 +726,10 @@ class GemvBlock(Block):
                             wp[i][rr][2 * wi + 1] = hi
                 sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU * 4))
                 for i in cutlass.range_constexpr(nw):
-                    sc[i] = sS[i, cu // (SB // E)] * Float32(HFMA2_UNSCALE)
+                    sc[i] = sS[i, cu // (SB // E)]
                 for m in cutlass.range_constexpr(M):
                     xp = [sXw[m, xo + 2 * cu + h, q] for h in range(2) for q in range(4)]   # 8 f16x2
+                    inv_m = sInv[m]                     # the token's x scale, undone
                     for i in cutlass.range_constexpr(nw):
                         for rr in cutlass.range_constexpr(RW):
                             a0 = mul_f16x2(wp[i][rr][0], xp[0])
@@ -654,7 +738,7 @@ class GemvBlock(Block):
                                 a0 = fma_f16x2(wp[i][rr][2 * p], xp[2 * p], a0)
                                 a1 = fma_f16x2(wp[i][rr][2 * p + 1], xp[2 * p + 1], a1)
                             d = f16x2_sum_f32(a0) + f16x2_sum_f32(a1)
-                            acc[rr, i, m] = acc[rr, i, m] + d * sc[i]
+                            acc[rr, i, m] = acc[rr, i, m] + d * (sc[i] * inv_m)
 
         @cute.jit
         def consume(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):

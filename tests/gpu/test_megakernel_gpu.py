@@ -55,8 +55,8 @@ def test_gemv_block(m, wd, swiglu):
                                            (2, False, "hfma2")])
 def test_gemv_fp8_alternative_decodes(m, norm, decode):
     """fp8_decode="int" (e4m3 bits placed into bf16, x staged * 2^64) and "hfma2" (packed f16 FMAs,
-    x staged as f16 * 2^-10): plain, fused norm merged (m = 1) and staged per x block (m = 4),
-    SwiGLU, tiles > SMs."""
+    x staged as f16 with a per-token power-of-two scale): plain, fused norm merged (m = 1) and
+    staged per x block (m = 4), SwiGLU, tiles > SMs."""
     need_gpu()
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     block = GemvBlock(GemvConfig(n=1024, k=7168, m=m, weight_dtype="fp8_e4m3", swiglu=True, norm=norm,

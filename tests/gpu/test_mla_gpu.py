@@ -1,7 +1,7 @@
 """MLA decode blocks on the GPU (the H200): the standalone device tiles against the fp32 absorbed
 reference, fresh random inputs every run (seeded from the clock, seed printed on failure), pages
 scattered at random over the pool, ragged batches, outputs poisoned with NaN before each launch.
-Contexts 1 .. 131072. Run: `pytest -m gpu tests/gpu/test_mla_gpu.py`."""
+Contexts 1 .. 262144. Run: `pytest -m gpu tests/gpu/test_mla_gpu.py`."""
 import pytest
 import torch
 
@@ -70,9 +70,10 @@ def check(blk, t, seed, cols=0):
     return err
 
 
-@pytest.mark.parametrize("ctx", [1, 2, 63, 64, 65, 1000, 4097, 32768, 131072])
+@pytest.mark.parametrize("ctx", [1, 2, 63, 64, 65, 1000, 4097, 32768, 131072, 262144])
 def test_kimi_k3_tp8_single_sequence_contexts(ctx):
-    """12 heads (Kimi K3 TP8), rope 64, bf16 cache, batch 1 from 1 to 131072 tokens."""
+    """12 heads (Kimi K3 TP8), rope 64, bf16 cache, batch 1 from 1 to 262144 tokens (the pool at
+    262144: 302 MB)."""
     need_gpu()
     from sdk.blocks.mla_decode import MLADecodeConfig, choose_splits
     seed = clock_seed()

@@ -413,6 +413,16 @@ def test_router_and_gate_parameters_stay_fp32():
     assert w["layers.0.attn.q_proj.weight"].dtype == torch.bfloat16
 
 
+def multi_token_and_single_steps(mk, seed):
+    """Logits of 5 tokens decoded in one call and one at a time, after the same 4-token prompt."""
+    ids = torch.randint(1, 256, (2, 9), generator=torch.Generator().manual_seed(seed))
+    a, b = mk.new_state(2), mk.new_state(2)
+    mk.decode(ids[:, :4], a)
+    mk.decode(ids[:, :4], b)
+    together = mk.decode(ids[:, 4:], a)
+    return together, torch.cat([mk.decode(ids[:, t:t + 1], b) for t in range(4, 9)], dim=1)
+
+
 def test_k3_gate_model_multi_token_equals_single_steps():
     """The whole tiny model with K3's sigmoid KDA gate, full-rank KDA output gate and MLA output gate."""
     cfg = dict(plugins.get_model("kimi_k3").config("tiny"), mla_use_output_gate=True,
@@ -422,12 +432,7 @@ def test_k3_gate_model_multi_token_equals_single_steps():
     assert (kda.gate_kind, kda.gate_lower_bound, kda.output_gate_full_rank, mla.output_gate) == \
         ("sigmoid", -5.0, True, True)
     mk.load_weights(random_weights(mk.spec, seed=2, std=0.1))
-    ids = torch.randint(1, 256, (2, 9), generator=torch.Generator().manual_seed(2))
-    a, b = mk.new_state(2), mk.new_state(2)
-    mk.decode(ids[:, :4], a)
-    mk.decode(ids[:, :4], b)
-    together = mk.decode(ids[:, 4:], a)
-    single = torch.cat([mk.decode(ids[:, t:t + 1], b) for t in range(4, 9)], dim=1)
+    together, single = multi_token_and_single_steps(mk, seed=2)
     assert (together - single).abs().max() <= 1e-5
 
 
@@ -440,12 +445,7 @@ def test_k3_latent_situ_model_multi_token_equals_single_steps():
     assert w["layers.1.mlp.latent_down.weight"].shape == (48, 64)
     assert w["layers.1.mlp.experts.gate_up_proj"].shape == (16, 64, 48)
     mk.load_weights(w)
-    ids = torch.randint(1, 256, (2, 9), generator=torch.Generator().manual_seed(3))
-    a, b = mk.new_state(2), mk.new_state(2)
-    mk.decode(ids[:, :4], a)
-    mk.decode(ids[:, :4], b)
-    together = mk.decode(ids[:, 4:], a)
-    single = torch.cat([mk.decode(ids[:, t:t + 1], b) for t in range(4, 9)], dim=1)
+    together, single = multi_token_and_single_steps(mk, seed=3)
     assert together.std() > 0
     assert (together - single).abs().max() <= 1e-5
 

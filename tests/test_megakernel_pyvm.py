@@ -224,7 +224,9 @@ def _hfma2_dot(wq: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_gemv_fp8_hfma2_numerics_over_any_activation_range():
-    """The packed-f16 products and partial sums of fp8_decode="hfma2" against the fp64 dot product,
+    """The arithmetic of fp8_decode="hfma2" (emulated in torch: a check of the design's range and
+    rounding; the kernel itself is tests/gpu/test_megakernel_gpu.py::test_gemv_fp8_alternative_decodes)
+    - packed-f16 products and partial sums against the fp64 dot product,
     DeepSeek-style fp8 weights (the whole e4m3 range), activations of rms 1e-4 .. 1e5: the
     per-token power-of-two scale (max |x| into [8, 16)) keeps every f16 4-term sum under 65504 and
     the values normal, so the error stays ~4e-4 (bf16 outputs round at 2^-8)."""

@@ -18,10 +18,10 @@ import torch
 from sdk.errors import UnsupportedConfigError
 from sdk.megakernel.mla_attention import MLAAttentionConfig
 from sdk.megakernel.mla_layer import MLALayerConfig, build_program, make_inputs, make_weights, reference
-from sdk.megakernel.pyvm import PyVM
 from sdk.reference.common import StepInfo, rope_cos_sin, rope_inv_freq
 from sdk.reference.mla import MLAReference
 from sdk.spec import MLASpec, RopeSpec
+from test_mla_layer import pyvm_resid
 
 
 def yarn(**extra) -> dict:
@@ -204,12 +204,7 @@ def test_layer_program_with_yarn_equals_mla_reference_forward(mode, mscale_all_d
     want = reference(cfg, w, inp)
     x = inp["x"].float()
     for seed in (0, 1):
-        vm, _ = PyVM.from_program(prog, num_sms=9, weights={k: v for k, v in w.items() if k in prog.buffers})
-        for name, v in inp.items():
-            vm.tensors[name].copy_(v)
-        vm.tensors["resid"].fill_(float("nan"))
-        vm.step(seed=seed)
-        err = rel(vm.tensors["resid"] - x, want - x)
+        err = rel(pyvm_resid(prog, w, inp, seed) - x, want - x)
         assert err < 2e-2, f"interleaving {seed}: {err}"
     plain = MLALayerConfig(attn, hidden=1024, q_lora=512, rope_mode=mode)
     unscaled = reference(plain, w, make_inputs(plain, [300, 280], seed=3))

@@ -198,16 +198,6 @@ class IndexKeyAppendBlock(Block):
         return tile
 
 
-class _DSAProgram(Program):
-    """A Program that binds the index list to the sparse decode op (mla_attention's core binds the
-    dense decode's operands only)."""
-
-    def op(self, block, bindings, waits=(), label=""):
-        if isinstance(block, MLADecodeBlock) and block.sparse:
-            bindings = {**bindings, "index": "index"}
-        return super().op(block, bindings, waits=waits, label=label)
-
-
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DSALayerConfig:
@@ -308,7 +298,7 @@ def build_program(cfg: DSALayerConfig) -> Program:
 
 
 def _build(cfg: DSALayerConfig, gemv_rows: int = 0) -> Program:
-    return mla_layer._build(cfg.mla, gemv_rows, extend=lambda *a: _extend(cfg, *a), prog=_DSAProgram())
+    return mla_layer._build(cfg.mla, gemv_rows, extend=lambda *a: _extend(cfg, *a))
 
 
 def _extend(cfg: DSALayerConfig, prog: Program, dec: MLADecodeBlock, ops: dict, gemv):

@@ -92,6 +92,8 @@ def add_attention_core(prog: Program, cfg: MLAAttentionConfig, dec: MLADecodeBlo
            "o_part": "o_part", "lse_part": "lse_part"}
     if dec.fp8:
         ops["kv_scale"] = "kv_scale"
+    if dec.sparse:
+        ops["index"] = "index"             # DSA: each query token's key list (sdk/megakernel/dsa_layer.py)
     dec_op = prog.op(dec, ops, waits=waits, label="attn.decode")
     comb = MLACombineBlock(MLACombineConfig(heads=H, batch=cfg.batch, q_tokens=cfg.q_tokens, d_v=L,
                                             num_splits=cfg.splits))

@@ -116,14 +116,14 @@ def build_program(cfg: MLALayerConfig, builder=None) -> Program:
     raise err
 
 
-def _build(cfg: MLALayerConfig, gemv_rows: int = 0, extend=None, prog: Program | None = None) -> Program:
+def _build(cfg: MLALayerConfig, gemv_rows: int = 0, extend=None) -> Program:
     """gemv_rows: rows per tile of every projection (0: balanced over the SMs). extend (DSA,
     sdk/megakernel/dsa_layer.py): extend(prog, dec, ops, gemv) -> (decode block, decode waits),
     called before the attention core with the ops so far {"q_a", "kv_a", "q_b", "rope_append",
-    "w_uk"} and the GEMV block factory; prog: the Program to fill (default a new one)."""
+    "w_uk"} and the GEMV block factory."""
     a, D = cfg.decode_attn, cfg.hidden
     H, L, M = a.heads, a.kv_lora, a.tokens
-    prog = Program() if prog is None else prog
+    prog = Program()
     prog.buffer("x", (M, D), "bf16", "input")
     prog.buffer("cos", (M, max(a.rope, 1)), "bf16", "input")
     prog.buffer("sin", (M, max(a.rope, 1)), "bf16", "input")

@@ -278,36 +278,27 @@ def build_program(cfg: MoELayerConfig) -> Program:
 
     table = {"counts": "counts", "hits": "hits", "tok": "tok", "slot": "slot"}
     sel = add_router(prog, cfg, b, table)
+    # Stable LatentMoE (cfg.latent): z = latent_down(x) is the experts' input, their sum goes to
+    # `routed` [M, L] fp32, then out = shared_out + latent_up(RMSNorm(routed)) in one GEMV
+    x_in, out, gu_waits = "x", "out", [sel]
     if cfg.latent:
-        return _latent_tail(prog, cfg, b, table, sel)
-    gu = prog.op(b["gateup"], {**expert_weights(cfg, "experts.gate_up"), **table, "x": "x", "act": "act"},
-                 waits=[sel], label="experts.gateup")
-    down_b = {**expert_weights(cfg, "experts.down"), **table, "act": "act", "topk_w": "topk_w", "out": "out"}
-    waits = [gu]
-    if cfg.shared_intermediate:
+        prog.buffer("z", (cfg.batch, cfg.expert_hidden), "bf16")
+        prog.buffer("routed", (cfg.batch, cfg.expert_hidden), "fp32")
+        gu_waits.append(prog.op(b["latent_down"], {"w": "latent_down.weight", "x": "x", "y": "z"},
+                                label="latent.down"))
+        x_in, out = "z", "routed"
+    gu = prog.op(b["gateup"], {**expert_weights(cfg, "experts.gate_up"), **table, "x": x_in, "act": "act"},
+                 waits=gu_waits, label="experts.gateup")
+    down_b = {**expert_weights(cfg, "experts.down"), **table, "act": "act", "topk_w": "topk_w", "out": out}
+    last_b, waits = down_b, [gu]
+    if cfg.latent:
+        waits = [prog.op(b["down"], down_b, waits=[gu], label="experts.down")]
+        last_b = {"w": "latent_up.weight", "x": "routed", "norm_weight": "latent_norm.weight", "y": "out"}
+    if cfg.shared_intermediate:             # the shared expert joins the last op's residual input
         waits.append(add_shared_expert(prog, cfg, b))
-        down_b["shared"] = "shared_out"
-    prog.op(b["down"], down_b, waits=waits, label="experts.down")
-    return prog
-
-
-def _latent_tail(prog: Program, cfg: MoELayerConfig, b: dict, table: dict, sel: int) -> Program:
-    """Stable LatentMoE after the router: z = latent_down(x), the experts on z into `routed`
-    [M, L] fp32, then out = shared_out + latent_up(RMSNorm(routed)) in one GEMV (module docstring)."""
-    m, h = cfg.batch, cfg.expert_hidden
-    prog.buffer("z", (m, h), "bf16")
-    prog.buffer("routed", (m, h), "fp32")
-    zd = prog.op(b["latent_down"], {"w": "latent_down.weight", "x": "x", "y": "z"}, label="latent.down")
-    gu = prog.op(b["gateup"], {**expert_weights(cfg, "experts.gate_up"), **table, "x": "z", "act": "act"},
-                 waits=[sel, zd], label="experts.gateup")
-    dn = prog.op(b["down"], {**expert_weights(cfg, "experts.down"), **table, "act": "act", "topk_w": "topk_w",
-                             "out": "routed"}, waits=[gu], label="experts.down")
-    up_b = {"w": "latent_up.weight", "x": "routed", "norm_weight": "latent_norm.weight", "y": "out"}
-    waits = [dn]
-    if cfg.shared_intermediate:
-        waits.append(add_shared_expert(prog, cfg, b))
-        up_b["res"] = "shared_out"
-    prog.op(b["latent_up"], up_b, waits=waits, label="latent.up")
+        last_b["res" if cfg.latent else "shared"] = "shared_out"
+    prog.op(b["latent_up"] if cfg.latent else b["down"], last_b, waits=waits,
+            label="latent.up" if cfg.latent else "experts.down")
     return prog
 
 

@@ -40,6 +40,16 @@ def run_standalone(block, tensors):
     torch.cuda.synchronize()
 
 
+def program_runtime(prog, weights, **kw):
+    """A MegakernelRuntime of `prog` on the GPU: its buffers allocated (PyVM.alloc), the weights it
+    has bound from `weights` (tensors on the GPU), kw to MegakernelRuntime."""
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.megakernel.runtime import MegakernelRuntime
+    tensors = PyVM.alloc(prog, device="cuda")
+    tensors.update({k: v for k, v in weights.items() if k in prog.buffers})
+    return MegakernelRuntime(prog, tensors, **kw)
+
+
 def rel_err(got, ref, *, check_finite=True, min_norm=0.0):
     """Relative Frobenius error |got - ref| / |ref| in fp32. check_finite: assert `got` is all
     finite first (a NaN-poisoned output the kernel did not overwrite). min_norm: floor of |ref|,

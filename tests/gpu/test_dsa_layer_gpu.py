@@ -8,7 +8,7 @@ Run: `pytest -m gpu tests/gpu/test_dsa_layer_gpu.py`."""
 import pytest
 import torch
 
-from harness import clock_seed, need_gpu, rel_err
+from harness import clock_seed, need_gpu, program_runtime, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -22,17 +22,13 @@ def test_dsa_sublayer_one_launch(T):
     from models.glm_53.config import full, spec_from_config
     from sdk.megakernel.dsa_layer import (build_program, check_selection, shard_config, make_inputs, make_weights,
                                           reference)
-    from sdk.megakernel.pyvm import PyVM
-    from sdk.megakernel.runtime import MegakernelRuntime
     seed = clock_seed()
     lens = [T, 3008, 9000]                  # 0 pools (the tail only), 188 (completed this step), 562; top 128
     cfg = shard_config(spec_from_config(full()), batch=3, q_tokens=T, max_seq_len=9000,
                        num_pages=sum(-(-x // 64) for x in lens) + 4)
     prog = build_program(cfg)
     w = make_weights(cfg, seed=seed, device="cuda")
-    tensors = PyVM.alloc(prog, device="cuda")
-    tensors.update({k: v for k, v in w.items() if k in prog.buffers})
-    rt = MegakernelRuntime(prog, tensors)
+    rt = program_runtime(prog, w)
     for launch in range(2):
         inp = make_inputs(cfg, lens, seed=seed + launch, device="cuda")
         caches = {}

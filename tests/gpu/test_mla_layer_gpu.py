@@ -6,7 +6,7 @@ Run: `pytest -m gpu tests/gpu/test_mla_layer_gpu.py`."""
 import pytest
 import torch
 
-from harness import clock_seed, need_gpu, rel_err
+from harness import clock_seed, need_gpu, program_runtime, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -22,8 +22,6 @@ def test_mla_sublayer_one_launch(T, heads, mode, kvd, scaling):
     need_gpu()
     from sdk.megakernel.mla_attention import MLAAttentionConfig
     from sdk.megakernel.mla_layer import MLALayerConfig, build_program, make_inputs, make_weights, reference
-    from sdk.megakernel.pyvm import PyVM
-    from sdk.megakernel.runtime import MegakernelRuntime
     seed = clock_seed()
     lens = [T, 3001, 9000]
     attn = MLAAttentionConfig(heads=heads, batch=3, q_tokens=T, num_pages=sum(-(-x // 64) for x in lens) + 4,
@@ -31,9 +29,7 @@ def test_mla_sublayer_one_launch(T, heads, mode, kvd, scaling):
     cfg = MLALayerConfig(attn, rope_mode=mode, rope_scaling=scaling)      # YaRN: host tables + scale
     prog = build_program(cfg)
     w = make_weights(cfg, seed=seed, device="cuda")
-    tensors = PyVM.alloc(prog, device="cuda")
-    tensors.update({k: v for k, v in w.items() if k in prog.buffers})
-    rt = MegakernelRuntime(prog, tensors)
+    rt = program_runtime(prog, w)
     for launch in range(2):
         inp = make_inputs(cfg, lens, seed=seed + launch, device="cuda")
         want = reference(cfg, w, inp)

@@ -6,8 +6,10 @@ bench/common.copy_bandwidth, read + write bytes).
     python -m bench.kda_bench --out bench/results/h200 [--quick]
 
 Variants: "core" (gate math + l2norm + delta rule; q, k, v given) with v_split 1 / 2 / 4 (tiles
-per head), "fused" (short conv + core + gated output norm, v_split 1), "bf16" (bf16 state), and
-"verify4" (4-token verify pass, commit none, + the commit pass re-running 2 accepted tokens).
+per head), "fused" (short conv + core + gated output norm, v_split 1; the conv outputs staged in
+shared memory), "fused ... per-lane" (conv_staged=False: each conv output computed by every lane
+that reads it), "bf16" (bf16 state), and "verify4" (4-token verify pass, commit none, + the
+commit pass re-running 2 accepted tokens).
 Every timing replays a CUDA graph of calls rotating over enough state copies to exceed the L2
 (no call finds its state in cache); the inputs (q, k, v, g, beta: a few KB, what the previous
 GEMVs just wrote) are shared. JSON: commit, command, GPU, copy bandwidth, per case us, state
@@ -138,16 +140,8 @@ def cases(quick: bool):
             for vs in splits:
                 out.append((model, heads, batch, f"core v_split={vs}", [dict(v_split=vs)]))
             out.append((model, heads, batch, "fused conv+norm", [dict(conv=True, out_norm=True)]))
-            out.append((model, heads, batch, "fused conv+norm staged",
-                        [dict(conv=True, out_norm=True, conv_staged=True)]))
-            if batch == 64:     # a tile = several units, the next unit's state cp.async'ed while one computes
-                for vs, upt in ((2, 6), (2, 4), (1, 3)):
-                    out.append((model, heads, batch, f"core v_split={vs} units={upt}", [dict(v_split=vs, units_per_tile=upt)]))
-                out.append((model, heads, batch, "fused conv+norm staged units=4",
-                            [dict(conv=True, out_norm=True, conv_staged=True, units_per_tile=4)]))
-            if batch == 64:     # register-capped occupancy: 2 / 3 CTAs per SM (ptxas: 128 / 80 registers)
-                out.append((model, heads, batch, "core v_split=1 ctas=2", [dict(v_split=1, ctas_per_sm=2)]))
-                out.append((model, heads, batch, "core v_split=2 ctas=3", [dict(v_split=2, ctas_per_sm=3)]))
+            out.append((model, heads, batch, "fused conv+norm per-lane",
+                        [dict(conv=True, out_norm=True, conv_staged=False)]))
             if full:
                 vs = AUTO_SPLIT[batch]
                 out.append((model, heads, batch, f"bf16 state v_split={vs}", [dict(v_split=vs, state_dtype="bf16")]))

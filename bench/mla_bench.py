@@ -17,6 +17,8 @@ fraction of floor, torch graph us and the speed-up, rel err of the timed configu
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import torch
@@ -270,23 +272,86 @@ def bench_layer_case(shard, ctx, batch, copy_bw):
     return rec
 
 
+def bench_dsa_layer_case(shard, ctx, batch, copy_bw, timeline_path=None):
+    """GLM-5.3's whole DSA sublayer in one launch (sdk/megakernel/dsa_layer.py: the MLA sublayer
+    with the lightning indexer - its projections, key-cache append, scores over every pooled key,
+    top-k - and the sparse decode over each token's list) at the GLM-5.3 TP8 head shard. Floor =
+    the selected cache rows (min(list width, context) per token) + the indexer's pooled keys of
+    the whole context (its scores read them all) + every weight of the sublayer. Reported without
+    a torch ratio (no PyTorch sparse-MLA path to compare with fairly)."""
+    from models.glm_53.config import full, spec_from_config
+    from sdk.megakernel.dsa_layer import build_program, check_selection, make_inputs, make_weights, reference, shard_config
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.megakernel.runtime import MegakernelRuntime
+    if shard != "glm_53_tp8":
+        raise ValueError(f"{shard}: the DSA sublayer case takes the GLM-5.3 TP8 shard")
+    cfg = shard_config(spec_from_config(full()), batch=batch, max_seq_len=ctx,
+                       num_pages=batch * -(-ctx // 64) + 4)
+    prog = build_program(cfg)
+    w = make_weights(cfg, seed=0, device="cuda")
+    inp = make_inputs(cfg, [ctx] * batch, seed=1, device="cuda")
+    tensors = PyVM.alloc(prog, device="cuda")
+    tensors.update({k: v for k, v in w.items() if k in prog.buffers})
+    tensors.update(inp)
+    t0 = time.time()
+    rt = MegakernelRuntime(prog, tensors)
+    rt.run()
+    compile_s = time.time() - t0
+    err, flips = None, None
+    if batch * ctx <= 2 * 32768:            # the reference expands keys and values: small cases only
+        flips = check_selection(cfg, w, inp, rt.tensors["index"])
+        want = reference(cfg, w, inp, selection=rt.tensors["index"] if flips else None)
+        x = inp["x"].float()
+        err = ((rt.tensors["resid"] - want).norm() / (want - x).norm()).item()
+    us, mode = timed([rt.launch] * 8)
+    rt.check()
+    if timeline_path:                       # a second runtime with the per-instruction record
+        rt_t = MegakernelRuntime(prog, rt.tensors, timing=True)
+        rt_t.run()
+        rt_t.run()
+        rec_t = rt_t.timing_record()
+        rec_t.update({"case": f"{shard} B={batch} ctx={ctx} dsa_sublayer", "us": us})
+        with open(timeline_path, "w") as f:
+            json.dump(rec_t, f)
+        del rt_t
+    dec = next(op.block for op in prog.ops if op.label == "attn.decode")
+    kvb = dec.kv_bytes([ctx] * batch)
+    ikb = batch * (ctx // cfg.kpool) * cfg.index_head_dim * 2
+    wb = prog.bytes_by_role("weight")
+    floor_us = (kvb + ikb + wb) / (copy_bw * 1e3)
+    rec = {"case": f"{shard} B={batch} ctx={ctx} dsa_sublayer", "shard": shard, "batch": batch, "context": ctx,
+           "program_ops": [op.label for op in prog.ops], "index_width": cfg.width, "kv_bytes": kvb,
+           "index_key_bytes": ikb, "weight_bytes": wb, "us": us, "gbs": (kvb + ikb + wb) / (us * 1e3),
+           "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": None,
+           "speedup_vs_torch_graph": None, "timing_mode": mode, "rel_err": err, "selection_near_tie_flips": flips,
+           "compile_s": round(compile_s, 2),
+           "note": "one launch; the new tokens' rows and index keys are rewritten each replay (same positions)"}
+    del rt, tensors, inp
+    torch.cuda.empty_cache()
+    return rec
+
+
 PROGRAM_CASES = [("kimi_k3_tp8", 32768, 8, "program", 1), ("kimi_k3_tp8", 32768, 64, "program", 1),
                  ("kimi_k3_tp8", 131072, 8, "program", 1), ("kimi_k3_tp8", 32768, 1, "sublayer", 1),
-                 ("kimi_k3_tp8", 32768, 8, "sublayer", 1)]
+                 ("kimi_k3_tp8", 32768, 8, "sublayer", 1), ("glm_53_tp8", 32768, 1, "dsa_sublayer", 1),
+                 ("glm_53_tp8", 32768, 8, "dsa_sublayer", 1), ("glm_53_tp8", 131072, 8, "dsa_sublayer", 1)]
 
 
-def bench_one(c, bw, quick=False, overrides=None):
+def bench_one(c, bw, quick=False, overrides=None, timeline_dir=None):
     if c[3] == "program":
         return bench_program_case(c[0], c[1], c[2], bw)
     if c[3] == "sublayer":
         return bench_layer_case(c[0], c[1], c[2], bw)
+    if c[3] == "dsa_sublayer":
+        tl = os.path.join(timeline_dir, f"timeline_dsa_{c[0]}_b{c[2]}_{c[1]}.json") if timeline_dir else None
+        return bench_dsa_layer_case(c[0], c[1], c[2], bw, tl)
     return bench_case(c[0], c[1], c[2], c[3], bw, T=c[4], quick=quick, overrides=overrides)
 
 
-def run(out_dir: str | None = None, quick: bool = False, case_list=None, overrides=None) -> dict:
+def run(out_dir: str | None = None, quick: bool = False, case_list=None, overrides=None, timeline=False) -> dict:
     tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
     return run_cases("mla_bench.json", case_list or (cases(quick) + ([] if quick else PROGRAM_CASES)),
-                     lambda c, bw: bench_one(c, bw, quick, overrides),
+                     lambda c, bw: bench_one(c, bw, quick, overrides, out_dir if timeline else None),
                      lambda c: f"{c[0]} B={c[2]} ctx={c[1]} T={c[4]} {c[3]}{tag}", out_dir, case_width=52, us_width=9)
 
 
@@ -301,11 +366,13 @@ def parse_cases(text: str):
 
 def main(argv=None):
     ap = arg_parser(out_from_env=False)
-    ap.add_argument("--cases", default="", help="shard:ctx:batch[:kv|program|sublayer[:T]],... (overrides the default list)")
+    ap.add_argument("--cases", default="", help="shard:ctx:batch[:kv|program|sublayer|dsa_sublayer[:T]],... (overrides the default list)")
     ap.add_argument("--set", default="", help="key=int,... : chunk, stages, splits, min_chunks, cols")
+    ap.add_argument("--timeline", action="store_true", help="dsa_sublayer cases: the per-instruction record "
+                    "(timeline_dsa_*.json in --out)")
     a = ap.parse_args(argv)
     overrides = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.set.split(",") if kv}
-    run(a.out, a.quick, parse_cases(a.cases) or None, overrides)
+    run(a.out, a.quick, parse_cases(a.cases) or None, overrides, timeline=a.timeline and bool(a.out))
 
 
 if __name__ == "__main__":

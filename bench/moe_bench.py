@@ -49,6 +49,9 @@ def torch_weights(cfg, w):
     t = {"router": w["router.weight"], "bias": w.get("router.bias"),
          "gu": torch.stack(gu), "dn": torch.stack(dn)}
     del gu, dn
+    if cfg.latent:
+        for n in ("latent_down", "latent_norm", "latent_up"):
+            t[n] = w[n + ".weight"]
     if cfg.shared_intermediate:
         for n in ("gate", "up", "down"):
             t["s_" + n] = _shared_dense(cfg, w, "shared." + n).to(torch.bfloat16)
@@ -69,16 +72,21 @@ def torch_moe(cfg, t, x, out):
     counts = torch.zeros(L + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     offs = counts[:L].cumsum(0).to(torch.int32)
     tok = order // k
-    xs = x[tok]
+    xe = F.linear(x, t["latent_down"]) if cfg.latent else x       # the experts' input
+    xs = xe[tok]
+    act = dict(act=cfg.activation, limit=cfg.swiglu_limit, beta=cfg.situ_beta, linear_beta=cfg.situ_linear_beta)
     h = torch._grouped_mm(xs, t["gu"].transpose(1, 2), offs=offs)
     g, u = h.chunk(2, dim=-1)
-    a = swiglu(g, u, "silu", cfg.swiglu_limit)
+    a = swiglu(g, u, **act)
     y = torch._grouped_mm(a, t["dn"].transpose(1, 2), offs=offs)
     keep = local[order][:, None]
     y = torch.where(keep, y.float() * rw.flatten()[order][:, None].float(), torch.zeros((), device=x.device))
-    acc = torch.zeros(m, cfg.hidden, dtype=torch.float32, device=x.device).index_add_(0, tok, y)
+    acc = torch.zeros(m, cfg.expert_hidden, dtype=torch.float32, device=x.device).index_add_(0, tok, y)
+    if cfg.latent:
+        acc = acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + cfg.latent_norm_eps)
+        acc = F.linear((acc * t["latent_norm"].float()).to(torch.bfloat16), t["latent_up"]).float()
     if cfg.shared_intermediate:
-        sa = swiglu(F.linear(x, t["s_gate"]), F.linear(x, t["s_up"]), "silu", cfg.swiglu_limit)
+        sa = swiglu(F.linear(x, t["s_gate"]), F.linear(x, t["s_up"]), **act)
         acc = acc + F.linear(sa, t["s_down"]).float()
     out.copy_(acc)
 
@@ -193,11 +201,19 @@ def summary(report) -> str:
     return summary_lines(report, _line)
 
 
+def _override_value(text: str):
+    """--set values: ints where they parse (expert_mma=0, latent=0), else strings (activation=silu)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--cases", default="", help="model:batch:format,... (overrides the default list)")
     ap.add_argument("--no-timeline", action="store_true")
-    ap.add_argument("--set", default="", help="MoELayerConfig overrides for every case: key=int,... "
+    ap.add_argument("--set", default="", help="MoELayerConfig overrides for every case: key=value,... "
                     "(e.g. expert_mma=0: the CUDA-core expert tile at batch 8+; expert_weight_l1=0)")
     ap.add_argument("--order", default="phase", help="instruction placement order(s), comma-separated: "
                     "phase | critical (sdk.schedule); each case runs once per order, same routing")
@@ -206,7 +222,7 @@ def main(argv=None):
         cases = [(c.split(":")[0], int(c.split(":")[1]), c.split(":")[2]) for c in a.cases.split(",")]
     else:
         cases = QUICK_CASES if a.quick else DEFAULT_CASES
-    overrides = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.set.split(",") if kv}
+    overrides = {k: _override_value(v) for k, v in (kv.split("=") for kv in a.set.split(",") if kv)}
     rep = run(a.out, cases, timeline=not a.no_timeline, overrides=overrides, orders=a.order.split(","))
     print("\n" + summary(rep))
 

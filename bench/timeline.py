@@ -1,5 +1,5 @@
 """Render a megakernel timing record (JSON from `megakernel_bench --timeline`) as a PNG timeline:
-one row per SM, time on x, one bar per instruction coloured by opcode. Runs on CPU.
+one row per SM, time on x, one bar per instruction coloured by its op (label). Runs on CPU.
 
     python -m bench.timeline bench/results/h200/timeline_mlp_stack.json -o timeline.png
 """
@@ -15,21 +15,24 @@ def render(record: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    names = record["opcode_names"]
-    cmap = plt.get_cmap("tab10")
+    # one colour per op (the instruction label without its tile index): ops of one block type
+    # (the many GEMVs of a layer) stay apart; records without labels fall back to the opcode
+    labels = record.get("label") or [f"{o}: {record['opcode_names'][o]}" for o in record["opcode"]]
+    groups = list(dict.fromkeys(lab.split("[")[0] for lab in labels))
+    cmap = plt.get_cmap("tab20" if len(groups) > 10 else "tab10")
     nsm = max(record["sm"]) + 1
     fig, ax = plt.subplots(figsize=(14, max(4, nsm * 0.06)))
-    by_op: dict = {}
-    for sm, s, e, op in zip(record["sm"], record["start_ns"], record["end_ns"], record["opcode"]):
-        by_op.setdefault(op, []).append((sm, s / 1e3, max(e - s, 1) / 1e3))
-    for op, bars in by_op.items():
+    by_group: dict = {}
+    for sm, s, e, lab in zip(record["sm"], record["start_ns"], record["end_ns"], labels):
+        by_group.setdefault(groups.index(lab.split("[")[0]), []).append((sm, s / 1e3, max(e - s, 1) / 1e3))
+    for g, bars in by_group.items():
         for sm, s, w in bars:
-            ax.broken_barh([(s, w)], (sm - 0.4, 0.8), facecolors=cmap(op % 10), linewidth=0)
+            ax.broken_barh([(s, w)], (sm - 0.4, 0.8), facecolors=cmap(g % cmap.N), linewidth=0)
     ax.set_xlabel("time (us) from the first instruction's start")
     ax.set_ylabel("SM")
     ax.set_ylim(-1, nsm)
     ax.set_title(f"{record.get('case', '')}: {record.get('us', 0):.1f} us per launch (timed without the record)")
-    ax.legend(handles=[Patch(color=cmap(i % 10), label=f"{i}: {n}") for i, n in enumerate(names)],
+    ax.legend(handles=[Patch(color=cmap(i % cmap.N), label=n) for i, n in enumerate(groups)],
               loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -48,8 +48,6 @@ VARIANTS = [
     dict(conv=True, out_norm=True, tokens=2),
     dict(conv=True, conv_w_dtype="fp32", tokens=4, commit="accepted", gate_kind="softplus"),
     dict(conv=True, out_norm=True, tokens=3, commit="per_token", norm_eps=1e-5),
-    dict(v_split=2, units_per_tile=4, tokens=2, commit="accepted"),     # 12 units: 3 tiles of 4
-    dict(conv=True, out_norm=True, units_per_tile=2, conv_staged=True),
 ]
 
 
@@ -212,9 +210,7 @@ def test_verify_then_commit_equals_single_steps(kw):
 # ------------------------------------------------------------------ static checks
 @pytest.mark.parametrize("kw", [dict(v_split=2, conv=True), dict(v_split=2, out_norm=True), dict(v_split=8),
                                 dict(head_dim=256), dict(tokens=17), dict(commit="later"),
-                                dict(gate_kind="exp"), dict(state_dtype="fp8_e4m3"), dict(conv_staged=True),
-                                dict(ctas_per_sm=9), dict(units_per_tile=4), dict(units_per_tile=2, state_dtype="bf16"),
-                                dict(units_per_tile=3, tokens=2, commit="per_token")])
+                                dict(gate_kind="exp"), dict(state_dtype="fp8_e4m3")])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):
         KDABlock(KDAConfig(**{**TINY, "head_dim": 128, **kw}))
@@ -234,9 +230,8 @@ COMPILE_VARIANTS = [
     dict(batch=8, heads=12, tokens=4, v_split=4, state_dtype="bf16", commit="accepted", gate_kind="softplus"),
     dict(batch=1, heads=8, tokens=3, v_split=2, commit="per_token", gate_kind="log_decay", out_dtype="fp32"),
     dict(batch=2, heads=12, tokens=2, commit="none", conv=True, conv_w_dtype="fp32", out_norm=True),
-    dict(batch=2, heads=12, tokens=3, commit="accepted", conv=True, out_norm=True, conv_staged=True),
-    dict(batch=64, heads=12, v_split=2, units_per_tile=6),
-    dict(batch=8, heads=8, v_split=4, tokens=2, commit="accepted", units_per_tile=4, gate_kind="softplus"),
+    dict(batch=2, heads=12, tokens=3, commit="accepted", conv=True, out_norm=True),
+    dict(batch=2, heads=12, tokens=3, commit="accepted", conv=True, out_norm=True, conv_staged=False),
 ]
 
 
@@ -255,9 +250,10 @@ def test_inlines_into_the_megakernel():
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     from sdk.blocks.rmsnorm import RMSNormBlock, RMSNormConfig
     from sdk.megakernel.kernel import compile_megakernel
-    blocks = [RMSNormBlock(RMSNormConfig(d=7168, m=8)), KDABlock(KDAConfig(batch=8, heads=12, conv=True, out_norm=True)),
-              KDABlock(KDAConfig(batch=8, heads=12, conv=True, out_norm=True, conv_staged=True)),
-              KDABlock(KDAConfig(batch=8, heads=12, v_split=2, units_per_tile=4))]
+    blocks = [RMSNormBlock(RMSNormConfig(d=7168, m=8)), KDABlock(KDAConfig(batch=8, heads=12, tokens=2, conv=True, out_norm=True)),
+              KDABlock(KDAConfig(batch=8, heads=12, conv=True, out_norm=True, conv_staged=False)),
+              KDABlock(KDAConfig(batch=8, heads=12, v_split=2))]
     compile_megakernel(blocks, 132, 8, arch="sm_90a")
-    assert blocks[2].own_smem_bytes() == 3 * 128 * 4 and blocks[1].own_smem_bytes() == 0
-    assert blocks[3].own_smem_bytes() == 2 * 128 * 64 * 4 and blocks[3].num_tiles() == 8 * 12 * 2 // 4
+    # the staged conv's [T, 3, K] fp32 outputs (conv_staged is the default); nothing per lane or without conv
+    assert blocks[1].own_smem_bytes() == 3 * 128 * 4 * 2
+    assert blocks[2].own_smem_bytes() == 0 and blocks[3].own_smem_bytes() == 0

@@ -302,14 +302,9 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
         ptrs = [mOps[j] for j in range(nops)]
         tile_fn(ptrs, bid, scratch)
 
-    ctas = block.standalone_ctas_per_sm()
-    # a carveout given explicitly: with minctasm > 1 the DSL would otherwise ask a GPU for the SM's
-    # shared memory size (no GPU at compile-check time); 100 = all of it as shared memory
-    fit = dict(min_blocks_per_mp=ctas, preferred_smem_carveout=100) if ctas > 1 else {}
-
     @cute.jit
     def host(optab: Int64, stream: "cuda.CUstream"):
-        kernel(optab).launch(grid=(ntiles, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, **fit)
+        kernel(optab).launch(grid=(ntiles, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream)
 
     import cuda.bindings.driver as cuda
     host.__annotations__["stream"] = cuda.CUstream

@@ -247,12 +247,6 @@ class Block:
     def x_smem_bytes(self) -> int:
         return 0
 
-    def standalone_ctas_per_sm(self) -> int:
-        """CTAs per SM the standalone (one tile per CTA) kernel asks ptxas to fit (registers capped
-        to allow it: `nvvm.minctasm`); 0 = no request. For tiles that hold their data in
-        registers while it streams (KDA's state slice): more CTAs per SM = more bytes in flight."""
-        return 0
-
     def device_stream(self) -> StreamFaces:
         if self._device_stream is None:
             self._device_stream = self._build_device_stream()

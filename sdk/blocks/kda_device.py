@@ -25,8 +25,6 @@ def build_kda_tile(block):
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
-
-    from cutlass.cute.nvgpu import cpasync
     from cutlass.memory import SmemAllocator
 
     from ._cute import DTYPE_MAP, gmem_tensor
@@ -63,11 +61,8 @@ def build_kda_tile(block):
     eps = L2NORM_EPS
     norm_eps = float(c.norm_eps)
     beta_sig = c.beta_sigmoid
-    staged = c.conv_staged
+    staged = c.conv_staged and c.conv
     NCONV = T * 3 * K                        # staged conv outputs of the tile's head (all tokens)
-    UPT = c.units_per_tile
-    NCG = VS // 4                            # 16-byte column groups of a state slice row
-    NSTG = K * NCG                           # 16-byte pieces of one staged slice
 
     def kred(x):
         """Sum over the K lanes of the warp (all of K for this lane's columns)."""
@@ -107,57 +102,18 @@ def build_kda_tile(block):
         return bf16_round(acc * sigmoid(acc))
 
     @cute.jit
-    def issue_state(ptrs, unit: Int32, sSt, buf):
-        """cp.async unit's K x VS fp32 state slice into sSt[buf], 16-byte column group cg of row r
-        at cg ^ ((r // RK) % 8) * LV: the lanes of one LDS.128 phase (8 lanes: LV column groups x
-        8 / LV row groups RK apart, rows 256-512 B apart, i.e. the same banks) then read 8
-        different 16-byte bank groups."""
-        tid, _, _ = cute.arch.thread_idx()
-        b = unit // (H * VSPLIT)
-        h = (unit // VSPLIT) % H
-        sl = unit % VSPLIT
-        mS = gmem_tensor(ptrs[idx["state"]], Float32, (B, H, K, V // 4, 4), 16)
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
-                                  num_bits_per_copy=128)
-        for i in cutlass.range_constexpr(NSTG // NUM_THREADS):
-            e = tid + NUM_THREADS * i
-            r = e // NCG
-            cg = e % NCG
-            cute.copy(g2s, mS[b, h, r, sl * NCG + cg, None], sSt[buf, r, cg ^ (((r // RK) % 8) * LV), None])
-
-    @cute.jit
     def tile(ptrs, tile_id: Int32, scratch):
         sConv = None
         if cutlass.const_expr(staged):
             sConv = SmemAllocator().allocate_tensor(Float32, cute.make_layout((T, 3, K), stride=(3 * K, K, 1)),
                                                     byte_alignment=16)
-        if cutlass.const_expr(UPT == 1):
-            unit_step(ptrs, tile_id, scratch, sConv, None, Int32(0))
-        else:
-            # UPT units in a row, the next one's state slice landing while this one computes
-            sSt = SmemAllocator().allocate_tensor(Float32, cute.make_layout((2, K, NCG, 4), stride=(K * NCG * 4, NCG * 4, 4, 1)),
-                                                  byte_alignment=128)
-            u0 = tile_id * UPT
-            issue_state(ptrs, u0, sSt, Int32(0))
-            cute.arch.cp_async_commit_group()
-            for i in cutlass.range(UPT, unroll=1):
-                if i + 1 < UPT:
-                    issue_state(ptrs, u0 + i + 1, sSt, (i + 1) % 2)
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(1)
-                cute.arch.sync_threads()            # unit i's slice landed (every thread's copies)
-                unit_step(ptrs, u0 + i, scratch, sConv, sSt, i % 2)
-
-    @cute.jit
-    def unit_step(ptrs, unit: Int32, scratch, sConv, sSt, buf):
-        """One (sequence, head, V-slice) unit: state slice from global (sSt None) or from sSt[buf]."""
         tid, _, _ = cute.arch.thread_idx()
         lane = tid % 32
         warp = tid // 32
         vl = lane % LV
         kl = lane // LV
-        bh = unit // VSPLIT
-        sl = unit % VSPLIT
+        bh = tile_id // VSPLIT
+        sl = tile_id % VSPLIT
         b = bh // H
         h = bh % H
         c4 = (sl * VS + warp * CW + vl * 4) // 4      # this lane's 4-column group in [0, V/4)
@@ -195,16 +151,10 @@ def build_kda_tile(block):
             if n_tok < 0:
                 n_tok = Int32(0)
 
+        # the state slice: all loads issued at once (RK x 16 bytes in flight per thread)
         rS = cute.make_rmem_tensor((RK, 4), Float32)
-        if cutlass.const_expr(UPT == 1):
-            # the state slice: all loads issued at once (RK x 16 bytes in flight per thread)
-            for j in cutlass.range_constexpr(RK):
-                rS[j, None].store(mS[b, h, k0 + j, c4, None].load().to(Float32))
-        else:
-            cgl = warp * LV + vl                    # c4 - sl * NCG: the column group in the slice
-            for j in cutlass.range_constexpr(RK):
-                rS[j, None].store(sSt[buf, k0 + j, cgl ^ ((kl % 8) * LV), None].load())
-            cute.arch.sync_threads()                # read by all before the buffer is refilled
+        for j in cutlass.range_constexpr(RK):
+            rS[j, None].store(mS[b, h, k0 + j, c4, None].load().to(Float32))
 
         if cutlass.const_expr(staged):
             # the head's conv outputs [T, q|k|v, K], each computed by one thread while the state

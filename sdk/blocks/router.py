@@ -62,10 +62,11 @@ class RouterSelectConfig:
     vocab: int = 0                       # rows of tid2eid (hash routing)
     local_start: int = 0                 # this rank's experts: [local_start, local_start + num_local)
     num_local: int = 0                   # 0 = all experts
-    warp_argmax: str = "shuffle"         # each top-k round's warp (value, index) max: "shuffle" (5
-                                         # butterfly steps of value + index, ~300 cycles of latency)
-                                         # or "redux" (redux.sync max of an order-preserving key, then
-                                         # min of the tied indices: 2 instructions)
+    warp_argmax: str = "redux"           # each top-k round's warp (value, index) max: "redux" (redux.sync
+                                         # max of an order-preserving key, then min of the tied indices:
+                                         # 2 instructions) or "shuffle" (5 butterfly steps of value +
+                                         # index, ~300 cycles of latency). H200: K3 select 5.7 vs 7.4 us
+                                         # at batch 1, 9.9 vs 10.8 at batch 8 (bench/select_bench.py)
 
 
 def route_rule(cfg: RouterSelectConfig, logits: torch.Tensor, bias: torch.Tensor | None,

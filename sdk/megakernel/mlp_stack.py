@@ -48,7 +48,7 @@ class MLPStackConfig:
     down_rows: int = 0                  # rows per down tile; 0 = balanced
     num_sms: int = 132                  # SMs the balanced tiles are cut for
     fuse_norm: bool | None = None       # RMSNorm inside the gate/up tiles; None = batch <= 2
-    fp8_decode: str = "cvt"             # GemvConfig.fp8_decode of the CUDA-core fp8 tiles
+    fp8_decode: str = "hfma2"           # GemvConfig.fp8_decode of the CUDA-core fp8 tiles
     gateup_mma: bool | None = None      # GemvConfig.mma of the gate/up GEMVs (None = auto)
     down_mma: bool | None = None        # ... of the down GEMVs
 

@@ -126,13 +126,11 @@ def expected_hits(cfg: MoELayerConfig) -> float:
 # shard where GemvBlock's shapes allow it (K a multiple of 256 for bf16), else replicated.
 PRESETS = {
     # Kimi K3: 896 experts top-16, I 3072, EP16 -> 56 local; sigmoid + bias, no groups, no scale;
-    # shared expert I 6144 TP8 -> 768. The real model's SiTU and 3584 latent are
-    # preset("kimi_k3", b, activation="situ", latent=3584): compile-checked and PyVM-tested only,
-    # so this preset (the GPU tests' and benchmarks') stays on the GPU-verified SwiGLU, no latent
-    # (docs/moe.md)
+    # shared expert I 6144 TP8 -> 768; Stable LatentMoE (experts on a 3584 latent) with SiTU
+    # (docs/moe.md). preset("kimi_k3", b, activation="silu", latent=0) is the plain layout.
     "kimi_k3": dict(hidden=7168, num_experts=896, top_k=16, intermediate=3072, num_local=56,
                     shared_intermediate=768, scoring="sigmoid", correction_bias=True,
-                    routed_scaling_factor=1.0, router_dtype="fp32"),
+                    routed_scaling_factor=1.0, router_dtype="fp32", activation="situ", latent=3584),
     # DeepSeek-V4.1-Flash: 384 experts top-6, I 2304, EP8 -> 48 local; sqrt(softplus) + bias,
     # renorm, x1.5, clamp 10; shared I 2304 replicated (2304 / 8 = 288 does not fit GemvBlock)
     "deepseek_v41_flash": dict(hidden=5120, num_experts=384, top_k=6, intermediate=2304, num_local=48,
@@ -470,7 +468,7 @@ def moe_block_cases() -> list:
 
 
 def situ_block_cases() -> list:
-    """Kimi K3's SiTU epilogue (compile-checked; not yet run on a GPU): the shared expert's gate/up
+    """Kimi K3's SiTU epilogue (GPU-tested 2026-12-03): the shared expert's gate/up
     GEMV (CUDA-core and tensor-core tiles) and the experts' gate/up stage (CUDA-core and MXFP4
     tensor-core tiles)."""
     one, eight = (blocks(preset("kimi_k3", m, activation="situ", expert_dtype="mxfp4")) for m in (1, 8))
@@ -480,7 +478,7 @@ def situ_block_cases() -> list:
 def moe_megakernel_cases() -> list:
     base = MoELayerConfig(hidden=1024, num_experts=64, top_k=4, intermediate=256, num_local=16, batch=8,
                           correction_bias=True, shared_intermediate=256, expert_dtype="mxfp4", swiglu_limit=10.0)
-    # Kimi K3's shape of layer: Stable LatentMoE (latent down / up GEMVs) and SiTU (not run on a GPU yet)
+    # Kimi K3's shape of layer: Stable LatentMoE (latent down / up GEMVs) and SiTU
     return [base, replace(base, swiglu_limit=None, activation="situ", latent=512)]
 
 

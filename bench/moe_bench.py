@@ -121,7 +121,7 @@ def bench_case(model, batch, fmt, copy_bw, timeline_path=None, overrides=None, o
     if timeline_path:
         rts[0].run()
         with open(timeline_path, "w") as f:
-            json.dump(rts[0].timing_record(), f)
+            json.dump({**rts[0].timing_record(), "case": f"moe {model} B={batch} {fmt} order={order}"}, f)
     copies = max(1, min(MAX_COPIES, -(-WORKING_SET // max(fb["total"], 1)) + 1))
     for i in range(1, copies):
         add_copy(i)
@@ -216,7 +216,7 @@ def main(argv=None):
     ap.add_argument("--set", default="", help="MoELayerConfig overrides for every case: key=value,... "
                     "(e.g. expert_mma=0: the CUDA-core expert tile at batch 8+; expert_weight_l1=0)")
     ap.add_argument("--order", default="phase", help="instruction placement order(s), comma-separated: "
-                    "phase | critical (sdk.schedule); each case runs once per order, same routing")
+                    "phase | critical | backfill (sdk.schedule); each case runs once per order, same routing")
     a = ap.parse_args(argv)
     if a.cases:
         cases = [(c.split(":")[0], int(c.split(":")[1]), c.split(":")[2]) for c in a.cases.split(",")]

@@ -203,6 +203,22 @@ def test_critical_path_order_is_topological_and_runs(model):
         schedule(prog, 132, order="fastest")
 
 
+@pytest.mark.parametrize("model,batch", [("kimi_k3", 1), ("kimi_k3", 8), ("glm_53", 1), ("glm_53", 64),
+                                         ("deepseek_v41_flash", 8)])
+def test_backfill_order_is_topological(model, batch):
+    """order "backfill" (instructions inserted into idle gaps of an SM's list, before instructions
+    placed earlier) keeps every SM's list in one global topological order: the simulation runs
+    every instruction once, no deadlock; and it fills gaps - its estimated makespan is no longer
+    than the critical order's it starts from."""
+    from sdk.megakernel.moe_layer import build_program, preset
+    from sdk.schedule import schedule, validate
+    prog = build_program(preset(model, batch))
+    sch = schedule(prog, 132, order="backfill")
+    validate(prog, sch.per_sm)
+    assert sorted(i for lst in sch.per_sm for i in lst) == list(range(len(prog.instructions)))
+    assert sch.est_ns <= schedule(prog, 132, order="critical").est_ns + 1.0
+
+
 def _hfma2_dot(wq: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """GemvBlock's fp8_decode="hfma2" arithmetic in torch: x scaled by the power of two 2^s that
     puts max |x| in [8, 16) (the device's per-token scale) and rounded to f16; per 16-weight unit,

@@ -70,11 +70,12 @@ def visible_entries(start, t, ratio: int, max_entries: int):
     return min(max_entries, (int(start) + t + 1) // ratio)
 
 
-def choose_keys_per_tile(batch: int, entries: int, num_sms: int = 132) -> int:
-    """Entries per IndexScore tile: about one wave of tiles, at least 256 entries (each tile loads
-    the T*H x d query once: 16 KB at V4's 64 x 128, the cost of 64 key entries), a multiple of 64."""
+def choose_keys_per_tile(batch: int, entries: int, num_sms: int = 132, min_keys: int = 256) -> int:
+    """Entries per IndexScore tile: about one wave of tiles, at least `min_keys` entries (each tile
+    loads the T*H x d query once: 16 KB at V4's 64 x 128, the cost of 64 key entries), a multiple
+    of 64."""
     per = -(-entries // max(1, num_sms // max(1, batch)))
-    return max(256, CHUNK * -(-per // CHUNK))
+    return max(min_keys, CHUNK * -(-per // CHUNK))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -166,14 +166,14 @@ class RouterSelectBlock(Block):
         c = self.config
         L = self.num_local
         b = c.m * c.num_experts * 4 + c.m * c.top_k * 8 * 2 + L * (8 + 8 * c.m)
-        # the work is latency, not bytes: ~ (E/32 + 20) instructions per selected expert per token
-        # on one warp (split: two passes of ~ E / 32 / WPT + 40); counted as bytes at one SM's
-        # share so the scheduler sees its length.
+        # the work is latency, not bytes: ~1.3 us of set-up and merge, then per selected expert a
+        # round of ~270 ns plus a scan of E / 32 / WPT values per lane, per group of 8 tokens
+        # (one warp per token). Calibrated on the H200 (bench/select_bench.py, redux rounds: K3
+        # 5.7 / 9.9 us at batch 1 / 8, GLM 3.5 / 3.5, V4.1 3.3 / 4.0; model 6.2 / 9.9, 3.6 / 4.2,
+        # 3.0 / 3.6). Counted as bytes at one SM's share so the scheduler sees its length.
         w = self.warps_per_token
-        if w > 1:
-            lat_ns = 200 + 2 * c.top_k * (c.num_experts // 32 // w + 40) * 0.7
-        else:
-            lat_ns = 200 + (c.m + 7) // 8 * c.top_k * (c.num_experts // 32 + 40) * 0.7
+        groups = 1 if w > 1 else (c.m + 7) // 8
+        lat_ns = 1300 + groups * c.top_k * (270 + 9.5 * c.num_experts / 32 / w)
         return Cost(bytes=max(b, int(lat_ns * 4260 / 132)), flops=c.m * c.num_experts * 10)
 
     # -- torch faces ---------------------------------------------------------------------------

@@ -241,7 +241,10 @@ class DSALayerConfig:
     def blocks(self):
         """(IndexScoreBlock, TopKBlock) of the layer."""
         a = self.mla.attn
-        kpt = self.keys_per_tile or choose_keys_per_tile(a.batch, self.max_entries, a.num_sms)
+        # GLM-5.3's indexer query is 32 x 128 (8 KB): one 64-entry chunk per tile is enough to
+        # amortise it, and at batch 1 the 2048 pools of 32K then spread over 32 SMs, not 8 (the
+        # 256-entry minimum left index.score 15 us on 8 SMs on the H200 timeline)
+        kpt = self.keys_per_tile or choose_keys_per_tile(a.batch, self.max_entries, a.num_sms, min_keys=64)
         score, topk = glm53_indexer_blocks(self.indexer, a.batch, a.q_tokens, a.max_seq_len, keys_per_tile=kpt)
         d, h = self.index_head_dim, self.index_heads
         score = type(score)(replace(score.config, scale=d ** -0.5 * h ** -0.5, stages=self.index_stages))
@@ -256,8 +259,11 @@ def shard_config(spec, batch: int = 1, max_seq_len: int = 8192, num_pages: int =
     kpool 16). Splits of the sparse decode: choose_splits over the list width (2063), not max_seq_len."""
     s = next(l.attention for l in spec.layers if l.attention.kind == "dsa_mla" and not l.attention.indexer.shared)
     ix = s.indexer
-    # the sparse decode walks each query's list, not the context: its splits cut topk + kpool - 1
-    attn_kw.setdefault("num_splits", choose_splits(batch * q_tokens, ix.topk + ix.kpool - 1, num_sms))
+    # the sparse decode walks each query's list, not the context: its splits cut topk + kpool - 1,
+    # at least 2 chunks each (gathered rows: a long split is a serial walk of scattered loads -
+    # 8 chunks per split took 24 us at batch 1 on the H200)
+    attn_kw.setdefault("num_splits", choose_splits(batch * q_tokens, ix.topk + ix.kpool - 1, num_sms,
+                                                   min_chunks_per_split=2))
     attn = MLAAttentionConfig(heads=s.num_heads // tp, kv_lora=s.kv_lora_rank, nope=s.qk_nope_head_dim, rope=0,
                               v=s.v_head_dim, softmax_scale=s.softmax_scale or s.qk_nope_head_dim ** -0.5,
                               batch=batch, q_tokens=q_tokens, max_seq_len=max_seq_len,

@@ -20,6 +20,14 @@ import torch
 L2_FLUSH_BYTES = 256 << 20     # working set per timed graph: several times the H200's 60 MB L2
 
 
+def flush_l2() -> None:
+    """Evict the L2 (write L2_FLUSH_BYTES). A timeline recorded right after a run of the same
+    weights finds the last ops' weights still in L2, while the timed loop rotates weight copies:
+    the Kimi K3 MoE timeline spanned 67 us of an 80 us step before this."""
+    torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda").fill_(1.0)
+    torch.cuda.synchronize()
+
+
 def commit() -> str:
     """The commit measured: $GIT_COMMIT (the session scripts set it; the device copy has no .git),
     else `git rev-parse HEAD` of this checkout, else 'unknown'."""

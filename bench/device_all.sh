@@ -51,7 +51,7 @@ for part in $PARTS; do
       name=${part#bench:}; dir="$WORK/$part"; limit_var=BENCH_S_$name; args_var=BENCH_ARGS_$name
       timeout $(left ${!limit_var:-200}) python -m bench.${name}_bench --out "$dir" ${!args_var:-} > "$dir/bench.log" 2>&1
       echo "rc=$?" >> "$dir/bench.log"
-      for tl in "$dir"/timeline_*.json; do [ -f "$tl" ] && python -m bench.timeline "$tl" -o "${tl%.json}.png" >> "$dir/bench.log" 2>&1; done
+      for tl in "$dir"/timeline_*.json; do [ -f "$tl" ] && python -m bench.timeline "$tl" -o "${tl%.json}.png" --ops >> "$dir/bench.log" 2>&1; done
       { sed -n '/^copy bandwidth/,$p' "$dir/bench.log" | grep -q . && sed -n '/^copy bandwidth/,$p' "$dir/bench.log" || tail -n 25 "$dir/bench.log"; } > "$dir/summary.txt" ;;
     suite)  # the CPU suite on the device's Python/torch/transformers, then the reference on the GPU
       python -m pip install -q --no-deps --no-build-isolation -e . > "$WORK/suite/install.log" 2>&1

@@ -1,7 +1,9 @@
 """Render a megakernel timing record (JSON from `megakernel_bench --timeline`) as a PNG timeline:
 one row per SM, time on x, one bar per instruction coloured by its op (label). Runs on CPU.
 
-    python -m bench.timeline bench/results/h200/timeline_mlp_stack.json -o timeline.png
+    python -m bench.timeline bench/results/h200/timeline_mlp_stack.json -o timeline.png [--ops]
+
+--ops prints per op: tiles, SMs, first start, last end, median / max tile time.
 """
 from __future__ import annotations
 
@@ -38,16 +40,37 @@ def render(record: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def op_table(record: dict) -> str:
+    """Per op (instruction label without its tile index), in order of first start: tiles, SMs, first
+    start, last end, median / max tile time (us) - where the step's time goes, as numbers."""
+    ops: dict = {}
+    for sm, s, e, lab in zip(record["sm"], record["start_ns"], record["end_ns"], record["label"]):
+        ops.setdefault(lab.split("[")[0], []).append((sm, s / 1e3, e / 1e3))
+    lines = [f"{'op':<20} {'tiles':>5} {'SMs':>4} {'first':>7} {'last':>7} {'median':>7} {'max':>7}"]
+    for name, tiles in sorted(ops.items(), key=lambda kv: min(t[1] for t in kv[1])):
+        dur = sorted(e - s for _, s, e in tiles)
+        lines.append(f"{name:<20} {len(tiles):>5} {len({t[0] for t in tiles}):>4} {min(t[1] for t in tiles):>7.1f} "
+                     f"{max(t[2] for t in tiles):>7.1f} {dur[len(dur) // 2]:>7.2f} {dur[-1]:>7.2f}")
+    span = max(record["end_ns"]) / 1e3
+    busy = sum(e - s for s, e in zip(record["start_ns"], record["end_ns"])) / 1e3
+    nsm = len(set(record["sm"]))
+    lines.append(f"span {span:.1f} us; SMs busy {busy / (nsm * span):.0%} of it ({nsm} SMs)")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("record")
     ap.add_argument("-o", "--out", default=None)
+    ap.add_argument("--ops", action="store_true", help="also print the per-op table (op_table)")
     a = ap.parse_args(argv)
     with open(a.record) as f:
         rec = json.load(f)
     out = a.out or a.record.rsplit(".", 1)[0] + ".png"
     render(rec, out)
     print(out)
+    if a.ops and rec.get("label"):
+        print(op_table(rec))
 
 
 if __name__ == "__main__":

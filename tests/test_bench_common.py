@@ -93,3 +93,16 @@ def test_select_bench_program_repeats_one_select_on_one_sm():
     vm.step()
     want = blk.reference(**vm.tensors)["topk_ids"]
     assert torch.equal(vm.tensors["topk_ids"], want)
+
+
+def test_timeline_op_table_summarises_each_op():
+    """bench/timeline.py --ops: per op (label without the tile index) the tile count, SMs, first
+    start, last end, median and max tile time; ops in order of first start; the busy fraction."""
+    from bench.timeline import op_table
+    rec = {"sm": [0, 1, 0, 1], "start_ns": [0, 1000, 5000, 6000], "end_ns": [4000, 3000, 9000, 10000],
+           "label": ["a.gemv[0]", "a.gemv[1]", "b.select[0]", "c.down[0]"]}
+    rows = {line.split()[0]: line.split()[1:] for line in op_table(rec).splitlines()[1:-1]}
+    assert rows["a.gemv"] == ["2", "2", "0.0", "4.0", "4.00", "4.00"]     # durations 4 and 2 us: median = upper
+    assert rows["b.select"] == ["1", "1", "5.0", "9.0", "4.00", "4.00"]
+    assert list(rows) == ["a.gemv", "b.select", "c.down"]
+    assert op_table(rec).splitlines()[-1] == "span 10.0 us; SMs busy 70% of it (2 SMs)"

@@ -54,7 +54,7 @@ ORDERS = ("phase", "critical", "backfill")
 
 
 def op_order(program, num_sms: int, hop_ns: float = HOP_NS, bandwidth_gbs: float = COPY_BW_GBS,
-             order: str = "phase") -> list[int]:
+             order: str = "phase", cost_ns=None) -> list[int]:
     """The order in which instructions are placed (a topological order: every SM's list keeps it).
     "phase": by topological level, then program order. "critical": op by op, among the ops whose
     dependencies are all placed the one with the longest estimated path to the end of the
@@ -71,7 +71,8 @@ def op_order(program, num_sms: int, hop_ns: float = HOP_NS, bandwidth_gbs: float
     counter_op = {op.counter: i for i, op in enumerate(ops)}
     deps = [sorted({counter_op[c] for c, _ in program.instructions[op.instructions[0]].waits}) if op.instructions
             else [] for op in ops]
-    cost = [[instruction_ns(program.instructions[i].block, num_sms, bandwidth_gbs) for i in op.instructions]
+    cost_ns = cost_ns or (lambda block: instruction_ns(block, num_sms, bandwidth_gbs))
+    cost = [[cost_ns(program.instructions[i].block) for i in op.instructions]
             for op in ops]
     span = [max(sum(c) / num_sms, max(c, default=0.0)) for c in cost]      # the op alone on the SMs
     tail = [0.0] * len(ops)                        # longest estimated path from the op to the end
@@ -92,12 +93,14 @@ def op_order(program, num_sms: int, hop_ns: float = HOP_NS, bandwidth_gbs: float
 
 
 def schedule(program, num_sms: int, *, hop_ns: float = HOP_NS, bandwidth_gbs: float = COPY_BW_GBS,
-             order: str = "phase") -> Schedule:
+             order: str = "phase", cost_ns=None) -> Schedule:
     """Place every instruction (see the module docstring). order "backfill": critical order, and an
     instruction may go into an idle gap of an SM's list (before instructions placed earlier) where
     it fits whole between its inputs being ready and the next instruction's estimated start.
     Measured on the H200 (Kimi K3 latent MoE, bench/results/h200/moe_bench_v9_order.json): phase
-    80.5 / 229.0 us at batch 1 / 8, backfill 87.0 / 218.5 - "phase" stays the default."""
+    80.5 / 229.0 us at batch 1 / 8, backfill 87.0 / 218.5 - "phase" stays the default.
+    cost_ns(block) -> ns replaces the byte-based `instruction_ns` (bench/schedule_sim.py: measured
+    tile times)."""
     if order not in ORDERS:
         raise ValueError(f"schedule order {order!r}: one of {ORDERS}")
     backfill = order == "backfill"
@@ -108,12 +111,13 @@ def schedule(program, num_sms: int, *, hop_ns: float = HOP_NS, bandwidth_gbs: fl
     max_gap = np.zeros(num_sms)                     # longest idle gap in each SM's list (backfill)
     op_done = np.zeros(len(program.ops))            # finish time of an op's last tile
     counter_op = {op.counter: i for i, op in enumerate(program.ops)}
+    cost_ns = cost_ns or (lambda block: instruction_ns(block, num_sms, bandwidth_gbs))
     cost_cache: dict = {}
-    for i in op_order(program, num_sms, hop_ns, bandwidth_gbs, "critical" if backfill else order):
+    for i in op_order(program, num_sms, hop_ns, bandwidth_gbs, "critical" if backfill else order, cost_ns):
         ins = program.instructions[i]
         k = ins.block.key()
         if k not in cost_cache:
-            cost_cache[k] = instruction_ns(ins.block, num_sms, bandwidth_gbs)
+            cost_cache[k] = cost_ns(ins.block)
         cost = cost_cache[k]
         ready = max((op_done[counter_op[c]] + hop_ns for c, _ in ins.waits), default=0.0)
         start = np.maximum(clocks, ready)

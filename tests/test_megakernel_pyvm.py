@@ -219,6 +219,22 @@ def test_backfill_order_is_topological(model, batch):
     assert sch.est_ns <= schedule(prog, 132, order="critical").est_ns + 1.0
 
 
+@pytest.mark.parametrize("order", ["phase", "critical", "backfill"])
+def test_schedule_estimate_is_a_simulation_of_its_costs(order):
+    """bench/schedule_sim.simulate replaying a placement with the cost model's own tile times gives
+    the schedule's estimated makespan exactly (the estimate IS that simulation), for the byte-based
+    costs and for given costs (cost_ns: what schedule_sim passes from a measured timeline)."""
+    from bench.schedule_sim import simulate
+    from sdk.megakernel.moe_layer import build_program, preset
+    from sdk.schedule import instruction_ns, schedule
+    prog = build_program(preset("kimi_k3", 1, expert_dtype="mxfp4"))
+    sch = schedule(prog, 132, order=order)
+    assert simulate(prog, sch.per_sm, lambda ins: instruction_ns(ins.block, 132)) == pytest.approx(sch.est_ns)
+    given = {ins.block.key(): 1000.0 + 37.0 * (sum(map(ord, ins.label.split("[")[0])) % 50) for ins in prog.instructions}
+    sch = schedule(prog, 132, order=order, cost_ns=lambda block: given[block.key()])
+    assert simulate(prog, sch.per_sm, lambda ins: given[ins.block.key()]) == pytest.approx(sch.est_ns)
+
+
 def _hfma2_dot(wq: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """GemvBlock's fp8_decode="hfma2" arithmetic in torch: x scaled by the power of two 2^s that
     puts max |x| in [8, 16) (the device's per-token scale) and rounded to f16; per 16-weight unit,

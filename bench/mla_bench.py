@@ -247,8 +247,7 @@ def bench_layer_case(shard, ctx, batch, copy_bw):
     dense cache is not a fair graph (it expands keys); reported without a torch ratio."""
     from sdk.megakernel.mla_attention import MLAAttentionConfig
     from sdk.megakernel.mla_layer import MLALayerConfig, build_program, make_inputs, make_weights, reference
-    from sdk.megakernel.pyvm import PyVM
-    from sdk.megakernel.runtime import MegakernelRuntime
+    from sdk.megakernel.runtime import program_runtime
     heads, rope, scale = SHARDS[shard]
     if rope != 64:
         raise ValueError(f"{shard}: the layer case takes the Kimi K3 shards")
@@ -258,11 +257,8 @@ def bench_layer_case(shard, ctx, batch, copy_bw):
     prog = build_program(cfg)
     w = make_weights(cfg, seed=0, device="cuda")
     inp = make_inputs(cfg, [ctx] * batch, seed=1, device="cuda")
-    tensors = PyVM.alloc(prog, device="cuda")
-    tensors.update({k: v for k, v in w.items() if k in prog.buffers})
-    tensors.update(inp)
     t0 = time.time()
-    rt = MegakernelRuntime(prog, tensors)
+    rt = program_runtime(prog, w, inp)
     rt.run()
     compile_s = time.time() - t0
     err = None
@@ -282,7 +278,7 @@ def bench_layer_case(shard, ctx, batch, copy_bw):
            "fraction_of_floor": floor_us / us, "torch_graph_us": None, "speedup_vs_torch_graph": None,
            "timing_mode": mode, "rel_err": err, "compile_s": round(compile_s, 2), "weight_copies": copies,
            "note": "one launch; the new tokens' rows are rewritten each replay (same positions)"}
-    del rt, tensors, inp
+    del rt, inp
     torch.cuda.empty_cache()
     return rec
 
@@ -296,8 +292,7 @@ def bench_dsa_layer_case(shard, ctx, batch, copy_bw, timeline_path=None):
     a torch ratio (no PyTorch sparse-MLA path to compare with fairly)."""
     from models.glm_53.config import full, spec_from_config
     from sdk.megakernel.dsa_layer import build_program, check_selection, make_inputs, make_weights, reference, shard_config
-    from sdk.megakernel.pyvm import PyVM
-    from sdk.megakernel.runtime import MegakernelRuntime
+    from sdk.megakernel.runtime import MegakernelRuntime, program_runtime
     if shard != "glm_53_tp8":
         raise ValueError(f"{shard}: the DSA sublayer case takes the GLM-5.3 TP8 shard")
     cfg = shard_config(spec_from_config(full()), batch=batch, max_seq_len=ctx,
@@ -305,11 +300,8 @@ def bench_dsa_layer_case(shard, ctx, batch, copy_bw, timeline_path=None):
     prog = build_program(cfg)
     w = make_weights(cfg, seed=0, device="cuda")
     inp = make_inputs(cfg, [ctx] * batch, seed=1, device="cuda")
-    tensors = PyVM.alloc(prog, device="cuda")
-    tensors.update({k: v for k, v in w.items() if k in prog.buffers})
-    tensors.update(inp)
     t0 = time.time()
-    rt = MegakernelRuntime(prog, tensors)
+    rt = program_runtime(prog, w, inp)
     rt.run()
     compile_s = time.time() - t0
     err, flips = None, None
@@ -343,7 +335,7 @@ def bench_dsa_layer_case(shard, ctx, batch, copy_bw, timeline_path=None):
            "speedup_vs_torch_graph": None, "timing_mode": mode, "rel_err": err, "selection_near_tie_flips": flips,
            "compile_s": round(compile_s, 2), "weight_copies": copies,
            "note": "one launch; the new tokens' rows and index keys are rewritten each replay (same positions)"}
-    del rt, tensors, inp
+    del rt, inp
     torch.cuda.empty_cache()
     return rec
 

@@ -10,7 +10,6 @@ The call itself passes eight scalars, no tensor conversion (`from_dlpack` costs 
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..blocks.base import DTYPES
@@ -122,3 +121,14 @@ class MegakernelRuntime:
                  for b in self.program.opcodes.blocks]
         return {"sm": [r[0] for r in rows], "start_ns": [r[1] for r in rows], "end_ns": [r[2] for r in rows],
                 "opcode": [r[3] for r in rows], "label": [r[4] for r in rows], "opcode_names": names}
+
+
+def program_runtime(program, weights: dict, inputs: dict | None = None, device="cuda", **kw) -> MegakernelRuntime:
+    """A MegakernelRuntime of `program` with every buffer allocated (PyVM.alloc), the weights the
+    program binds taken from `weights` (others ignored), `inputs` bound as given; kw to
+    MegakernelRuntime."""
+    from .pyvm import PyVM
+    tensors = PyVM.alloc(program, device=device)
+    tensors.update({k: v for k, v in weights.items() if k in program.buffers})
+    tensors.update(inputs or {})
+    return MegakernelRuntime(program, tensors, **kw)

@@ -41,13 +41,9 @@ def run_standalone(block, tensors):
 
 
 def program_runtime(prog, weights, **kw):
-    """A MegakernelRuntime of `prog` on the GPU: its buffers allocated (PyVM.alloc), the weights it
-    has bound from `weights` (tensors on the GPU), kw to MegakernelRuntime."""
-    from sdk.megakernel.pyvm import PyVM
-    from sdk.megakernel.runtime import MegakernelRuntime
-    tensors = PyVM.alloc(prog, device="cuda")
-    tensors.update({k: v for k, v in weights.items() if k in prog.buffers})
-    return MegakernelRuntime(prog, tensors, **kw)
+    """sdk.megakernel.runtime.program_runtime on the GPU (weights: tensors on the GPU)."""
+    from sdk.megakernel.runtime import program_runtime as build
+    return build(prog, weights, **kw)
 
 
 def rel_err(got, ref, *, check_finite=True, min_norm=0.0):

@@ -2,6 +2,7 @@
 # Everything the H200 session runs, in one call (from the repo root, with .device/ carried):
 #   bash bench/device_all.sh [part ...]     parts: suite megakernel moe mla_bench allreduce kda mla dsv4 indexer ep
 #                                           tests bench:megakernel bench:moe bench:ep bench:allreduce ...
+#                                           bench:moe@r16 (moe again, with BENCH_ARGS_moe_r16 / BENCH_S_moe_r16)
 # `tests` runs every GPU test file at once over the CPU cores (compiling dominates a GPU test; it
 # needs pytest-xdist: carry its wheels in .whl/ - git-ignored, fetch them once per checkout with
 #   python3 -m pip download -q --no-deps -d .whl pytest-xdist execnet
@@ -48,8 +49,11 @@ for part in $PARTS; do
         grep -E "rc=|ERROR SUMMARY" "$WORK/tests/sanitizer.log"; } > "$WORK/tests/summary.txt" ;;
     bench:*)
       # BENCH_S_<name> bounds it (default 200 s); BENCH_ARGS_<name> adds arguments (e.g. --quick)
-      name=${part#bench:}; dir="$WORK/$part"; limit_var=BENCH_S_$name; args_var=BENCH_ARGS_$name
-      timeout $(left ${!limit_var:-200}) python -m bench.${name}_bench --out "$dir" ${!args_var:-} > "$dir/bench.log" 2>&1
+      # bench:NAME@TAG runs NAME again with its own BENCH_S_NAME_TAG / BENCH_ARGS_NAME_TAG
+      tagged=${part#bench:}; name=${tagged%@*}; dir="$WORK/$part"
+      limit_var=BENCH_S_${tagged/@/_}; args_var=BENCH_ARGS_${tagged/@/_}
+      eval "args=(${!args_var:-})"    # shell words: quoted arguments (Python literals) stay whole
+      timeout $(left ${!limit_var:-200}) python -m bench.${name}_bench --out "$dir" "${args[@]}" > "$dir/bench.log" 2>&1
       echo "rc=$?" >> "$dir/bench.log"
       for tl in "$dir"/timeline_*.json; do [ -f "$tl" ] && python -m bench.timeline "$tl" -o "${tl%.json}.png" --ops >> "$dir/bench.log" 2>&1; done
       { sed -n '/^copy bandwidth/,$p' "$dir/bench.log" | grep -q . && sed -n '/^copy bandwidth/,$p' "$dir/bench.log" || tail -n 25 "$dir/bench.log"; } > "$dir/summary.txt" ;;

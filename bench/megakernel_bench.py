@@ -13,6 +13,7 @@ per-instruction timing record of one megakernel launch (JSON; render with bench/
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import time
@@ -176,7 +177,8 @@ def _stack_name(cfg) -> str:
     return (f"mlp_stack L={cfg.layers} I={cfg.intermediate} B={cfg.batch} {cfg.weight_dtype}"
             + ("" if cfg.fuse_norm is None else f" fuse_norm={cfg.fuse_norm}")
             + (f" rows={cfg.gateup_rows}/{cfg.down_rows}" if cfg.gateup_rows or cfg.down_rows else "")
-            + (f" {cfg.fp8_decode}-decode" if cfg.fp8_decode != "hfma2" else ""))
+            + (f" {cfg.fp8_decode}-decode" if cfg.fp8_decode != "hfma2" else "")
+            + (f" chunk_k={cfg.gateup_chunk_k}/{cfg.down_chunk_k}" if cfg.gateup_chunk_k or cfg.down_chunk_k else ""))
 
 
 def bench_stack(cfg, copy_bw, timeline_path=None, pdl=False):
@@ -296,9 +298,12 @@ def gemv_chain_cases(quick: bool):
     return cases
 
 
-def run(out_dir: str, quick: bool = False, timeline: bool = True, parts=("gemv", "chain", "stack")) -> dict:
+def run(out_dir: str, quick: bool = False, timeline: bool = True, parts=("gemv", "chain", "stack"),
+        gemv_list=None, stack_list=None) -> dict:
     """Run the benchmarks of `parts` (GEMV alone, in-launch GEMV chains, MLP stacks); write
-    `megakernel_bench.json` (and a timeline) into out_dir."""
+    `megakernel_bench.json` (and a timeline of the first stack case) into out_dir. gemv_list /
+    stack_list: run these cases (gemv_cases() tuples, MLPStackConfig keyword dicts) instead of
+    the built-in lists of those parts."""
     os.makedirs(out_dir, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
@@ -314,7 +319,14 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True, parts=("gemv",
     def save():   # after every case: a run cut short by its time limit still leaves its results
         write_json(out_dir, "megakernel_bench.json", report)
 
-    for n, k, m, wd, st, pdl, *ov in (gemv_cases(quick) if "gemv" in parts else []):
+    if gemv_list is None:
+        gemv_list = gemv_cases(quick) if "gemv" in parts else []
+    if stack_list is None:
+        stack_list = stack_cases(quick) if "stack" in parts else []
+    else:
+        from sdk.megakernel.mlp_stack import MLPStackConfig
+        stack_list = [(MLPStackConfig(**kw), False) for kw in stack_list]
+    for n, k, m, wd, st, pdl, *ov in gemv_list:
         try:
             r = bench_gemv(n, k, m, wd, copy_bw, st, pdl, *ov)
         except Exception as exc:
@@ -330,7 +342,7 @@ def run(out_dir: str, quick: bool = False, timeline: bool = True, parts=("gemv",
         print(_line(r))
         results.append(r)
         save()
-    for i, (cfg, pdl) in enumerate(stack_cases(quick) if "stack" in parts else []):
+    for i, (cfg, pdl) in enumerate(stack_list):
         tl = os.path.join(out_dir, "timeline_mlp_stack.json") if (timeline and i == 0) else None
         try:
             r = bench_stack(cfg, copy_bw, tl, pdl)
@@ -360,8 +372,14 @@ def main(argv=None):
     ap.add_argument("--no-timeline", action="store_true")
     ap.add_argument("--parts", default="gemv,chain,stack", help="comma-separated: gemv (alone), chain "
                     "(GEMVs in one launch), stack (one-launch MLP stacks)")
+    ap.add_argument("--gemv-cases", default=None, help="instead of the built-in GEMV list: a Python literal "
+                    "list of (n, k, m, weight dtype, stages or None, pdl[, {GemvConfig overrides}])")
+    ap.add_argument("--stack-cases", default=None, help="instead of the built-in stack list: a Python literal "
+                    "list of MLPStackConfig keyword dicts, e.g. \"[{'intermediate': 2048, 'layers': 8}]\"")
     a = ap.parse_args(argv)
-    rep = run(a.out, quick=a.quick, timeline=not a.no_timeline, parts=a.parts.split(","))
+    lit = lambda v: None if v is None else ast.literal_eval(v)
+    rep = run(a.out, quick=a.quick, timeline=not a.no_timeline, parts=a.parts.split(","),
+              gemv_list=lit(a.gemv_cases), stack_list=lit(a.stack_cases))
     print("\n" + summary(rep))
 
 

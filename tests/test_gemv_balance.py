@@ -124,3 +124,24 @@ def test_coresident_ring_fits_two_ctas_per_sm(n, k, m, wd):
     assert 2 * per_cta <= SM_SMEM
     assert ring_geometry([block])[1] > stages          # one CTA per SM would take a deeper ring
 
+
+
+def test_fill_stage_widens_chunks_to_the_ring_stage_and_never_past_it():
+    """The fp8 stack's gate/up chunks (16 rows x 512 = 16.9 KB) sat in the 33.9 KB stages the
+    64-row down tiles make: fill_stage doubles them (33.3 KB); bf16's 16.9 KB gate/up chunk
+    would be 33.3 KB past its 29.6 KB stage, so it stays; an explicit chunk_k wins."""
+    from sdk.blocks.base import ring_geometry
+    from sdk.megakernel.mlp_stack import MLPStackConfig, build_program
+
+    def streaming(cfg):
+        prog = build_program(cfg)
+        blocks = [b for b in prog.opcodes.blocks if b.stream_chunks()]
+        return blocks, ring_geometry(prog.opcodes.blocks)[0]
+
+    blocks, stage = streaming(MLPStackConfig(intermediate=2048, layers=2, weight_dtype="fp8_e4m3"))
+    assert [b.chunk_k for b in blocks[:2]] == [1024, 512]
+    assert stage == 33920 and all(b.chunk_bytes() <= stage for b in blocks)
+    blocks, stage = streaming(MLPStackConfig(intermediate=2048, layers=2))
+    assert [b.chunk_k for b in blocks[:2]] == [256, 256] and stage == 29568
+    blocks, _ = streaming(MLPStackConfig(intermediate=2048, layers=2, weight_dtype="fp8_e4m3", gateup_chunk_k=512))
+    assert blocks[0].chunk_k == 512

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks.gemv import GemvBlock, GemvConfig, balanced_config
+from ..blocks.gemv import GemvBlock, GemvConfig, balanced_config, fill_stage
 from ..blocks.rmsnorm import RMSNormBlock, RMSNormConfig
 from .program import Program
 
@@ -51,16 +51,32 @@ class MLPStackConfig:
     fp8_decode: str = "hfma2"           # GemvConfig.fp8_decode of the CUDA-core fp8 tiles
     gateup_mma: bool | None = None      # GemvConfig.mma of the gate/up GEMVs (None = auto)
     down_mma: bool | None = None        # ... of the down GEMVs
+    gateup_chunk_k: int = 0             # GemvConfig.chunk_k of the gate/up GEMVs (0 = the widest
+    down_chunk_k: int = 0               # that fits the ring's stage: gemv.fill_stage); ... of down
 
     @property
     def norm_fused(self) -> bool:
         return self.batch <= 2 if self.fuse_norm is None else self.fuse_norm
 
 
+def gemv_config(gc: GemvConfig, rows: int, num_sms: int) -> GemvConfig:
+    """`gc` with `rows` rows per tile, or (rows = 0) the balanced count."""
+    import dataclasses
+    return dataclasses.replace(gc, rows_per_tile=rows) if rows else balanced_config(gc, num_sms)
+
+
 def gemv_block(gc: GemvConfig, rows: int, num_sms: int) -> GemvBlock:
     """The GEMV block of `gc` with `rows` rows per tile, or (rows = 0) the balanced count."""
+    return GemvBlock(gemv_config(gc, rows, num_sms))
+
+
+def fit_chunks(configs: list[GemvConfig], chunk_k: list[int]) -> list[GemvBlock]:
+    """The blocks of `configs`, each with its given chunk_k, or (0) the widest chunk that fits the
+    ring stage their default chunks make (`fill_stage`)."""
     import dataclasses
-    return GemvBlock(dataclasses.replace(gc, rows_per_tile=rows) if rows else balanced_config(gc, num_sms))
+    stage = max(GemvBlock(dataclasses.replace(c, chunk_k=k)).chunk_bytes() for c, k in zip(configs, chunk_k))
+    return [GemvBlock(dataclasses.replace(c, chunk_k=k) if k else fill_stage(c, stage))
+            for c, k in zip(configs, chunk_k)]
 
 
 def _names(l):
@@ -80,15 +96,18 @@ def build_program(cfg: MLPStackConfig) -> Program:
     prog.buffer("out", (m, d), "bf16", "output")
     fp8 = wd == "fp8_e4m3"
 
-    def gateup(first):
-        return gemv_block(GemvConfig(n=i, k=d, m=m, weight_dtype=wd, swiglu=True, swiglu_limit=cfg.swiglu_limit,
-                                     norm=fused, norm_eps=cfg.eps, fp8_decode=cfg.fp8_decode, mma=cfg.gateup_mma,
-                                     x_dtype=("bf16" if first else "fp32") if fused else "bf16"),
-                          cfg.gateup_rows, cfg.num_sms)
+    def gateup_config(first):
+        return gemv_config(GemvConfig(n=i, k=d, m=m, weight_dtype=wd, swiglu=True, swiglu_limit=cfg.swiglu_limit,
+                                      norm=fused, norm_eps=cfg.eps, fp8_decode=cfg.fp8_decode, mma=cfg.gateup_mma,
+                                      x_dtype=("bf16" if first else "fp32") if fused else "bf16"),
+                           cfg.gateup_rows, cfg.num_sms)
 
-    def down(first):
-        return gemv_block(GemvConfig(n=d, k=i, m=m, weight_dtype=wd, out_dtype="fp32", fp8_decode=cfg.fp8_decode,
-                                     mma=cfg.down_mma, residual="bf16" if first else "fp32"), cfg.down_rows, cfg.num_sms)
+    def down_config(first):
+        return gemv_config(GemvConfig(n=d, k=i, m=m, weight_dtype=wd, out_dtype="fp32", fp8_decode=cfg.fp8_decode,
+                                      mma=cfg.down_mma, residual="bf16" if first else "fp32"), cfg.down_rows, cfg.num_sms)
+
+    def gateup_down(first):
+        return fit_chunks([gateup_config(first), down_config(first)], [cfg.gateup_chunk_k, cfg.down_chunk_k])
 
     def norm(first):
         return RMSNormBlock(RMSNormConfig(d=d, m=m, eps=cfg.eps, residual_in=False,
@@ -117,8 +136,9 @@ def build_program(cfg: MLPStackConfig) -> Program:
         if fp8:
             gb.update({"w_gate_scale": gn + ".weight_scale", "w_up_scale": un + ".weight_scale"})
             db["w_scale"] = dn + ".weight_scale"
-        g_op = prog.op(gateup(first), gb, waits=waits, label=f"layers.{l}.gateup")
-        prev = prog.op(down(first), db, waits=[g_op], label=dn)
+        gateup, down = gateup_down(first)
+        g_op = prog.op(gateup, gb, waits=waits, label=f"layers.{l}.gateup")
+        prev = prog.op(down, db, waits=[g_op], label=dn)
     prog.buffer("final_norm.weight", (d,), "bf16", "weight")
     prog.op(norm(cfg.layers == 0), {"src": "resid" if cfg.layers else "x", "weight": "final_norm.weight",
                                     "out": "out"}, waits=[prev] if prev is not None else [], label="final_norm")

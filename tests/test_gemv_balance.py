@@ -145,3 +145,6 @@ def test_fill_stage_widens_chunks_to_the_ring_stage_and_never_past_it():
     assert [b.chunk_k for b in blocks[:2]] == [256, 256] and stage == 29568
     blocks, _ = streaming(MLPStackConfig(intermediate=2048, layers=2, weight_dtype="fp8_e4m3", gateup_chunk_k=512))
     assert blocks[0].chunk_k == 512
+    # tensor-core tiles (batch 8) keep their auto chunk: measured slower with the wider one
+    blocks, _ = streaming(MLPStackConfig(intermediate=2048, layers=2, weight_dtype="fp8_e4m3", batch=8))
+    assert blocks[0].use_mma and blocks[0].chunk_k == 512

@@ -210,7 +210,7 @@ def test_verify_then_commit_equals_single_steps(kw):
 # ------------------------------------------------------------------ static checks
 @pytest.mark.parametrize("kw", [dict(v_split=2, conv=True), dict(v_split=2, out_norm=True), dict(v_split=8),
                                 dict(head_dim=256), dict(tokens=17), dict(commit="later"),
-                                dict(gate_kind="exp"), dict(state_dtype="fp8_e4m3")])
+                                dict(gate_kind="exp"), dict(state_dtype="fp8_e4m3"), dict(k_warps=3)])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):
         KDABlock(KDAConfig(**{**TINY, "head_dim": 128, **kw}))
@@ -232,7 +232,21 @@ COMPILE_VARIANTS = [
     dict(batch=2, heads=12, tokens=2, commit="none", conv=True, conv_w_dtype="fp32", out_norm=True),
     dict(batch=2, heads=12, tokens=3, commit="accepted", conv=True, out_norm=True),
     dict(batch=2, heads=12, tokens=3, commit="accepted", conv=True, out_norm=True, conv_staged=False),
+    dict(batch=2, heads=12, tokens=2, v_split=2, k_warps=4, commit="per_token"),
+    dict(batch=2, heads=12, tokens=2, commit="accepted", conv=True, out_norm=True, k_warps=2),
 ]
+
+
+@pytest.mark.parametrize("kw,lanes", [(dict(v_split=2), (2, 16, 8)), (dict(v_split=2, k_warps=4), (8, 4, 8)),
+                                      (dict(v_split=1, k_warps=2), (8, 4, 16)), (dict(v_split=4, k_warps=2), (2, 16, 4))])
+def test_k_warps_thread_mapping(kw, lanes):
+    """k_warps moves lanes from K to the columns: a warp's state load covers LV * 16 bytes of each
+    row it touches (128 with 8 lanes across V); the rows still cover K exactly once."""
+    b = KDABlock(KDAConfig(batch=2, heads=12, head_dim=128, **kw))
+    lv, lk, rk = b.lanes
+    assert (lv, lk, rk) == lanes
+    assert lk * rk * b.config.k_warps == 128 and lv * 4 * (8 // b.config.k_warps) == b.vs
+    assert b.own_smem_bytes() == (0 if b.config.k_warps == 1 else 4 * b.config.k_warps * (2 * b.vs + 2))
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])

@@ -90,6 +90,10 @@ class KDAConfig:
                                          # instead of by every lane that reads them (32x for q, k):
                                          # K3 TP8 batch 64 fused step 43.3% of copy vs 25.5% (H200);
                                          # without conv it has nothing to stage
+    k_warps: int = 1                     # warps across K (1: each warp holds all K rows of its
+                                         # columns, K sums are warp shuffles; 2 / 4: more lanes
+                                         # across V - longer contiguous row segments per load -
+                                         # and the K sums finish through shared memory)
 
 
 class KDABlock(Block):
@@ -104,10 +108,12 @@ class KDABlock(Block):
 
     @property
     def lanes(self) -> tuple[int, int, int]:
-        """(LV lanes across columns, LK lanes across K, RK rows per lane)."""
-        lv = self.vs // (4 * NUM_WARPS)
-        lk = 32 // lv
-        return lv, lk, self.config.head_dim // lk
+        """(LV lanes across columns, LK lanes across K, RK rows per lane) inside a warp; the warps
+        are NUM_WARPS / k_warps across the columns times k_warps across K."""
+        c = self.config
+        lv = max(1, self.vs // (4 * (NUM_WARPS // c.k_warps)))
+        lk = max(1, 32 // lv)
+        return lv, lk, max(1, c.head_dim // (lk * c.k_warps))
 
     def check(self):
         c = self.config
@@ -129,8 +135,16 @@ class KDABlock(Block):
         if vs not in (32, 64, 128):
             u(f"kda: {vs} columns per tile (head_dim / v_split must be 32, 64 or 128: 8 warps x "
               f"LV lanes x 4 columns with at most 64 state values per thread)")
-        if c.head_dim % (32 // (vs // 32)):
-            u(f"kda: head_dim={c.head_dim} must be a multiple of the {32 // (vs // 32)} lanes across K")
+        if c.k_warps not in (1, 2, 4):
+            u(f"kda: k_warps={c.k_warps} (supported: 1, 2, 4)")
+        elif vs % (4 * (NUM_WARPS // c.k_warps)) or vs // (4 * (NUM_WARPS // c.k_warps)) > 32:
+            u(f"kda: {vs} columns per tile do not spread over {NUM_WARPS // c.k_warps} warps x 4-column lanes "
+              f"(k_warps={c.k_warps})")
+        else:
+            lv, lk, rk = self.lanes
+            if c.head_dim != lk * rk * c.k_warps or rk * 4 > 64:
+                u(f"kda: head_dim={c.head_dim} does not split over {c.k_warps} warps x {lk} lanes across K "
+                  f"with at most 64 state values per thread")
         if (c.conv or c.out_norm) and c.v_split != 1:
             u("kda: conv / out_norm fusion needs the whole head in one tile (v_split=1): the conv "
               "state is shared by the head's tiles and the norm reduces over all of V")
@@ -172,7 +186,14 @@ class KDABlock(Block):
 
     def own_smem_bytes(self) -> int:
         c = self.config
-        return c.tokens * 3 * c.head_dim * 4 if c.conv_staged and c.conv else 0
+        conv = c.tokens * 3 * c.head_dim * 4 if c.conv_staged and c.conv else 0
+        return conv + self.k_exchange_words() * 4
+
+    def k_exchange_words(self) -> int:
+        """fp32 words of shared memory for the cross-warp K sums (k_warps > 1): two column-sum
+        exchanges [k_warps, V-slice] (k^T S, then q^T S) and the q / k squared norms [k_warps, 2]."""
+        c = self.config
+        return 0 if c.k_warps == 1 else c.k_warps * (2 * self.vs + 2)
 
     def state_bytes(self) -> int:
         """State bytes one step must move (read + write) for the whole op: the block's floor."""

@@ -1,12 +1,14 @@
 """CuTe DSL device tile of `KDABlock` (imports cutlass: imported only by `KDABlock.device_tile()`).
 
-One tile = one (sequence b, head h, V-slice). Thread (warp w, lane) holds S[k0 : k0+RK, cols] in
-registers, k0 = (lane // LV) * RK, cols = 4 adjacent columns at slice*VS + w*CW + (lane % LV)*4.
-The state rows a thread owns are consecutive so its q / k / gate values are one vector load
-each; a warp's state load covers LK rows x (LV * 4) contiguous columns (one or more full 32-byte
-sectors per row). Every sum over K is a butterfly over the LK lanes of a warp (each warp holds
-all K rows of its columns), so the delta rule needs no shared memory and no CTA barrier; the
-output norm (sum over all V) exchanges one float per warp through `scratch`.
+One tile = one (sequence b, head h, V-slice). The 8 warps are NWV across the columns x NWK
+(`k_warps`) across K: warp w = wk * NWV + wv. Thread (warp, lane) holds S[k0 : k0+RK, cols] in
+registers, k0 = (wk * LK + lane // LV) * RK, cols = 4 adjacent columns at slice*VS + wv*CW +
+(lane % LV)*4. The state rows a thread owns are consecutive so its q / k / gate values are one
+vector load each; a warp's state load covers LK rows x (LV * 4) contiguous columns (one or more
+full 32-byte sectors per row; 128 bytes with LV = 8). Every sum over K is a butterfly over the LK
+lanes of a warp, then (NWK > 1) a sum of the NWK warps' partials through shared memory (two CTA
+barriers per token); with NWK = 1 the delta rule needs no shared memory and no barrier. The
+output norm (sum over all V) exchanges one float per column warp through `scratch`.
 
 See `sdk/blocks/kda.py` for the math, layouts and commit modes.
 """
@@ -34,8 +36,12 @@ def build_kda_tile(block):
     V, C = K, c.heads * c.head_dim
     VS, VSPLIT = block.vs, c.v_split
     LV, LK, RK = block.lanes
-    CW = VS // (NUM_THREADS // 32)          # columns per warp
     NW = NUM_THREADS // 32
+    NWK = c.k_warps                          # warps across K
+    NWV = NW // NWK                          # ... across the columns
+    CW = VS // NWV                           # columns per warp
+    KW = K // NWK                            # K rows per warp
+    XW = block.k_exchange_words()
     KOFS = [LV << i for i in range(_log2(LK))]   # butterfly offsets across the K lanes
     VOFS = [1 << i for i in range(_log2(LV))]    # ... across the column lanes
     idx = {name: i for i, name in enumerate(block.operands())}
@@ -102,25 +108,49 @@ def build_kda_tile(block):
         return bf16_round(acc * sigmoid(acc))
 
     @cute.jit
+    def ex_put(sX, base: cutlass.Constexpr, wk: Int32, col: Int32, kl: Int32, vals):
+        """This warp's K-partial sums of its 4 columns into row wk of the exchange at `base`
+        (one lane per column group: the K lanes hold the same values after kred)."""
+        if kl == 0:
+            for e in cutlass.range_constexpr(4):
+                sX[base + wk * VS + col + e] = vals[e]
+
+    @cute.jit
+    def ex_get(sX, base: cutlass.Constexpr, col: Int32, vals):
+        """vals = the sums over the NWK rows of the exchange at `base` (after a CTA barrier)."""
+        for e in cutlass.range_constexpr(4):
+            tot = Float32(0.0)
+            for w in cutlass.range_constexpr(NWK):
+                tot = tot + sX[base + w * VS + col + e]
+            vals[e] = tot
+
+    @cute.jit
     def tile(ptrs, tile_id: Int32, scratch):
         sConv = None
         if cutlass.const_expr(staged):
             sConv = SmemAllocator().allocate_tensor(Float32, cute.make_layout((T, 3, K), stride=(3 * K, K, 1)),
                                                     byte_alignment=16)
+        sX = None
+        if cutlass.const_expr(NWK > 1):
+            sX = SmemAllocator().allocate_tensor(Float32, cute.make_layout(XW), byte_alignment=16)
         tid, _, _ = cute.arch.thread_idx()
         lane = tid % 32
         warp = tid // 32
+        wv = warp % NWV
+        wk = warp // NWV
         vl = lane % LV
         kl = lane // LV
+        kq = wk * LK + kl                              # this lane's RK-row group of K
         bh = tile_id // VSPLIT
         sl = tile_id % VSPLIT
         b = bh // H
         h = bh % H
-        c4 = (sl * VS + warp * CW + vl * 4) // 4      # this lane's 4-column group in [0, V/4)
-        k0 = kl * RK
+        col = wv * CW + vl * 4                         # this lane's first column in the tile
+        c4 = (sl * VS + col) // 4                      # ... its 4-column group in [0, V/4)
+        k0 = kq * RK
 
         mS = gmem_tensor(ptrs[idx["state"]], sdt, (B, H, K, V // 4, 4), s_align)
-        mG = gmem_tensor(ptrs[idx["g"]], gdt, (B, T, H, LK, RK), g_align)
+        mG = gmem_tensor(ptrs[idx["g"]], gdt, (B, T, H, K // RK, RK), g_align)
         mBeta = gmem_tensor(ptrs[idx["beta"]], BFloat16, (B, T, H), 2)
         mO = gmem_tensor(ptrs[idx["o"]], odt, (B, T, H, V // 4, 4), o_align)
         if cutlass.const_expr(conv):
@@ -128,12 +158,12 @@ def build_kda_tile(block):
             mCS = gmem_tensor(ptrs[idx["conv_state"]], BFloat16, (B, 3 * C, W1), 2)
             mCW = gmem_tensor(ptrs[idx["conv_w"]], cwdt, (3 * C, WK), 2 if cw_bf16 else 4)
         else:
-            mQ = gmem_tensor(ptrs[idx["q"]], BFloat16, (B, T, H, LK, RK), in_align)
-            mK = gmem_tensor(ptrs[idx["k"]], BFloat16, (B, T, H, LK, RK), in_align)
+            mQ = gmem_tensor(ptrs[idx["q"]], BFloat16, (B, T, H, K // RK, RK), in_align)
+            mK = gmem_tensor(ptrs[idx["k"]], BFloat16, (B, T, H, K // RK, RK), in_align)
             mV = gmem_tensor(ptrs[idx["v"]], BFloat16, (B, T, H, V // 4, 4), 8)
         rate = Float32(1.0)
         if cutlass.const_expr(not log_decay):
-            mDt = gmem_tensor(ptrs[idx["dt_bias"]], Float32, (H, LK, RK), min(16, RK * 4))
+            mDt = gmem_tensor(ptrs[idx["dt_bias"]], Float32, (H, K // RK, RK), min(16, RK * 4))
             mA = gmem_tensor(ptrs[idx["a_log"]], Float32, (H,), 4)
             rate = cute.math.exp(mA[h], fastmath=False)
         if cutlass.const_expr(commit == "per_token"):
@@ -174,10 +204,10 @@ def build_kda_tile(block):
         for t in cutlass.range(n_tok, unroll=1):
             # -- inputs of this token: q, k rows k0.., v columns, gate -> decay, beta
             if cutlass.const_expr(staged):
-                sQK = cute.make_tensor(sConv.iterator, cute.make_layout((T, 3, LK, RK), stride=(3 * K, K, RK, 1)))
+                sQK = cute.make_tensor(sConv.iterator, cute.make_layout((T, 3, K // RK, RK), stride=(3 * K, K, RK, 1)))
                 sV4 = cute.make_tensor(sConv.iterator, cute.make_layout((T, 3, K // 4, 4), stride=(3 * K, K, 4, 1)))
-                rq.store(sQK[t, 0, kl, None].load())
-                rk.store(sQK[t, 1, kl, None].load())
+                rq.store(sQK[t, 0, kq, None].load())
+                rk.store(sQK[t, 1, kq, None].load())
                 rv.store(sV4[t, 2, c4, None].load())
             elif cutlass.const_expr(conv):
                 for j in cutlass.range_constexpr(RK):
@@ -186,12 +216,12 @@ def build_kda_tile(block):
                 for e in cutlass.range_constexpr(4):
                     rv[e] = conv_out(mX, mCS, mCW, b, 2 * C + c4 * 4 + e + h * K, t)
             else:
-                rq.store(mQ[b, t, h, kl, None].load().to(Float32))
-                rk.store(mK[b, t, h, kl, None].load().to(Float32))
+                rq.store(mQ[b, t, h, kq, None].load().to(Float32))
+                rk.store(mK[b, t, h, kq, None].load().to(Float32))
                 rv.store(mV[b, t, h, c4, None].load().to(Float32))
-            rd.store(mG[b, t, h, kl, None].load().to(Float32))
+            rd.store(mG[b, t, h, kq, None].load().to(Float32))
             if cutlass.const_expr(not log_decay):
-                dt = mDt[h, kl, None].load()
+                dt = mDt[h, kq, None].load()
                 for j in cutlass.range_constexpr(RK):
                     x = rd[j] + dt[j]
                     a = Float32(0.0)
@@ -210,23 +240,53 @@ def build_kda_tile(block):
             for j in cutlass.range_constexpr(RK):
                 qs = qs + rq[j] * rq[j]
                 ks = ks + rk[j] * rk[j]
-            qn = cute.math.rsqrt(kred(qs) + Float32(eps)) * Float32(scale)
-            kn = cute.math.rsqrt(kred(ks) + Float32(eps))
+            qs = kred(qs)
+            ks = kred(ks)
             beta = mBeta[b, t, h].to(Float32)
             if cutlass.const_expr(beta_sig):
                 beta = sigmoid(beta)
 
-            # -- decay, then k^T S (sum over K: thread rows, then the K lanes)
-            racc.fill(0.0)
-            for j in cutlass.range_constexpr(RK):
-                d = rd[j]
-                kj = rk[j] * kn
+            if cutlass.const_expr(NWK == 1):
+                qn = cute.math.rsqrt(qs + Float32(eps)) * Float32(scale)
+                kn = cute.math.rsqrt(ks + Float32(eps))
+                # -- decay, then k^T S (sum over K: thread rows, then the K lanes)
+                racc.fill(0.0)
+                for j in cutlass.range_constexpr(RK):
+                    d = rd[j]
+                    kj = rk[j] * kn
+                    for e in cutlass.range_constexpr(4):
+                        s = rS[j, e] * d
+                        rS[j, e] = s
+                        racc[e] = racc[e] + s * kj
                 for e in cutlass.range_constexpr(4):
-                    s = rS[j, e] * d
-                    rS[j, e] = s
-                    racc[e] = racc[e] + s * kj
-            for e in cutlass.range_constexpr(4):
-                rv[e] = beta * (rv[e] - kred(racc[e]))          # delta
+                    rv[e] = beta * (rv[e] - kred(racc[e]))          # delta
+            else:
+                # -- decay, then (unnormalised k)^T S over this warp's K rows; the warps' partial
+                # sums (and of |q|^2, |k|^2) meet in shared memory: k's norm factors out of the sum
+                racc.fill(0.0)
+                for j in cutlass.range_constexpr(RK):
+                    d = rd[j]
+                    for e in cutlass.range_constexpr(4):
+                        s = rS[j, e] * d
+                        rS[j, e] = s
+                        racc[e] = racc[e] + s * rk[j]
+                for e in cutlass.range_constexpr(4):
+                    racc[e] = kred(racc[e])
+                ex_put(sX, 0, wk, col, kl, racc)
+                if (wv == 0) & (lane == 0):
+                    sX[2 * NWK * VS + 2 * wk] = qs
+                    sX[2 * NWK * VS + 2 * wk + 1] = ks
+                cute.arch.sync_threads()
+                qs = Float32(0.0)
+                ks = Float32(0.0)
+                for w in cutlass.range_constexpr(NWK):
+                    qs = qs + sX[2 * NWK * VS + 2 * w]
+                    ks = ks + sX[2 * NWK * VS + 2 * w + 1]
+                qn = cute.math.rsqrt(qs + Float32(eps)) * Float32(scale)
+                kn = cute.math.rsqrt(ks + Float32(eps))
+                ex_get(sX, 0, col, racc)
+                for e in cutlass.range_constexpr(4):
+                    rv[e] = beta * (rv[e] - racc[e] * kn)           # delta
             # -- S += k delta^T, o = q^T S
             racc.fill(0.0)
             for j in cutlass.range_constexpr(RK):
@@ -238,6 +298,10 @@ def build_kda_tile(block):
                     racc[e] = racc[e] + s * qj
             for e in cutlass.range_constexpr(4):
                 racc[e] = kred(racc[e])
+            if cutlass.const_expr(NWK > 1):
+                ex_put(sX, NWK * VS, wk, col, kl, racc)
+                cute.arch.sync_threads()
+                ex_get(sX, NWK * VS, col, racc)
 
             if cutlass.const_expr(out_norm):
                 # RMSNorm(bf16(o)) over all V: columns lanes, then the 8 warps through scratch
@@ -246,11 +310,11 @@ def build_kda_tile(block):
                     racc[e] = bf16_round(racc[e])
                     ss = ss + racc[e] * racc[e]
                 ss = vred(ss)
-                if lane == 0:
-                    scratch[warp] = ss
+                if (lane == 0) & (wk == 0):
+                    scratch[wv] = ss
                 cute.arch.sync_threads()
                 tot = Float32(0.0)
-                for w in cutlass.range_constexpr(NW):
+                for w in cutlass.range_constexpr(NWV):
                     tot = tot + scratch[w]
                 cute.arch.sync_threads()
                 rstd = cute.math.rsqrt(tot / Float32(V) + Float32(norm_eps))
@@ -258,7 +322,7 @@ def build_kda_tile(block):
                 nw = mNw[c4, None].load().to(Float32)
                 for e in cutlass.range_constexpr(4):
                     racc[e] = racc[e] * rstd * nw[e] * sigmoid(gate[e])
-            if kl == 0:
+            if (kl == 0) & (wk == 0):
                 mO[b, t, h, c4, None].store(racc.load().to(odt))
             if cutlass.const_expr(commit == "per_token"):
                 for j in cutlass.range_constexpr(RK):

@@ -142,12 +142,10 @@ def cases(quick: bool):
             out.append((model, heads, batch, "fused conv+norm", [dict(conv=True, out_norm=True)]))
             out.append((model, heads, batch, "fused conv+norm per-lane",
                         [dict(conv=True, out_norm=True, conv_staged=False)]))
-            if batch == 64:     # K sums across 2 / 4 warps: 64 / 128-byte row segments per load
-                for vs, kw_ in ((2, 4), (2, 2), (1, 2)):
+            if batch == 64:     # warps across K (KDAConfig.k_warps; the v_split=2 default is 4)
+                for vs, kw_ in ((2, 1), (2, 8), (4, 4), (4, 8)):
                     out.append((model, heads, batch, f"core v_split={vs} k_warps={kw_}",
                                 [dict(v_split=vs, k_warps=kw_)]))
-                out.append((model, heads, batch, "fused conv+norm k_warps=2",
-                            [dict(conv=True, out_norm=True, k_warps=2)]))
             if full:
                 vs = AUTO_SPLIT[batch]
                 out.append((model, heads, batch, f"bf16 state v_split={vs}", [dict(v_split=vs, state_dtype="bf16")]))

@@ -90,10 +90,11 @@ class KDAConfig:
                                          # instead of by every lane that reads them (32x for q, k):
                                          # K3 TP8 batch 64 fused step 43.3% of copy vs 25.5% (H200);
                                          # without conv it has nothing to stage
-    k_warps: int = 1                     # warps across K (1: each warp holds all K rows of its
-                                         # columns, K sums are warp shuffles; 2 / 4: more lanes
+    k_warps: int = 0                     # warps across K (1: each warp holds all K rows of its
+                                         # columns, K sums are warp shuffles; 2 / 4 / 8: more lanes
                                          # across V - longer contiguous row segments per load -
-                                         # and the K sums finish through shared memory)
+                                         # and the K sums finish through shared memory); 0 = auto
+                                         # (KDABlock.nwk)
 
 
 class KDABlock(Block):
@@ -107,13 +108,24 @@ class KDABlock(Block):
         return self.config.head_dim // self.config.v_split
 
     @property
+    def nwk(self) -> int:
+        """Warps across K: `k_warps`, or (0) 4 for 64-column tiles, else 1. Measured on the H200
+        (core step, batch 64, fp32 state, v_split=2): Kimi K3 TP8 72.2% -> 78.6% of the copy
+        bandwidth with 4 (77.3% with 2), GLM-5.3 TP8 67.3% -> 73.8%: Nsight Compute had the
+        1-warp mapping L2-throughput bound (80%) at 51% DRAM, its warps loading 32-byte pieces of
+        16 rows; with 4, 128-byte pieces of 4 rows. Whole-head tiles (v_split=1) lost with 2
+        (68.4% -> 65.2%)."""
+        if self.config.k_warps:
+            return self.config.k_warps
+        return 4 if self.vs == 64 else 1
+
+    @property
     def lanes(self) -> tuple[int, int, int]:
         """(LV lanes across columns, LK lanes across K, RK rows per lane) inside a warp; the warps
         are NUM_WARPS / k_warps across the columns times k_warps across K."""
-        c = self.config
-        lv = max(1, self.vs // (4 * (NUM_WARPS // c.k_warps)))
+        lv = max(1, self.vs // (4 * (NUM_WARPS // self.nwk)))
         lk = max(1, 32 // lv)
-        return lv, lk, max(1, c.head_dim // (lk * c.k_warps))
+        return lv, lk, max(1, self.config.head_dim // (lk * self.nwk))
 
     def check(self):
         c = self.config
@@ -135,15 +147,16 @@ class KDABlock(Block):
         if vs not in (32, 64, 128):
             u(f"kda: {vs} columns per tile (head_dim / v_split must be 32, 64 or 128: 8 warps x "
               f"LV lanes x 4 columns with at most 64 state values per thread)")
-        if c.k_warps not in (1, 2, 4):
-            u(f"kda: k_warps={c.k_warps} (supported: 1, 2, 4)")
-        elif vs % (4 * (NUM_WARPS // c.k_warps)) or vs // (4 * (NUM_WARPS // c.k_warps)) > 32:
-            u(f"kda: {vs} columns per tile do not spread over {NUM_WARPS // c.k_warps} warps x 4-column lanes "
-              f"(k_warps={c.k_warps})")
+        nwk = self.nwk
+        if nwk not in (1, 2, 4, 8):
+            u(f"kda: k_warps={c.k_warps} (supported: 0 = auto, 1, 2, 4, 8)")
+        elif vs % (4 * (NUM_WARPS // nwk)) or vs // (4 * (NUM_WARPS // nwk)) > 32:
+            u(f"kda: {vs} columns per tile do not spread over {NUM_WARPS // nwk} warps x 4-column lanes "
+              f"(k_warps={nwk})")
         else:
             lv, lk, rk = self.lanes
-            if c.head_dim != lk * rk * c.k_warps or rk * 4 > 64:
-                u(f"kda: head_dim={c.head_dim} does not split over {c.k_warps} warps x {lk} lanes across K "
+            if c.head_dim != lk * rk * nwk or rk * 4 > 64:
+                u(f"kda: head_dim={c.head_dim} does not split over {nwk} warps x {lk} lanes across K "
                   f"with at most 64 state values per thread")
         if (c.conv or c.out_norm) and c.v_split != 1:
             u("kda: conv / out_norm fusion needs the whole head in one tile (v_split=1): the conv "
@@ -192,8 +205,7 @@ class KDABlock(Block):
     def k_exchange_words(self) -> int:
         """fp32 words of shared memory for the cross-warp K sums (k_warps > 1): two column-sum
         exchanges [k_warps, V-slice] (k^T S, then q^T S) and the q / k squared norms [k_warps, 2]."""
-        c = self.config
-        return 0 if c.k_warps == 1 else c.k_warps * (2 * self.vs + 2)
+        return 0 if self.nwk == 1 else self.nwk * (2 * self.vs + 2)
 
     def state_bytes(self) -> int:
         """State bytes one step must move (read + write) for the whole op: the block's floor."""

@@ -37,7 +37,7 @@ def build_kda_tile(block):
     VS, VSPLIT = block.vs, c.v_split
     LV, LK, RK = block.lanes
     NW = NUM_THREADS // 32
-    NWK = c.k_warps                          # warps across K
+    NWK = block.nwk                          # warps across K
     NWV = NW // NWK                          # ... across the columns
     CW = VS // NWV                           # columns per warp
     KW = K // NWK                            # K rows per warp

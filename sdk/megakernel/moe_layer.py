@@ -130,7 +130,13 @@ PRESETS = {
     # (docs/moe.md). preset("kimi_k3", b, activation="silu", latent=0) is the plain layout.
     "kimi_k3": dict(hidden=7168, num_experts=896, top_k=16, intermediate=3072, num_local=56,
                     shared_intermediate=768, scoring="sigmoid", correction_bias=True,
-                    routed_scaling_factor=1.0, router_dtype="fp32", activation="situ", latent=3584),
+                    routed_scaling_factor=1.0, router_dtype="fp32", activation="situ", latent=3584,
+                    # 56 router tiles of 16 rows, not the 112 of 8 that balance the router alone:
+                    # its fp32 tiles share phase 0 with latent.down and the shared gate/up, and
+                    # every tile pays a start cost (bench/NOTES.md). H200, MXFP4, same-run A/B:
+                    # B=1 80.5 -> 69.2 us (32 rows 70.7), B=8 225.4 -> 215.6 us. (V4.1-Flash
+                    # B=1 65.5 -> 65.3, GLM-5.3 33.2 -> 35.2: they keep the balanced tiles.)
+                    router_rows=16),
     # DeepSeek-V4.1-Flash: 384 experts top-6, I 2304, EP8 -> 48 local; sqrt(softplus) + bias,
     # renorm, x1.5, clamp 10; shared I 2304 replicated (2304 / 8 = 288 does not fit GemvBlock)
     "deepseek_v41_flash": dict(hidden=5120, num_experts=384, top_k=6, intermediate=2304, num_local=48,

@@ -66,7 +66,9 @@ CASES = [
     dict(v_split=2, tokens=4, commit="none", out_dtype="fp32"),    # verify pass
     dict(tokens=3, commit="per_token", conv=True, out_norm=True, conv_w_dtype="fp32"),
     dict(conv=True, out_norm=True, tokens=2, commit="accepted"),  # staged conv, commit after verify
-    dict(v_split=2, k_warps=4),                                    # K sums across warps (smem)
+    dict(v_split=2, k_warps=1),                                    # K sums in-warp only
+    dict(v_split=2, k_warps=8),                                    # K sums across 8 warps (smem)
+    dict(v_split=4, k_warps=4, state_dtype="bf16"),
     dict(v_split=2, k_warps=2, tokens=3, commit="per_token", out_dtype="fp32"),
     dict(conv=True, out_norm=True, k_warps=2, tokens=2),
 ]

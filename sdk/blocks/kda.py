@@ -63,6 +63,7 @@ from .base import NUM_THREADS, Block, Cost, OperandSpec
 COMMITS = ("all", "none", "accepted", "per_token")
 GATES = ("softplus", "sigmoid", "log_decay")
 MAX_TOKENS = 16
+AUTO_K_WARPS_TILES = 512                 # KDABlock.nwk: 4 warps across K from this many tiles
 NUM_WARPS = NUM_THREADS // 32
 
 
@@ -109,15 +110,18 @@ class KDABlock(Block):
 
     @property
     def nwk(self) -> int:
-        """Warps across K: `k_warps`, or (0) 4 for 64-column tiles, else 1. Measured on the H200
-        (core step, batch 64, fp32 state, v_split=2): Kimi K3 TP8 72.2% -> 78.6% of the copy
-        bandwidth with 4 (77.3% with 2), GLM-5.3 TP8 67.3% -> 73.8%: Nsight Compute had the
-        1-warp mapping L2-throughput bound (80%) at 51% DRAM, its warps loading 32-byte pieces of
-        16 rows; with 4, 128-byte pieces of 4 rows. Whole-head tiles (v_split=1) lost with 2
-        (68.4% -> 65.2%)."""
+        """Warps across K: `k_warps`, or (0) 4 for tiles of 32 / 64 columns when there are at
+        least AUTO_K_WARPS_TILES of them (state streaming over several waves of CTAs), else 1.
+        Measured on the H200 (core step, fp32 state, batch 64): Kimi K3 TP8 v_split=2 72.2% ->
+        78.6% of the copy bandwidth with 4 (78.1% with 8), v_split=4 43.7% -> 80.4% (80.1% with
+        8); GLM-5.3 TP8 67.3% -> 73.9% / 41.6% -> 75.7%. Nsight Compute had the 1-warp mapping
+        L2-throughput bound (80%) at 51% DRAM, its warps loading 32-byte pieces of 16 rows; with 4
+        warps across K, 128-byte pieces of 4 rows. Not below: batch 8 (192 / 128 tiles, one
+        wave, latency-bound) 6.2 -> 6.5 us, and whole-head tiles (v_split=1) lost with 2 (68.4% ->
+        65.2%)."""
         if self.config.k_warps:
             return self.config.k_warps
-        return 4 if self.vs == 64 else 1
+        return 4 if self.vs <= 64 and self.num_tiles() >= AUTO_K_WARPS_TILES else 1
 
     @property
     def lanes(self) -> tuple[int, int, int]:

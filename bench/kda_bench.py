@@ -73,8 +73,10 @@ def torch_step(block, t, state, conv_state=None, n_tokens=None):
 def bench_case(model, heads, batch, variant, kw, copy_bw, check=True):
     from sdk.blocks._cute import standalone
     from sdk.blocks.kda import KDABlock, KDAConfig
-    blocks = [KDABlock(KDAConfig(batch=batch, heads=heads, head_dim=128, **k)) for k in kw]
-    fns = [standalone(b) for b in blocks]
+    # "pdl" in a variant's dicts: launch the one-tile-per-CTA kernel with PDL (standalone's pdl)
+    blocks = [KDABlock(KDAConfig(batch=batch, heads=heads, head_dim=128, **{n: v for n, v in k.items() if n != "pdl"}))
+              for k in kw]
+    fns = [standalone(b, pdl=k.get("pdl")) for b, k in zip(blocks, kw)]
     # the last block has every operand (verify4's commit pass adds n_accepted)
     t = blocks[-1].random_operands(seed=batch, device="cuda", n_accepted=[2] * batch)
     one_state = t["state"].numel() * t["state"].element_size()
@@ -148,6 +150,8 @@ def cases(quick: bool):
                 for vs, kw_ in ((2, 1), (2, 8), (4, 1), (4, 8)):
                     out.append((model, heads, batch, f"core v_split={vs} k_warps={kw_}",
                                 [dict(v_split=vs, k_warps=kw_)]))
+                out.append((model, heads, batch, "core v_split=4 pdl", [dict(v_split=4, pdl=True)]))
+                out.append((model, heads, batch, "fused conv+norm pdl", [dict(conv=True, out_norm=True, pdl=True)]))
             if full:
                 vs = AUTO_SPLIT[batch]
                 out.append((model, heads, batch, f"bf16 state v_split={vs}", [dict(v_split=vs, state_dtype="bf16")]))

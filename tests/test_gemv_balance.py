@@ -88,10 +88,13 @@ def test_tile_balance_counts_the_busiest_sm():
 def test_standalone_launches_with_pdl_by_default():
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     from sdk.blocks._cute import standalone
-    assert inspect.signature(standalone).parameters["pdl"].default is True
+    # None: on for streaming blocks (the GEMV), off for one-tile-per-CTA kernels unless asked
+    assert inspect.signature(standalone).parameters["pdl"].default is None
     block = GemvBlock(GemvConfig(n=7168, k=2048))
     standalone(block, "sm_90a")                 # PDL launch, compiled with no GPU
     standalone(block, "sm_100a", pdl=False)     # the opt-out
+    from sdk.blocks.kda import KDABlock, KDAConfig
+    standalone(KDABlock(KDAConfig(batch=64, heads=8, v_split=4)), "sm_90a", pdl=True)   # one tile per CTA, opt-in
 
 
 def test_bench_gemv_cases_default_to_pdl():

@@ -163,3 +163,34 @@ def test_kda_bf16_state_drift_10k_steps():
     assert all(torch.isfinite(torch.tensor(e)).all() for e in errs.values())
     assert drift["fp32"]["max_rel_err_o"] <= 1e-3, drift
     assert drift["bf16"]["max_rel_err_o"] <= 5e-2, drift
+
+
+@pytest.mark.parametrize("kw", [dict(v_split=4), dict(conv=True, out_norm=True)], ids=["core", "conv+norm"])
+def test_kda_pdl_back_to_back_steps_feed_each_other(kw):
+    """standalone(pdl=True): the one-tile-per-CTA kernel launched with programmatic dependent
+    launch, 4 steps back to back on one stream without a host sync, each reading the state (and
+    conv state) the step before wrote in place: equal to 4 reference steps - every CTA waits for
+    the previous grid before its first read."""
+    need_gpu()
+    import cuda.bindings.driver as cuda
+
+    from sdk.blocks._cute import standalone
+    from sdk.blocks.kda import KDABlock, KDAConfig
+    block = KDABlock(KDAConfig(batch=64, heads=8, head_dim=128, **kw))
+    t = gpu_inputs(block, seed=harness.clock_seed())
+    ref = dict(t)
+    for _ in range(4):
+        ref = dict(ref, **block.reference(**ref))
+    fn = standalone(block, pdl=True)
+    optab = torch.tensor([t[n].data_ptr() for n in block.operands()], dtype=torch.int64, device="cuda")
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    for _ in range(4):
+        fn(optab.data_ptr(), stream)
+    torch.cuda.synchronize()
+    for name in ("o", "state") + (("conv_state",) if block.config.conv else ()):
+        if name == "conv_state":
+            assert torch.equal(t[name], ref[name]), "conv state after 4 steps"
+        else:
+            tol = BF16_TOL if t[name].dtype == torch.bfloat16 else FP32_STATE_TOL
+            err = rel_err(t[name], ref[name])
+            assert err <= tol, f"{name} after 4 steps: relative error {err:.3e} > {tol}"

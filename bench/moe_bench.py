@@ -215,7 +215,8 @@ def main(argv=None):
     ap.add_argument("--cases", default="", help="model:batch:format,... (overrides the default list)")
     ap.add_argument("--no-timeline", action="store_true")
     ap.add_argument("--set", default="", help="MoELayerConfig overrides for every case: key=value,... "
-                    "(e.g. expert_mma=0: the CUDA-core expert tile at batch 8+; expert_weight_l1=0)")
+                    "(e.g. expert_mma=0: the CUDA-core expert tile at batch 8+; expert_weight_l1=0; "
+                    "shared_down_rows=32: one shared / latent GEMV's rows, see moe_layer.ROWS_OPS)")
     ap.add_argument("--order", default="phase", help="instruction placement order(s), comma-separated: "
                     "phase | critical | backfill (sdk.schedule); each case runs once per order, same routing")
     a = ap.parse_args(argv)
@@ -224,6 +225,12 @@ def main(argv=None):
     else:
         cases = QUICK_CASES if a.quick else DEFAULT_CASES
     overrides = {k: _override_value(v) for k, v in (kv.split("=") for kv in a.set.split(",") if kv)}
+    # OP_rows=N (OP in moe_layer.ROWS_OPS, e.g. shared_down_rows=32) goes into MoELayerConfig.op_rows
+    from sdk.megakernel.moe_layer import ROWS_OPS
+    op_rows = tuple((k[:-len("_rows")], overrides.pop(k)) for k in list(overrides)
+                    if k.endswith("_rows") and k[:-len("_rows")] in ROWS_OPS)
+    if op_rows:
+        overrides["op_rows"] = op_rows
     rep = run(a.out, cases, timeline=not a.no_timeline, overrides=overrides, orders=a.order.split(","))
     print("\n" + summary(rep))
 

@@ -72,6 +72,9 @@ CASES = {
     "latent_situ_shared_mxfp4": dict(correction_bias=True, batch=5, num_local=32, rank=1, expert_dtype="mxfp4",
                                      shared_intermediate=256, activation="situ", latent=512),
     "latent_bf16_batch1": dict(correction_bias=True, batch=1, latent=256, activation="situ", situ_beta=3.0),
+    # per-op rows of the shared / latent GEMVs (MoELayerConfig.op_rows)
+    "latent_op_rows": dict(correction_bias=True, batch=2, latent=512, activation="situ", shared_intermediate=256,
+                           shared_rows=16, op_rows=(("shared_down", 32), ("latent_up", 64))),
 }
 
 
@@ -91,6 +94,23 @@ def test_pyvm_moe_layer_equals_moe_reference(name):
         # the layer-level reference used by the GPU tests is the same function
         assert torch.allclose(reference(cfg, weights, x, ids), oracle, rtol=1e-5, atol=1e-6)
     assert vm.counters[isa.EXIT_COUNTER] == 3 * len(sched.per_sm)
+
+
+def test_op_rows_set_one_gemv_each():
+    """op_rows overrides shared_rows per op; Kimi K3's shared.down / latent.up in 32-row tiles make
+    every streaming chunk of its batch-1 layer 16.9 KB (the ring's stage: 12 of them instead of 7
+    stages of 29.6 KB set by the 56-row tiles); an unknown op name is refused."""
+    from sdk.blocks.base import ring_geometry
+    from sdk.errors import UnsupportedConfigError
+    from sdk.megakernel.moe_layer import blocks, preset
+    b = blocks(MoELayerConfig(**CASES["latent_op_rows"]))
+    rows = {k: b[k].config.rows_per_tile for k in ("shared_gateup", "shared_down", "latent_down", "latent_up")}
+    assert rows == {"shared_gateup": 16, "shared_down": 32, "latent_down": 16, "latent_up": 64}
+    k3 = build_program(preset("kimi_k3", 1, expert_dtype="mxfp4", op_rows=(("shared_down", 32), ("latent_up", 32))))
+    assert ring_geometry(k3.opcodes.blocks)[:2] == (16896, 12)
+    assert ring_geometry(build_program(preset("kimi_k3", 1, expert_dtype="mxfp4")).opcodes.blocks)[:2] == (29568, 7)
+    with pytest.raises(UnsupportedConfigError, match="unknown op"):
+        blocks(MoELayerConfig(**dict(CASES["latent_op_rows"], op_rows=(("router", 8),))))
 
 
 def test_pyvm_order_independent_bitwise():

@@ -45,6 +45,7 @@ from ..blocks.experts import (ExpertsBlock, ExpertsConfig, balanced_rows, dequan
                               quantize_mxfp4)
 from ..blocks.gemv import GemvConfig
 from ..blocks.router import RouterSelectBlock, RouterSelectConfig
+from ..errors import UnsupportedConfigError
 from ..reference.common import swiglu
 from ..reference.moe import route
 from ..spec import MoESpec
@@ -84,7 +85,10 @@ class MoELayerConfig:
     expert_weight_l1: bool = True        # expert weight loads allocate in L1 (ExpertsConfig)
     expert_mma: bool | None = None       # MXFP4 expert tiles on the tensor cores (ExpertsConfig.mma);
                                          # None = from batch 8 (ExpertsBlock.use_mma)
-    shared_rows: int = 0                 # ... of the shared expert's GEMVs
+    shared_rows: int = 0                 # ... of the shared expert's GEMVs (and the latent ones)
+    op_rows: tuple = ()                  # per-op rows overriding shared_rows: (("shared_down", 32),
+                                         # ...) over shared_gateup / shared_down / latent_down /
+                                         # latent_up (moe_bench --set shared_down_rows=32)
     num_sms: int = 132                   # SMs the balanced tiles are cut for
 
     @property
@@ -154,6 +158,9 @@ def preset(model: str, batch: int = 1, **overrides) -> MoELayerConfig:
     return replace(MoELayerConfig(**PRESETS[model]), batch=batch, **overrides)
 
 
+ROWS_OPS = ("shared_gateup", "shared_down", "latent_down", "latent_up")     # MoELayerConfig.op_rows
+
+
 def blocks(cfg: MoELayerConfig) -> dict:
     d, m, L, h = cfg.hidden, cfg.batch, cfg.local, cfg.expert_hidden
     hits = expected_hits(cfg)
@@ -183,19 +190,24 @@ def blocks(cfg: MoELayerConfig) -> dict:
                                            mma=cfg.expert_mma,
                                            weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
     }
+    rows = dict(cfg.op_rows)
+    unknown = set(rows) - set(ROWS_OPS)
+    if unknown:
+        raise UnsupportedConfigError(f"MoELayerConfig.op_rows: unknown op(s) {sorted(unknown)} (known: {ROWS_OPS})")
+    shared_rows = {op: rows.get(op, cfg.shared_rows) for op in ROWS_OPS}
     if cfg.latent:
-        out["latent_down"] = gemv_block(GemvConfig(n=h, k=d, m=m), cfg.shared_rows, cfg.num_sms)
+        out["latent_down"] = gemv_block(GemvConfig(n=h, k=d, m=m), shared_rows["latent_down"], cfg.num_sms)
         out["latent_up"] = gemv_block(GemvConfig(n=d, k=h, m=m, x_dtype="fp32", norm=True,
                                                  norm_eps=cfg.latent_norm_eps,
                                                  residual="fp32" if cfg.shared_intermediate else None),
-                                      cfg.shared_rows, cfg.num_sms)
+                                      shared_rows["latent_up"], cfg.num_sms)
     if cfg.shared_intermediate:
         s = cfg.shared_intermediate
         out["shared_gateup"] = gemv_block(GemvConfig(n=s, k=d, m=m, weight_dtype=cfg.shared_dtype, swiglu=True,
                                                      swiglu_limit=cfg.swiglu_limit, **cfg.act_fields()),
-                                          cfg.shared_rows, cfg.num_sms)
+                                          shared_rows["shared_gateup"], cfg.num_sms)
         out["shared_down"] = gemv_block(GemvConfig(n=d, k=s, m=m, weight_dtype=cfg.shared_dtype, out_dtype="fp32"),
-                                        cfg.shared_rows, cfg.num_sms)
+                                        shared_rows["shared_down"], cfg.num_sms)
     return out
 
 

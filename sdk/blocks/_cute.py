@@ -272,8 +272,10 @@ def _num_sms(default: int = 132) -> int:
 def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_stages: int | None = None,
                pdl: bool | None = None):
     """Compile `block`'s standalone kernel, operand pointers read from a device int64 array (same
-    table format as the megakernel's): grid = block.num_tiles(), one tile per CTA; or, for a
-    streaming block, grid = min(tiles, num_ctas or the SM count), persistent, through the ring.
+    table format as the megakernel's): grid = block.num_tiles(), one tile per CTA (or, with
+    num_ctas, a persistent grid of min(tiles, num_ctas) CTAs walking tiles bid, bid + grid, ...,
+    a CTA barrier between tiles); for a streaming block, grid = min(tiles, num_ctas or the SM
+    count), persistent, through the ring.
 
     pdl: launch with programmatic dependent launch. None (the default) = on for streaming blocks,
     off for the one-tile-per-CTA kernel. One tile per CTA with pdl=True: every CTA waits
@@ -298,6 +300,7 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     tile_fn = block.device_tile()
     nops = len(block.operands())
     ntiles = block.num_tiles()
+    grid = min(ntiles, num_ctas) if num_ctas else ntiles
 
     @cute.kernel
     def kernel(optab: Int64):
@@ -311,11 +314,16 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         ptrs = [mOps[j] for j in range(nops)]
-        tile_fn(ptrs, bid, scratch)
+        if cutlass.const_expr(grid == ntiles):
+            tile_fn(ptrs, bid, scratch)
+        else:
+            for t in cutlass.range(bid, ntiles, grid, unroll=1):
+                tile_fn(ptrs, t, scratch)
+                cute.arch.sync_threads()        # the next tile reuses scratch and the tile's smem
 
     @cute.jit
     def host(optab: Int64, stream: "cuda.CUstream"):
-        kernel(optab).launch(grid=(ntiles, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, use_pdl=pdl)
+        kernel(optab).launch(grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
     import cuda.bindings.driver as cuda
     host.__annotations__["stream"] = cuda.CUstream

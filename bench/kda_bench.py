@@ -133,7 +133,8 @@ def bench_case(model, heads, batch, variant, kw, copy_bw, check=True):
             "gbs": state_bytes / (us * 1e3), "total_gbs": total_bytes / (us * 1e3),
             "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
             "speedup_vs_torch_graph": torch_us / us, "timing_mode": mode, "rel_err": err,
-            "state_copies": copies}
+            "state_copies": copies,
+            "launch": [{"pdl": k.get("pdl", True), "ctas_per_sm": k.get("ctas_per_sm")} for k in kw]}
 
 
 # tiles per head: enough tiles for the SMs at small batch; at batch 64 quarter heads, whose 32-column

@@ -430,7 +430,6 @@ class GemvBlock(Block):
         KX = self.x_block
         CPX = KX // KC                          # chunks per staged x block
         XU = KX // 8                            # bf16 x units (8 elements) per token per x block
-        XPC = KCU * E // 8                      # x units per chunk
         fp8 = c.weight_dtype == "fp8_e4m3"
         SB = c.scale_block
         wdt = DTYPE_MAP[c.weight_dtype]

@@ -40,7 +40,6 @@ def build_kda_tile(block):
     NWK = block.nwk                          # warps across K
     NWV = NW // NWK                          # ... across the columns
     CW = VS // NWV                           # columns per warp
-    KW = K // NWK                            # K rows per warp
     XW = block.k_exchange_words()
     KOFS = [LV << i for i in range(_log2(LK))]   # butterfly offsets across the K lanes
     VOFS = [1 << i for i in range(_log2(LV))]    # ... across the column lanes

@@ -739,19 +739,26 @@ class GemvBlock(Block):
             sc = cute.make_rmem_tensor((nw,), Float32)
             for cj in cutlass.range_constexpr(KCU // 32):
                 cu = lane + 32 * cj
-                # the unit's weights as 8 f16x2 pairs (elements 2p, 2p + 1) per row
+                # the unit's weights as 8 f16x2 pairs (elements 2p, 2p + 1) per row. One 16-byte
+                # load per unit: four 4-byte loads of 16-byte-strided lanes hit each bank 4 times
+                # (x: 8 loads, 8 times) - the bf16 consumer's loads were already whole units
                 wp = [[[None] * 8 for _ in range(RW)] for _ in range(nw)]
+                rw = cute.make_rmem_tensor((4,), Int32)
                 for i in cutlass.range_constexpr(nw):
                     for rr in cutlass.range_constexpr(RW):
+                        rw.store(sWw[i, warp + NWARP * rr, cu, None].load())
                         for wi in cutlass.range_constexpr(4):
-                            lo, hi = e4m3x4_to_f16x2x2(sWw[i, warp + NWARP * rr, cu, wi])
+                            lo, hi = e4m3x4_to_f16x2x2(rw[wi])
                             wp[i][rr][2 * wi] = lo
                             wp[i][rr][2 * wi + 1] = hi
                 sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU * 4))
                 for i in cutlass.range_constexpr(nw):
                     sc[i] = sS[i, cu // (SB // E)]
+                rx = cute.make_rmem_tensor((2, 4), Int32)
                 for m in cutlass.range_constexpr(M):
-                    xp = [sXw[m, xo + 2 * cu + h, q] for h in range(2) for q in range(4)]   # 8 f16x2
+                    for h in cutlass.range_constexpr(2):
+                        rx[h, None].store(sXw[m, xo + 2 * cu + h, None].load())
+                    xp = [rx[h, q] for h in range(2) for q in range(4)]     # 8 f16x2
                     inv_m = sInv[m]                     # the token's x scale, undone
                     for i in cutlass.range_constexpr(nw):
                         for rr in cutlass.range_constexpr(RW):

@@ -79,6 +79,7 @@ def build_mla_decode_tile(block):
     NG = DQK // G
     RS = DQK + 8                         # bf16 smem row stride (elements): +16 B
     RS8 = DQK + 16                       # fp8 stage row stride (bytes): +16 B
+    SROW = block.score_row               # fp32 row stride of the partial scores sS: CH + 8
     EP = 16 if FP8 else 8                # elements per 16-byte piece
     PIECES = DQK // EP                   # 16-byte pieces per cache row
     NPIECE = CH * PIECES
@@ -196,7 +197,11 @@ def build_mla_decode_tile(block):
 
         smem = SmemAllocator()
         sQ = smem.allocate_tensor(BFloat16, cute.make_layout((MP, DQK), stride=(RS, 1)), byte_alignment=128)
-        sS = smem.allocate_tensor(Float32, cute.make_layout((NWK, MP, CH), stride=(MP * CH, CH, 1)),
+        # partial scores, rows padded by 8 floats: the MMA fragments' 8-byte accesses (row g, columns
+        # 2q, 2q+1) of a half-warp then cover 32 distinct banks; with CH-float rows (a multiple of
+        # 32) every row started on bank 0 - 4 wavefronts where 1 does, on the tile's heaviest smem
+        # traffic (every warp reads all NWK x MP x CH scores of a chunk)
+        sS = smem.allocate_tensor(Float32, cute.make_layout((NWK, MP, CH), stride=(MP * SROW, SROW, 1)),
                                   byte_alignment=16)
         sStage = None
         sScSt = None

@@ -198,11 +198,17 @@ class MLADecodeBlock(Block):
     def own_smem_bytes(self) -> int:
         return self.smem_bytes()
 
+    @property
+    def score_row(self) -> int:
+        """fp32 row stride of the partial-score buffer: chunk + 8 (padded: conflict-free 8-byte
+        accesses of the MMA fragments, see _mla_cute.py)."""
+        return self.config.chunk + 8
+
     def _smem_bytes(self, stages: int) -> int:
         c = self.config
         rs = self.d_qk + 8                       # padded bf16 row: conflict-free ldmatrix
         b = self.m_pad * rs * 2                  # sQ
-        b += self.nwk * self.m_pad * c.chunk * 4                           # sS partial scores
+        b += self.nwk * self.m_pad * self.score_row * 4                    # sS partial scores
         if self.fp8:
             b += stages * c.chunk * (self.d_qk + 16)                       # fp8 stages
             b += stages * c.chunk * (self.d_qk // c.scale_group) * 4       # their scales

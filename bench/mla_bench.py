@@ -240,6 +240,20 @@ def rotated_launches(prog, rt, make_weights, cfg, floor_bytes: int) -> tuple[lis
     return [r.launch for r in rts] * max(1, 8 // copies), copies
 
 
+def run_sublayer_once(build_program, make_weights, make_inputs, cfg, batch: int, ctx: int):
+    """(program, weights, inputs, runtime, seconds to compile and run once) of a sublayer module's
+    program (mla_layer / dsa_layer: same build / weights / inputs functions) at `batch` sequences
+    of `ctx` tokens, run once on the GPU."""
+    from sdk.megakernel.runtime import program_runtime
+    prog = build_program(cfg)
+    w = make_weights(cfg, seed=0, device="cuda")
+    inp = make_inputs(cfg, [ctx] * batch, seed=1, device="cuda")
+    t0 = time.time()
+    rt = program_runtime(prog, w, inp)
+    rt.run()
+    return prog, w, inp, rt, time.time() - t0
+
+
 def bench_layer_case(shard, ctx, batch, copy_bw):
     """The whole MLA sublayer in one launch (sdk/megakernel/mla_layer.py: norms, q / kv
     projections, RoPE + cache append, attention, o_proj + residual) at a Kimi K3 head shard;
@@ -247,20 +261,13 @@ def bench_layer_case(shard, ctx, batch, copy_bw):
     dense cache is not a fair graph (it expands keys); reported without a torch ratio."""
     from sdk.megakernel.mla_attention import MLAAttentionConfig
     from sdk.megakernel.mla_layer import MLALayerConfig, build_program, make_inputs, make_weights, reference
-    from sdk.megakernel.runtime import program_runtime
     heads, rope, scale = SHARDS[shard]
     if rope != 64:
         raise ValueError(f"{shard}: the layer case takes the Kimi K3 shards")
     npg = -(-ctx // 64) + 1
     cfg = MLALayerConfig(MLAAttentionConfig(heads=heads, softmax_scale=scale, batch=batch, num_pages=batch * npg,
                                             max_seq_len=ctx))
-    prog = build_program(cfg)
-    w = make_weights(cfg, seed=0, device="cuda")
-    inp = make_inputs(cfg, [ctx] * batch, seed=1, device="cuda")
-    t0 = time.time()
-    rt = program_runtime(prog, w, inp)
-    rt.run()
-    compile_s = time.time() - t0
+    prog, w, inp, rt, compile_s = run_sublayer_once(build_program, make_weights, make_inputs, cfg, batch, ctx)
     err = None
     if batch * ctx <= 8 * 32768:
         x = inp["x"].float()
@@ -292,18 +299,12 @@ def bench_dsa_layer_case(shard, ctx, batch, copy_bw, timeline_path=None):
     a torch ratio (no PyTorch sparse-MLA path to compare with fairly)."""
     from models.glm_53.config import full, spec_from_config
     from sdk.megakernel.dsa_layer import build_program, check_selection, make_inputs, make_weights, reference, shard_config
-    from sdk.megakernel.runtime import MegakernelRuntime, program_runtime
+    from sdk.megakernel.runtime import MegakernelRuntime
     if shard != "glm_53_tp8":
         raise ValueError(f"{shard}: the DSA sublayer case takes the GLM-5.3 TP8 shard")
     cfg = shard_config(spec_from_config(full()), batch=batch, max_seq_len=ctx,
                        num_pages=batch * -(-ctx // 64) + 4)
-    prog = build_program(cfg)
-    w = make_weights(cfg, seed=0, device="cuda")
-    inp = make_inputs(cfg, [ctx] * batch, seed=1, device="cuda")
-    t0 = time.time()
-    rt = program_runtime(prog, w, inp)
-    rt.run()
-    compile_s = time.time() - t0
+    prog, w, inp, rt, compile_s = run_sublayer_once(build_program, make_weights, make_inputs, cfg, batch, ctx)
     err, flips = None, None
     if batch * ctx <= 2 * 32768:            # the reference expands keys and values: small cases only
         flips = check_selection(cfg, w, inp, rt.tensors["index"])

@@ -76,14 +76,10 @@ def torch_step(block, t, state, conv_state=None, n_tokens=None):
 def bench_case(model, heads, batch, variant, kw, copy_bw, check=True):
     from sdk.blocks._cute import standalone
     from sdk.blocks.kda import KDABlock, KDAConfig
-    # launched with PDL unless a variant's dict says "pdl": False (standalone's pdl); "ctas_per_sm": N
-    # launches a persistent grid of N CTAs per SM walking the tiles (standalone's num_ctas)
-    launch_keys = ("pdl", "ctas_per_sm")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # launched with PDL unless a variant's dict says "pdl": False (standalone's pdl)
     blocks = [KDABlock(KDAConfig(batch=batch, heads=heads, head_dim=128,
-                                 **{n: v for n, v in k.items() if n not in launch_keys})) for k in kw]
-    fns = [standalone(b, pdl=k.get("pdl", True), num_ctas=k["ctas_per_sm"] * sms if "ctas_per_sm" in k else None)
-           for b, k in zip(blocks, kw)]
+                                 **{n: v for n, v in k.items() if n != "pdl"})) for k in kw]
+    fns = [standalone(b, pdl=k.get("pdl", True)) for b, k in zip(blocks, kw)]
     # the last block has every operand (verify4's commit pass adds n_accepted)
     t = blocks[-1].random_operands(seed=batch, device="cuda", n_accepted=[2] * batch)
     one_state = t["state"].numel() * t["state"].element_size()
@@ -134,7 +130,7 @@ def bench_case(model, heads, batch, variant, kw, copy_bw, check=True):
             "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
             "speedup_vs_torch_graph": torch_us / us, "timing_mode": mode, "rel_err": err,
             "state_copies": copies,
-            "launch": [{"pdl": k.get("pdl", True), "ctas_per_sm": k.get("ctas_per_sm")} for k in kw]}
+            "launch": [{"pdl": k.get("pdl", True)} for k in kw]}
 
 
 # tiles per head: enough tiles for the SMs at small batch; at batch 64 quarter heads, whose 32-column
@@ -155,14 +151,10 @@ def cases(quick: bool):
             out.append((model, heads, batch, "fused conv+norm per-lane",
                         [dict(conv=True, out_norm=True, conv_staged=False)]))
             if batch == 64:     # warps across K (KDAConfig.k_warps; the v_split=2 default is 4)
-                for vs, kw_ in ((2, 1), (2, 8), (4, 1), (4, 8)):
+                for vs, kw_ in ((2, 1), (2, 8), (4, 1), (4, 8), (8, 4), (8, 8)):
                     out.append((model, heads, batch, f"core v_split={vs} k_warps={kw_}",
                                 [dict(v_split=vs, k_warps=kw_)]))
                 out.append((model, heads, batch, "core v_split=4 no-pdl", [dict(v_split=4, pdl=False)]))
-                # persistent grids (76 registers in the tile loop: 3 CTAs per SM fit, 4 do not)
-                for n in (2, 3):
-                    out.append((model, heads, batch, f"core v_split=4 persistent {n}/SM",
-                                [dict(v_split=4, ctas_per_sm=n)]))
                 out.append((model, heads, batch, "fused conv+norm no-pdl", [dict(conv=True, out_norm=True, pdl=False)]))
             if full:
                 vs = AUTO_SPLIT[batch]

@@ -95,8 +95,7 @@ def test_standalone_launches_with_pdl_by_default():
     standalone(block, "sm_100a", pdl=False)     # the opt-out
     from sdk.blocks.kda import KDABlock, KDAConfig
     kda = KDABlock(KDAConfig(batch=64, heads=8, v_split=4))
-    standalone(kda, "sm_90a", pdl=True)                     # one tile per CTA, opt-in
-    standalone(kda, "sm_100a", pdl=True, num_ctas=3 * 132)  # ... a persistent grid walking the tiles
+    standalone(kda, "sm_100a", pdl=True)                    # one tile per CTA, opt-in
 
 
 def test_bench_gemv_cases_default_to_pdl():

@@ -6,7 +6,7 @@ bf16 matmuls + fp32 softmax) and the floor (cache bytes / copy bandwidth measure
     python -m bench.mla_bench --out bench/results/h200 [--quick] [--cases shard:ctx:batch:kv:T,..]
                               [--set chunk=64,stages=3,splits=64,min_chunks=4,cols=512]
 
---set overrides every case's decode config (chunk, stages), the split count (splits: a fixed
+--set overrides every case's decode config (chunk, stages, fp8_math), the split count (splits: a fixed
 count; min_chunks: choose_splits' shortest split) and the combine's columns per tile (cols).
 
 Timing: both launches (decode, combine) of many calls captured in one CUDA graph; when one
@@ -377,11 +377,12 @@ def parse_cases(text: str):
 def main(argv=None):
     ap = arg_parser(out_from_env=False)
     ap.add_argument("--cases", default="", help="shard:ctx:batch[:kv|program|sublayer|dsa_sublayer[:T]],... (overrides the default list)")
-    ap.add_argument("--set", default="", help="key=int,... : chunk, stages, splits, min_chunks, cols")
+    ap.add_argument("--set", default="", help="key=value,... : chunk, stages, splits, min_chunks, cols, fp8_math")
     ap.add_argument("--timeline", action="store_true", help="dsa_sublayer cases: the per-instruction record "
                     "(timeline_dsa_*.json in --out)")
     a = ap.parse_args(argv)
-    overrides = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.set.split(",") if kv}
+    overrides = {k: int(v) if v.lstrip("-").isdigit() else v
+                 for k, v in (kv.split("=", 1) for kv in a.set.split(",") if kv)}
     run(a.out, a.quick, parse_cases(a.cases) or None, overrides, timeline=a.timeline and bool(a.out))
 
 

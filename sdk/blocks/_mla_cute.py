@@ -18,12 +18,12 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 from cutlass.memory import SmemAllocator
 
-from ._cute import DTYPE_MAP, gmem_tensor
+from ._cute import DTYPE_MAP, e4m3x4_to_f16x2x2, f32_to_f16x2_splat, gmem_tensor, mul_f16x2, smem_tensor
 from .base import NUM_THREADS
 
 NUM_WARPS = NUM_THREADS // 32
@@ -75,6 +75,10 @@ def build_mla_decode_tile(block):
     ST = block.stages
     PS, NP, MAXP, S = c.page_size, c.num_pages, block.max_pages, c.num_splits
     FP8 = block.fp8
+    # the MMAs' operand type: f16 for an fp8 cache with fp8_math "f16" (e4m3 -> f16 is one exact
+    # conversion per pair, the scale one packed multiply; bf16 needs an fp32 round trip)
+    F16 = FP8 and c.fp8_math == "f16"
+    MDT = Float16 if F16 else BFloat16
     G = c.scale_group
     NG = DQK // G
     RS = DQK + 8                         # bf16 smem row stride (elements): +16 B
@@ -86,7 +90,8 @@ def build_mla_decode_tile(block):
     PPT = -(-NPIECE // NUM_THREADS)      # pieces per thread per chunk
     NSC = CH * NG                        # fp8: scales per chunk
     SPT = -(-NSC // NUM_THREADS)
-    CV = DQK // 8                        # fp8 dequant: 8-element units per row
+    CV = DQK // 8                        # fp8 dequant: 8-element units per row (8-byte loads and
+                                         # 16-byte stores of consecutive threads: no bank conflicts)
     NCV = CH * CV
     CVT = -(-NCV // NUM_THREADS)
     kvdt = DTYPE_MAP[c.kv_dtype]
@@ -196,7 +201,7 @@ def build_mla_decode_tile(block):
         mL = gmem_tensor(ptrs[n_ops_out + 1], Float32, (B, S, R), 4)
 
         smem = SmemAllocator()
-        sQ = smem.allocate_tensor(BFloat16, cute.make_layout((MP, DQK), stride=(RS, 1)), byte_alignment=128)
+        sQ = smem.allocate_tensor(MDT, cute.make_layout((MP, DQK), stride=(RS, 1)), byte_alignment=128)
         # partial scores, rows padded by 8 floats: the MMA fragments' 8-byte accesses (row g, columns
         # 2q, 2q+1) of a half-warp then cover 32 distinct banks; with CH-float rows (a multiple of
         # 32) every row started on bank 0 - 4 wavefronts where 1 does, on the tile's heaviest smem
@@ -212,7 +217,7 @@ def build_mla_decode_tile(block):
                                                                     stride=(CH * RS8, RS8, EP, 1)))
             sScSt = smem.allocate_tensor(Float32, cute.make_layout((ST, CH, NG, 1), stride=(CH * NG, NG, 1, 1)),
                                          byte_alignment=16)
-            skv = smem.allocate_tensor(BFloat16, cute.make_layout((1, CH, RS), stride=(CH * RS, RS, 1)),
+            skv = smem.allocate_tensor(MDT, cute.make_layout((1, CH, RS), stride=(CH * RS, RS, 1)),
                                        byte_alignment=128)
         else:
             skv = smem.allocate_tensor(BFloat16, cute.make_layout((ST, CH, RS), stride=(CH * RS, RS, 1)),
@@ -256,19 +261,22 @@ def build_mla_decode_tile(block):
             r = i // (DQK // 8)
             p = i % (DQK // 8)
             if r < TR:
-                sQv[r, p, None].store(mQ[b, row0 + r, p, None].load())
+                if cutlass.const_expr(F16):
+                    sQv[r, p, None].store(mQ[b, row0 + r, p, None].load().to(Float32).to(Float16))
+                else:
+                    sQv[r, p, None].store(mQ[b, row0 + r, p, None].load())
             else:
                 sQv[r, p, None].fill(0.0)
 
         # ---- MMA machinery ---------------------------------------------------------------------
-        mma_op = cwarp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+        mma_op = cwarp.MmaF16BF16Op(MDT, Float32, (16, 8, 16))
         tiled_qk = cute.make_tiled_mma(mma_op, (1, 1, 1))
         tiled_pv = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(16, 16, 16))
         thr_qk = tiled_qk.get_slice(lane)
         thr_pv = tiled_pv.get_slice(lane)
-        cpy_q = cute.make_tiled_copy_A(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_qk)
-        cpy_k = cute.make_tiled_copy_B(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 2), BFloat16), tiled_qk)
-        cpy_v = cute.make_tiled_copy_B(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(True, 4), BFloat16), tiled_pv)
+        cpy_q = cute.make_tiled_copy_A(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 4), MDT), tiled_qk)
+        cpy_k = cute.make_tiled_copy_B(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 2), MDT), tiled_qk)
+        cpy_v = cute.make_tiled_copy_B(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(True, 4), MDT), tiled_pv)
         thr_cq = cpy_q.get_slice(lane)
         thr_ck = cpy_k.get_slice(lane)
         thr_cv = cpy_v.get_slice(lane)
@@ -309,16 +317,35 @@ def build_mla_decode_tile(block):
             if cutlass.const_expr(FP8):
                 # dequantise the fp8 stage into the bf16 chunk buffer: value * scale of its group
                 buf = 0
-                s8v = cute.make_tensor(sStage.iterator, cute.make_layout((ST, CH, CV, 8), stride=(CH * RS8, RS8, 8, 1)))
-                sKVv = cute.make_tensor(skv.iterator, cute.make_layout((CH, CV, 8), stride=(RS, 8, 1)))
-                for k in cutlass.range_constexpr(CVT):
-                    i = tid + k * NUM_THREADS
-                    if i < NCV:
-                        j = i // CV
-                        u = i % CV
-                        sc = sScSt[st, j, (u * 8) // G, 0]
-                        v = s8v[st, j, u, None].load().to(Float32) * sc
-                        sKVv[j, u, None].store(v.to(BFloat16))
+                if cutlass.const_expr(F16):
+                    # a unit: 8 e4m3 (2 words) -> 4 f16x2 words, each times the f16x2 scale
+                    s8w = smem_tensor(sStage.iterator.toint(), Int32, (ST, CH, RS8 // 8, 2))
+                    skw = smem_tensor(skv.iterator.toint(), Int32, (CH, RS // 8, 4))
+                    rw = cute.make_rmem_tensor((2,), Int32)
+                    ro = cute.make_rmem_tensor((4,), Int32)
+                    for k in cutlass.range_constexpr(CVT):
+                        i = tid + k * NUM_THREADS
+                        if i < NCV:
+                            j = i // CV
+                            u = i % CV
+                            sc2 = f32_to_f16x2_splat(sScSt[st, j, (u * 8) // G, 0])
+                            rw.store(s8w[st, j, u, None].load())
+                            for w in cutlass.range_constexpr(2):
+                                lo, hi = e4m3x4_to_f16x2x2(rw[w])
+                                ro[2 * w] = mul_f16x2(lo, sc2)
+                                ro[2 * w + 1] = mul_f16x2(hi, sc2)
+                            skw[j, u, None].store(ro.load())
+                else:
+                    s8v = cute.make_tensor(sStage.iterator, cute.make_layout((ST, CH, CV, 8), stride=(CH * RS8, RS8, 8, 1)))
+                    sKVv = cute.make_tensor(skv.iterator, cute.make_layout((CH, CV, 8), stride=(RS, 8, 1)))
+                    for k in cutlass.range_constexpr(CVT):
+                        i = tid + k * NUM_THREADS
+                        if i < NCV:
+                            j = i // CV
+                            u = i % CV
+                            sc = sScSt[st, j, (u * 8) // G, 0]
+                            v = s8v[st, j, u, None].load().to(Float32) * sc
+                            sKVv[j, u, None].store(v.to(BFloat16))
                 cute.arch.sync_threads()
 
             # ---- partial scores of this warp: rows x 8 tokens over its d_qk slice ---------------
@@ -382,8 +409,8 @@ def build_mla_decode_tile(block):
                 accP_mn[r, None] = p
 
             # ---- O[:, this warp's value columns] += P @ V --------------------------------------
-            rP = cute.make_rmem_tensor(accP.layout, BFloat16)
-            rP.store(accP.load().to(BFloat16))
+            rP = cute.make_rmem_tensor(accP.layout, MDT)
+            rP.store(accP.load().to(MDT))
             tOrP = a_view(rP)
             sVt = cute.local_tile(sKVt[buf, None, None], (DVW, CH), (wid, 0))
             tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))

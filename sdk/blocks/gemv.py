@@ -413,8 +413,8 @@ class GemvBlock(Block):
         from cutlass import BFloat16, Float32, Int32
         from cutlass.cute.nvgpu import cpasync
 
-        from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, gmem_tensor, mma_m16n8k16, producer_slot,
-                            smem_tensor, swiglu_act, tree_sum)
+        from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, e4m3x4_to_f16x2x2, gmem_tensor, mma_m16n8k16,
+                            mul_f16x2, producer_slot, smem_tensor, swiglu_act, tree_sum)
 
         c = self.config
         NT, NWARP = NUM_THREADS, NUM_THREADS // 32
@@ -714,11 +714,6 @@ class GemvBlock(Block):
                                         read_only_args=[a, b, c_])
 
         @cute.jit
-        def mul_f16x2(a: Int32, b: Int32) -> Int32:
-            return cute.arch.inline_ptx("mul.rn.f16x2 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
-                                        read_only_args=[a, b])
-
-        @cute.jit
         def f16x2_sum_f32(v: Int32) -> Float32:
             """The two f16 halves of v, widened and added in fp32."""
             lo, hi = cute.arch.inline_ptx(
@@ -841,13 +836,6 @@ class GemvBlock(Block):
         # q = lane % 4) holds "logical" k {2q, 2q+1, 2q+8, 2q+9} of the fragment layout, mapped to
         # the PHYSICAL elements 4q .. 4q+3 of the block - one 8-byte smem read per row for A (4
         # bytes for fp8: then two e4m3x2 -> f16x2 conversions) and one per token for B.
-        @cute.jit
-        def e4m3x4_to_f16x2x2(word: Int32):
-            return cute.arch.inline_ptx(
-                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, {$r0}; "
-                "cvt.rn.f16x2.e4m3x2 {$w0}, lo; cvt.rn.f16x2.e4m3x2 {$w1}, hi; }",
-                write_only_types=[Int32, Int32], read_only_args=[word])
-
         WPR = PITCH * 4                         # 32-bit words per weight row in a stage
 
         @cute.jit

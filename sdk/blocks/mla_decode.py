@@ -111,6 +111,9 @@ class MLADecodeConfig:
     num_splits: int = 1
     kv_dtype: str = "bf16"             # "bf16" | "fp8_e4m3"
     scale_group: int = 64              # fp8: columns per fp32 scale (per token)
+    fp8_math: str = "f16"              # fp8: each chunk dequantised to "f16" (e4m3x2 -> f16x2, packed
+                                       # f16 scale multiply; Q, K, P, V in f16 MMAs) or "bf16" (fp32
+                                       # widen, multiply, round; bf16 MMAs as for a bf16 cache)
     chunk: int = 32                    # tokens per pipeline stage (16, 32 or 64)
     stages: int = 0                    # pipeline depth; 0 = auto (what fits in ~200 KB, 2..8)
     index_width: int = 0               # DSA: entries of each query's index list (0 = dense attention)
@@ -236,6 +239,8 @@ class MLADecodeBlock(Block):
             self.unsupported(f"mla_decode: rope={c.rope} must be a multiple of 16 (or 0)")
         if self.d_qk % (16 * self.nwk):
             self.unsupported(f"mla_decode: d_qk={self.d_qk} must split into {self.nwk} multiples of 16")
+        if c.fp8_math not in ("f16", "bf16"):
+            self.unsupported(f"mla_decode: fp8_math {c.fp8_math!r} (supported: f16, bf16)")
         if self.fp8 and (self.d_qk % c.scale_group or c.scale_group % 16):
             self.unsupported(f"mla_decode fp8: scale_group={c.scale_group} must divide d_qk={self.d_qk} "
                              f"and be a multiple of 16")

@@ -117,12 +117,13 @@ def test_other_page_sizes_and_batch_64(page):
     check(blk, t, seed)
 
 
-def test_fp8_long_context():
+@pytest.mark.parametrize("fp8_math", ["f16", "bf16"])
+def test_fp8_long_context(fp8_math):
     need_gpu()
     from sdk.blocks.mla_decode import MLADecodeConfig
     seed = clock_seed()
     cfg = MLADecodeConfig(heads=12, softmax_scale=K3_SCALE, batch=2, num_pages=2 * 2048 + 4, max_seq_len=131072,
-                          num_splits=66, kv_dtype="fp8_e4m3")
+                          num_splits=66, kv_dtype="fp8_e4m3", fp8_math=fp8_math)
     blk, t = make_case(cfg, [131072, 70001], seed)
     check(blk, t, seed)
 

@@ -293,7 +293,7 @@ def _num_sms(default: int = 132) -> int:
 
 
 def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_stages: int | None = None,
-               pdl: bool | None = None):
+               pdl: bool | None = None, min_ctas_per_sm: int = 0):
     """Compile `block`'s standalone kernel, operand pointers read from a device int64 array (same
     table format as the megakernel's): grid = block.num_tiles(), one tile per CTA; for a streaming
     block, grid = min(tiles, num_ctas or the SM count), persistent, through the ring. (A persistent
@@ -313,6 +313,9 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     With PDL and no `max_stages`, the ring is sized so two CTAs share an SM (`coresident_stages`):
     the next launch then streams beside the previous one instead of waiting for its SM (7168 x 2048
     69.3% -> 84.0%).
+
+    min_ctas_per_sm (one tile per CTA): ptxas caps the registers so that many CTAs fit on an SM
+    (more tiles' loads in flight; spills if the tile needs more).
 
     Returns `fn(optab_addr: int, stream)`. With `arch` set, compiles for that GPU arch with no GPU
     present (compile check)."""
@@ -339,7 +342,10 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
 
     @cute.jit
     def host(optab: Int64, stream: "cuda.CUstream"):
-        kernel(optab).launch(grid=(ntiles, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, use_pdl=pdl)
+        # the carveout given: with min_blocks_per_mp > 1 the DSL would otherwise query the GPU
+        occupancy = dict(min_blocks_per_mp=min_ctas_per_sm, preferred_smem_carveout=-1) if min_ctas_per_sm > 1 else {}
+        kernel(optab).launch(grid=(ntiles, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, use_pdl=pdl,
+                             **occupancy)
 
     import cuda.bindings.driver as cuda
     host.__annotations__["stream"] = cuda.CUstream

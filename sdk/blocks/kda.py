@@ -47,7 +47,7 @@ the whole head in one tile (v_split=1): the conv state is shared by the head's t
 reduces over all of V. Not fused (they are GEMVs the megakernel has): the q/k/v/g/beta/gate
 projections and o_proj. Not supported: the serving state pool ([slot, H, V, K] with slot
 indices: the state is indexed by batch row here), head_dim other than a multiple of 32 with
-V-slices of 16..128 columns, chunked prefill (T <= 16 tokens, token by token).
+V-slices of 32..128 columns, chunked prefill (T <= 16 tokens, token by token).
 """
 from __future__ import annotations
 
@@ -121,8 +121,6 @@ class KDABlock(Block):
         65.2%)."""
         if self.config.k_warps:
             return self.config.k_warps
-        if self.vs == 16:
-            return 8         # 16 columns are one warp's 4 column lanes: all 8 warps go across K
         return 4 if self.vs <= 64 and self.num_tiles() >= AUTO_K_WARPS_TILES else 1
 
     @property
@@ -150,8 +148,8 @@ class KDABlock(Block):
         if c.head_dim % c.v_split:
             u(f"kda: head_dim={c.head_dim} not divisible by v_split={c.v_split}")
         vs = c.head_dim // c.v_split
-        if vs not in (16, 32, 64, 128):
-            u(f"kda: {vs} columns per tile (head_dim / v_split must be 16, 32, 64 or 128: 8 warps x "
+        if vs not in (32, 64, 128):
+            u(f"kda: {vs} columns per tile (head_dim / v_split must be 32, 64 or 128: 8 warps x "
               f"LV lanes x 4 columns with at most 64 state values per thread)")
         nwk = self.nwk
         if nwk not in (1, 2, 4, 8):

@@ -71,8 +71,6 @@ CASES = [
     dict(v_split=4, k_warps=4, state_dtype="bf16"),
     dict(v_split=2, k_warps=2, tokens=3, commit="per_token", out_dtype="fp32"),
     dict(conv=True, out_norm=True, k_warps=2, tokens=2),
-    dict(v_split=8),                                               # 16-column tiles, 8 warps across K
-    dict(v_split=8, k_warps=4, tokens=3, commit="accepted", state_dtype="bf16"),
 ]
 
 
@@ -197,3 +195,24 @@ def test_kda_pdl_back_to_back_steps_feed_each_other(kw):
             err = rel_err(t[name], ref[name])
             assert err <= tol, f"{name} after 4 steps: relative error {err:.3e} > {tol}"
 
+
+
+@pytest.mark.parametrize("ctas", [5, 6])
+def test_kda_register_capped_launch_equals_one_without(ctas):
+    """standalone(min_ctas_per_sm=N): ptxas caps the registers (62 -> 48 / 40, spilling a few) so
+    N CTAs share an SM; the outputs and state are bit-identical to the uncapped launch's."""
+    need_gpu()
+    import cuda.bindings.driver as cuda
+
+    from sdk.blocks._cute import standalone
+    from sdk.blocks.kda import KDABlock, KDAConfig
+    block = KDABlock(KDAConfig(batch=64, heads=8, head_dim=128, v_split=4, k_warps=8))
+    t = gpu_inputs(block, seed=harness.clock_seed())
+    got_plain = check_against_reference(block, t)
+    got = {k: v.clone() for k, v in t.items()}
+    fn = standalone(block, pdl=True, min_ctas_per_sm=ctas)
+    optab = torch.tensor([got[n].data_ptr() for n in block.operands()], dtype=torch.int64, device="cuda")
+    fn(optab.data_ptr(), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    torch.cuda.synchronize()
+    for spec in block.operand_specs():
+        assert torch.equal(got[spec.name].nan_to_num(), got_plain[spec.name].nan_to_num()), spec.name

@@ -6,7 +6,7 @@ bf16 matmuls + fp32 softmax) and the floor (cache bytes / copy bandwidth measure
     python -m bench.mla_bench --out bench/results/h200 [--quick] [--cases shard:ctx:batch:kv:T,..]
                               [--set chunk=64,stages=3,splits=64,min_chunks=4,cols=512]
 
---set overrides every case's decode config (chunk, stages, fp8_math, q_in_regs), the split count
+--set overrides every case's decode config (chunk, stages, q_in_regs), the split count
 (splits: a fixed count; min_chunks: choose_splits' shortest split), the decode's CTAs per SM
 (min_ctas: registers capped for them) and the combine's columns per tile (cols).
 
@@ -379,7 +379,7 @@ def parse_cases(text: str):
 def main(argv=None):
     ap = arg_parser(out_from_env=False)
     ap.add_argument("--cases", default="", help="shard:ctx:batch[:kv|program|sublayer|dsa_sublayer[:T]],... (overrides the default list)")
-    ap.add_argument("--set", default="", help="key=value,... : chunk, stages, splits, min_chunks, cols, fp8_math")
+    ap.add_argument("--set", default="", help="key=value,... : chunk, stages, q_in_regs, splits, min_chunks, cols, min_ctas")
     ap.add_argument("--timeline", action="store_true", help="dsa_sublayer cases: the per-instruction record "
                     "(timeline_dsa_*.json in --out)")
     a = ap.parse_args(argv)

@@ -2,7 +2,7 @@
 formats). Imports cutlass: imported only when a block's device tile is built.
 
 Layout idioms used below (standard CuTe):
-- one-warp tiled MMAs over m16n8k16 bf16 (`warp.MmaF16BF16Op`, fp32 accumulate), operands read
+- one-warp tiled MMAs over m16n8k16 bf16 (f16 for an fp8 cache; `warp.MmaF16BF16Op`, fp32 accumulate), operands read
   from shared memory with `ldmatrix` (x4 for A, x2 for an 8-token B, x4 transposed for V);
 - `mn_view(acc)`: the (rows, cols) view of an accumulator fragment ((2,2), M, N) for the
   per-row softmax; `a_view(p)`: the same registers viewed as the A operand of the next MMA
@@ -73,12 +73,11 @@ def build_mla_decode_tile(block):
     Q_REGS = block.q_regs                # the warp's Q slice loaded into registers once
     DVW = DV // NUM_WARPS                # value columns of one warp in PV
     ST = block.stages
-    PS, NP, MAXP, S = c.page_size, c.num_pages, block.max_pages, c.num_splits
+    PS, MAXP, S = c.page_size, block.max_pages, c.num_splits
     FP8 = block.fp8
-    # the MMAs' operand type: f16 for an fp8 cache with fp8_math "f16" (e4m3 -> f16 is one exact
-    # conversion per pair, the scale one packed multiply; bf16 needs an fp32 round trip)
-    F16 = FP8 and c.fp8_math == "f16"
-    MDT = Float16 if F16 else BFloat16
+    # the MMAs' operand type: f16 for an fp8 cache (e4m3 -> f16 is one exact conversion per pair
+    # and the scale one packed multiply; to bf16 every element would take an fp32 round trip)
+    MDT = Float16 if FP8 else BFloat16
     G = c.scale_group
     NG = DQK // G
     RS = DQK + 8                         # bf16 smem row stride (elements): +16 B
@@ -261,7 +260,7 @@ def build_mla_decode_tile(block):
             r = i // (DQK // 8)
             p = i % (DQK // 8)
             if r < TR:
-                if cutlass.const_expr(F16):
+                if cutlass.const_expr(FP8):
                     sQv[r, p, None].store(mQ[b, row0 + r, p, None].load().to(Float32).to(Float16))
                 else:
                     sQv[r, p, None].store(mQ[b, row0 + r, p, None].load())
@@ -315,37 +314,25 @@ def build_mla_decode_tile(block):
             cute.arch.cp_async_commit_group()
             buf = st
             if cutlass.const_expr(FP8):
-                # dequantise the fp8 stage into the bf16 chunk buffer: value * scale of its group
+                # dequantise the fp8 stage into the f16 chunk buffer: value * scale of its group
                 buf = 0
-                if cutlass.const_expr(F16):
-                    # a unit: 8 e4m3 (2 words) -> 4 f16x2 words, each times the f16x2 scale
-                    s8w = smem_tensor(sStage.iterator.toint(), Int32, (ST, CH, RS8 // 8, 2))
-                    skw = smem_tensor(skv.iterator.toint(), Int32, (CH, RS // 8, 4))
-                    rw = cute.make_rmem_tensor((2,), Int32)
-                    ro = cute.make_rmem_tensor((4,), Int32)
-                    for k in cutlass.range_constexpr(CVT):
-                        i = tid + k * NUM_THREADS
-                        if i < NCV:
-                            j = i // CV
-                            u = i % CV
-                            sc2 = f32_to_f16x2_splat(sScSt[st, j, (u * 8) // G, 0])
-                            rw.store(s8w[st, j, u, None].load())
-                            for w in cutlass.range_constexpr(2):
-                                lo, hi = e4m3x4_to_f16x2x2(rw[w])
-                                ro[2 * w] = mul_f16x2(lo, sc2)
-                                ro[2 * w + 1] = mul_f16x2(hi, sc2)
-                            skw[j, u, None].store(ro.load())
-                else:
-                    s8v = cute.make_tensor(sStage.iterator, cute.make_layout((ST, CH, CV, 8), stride=(CH * RS8, RS8, 8, 1)))
-                    sKVv = cute.make_tensor(skv.iterator, cute.make_layout((CH, CV, 8), stride=(RS, 8, 1)))
-                    for k in cutlass.range_constexpr(CVT):
-                        i = tid + k * NUM_THREADS
-                        if i < NCV:
-                            j = i // CV
-                            u = i % CV
-                            sc = sScSt[st, j, (u * 8) // G, 0]
-                            v = s8v[st, j, u, None].load().to(Float32) * sc
-                            sKVv[j, u, None].store(v.to(BFloat16))
+                # a unit: 8 e4m3 (2 words) -> 4 f16x2 words, each times the f16x2 scale
+                s8w = smem_tensor(sStage.iterator.toint(), Int32, (ST, CH, RS8 // 8, 2))
+                skw = smem_tensor(skv.iterator.toint(), Int32, (CH, RS // 8, 4))
+                rw = cute.make_rmem_tensor((2,), Int32)
+                ro = cute.make_rmem_tensor((4,), Int32)
+                for k in cutlass.range_constexpr(CVT):
+                    i = tid + k * NUM_THREADS
+                    if i < NCV:
+                        j = i // CV
+                        u = i % CV
+                        sc2 = f32_to_f16x2_splat(sScSt[st, j, (u * 8) // G, 0])
+                        rw.store(s8w[st, j, u, None].load())
+                        for w in cutlass.range_constexpr(2):
+                            lo, hi = e4m3x4_to_f16x2x2(rw[w])
+                            ro[2 * w] = mul_f16x2(lo, sc2)
+                            ro[2 * w + 1] = mul_f16x2(hi, sc2)
+                        skw[j, u, None].store(ro.load())
                 cute.arch.sync_threads()
 
             # ---- partial scores of this warp: rows x 8 tokens over its d_qk slice ---------------

@@ -293,7 +293,7 @@ def _num_sms(default: int = 132) -> int:
 
 
 def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_stages: int | None = None,
-               pdl: bool | None = None, min_ctas_per_sm: int = 0):
+               pdl: bool | None = None):
     """Compile `block`'s standalone kernel, operand pointers read from a device int64 array (same
     table format as the megakernel's): grid = block.num_tiles(), one tile per CTA; for a streaming
     block, grid = min(tiles, num_ctas or the SM count), persistent, through the ring. (A persistent
@@ -304,7 +304,8 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     off for the one-tile-per-CTA kernel. One tile per CTA with pdl=True: every CTA waits
     (griddepcontrol.wait) at its start, before any read or write, so only the launch itself (CTA
     rasterisation, the first wave's start) overlaps the previous grid's tail - for short kernels of
-    many CTAs (the KDA state update). Streaming: a launch fills its weight ring on the SMs the
+    many CTAs (the KDA state update) - unless the block waits in its tile (`pdl_wait_in_tile`:
+    KDA's `pdl_early_state` loads the state slice first). Streaming: a launch fills its weight ring on the SMs the
     previous launch has left and waits only before it reads activations or writes outputs. Its
     default:
     measured on the H200 (2026-12-03), GEMV bf16 M=1 7168 x 2048 alone 52.4% -> 69.3% of the copy
@@ -314,15 +315,13 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     the next launch then streams beside the previous one instead of waiting for its SM (7168 x 2048
     69.3% -> 84.0%).
 
-    min_ctas_per_sm (one tile per CTA): ptxas caps the registers so that many CTAs fit on an SM
-    (more tiles' loads in flight; spills if the tile needs more).
-
     Returns `fn(optab_addr: int, stream)`. With `arch` set, compiles for that GPU arch with no GPU
     present (compile check)."""
     if block.stream_chunks() > 0:
         return _standalone_stream(block, arch, num_ctas or (132 if arch else _num_sms()), max_stages,
                                   True if pdl is None else pdl)
     pdl = bool(pdl)
+    wait_in_tile = block.pdl_wait_in_tile()
     tile_fn = block.device_tile()
     nops = len(block.operands())
     ntiles = block.num_tiles()
@@ -333,19 +332,18 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
         scratch = smem.allocate_tensor(Float32, cute.make_layout(SCRATCH_WORDS), byte_alignment=16)
         mOps = gmem_tensor(optab, Int64, (nops,), 8)
         bid, _, _ = cute.arch.block_idx()
-        if cutlass.const_expr(pdl):
+        if cutlass.const_expr(pdl and not wait_in_tile):
             # the previous grid's writes (e.g. the state it updated) are visible after the wait;
-            # the next launch may start its CTAs as this grid's last ones start
+            # the next launch may start its CTAs as this grid's last ones pass it. Released only
+            # after the wait: a grid's CTAs then start after every earlier grid has completed
+            # but the one just before (what early loads - pdl_wait_in_tile - rely on)
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         tile_fn([mOps[j] for j in range(nops)], bid, scratch)
 
     @cute.jit
     def host(optab: Int64, stream: "cuda.CUstream"):
-        # the carveout given: with min_blocks_per_mp > 1 the DSL would otherwise query the GPU
-        occupancy = dict(min_blocks_per_mp=min_ctas_per_sm, preferred_smem_carveout=-1) if min_ctas_per_sm > 1 else {}
-        kernel(optab).launch(grid=(ntiles, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, use_pdl=pdl,
-                             **occupancy)
+        kernel(optab).launch(grid=(ntiles, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
     import cuda.bindings.driver as cuda
     host.__annotations__["stream"] = cuda.CUstream

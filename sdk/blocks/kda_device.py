@@ -171,6 +171,17 @@ def build_kda_tile(block):
             mGate = gmem_tensor(ptrs[idx["out_gate"]], BFloat16, (B, T, H, V // 4, 4), 8)
             mNw = gmem_tensor(ptrs[idx["norm_w"]], BFloat16, (V // 4, 4), 8)
 
+        # the state slice: all loads issued at once (RK x 16 bytes in flight per thread)
+        rS = cute.make_rmem_tensor((RK, 4), Float32)
+        for j in cutlass.range_constexpr(RK):
+            rS[j, None].store(mS[b, h, k0 + j, c4, None].load().to(Float32))
+        if cutlass.const_expr(c.pdl_early_state):
+            # PDL: the state loads above overlap the previous grid's tail (that grid must not write
+            # this state; every grid before it has completed: standalone's release order); its
+            # outputs (this step's q / k / v / gates, n_accepted) are read after the wait
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+
         n_tok = Int32(T)
         if cutlass.const_expr(commit == "accepted"):
             mN = gmem_tensor(ptrs[idx["n_accepted"]], Int32, (B,), 4)
@@ -179,11 +190,6 @@ def build_kda_tile(block):
                 n_tok = Int32(T)
             if n_tok < 0:
                 n_tok = Int32(0)
-
-        # the state slice: all loads issued at once (RK x 16 bytes in flight per thread)
-        rS = cute.make_rmem_tensor((RK, 4), Float32)
-        for j in cutlass.range_constexpr(RK):
-            rS[j, None].store(mS[b, h, k0 + j, c4, None].load().to(Float32))
 
         if cutlass.const_expr(staged):
             # the head's conv outputs [T, q|k|v, K], each computed by one thread while the state

@@ -155,13 +155,6 @@ def cases(quick: bool):
                     out.append((model, heads, batch, f"core v_split={vs} k_warps={kw_}",
                                 [dict(v_split=vs, k_warps=kw_)]))
                 out.append((model, heads, batch, "core v_split=4 no-pdl", [dict(v_split=4, pdl=False)]))
-                # state loads before the PDL wait (the bench's launches rotate state copies: a
-                # launch never reads the state the one before it writes)
-                for vs, kw_ in ((4, 4), (4, 8), (2, 4)):
-                    out.append((model, heads, batch, f"core v_split={vs} k_warps={kw_} early-state",
-                                [dict(v_split=vs, k_warps=kw_, pdl_early_state=True)]))
-                out.append((model, heads, batch, "fused conv+norm early-state",
-                            [dict(conv=True, out_norm=True, pdl_early_state=True)]))
                 out.append((model, heads, batch, "fused conv+norm no-pdl", [dict(conv=True, out_norm=True, pdl=False)]))
             if full:
                 vs = AUTO_SPLIT[batch]

@@ -7,8 +7,8 @@ bf16 matmuls + fp32 softmax) and the floor (cache bytes / copy bandwidth measure
                               [--set chunk=64,stages=3,splits=64,min_chunks=4,cols=512]
 
 --set overrides every case's decode config (chunk, stages, q_in_regs), the split count
-(splits: a fixed count; min_chunks: choose_splits' shortest split), the combine's columns per
-tile (cols) and pdl=1 (both kernels launched with PDL: each CTA waits for the previous grid first).
+(splits: a fixed count; min_chunks: choose_splits' shortest split) and the combine's columns per
+tile (cols).
 
 Timing: both launches (decode, combine) of many calls captured in one CUDA graph; when one
 call's cache is smaller than 256 MB, calls rotate over several copies of the page pool (through
@@ -70,7 +70,6 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
                                                   chunk=ov["chunk"])
     ov.pop("min_chunks", None)
     cols = ov.pop("cols", 0)
-    pdl = bool(ov.pop("pdl", 0))                # decode and combine launched with PDL
     npg = -(-ctx // page)
     cfg0 = MLADecodeConfig(heads=heads, softmax_scale=scale, batch=batch, q_tokens=T, rope=rope, page_size=page,
                            num_pages=1, max_seq_len=ctx, num_splits=splits, kv_dtype=kvd, **ov)
@@ -101,7 +100,7 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     out = torch.empty(batch, T, heads, blk.d_v, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(batch, T, heads, device="cuda")
     t0 = time.time()
-    fn_dec, fn_comb = standalone(blk, pdl=pdl), standalone(comb, pdl=pdl)
+    fn_dec, fn_comb = standalone(blk), standalone(comb)
     compile_s = time.time() - t0
     tables = []
     for i in range(copies):
@@ -379,7 +378,7 @@ def parse_cases(text: str):
 def main(argv=None):
     ap = arg_parser(out_from_env=False)
     ap.add_argument("--cases", default="", help="shard:ctx:batch[:kv|program|sublayer|dsa_sublayer[:T]],... (overrides the default list)")
-    ap.add_argument("--set", default="", help="key=value,... : chunk, stages, q_in_regs, splits, min_chunks, cols, pdl")
+    ap.add_argument("--set", default="", help="key=value,... : chunk, stages, q_in_regs, splits, min_chunks, cols")
     ap.add_argument("--timeline", action="store_true", help="dsa_sublayer cases: the per-instruction record "
                     "(timeline_dsa_*.json in --out)")
     a = ap.parse_args(argv)

@@ -216,22 +216,6 @@ def test_unsupported_configs_fail_loudly(kw):
         KDABlock(KDAConfig(**{**TINY, "head_dim": 128, **kw}))
 
 
-def test_pdl_early_state_is_standalone_only():
-    """The early-state tile waits for the previous grid itself: standalone skips its own wait (and
-    compiles with no GPU); a megakernel program refuses the block with a clear error."""
-    from sdk.megakernel.program import Program
-    block = KDABlock(KDAConfig(batch=8, heads=8, head_dim=128, v_split=4, pdl_early_state=True))
-    assert block.pdl_wait_in_tile() and not KDABlock(KDAConfig(**TINY)).pdl_wait_in_tile()
-    prog = Program()
-    with pytest.raises(UnsupportedConfigError, match="not inside the megakernel"):
-        prog.op(block, {}, label="kda")
-    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
-    from sdk.blocks._cute import standalone
-    standalone(block, "sm_90a", pdl=True)
-    standalone(KDABlock(KDAConfig(batch=8, heads=8, head_dim=128, conv=True, out_norm=True, tokens=2,
-                                  commit="accepted", pdl_early_state=True)), "sm_100a", pdl=True)
-
-
 def test_registered_and_costed():
     from sdk.blocks import builtin_blocks
     assert KDABlock in builtin_blocks()

@@ -304,8 +304,8 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     off for the one-tile-per-CTA kernel. One tile per CTA with pdl=True: every CTA waits
     (griddepcontrol.wait) at its start, before any read or write, so only the launch itself (CTA
     rasterisation, the first wave's start) overlaps the previous grid's tail - for short kernels of
-    many CTAs (the KDA state update) - unless the block waits in its tile (`pdl_wait_in_tile`:
-    KDA's `pdl_early_state` loads the state slice first). Streaming: a launch fills its weight ring on the SMs the
+    many CTAs (the KDA state update). (Loading the KDA state before the wait measured slower on
+    the core step, 80.8 vs 81.7% of copy, and +2 points on the fused step: not kept.) Streaming: a launch fills its weight ring on the SMs the
     previous launch has left and waits only before it reads activations or writes outputs. Its
     default:
     measured on the H200 (2026-12-03), GEMV bf16 M=1 7168 x 2048 alone 52.4% -> 69.3% of the copy
@@ -321,7 +321,6 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
         return _standalone_stream(block, arch, num_ctas or (132 if arch else _num_sms()), max_stages,
                                   True if pdl is None else pdl)
     pdl = bool(pdl)
-    wait_in_tile = block.pdl_wait_in_tile()
     tile_fn = block.device_tile()
     nops = len(block.operands())
     ntiles = block.num_tiles()
@@ -332,11 +331,9 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
         scratch = smem.allocate_tensor(Float32, cute.make_layout(SCRATCH_WORDS), byte_alignment=16)
         mOps = gmem_tensor(optab, Int64, (nops,), 8)
         bid, _, _ = cute.arch.block_idx()
-        if cutlass.const_expr(pdl and not wait_in_tile):
+        if cutlass.const_expr(pdl):
             # the previous grid's writes (e.g. the state it updated) are visible after the wait;
-            # the next launch may start its CTAs as this grid's last ones pass it. Released only
-            # after the wait: a grid's CTAs then start after every earlier grid has completed
-            # but the one just before (what early loads - pdl_wait_in_tile - rely on)
+            # the next launch may start its CTAs as this grid's last ones start
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         tile_fn([mOps[j] for j in range(nops)], bid, scratch)

@@ -221,11 +221,6 @@ class Block:
     def emulate_tile(self, tensors: dict[str, torch.Tensor], tile: int) -> None:
         raise NotImplementedError
 
-    def pdl_wait_in_tile(self) -> bool:
-        """True when the tile calls griddepcontrol.wait itself, after loads the previous grid does
-        not write (standalone PDL launches then skip the wait at the CTA's start)."""
-        return False
-
     def device_tile(self):
         """The CuTe DSL device function of one tile (built once per block instance)."""
         if self._device_tile is None:

@@ -96,13 +96,6 @@ class KDAConfig:
                                          # across V - longer contiguous row segments per load -
                                          # and the K sums finish through shared memory); 0 = auto
                                          # (KDABlock.nwk)
-    pdl_early_state: bool = False        # standalone(pdl=True): the tile loads its state slice, then
-                                         # waits for the previous grid (griddepcontrol.wait), so the
-                                         # loads overlap that grid's tail. Only when the previous
-                                         # kernel does not write this state (grids before it have
-                                         # completed) - a layer's state behind other kernels, not
-                                         # one layer's steps back to back in place. Standalone only
-                                         # (in the megakernel the wait has no grid to wait for).
 
 
 class KDABlock(Block):
@@ -110,9 +103,6 @@ class KDABlock(Block):
     Config = KDAConfig
 
     # -- static facts --------------------------------------------------------------------------
-    def pdl_wait_in_tile(self) -> bool:
-        return self.config.pdl_early_state
-
     @property
     def vs(self) -> int:
         """Columns of S per tile."""

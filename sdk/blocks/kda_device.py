@@ -175,12 +175,6 @@ def build_kda_tile(block):
         rS = cute.make_rmem_tensor((RK, 4), Float32)
         for j in cutlass.range_constexpr(RK):
             rS[j, None].store(mS[b, h, k0 + j, c4, None].load().to(Float32))
-        if cutlass.const_expr(c.pdl_early_state):
-            # PDL: the state loads above overlap the previous grid's tail (that grid must not write
-            # this state; every grid before it has completed: standalone's release order); its
-            # outputs (this step's q / k / v / gates, n_accepted) are read after the wait
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
 
         n_tok = Int32(T)
         if cutlass.const_expr(commit == "accepted"):

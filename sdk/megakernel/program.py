@@ -92,9 +92,6 @@ class Program:
 
     def op(self, block: Block, bindings: dict, waits=(), label: str = "") -> int:
         """Add `block` over all its tiles; returns the op's index (pass it in later ops' waits)."""
-        if block.pdl_wait_in_tile():
-            raise UnsupportedConfigError(f"{label}: {type(block).__name__} waits for the previous grid in its "
-                                         f"tile (a standalone PDL launch option): not inside the megakernel")
         specs = block.operand_specs()
         names = {s.name for s in specs}
         extra = set(bindings) - names

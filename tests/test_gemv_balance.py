@@ -96,6 +96,8 @@ def test_standalone_launches_with_pdl_by_default():
     from sdk.blocks.kda import KDABlock, KDAConfig
     kda = KDABlock(KDAConfig(batch=64, heads=8, v_split=4))
     standalone(kda, "sm_100a", pdl=True)                    # one tile per CTA, opt-in
+    with pytest.raises(ValueError, match="one tile per CTA"):
+        standalone(kda, "sm_90a", num_ctas=132)             # a grid size only streaming blocks take
 
 
 def test_bench_gemv_cases_default_to_pdl():

@@ -304,8 +304,8 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     off for the one-tile-per-CTA kernel. One tile per CTA with pdl=True: every CTA waits
     (griddepcontrol.wait) at its start, before any read or write, so only the launch itself (CTA
     rasterisation, the first wave's start) overlaps the previous grid's tail - for short kernels of
-    many CTAs (the KDA state update). (Loading the KDA state before the wait measured slower on
-    the core step, 80.8 vs 81.7% of copy, and +2 points on the fused step: not kept.) Streaming: a launch fills its weight ring on the SMs the
+    many CTAs (the KDA state update; loading the state before the wait measured slower on the core
+    step, 80.8 vs 81.7% of copy: not kept). Streaming: a launch fills its weight ring on the SMs the
     previous launch has left and waits only before it reads activations or writes outputs. Its
     default:
     measured on the H200 (2026-12-03), GEMV bf16 M=1 7168 x 2048 alone 52.4% -> 69.3% of the copy
@@ -320,6 +320,9 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     if block.stream_chunks() > 0:
         return _standalone_stream(block, arch, num_ctas or (132 if arch else _num_sms()), max_stages,
                                   True if pdl is None else pdl)
+    if num_ctas is not None:
+        raise ValueError(f"standalone: num_ctas sets a streaming block's persistent grid; {type(block).__name__} "
+                         f"runs one tile per CTA ({block.num_tiles()} CTAs)")
     pdl = bool(pdl)
     tile_fn = block.device_tile()
     nops = len(block.operands())

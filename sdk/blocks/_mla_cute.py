@@ -2,8 +2,9 @@
 formats). Imports cutlass: imported only when a block's device tile is built.
 
 Layout idioms used below (standard CuTe):
-- one-warp tiled MMAs over m16n8k16 bf16 (f16 for an fp8 cache; `warp.MmaF16BF16Op`, fp32 accumulate), operands read
-  from shared memory with `ldmatrix` (x4 for A, x2 for an 8-token B, x4 transposed for V);
+- one-warp tiled MMAs over m16n8k16 bf16 (f16 for an fp8 cache; `warp.MmaF16BF16Op`, fp32
+  accumulate), operands read from shared memory with `ldmatrix` (x4 for A, x2 for an 8-token B,
+  x4 transposed for V);
 - `mn_view(acc)`: the (rows, cols) view of an accumulator fragment ((2,2), M, N) for the
   per-row softmax; `a_view(p)`: the same registers viewed as the A operand of the next MMA
   (an m16n8 C fragment pair = one m16k16 A fragment), so P never goes through shared memory;

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from bench.common import (L2_FLUSH_BYTES, arg_parser, flush_l2, copy_bandwidth, cu_stream, run_record, summary_lines, timed,
-                          write_json)
+from bench.common import (L2_FLUSH_BYTES, arg_parser, copy_bandwidth, cu_stream, flush_l2, run_record,
+                          summary_lines, timed, write_json)
 
 
 # ----------------------------------------------------------------------------------- GEMV

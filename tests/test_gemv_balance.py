@@ -131,7 +131,6 @@ def test_coresident_ring_fits_two_ctas_per_sm(n, k, m, wd):
     assert ring_geometry([block])[1] > stages          # one CTA per SM would take a deeper ring
 
 
-
 def test_fill_stage_widens_chunks_to_the_ring_stage_and_never_past_it():
     """The fp8 stack's gate/up chunks (16 rows x 512 = 16.9 KB) sat in the 33.9 KB stages the
     64-row down tiles make: fill_stage doubles them (33.3 KB); bf16's 16.9 KB gate/up chunk

@@ -194,6 +194,3 @@ def test_kda_pdl_back_to_back_steps_feed_each_other(kw):
             tol = BF16_TOL if t[name].dtype == torch.bfloat16 else FP32_STATE_TOL
             err = rel_err(t[name], ref[name])
             assert err <= tol, f"{name} after 4 steps: relative error {err:.3e} > {tol}"
-
-
-

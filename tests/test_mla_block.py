@@ -211,9 +211,7 @@ def test_choose_splits():
 
 @pytest.mark.parametrize("kw", [dict(heads=40), dict(heads=12, q_tokens=3), dict(heads=8, chunk=48),
                                 dict(heads=8, kv_dtype="int8"), dict(heads=8, rope=8),
-                                dict(heads=8, kv_dtype="fp8_e4m3", scale_group=128, rope=64),
-                                dict(heads=8, bulk_copy=True, page_size=16, chunk=32),
-                                dict(heads=8, bulk_copy=True, index_width=64)])
+                                dict(heads=8, kv_dtype="fp8_e4m3", scale_group=128, rope=64)])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):
         MLADecodeBlock(MLADecodeConfig(softmax_scale=0.1, **kw))
@@ -225,22 +223,6 @@ def test_operands_and_cost():
     assert blk.num_tiles() == 8
     assert blk.kv_bytes([1000, 24]) == 1024 * (576 + 36)
     assert blk.cost(4096).bytes > 1024 * (576 + 36)
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
-def test_bulk_copy_compiles(arch):
-    """bulk_copy (warp 0 copies each chunk row with one cp.async.bulk onto a per-stage mbarrier):
-    compiles for every arch, bf16 and fp8 caches, chunk 32 and 64; its shared memory counts the
-    stages' mbarriers."""
-    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
-    from sdk.blocks._cute import standalone
-    for kvd, chunk, batch, splits in (("bf16", 32, 1, 132), ("bf16", 64, 64, 2), ("fp8_e4m3", 32, 8, 16)):
-        kw = dict(heads=12, softmax_scale=0.1, batch=batch, num_pages=batch * 512, max_seq_len=32768,
-                  num_splits=splits, kv_dtype=kvd, chunk=chunk)
-        blk = MLADecodeBlock(MLADecodeConfig(bulk_copy=True, **kw))
-        plain = MLADecodeBlock(MLADecodeConfig(stages=blk.stages, **kw))
-        assert blk.smem_bytes() == plain.smem_bytes() + 8 * blk.stages + 8
-        standalone(blk, arch)
 
 
 def test_blocks_are_registered():

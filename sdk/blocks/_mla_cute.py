@@ -48,47 +48,6 @@ def a_view(p):
     return cute.make_tensor(p.iterator, lay)
 
 
-MBAR_MAX_TRIES = 1 << 22              # bounded mbarrier waits: each try_wait blocks up to a HW window
-
-
-@cute.jit
-def mbar_init(addr: Int32):
-    cute.arch.inline_ptx("mbarrier.init.shared::cta.b64 [{$r0}], 1;", read_only_args=[addr])
-
-
-@cute.jit
-def mbar_inval(addr: Int32):
-    cute.arch.inline_ptx("mbarrier.inval.shared::cta.b64 [{$r0}];", read_only_args=[addr])
-
-
-@cute.jit
-def mbar_arrive_expect_tx(addr: Int32, nbytes: Int32):
-    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};", read_only_args=[addr, nbytes])
-
-
-@cute.jit
-def bulk_copy_g2s(dst: Int32, src: Int64, nbytes: Int32, bar: Int32):
-    """cp.async.bulk of nbytes (a multiple of 16, both addresses 16-byte aligned) from global to
-    shared memory, completing its bytes on the mbarrier at `bar`."""
-    cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                         "[{$r0}], [{$r1}], {$r2}, [{$r3}];", read_only_args=[dst, src, nbytes, bar])
-
-
-@cute.jit
-def mbar_wait(addr: Int32, phase: Int32):
-    """Wait for the mbarrier's phase `phase` (parity) to complete; bounded: traps (a launch error
-    the host sees) instead of hanging if the bytes never arrive."""
-    done = Int32(0)
-    tries = Int32(0)
-    while done == 0:
-        done = cute.arch.inline_ptx(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; selp.u32 {$w0}, 1, 0, p; }",
-            write_only_types=[Int32], read_only_args=[addr, phase])
-        tries = tries + 1
-        if tries > MBAR_MAX_TRIES:
-            cute.arch.inline_ptx("trap;")
-
-
 @cute.jit
 def quad_max(v: Float32) -> Float32:
     v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=2, mask=-1, mask_and_clamp=31))
@@ -144,9 +103,6 @@ def build_mla_decode_tile(block):
     HIDDEN = 0x7FFFFFFF                  # sparse mask: a token no query sees
     ROW_BYTES = DQK * (1 if FP8 else 2)  # one cache row
     WHOLE_PAGE_CHUNKS = (not SPARSE) and PS % CH == 0   # dense chunks never straddle a page
-    BULK = c.bulk_copy                   # (checked: implies WHOLE_PAGE_CHUNKS)
-    STAGE_ROW = RS8 if FP8 else RS * 2   # bytes between a stage's rows (16-byte multiple)
-    BULK_ROUNDS = -(-CH // 32)           # rows per lane of warp 0
 
     @cute.jit
     def token_of(mIdx, b, tq, length, nk, ci, j):
@@ -188,36 +144,20 @@ def build_mla_decode_tile(block):
         return gmem_tensor(sc_addr + Int64(row) * Int64(NG * 4), Float32, (NG, 1), 4)
 
     @cute.jit
-    def load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, ci, st, sStage, sScSt, sTok, tid, g2s, g2s4,
-                   bar_base):
+    def load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, ci, st, sStage, sScSt, sTok, tid, g2s, g2s4):
         """cp.async the cache rows of chunk ci into stage st (sparse: and the chunk's tokens for
-        the mask into sTok[st], plain stores: read after the barriers the chunk passes). BULK:
-        warp 0 copies the rows, one cp.async.bulk per row, onto stage st's mbarrier."""
+        the mask into sTok[st], plain stores: read after the barriers the chunk passes)."""
         page_row0 = Int32(0)
         if cutlass.const_expr(WHOLE_PAGE_CHUNKS):
             # the chunk lies in one page: one block-table read for all its rows
             page_row0 = mBT[b, (ci * CH) // PS] * PS + (ci * CH) % PS
-        if cutlass.const_expr(BULK):
-            if tid < 32:
-                bar = bar_base + st * 8
-                if tid == 0:
-                    mbar_arrive_expect_tx(bar, Int32(CH * ROW_BYTES))
-                cute.arch.sync_warp()
-                dst0 = sStage.iterator.toint() + st * (CH * STAGE_ROW)
-                for r in cutlass.range_constexpr(BULK_ROUNDS):
-                    j = tid + 32 * r
-                    if j < CH:
-                        row = cache_row(mBT, mIdx, b, tq, length, nk, ci, j, page_row0)
-                        bulk_copy_g2s(dst0 + j * STAGE_ROW, kv_addr + Int64(row) * Int64(ROW_BYTES),
-                                      Int32(ROW_BYTES), bar)
-        else:
-            for k in cutlass.range_constexpr(PPT):
-                i = tid + k * NUM_THREADS
-                if i < NPIECE:
-                    j = i // PIECES
-                    p = i % PIECES
-                    row = cache_row(mBT, mIdx, b, tq, length, nk, ci, j, page_row0)
-                    cute.copy(g2s, kv_row(kv_addr, row)[p, None], sStage[st, j, p, None])
+        for k in cutlass.range_constexpr(PPT):
+            i = tid + k * NUM_THREADS
+            if i < NPIECE:
+                j = i // PIECES
+                p = i % PIECES
+                row = cache_row(mBT, mIdx, b, tq, length, nk, ci, j, page_row0)
+                cute.copy(g2s, kv_row(kv_addr, row)[p, None], sStage[st, j, p, None])
         if cutlass.const_expr(FP8):
             for k in cutlass.range_constexpr(SPT):
                 i = tid + k * NUM_THREADS
@@ -287,16 +227,6 @@ def build_mla_decode_tile(block):
         sTok = None
         if cutlass.const_expr(SPARSE):
             sTok = smem.allocate_tensor(Int32, cute.make_layout((ST, CH), stride=(CH, 1)), byte_alignment=16)
-        bar_base = Int32(0)
-        if cutlass.const_expr(BULK):
-            # one mbarrier per stage (arrival count 1: warp 0's expect_tx), fresh for every tile
-            sBar = smem.allocate_tensor(Int64, cute.make_layout(ST), byte_alignment=8)
-            bar_base = sBar.iterator.toint()
-            if tid == 0:
-                for s_ in cutlass.range_constexpr(ST):
-                    mbar_init(bar_base + s_ * 8)
-                cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
         NBUF = 1 if FP8 else ST
         sKV = cute.make_tensor(skv.iterator, cute.make_layout((NBUF, CH, DQK), stride=(CH * RS, RS, 1)))
         sKVt = cute.make_tensor(skv.iterator, cute.make_layout((NBUF, DQK, CH), stride=(CH * RS, 1, RS)))
@@ -323,7 +253,7 @@ def build_mla_decode_tile(block):
         for k in cutlass.range_constexpr(ST - 1):
             if c_lo + k < c_hi:
                 load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, c_lo + k, k, sStage, sScSt, sTok, tid,
-                           g2s, g2s4, bar_base)
+                           g2s, g2s4)
             cute.arch.cp_async_commit_group()
 
         sQv = cute.make_tensor(sQ.iterator, cute.make_layout((MP, DQK // 8, 8), stride=(RS, 8, 1)))
@@ -377,13 +307,11 @@ def build_mla_decode_tile(block):
             it = ci - c_lo
             st = it % ST
             cute.arch.cp_async_wait_group(ST - 2)
-            if cutlass.const_expr(BULK):
-                mbar_wait(bar_base + st * 8, (it // ST) % 2)    # the stage's (it // ST)-th fill
             cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
             nxt = ci + ST - 1
             if nxt < c_hi:
                 load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, (it + ST - 1) % ST, sStage, sScSt, sTok,
-                           tid, g2s, g2s4, bar_base)
+                           tid, g2s, g2s4)
             cute.arch.cp_async_commit_group()
             buf = st
             if cutlass.const_expr(FP8):
@@ -481,12 +409,6 @@ def build_mla_decode_tile(block):
                 cute.gemm(tiled_pv, accO, tOrP[None, None, k], tOrV[None, None, k], accO)
 
         cute.arch.cp_async_wait_group(0)        # nothing in flight when the tile ends
-        if cutlass.const_expr(BULK):
-            # every fill was waited for in the loop (and a barrier passed since): retire the
-            # mbarriers before the next instruction reuses their shared memory
-            if tid == 0:
-                for s_ in cutlass.range_constexpr(ST):
-                    mbar_inval(bar_base + s_ * 8)
 
         # ---- epilogue: normalised partial output and its lse ----------------------------------
         cO_mn = mn_view(thr_pv.partition_C(cute.make_identity_tensor((MP, DVW))))

@@ -118,10 +118,6 @@ class MLADecodeConfig:
     stages: int = 0                    # pipeline depth; 0 = auto (what fits in ~200 KB, 2..8)
     index_width: int = 0               # DSA: entries of each query's index list (0 = dense attention)
     q_in_regs: bool | None = None      # query slice in registers across chunks; None = auto (q_regs)
-    bulk_copy: bool = False            # dense, chunks inside pages: warp 0 copies each chunk row with
-                                       # one cp.async.bulk against a per-stage mbarrier instead of
-                                       # every thread issuing 16-byte cp.async pieces with their
-                                       # address math (fp8 scales stay cp.async). Not yet run on a GPU.
 
 
 class MLADecodeBlock(Block):
@@ -224,8 +220,6 @@ class MLADecodeBlock(Block):
             b += stages * c.chunk * rs * 2
         if self.sparse:
             b += stages * c.chunk * 4                                      # each chunk's tokens
-        if c.bulk_copy:
-            b += stages * 8 + 8                                            # the stages' mbarriers
         return b
 
     def check(self):
@@ -248,9 +242,6 @@ class MLADecodeBlock(Block):
         if self.fp8 and (self.d_qk % c.scale_group or c.scale_group % 16):
             self.unsupported(f"mla_decode fp8: scale_group={c.scale_group} must divide d_qk={self.d_qk} "
                              f"and be a multiple of 16")
-        if c.bulk_copy and (self.sparse or c.page_size % c.chunk):
-            self.unsupported(f"mla_decode: bulk_copy needs dense attention with chunks inside pages "
-                             f"(page_size={c.page_size} a multiple of chunk={c.chunk}, index_width=0)")
         if c.num_splits < 1 or c.batch < 1 or c.q_tokens < 1:
             self.unsupported("mla_decode: batch, q_tokens and num_splits must be >= 1")
         if self.smem_bytes() > 227 * 1024:

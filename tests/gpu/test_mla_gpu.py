@@ -250,19 +250,3 @@ def test_attention_program_one_launch(T, kvd):
         rt.run()
         err = rel_err(rt.tensors["o"], want)
         assert err <= BF16_TOL, f"seed {seed}, launch {launch}: rel err {err:.3e}"
-
-
-@pytest.mark.parametrize("kvd,chunk", [("bf16", 32), ("bf16", 64), ("fp8_e4m3", 32)])
-def test_bulk_copy_equals_reference(kvd, chunk):
-    """MLADecodeConfig.bulk_copy (written 2026-12-03 after the session's device time: first run
-    next session): chunk rows copied by warp 0 with cp.async.bulk onto per-stage mbarriers; ragged
-    batch (1 .. 9000 tokens, the last chunk of each sequence partial), pages scattered."""
-    need_gpu()
-    from sdk.blocks.mla_decode import MLADecodeConfig
-    seed = clock_seed()
-    g = torch.Generator().manual_seed(seed)
-    lens = [1] + torch.randint(1, 9000, (7,), generator=g).tolist()
-    cfg = MLADecodeConfig(heads=12, softmax_scale=K3_SCALE, batch=8, num_pages=sum(-(-x // 64) for x in lens) + 8,
-                          max_seq_len=9000, num_splits=12, kv_dtype=kvd, chunk=chunk, bulk_copy=True)
-    blk, t = make_case(cfg, lens, seed)
-    check(blk, t, seed)

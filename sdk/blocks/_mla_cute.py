@@ -55,6 +55,22 @@ def quad_max(v: Float32) -> Float32:
 
 
 @cute.jit
+def group_max(v: Float32, lanes: int) -> Float32:
+    """Max over aligned groups of `lanes` consecutive lanes (a power of two), in every lane."""
+    for k in cutlass.range_constexpr(int(math.log2(lanes))):
+        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=lanes >> (k + 1), mask=-1, mask_and_clamp=31))
+    return v
+
+
+@cute.jit
+def group_sum(v: Float32, lanes: int) -> Float32:
+    """Sum over aligned groups of `lanes` consecutive lanes (a power of two), in every lane."""
+    for k in cutlass.range_constexpr(int(math.log2(lanes))):
+        v = v + cute.arch.shuffle_sync_bfly(v, offset=lanes >> (k + 1), mask=-1, mask_and_clamp=31)
+    return v
+
+
+@cute.jit
 def quad_sum(v: Float32) -> Float32:
     v = v + cute.arch.shuffle_sync_bfly(v, offset=2, mask=-1, mask_and_clamp=31)
     return v + cute.arch.shuffle_sync_bfly(v, offset=1, mask=-1, mask_and_clamp=31)
@@ -103,6 +119,11 @@ def build_mla_decode_tile(block):
     HIDDEN = 0x7FFFFFFF                  # sparse mask: a token no query sees
     ROW_BYTES = DQK * (1 if FP8 else 2)  # one cache row
     WHOLE_PAGE_CHUNKS = (not SPARSE) and PS % CH == 0   # dense chunks never straddle a page
+    SHARED_SM = bool(c.shared_softmax)   # softmax rows shared out over the warps (P via smem)
+    RPW = MP // NUM_WARPS                # shared softmax: rows of one warp (2 or 4) ..
+    LPR = 32 // RPW                      # .. lanes of one row (16 or 8) ..
+    EPL = CH // LPR                      # .. and consecutive tokens of one lane (1 .. 8)
+    PROW = block.p_row
 
     @cute.jit
     def token_of(mIdx, b, tq, length, nk, ci, j):
@@ -227,6 +248,12 @@ def build_mla_decode_tile(block):
         sTok = None
         if cutlass.const_expr(SPARSE):
             sTok = smem.allocate_tensor(Int32, cute.make_layout((ST, CH), stride=(CH, 1)), byte_alignment=16)
+        sP = None
+        sRow = None
+        if cutlass.const_expr(SHARED_SM):
+            sP = smem.allocate_tensor(MDT, cute.make_layout((MP, CH), stride=(PROW, 1)), byte_alignment=16)
+            # [0]: this chunk's rescale factor of each row; [1], [2]: running max and sum (owners)
+            sRow = smem.allocate_tensor(Float32, cute.make_layout((3, MP), stride=(MP, 1)), byte_alignment=16)
         NBUF = 1 if FP8 else ST
         sKV = cute.make_tensor(skv.iterator, cute.make_layout((NBUF, CH, DQK), stride=(CH * RS, RS, 1)))
         sKVt = cute.make_tensor(skv.iterator, cute.make_layout((NBUF, DQK, CH), stride=(CH * RS, 1, RS)))
@@ -302,6 +329,24 @@ def build_mla_decode_tile(block):
         row_sum.fill(0.0)
 
         cS = thr_pv.partition_C(cute.make_identity_tensor((MP, CH)))
+        cO_mn = mn_view(thr_pv.partition_C(cute.make_identity_tensor((MP, DVW))))   # (row, col) of accO
+        srow = wid * RPW + lane // LPR          # shared softmax: this lane's row, its first token,
+        j0 = (lane % LPR) * EPL                 # the row's running max and sum (same in its LPR lanes)
+        m_run = Float32(NEG_INF)
+        l_run = Float32(0.0)
+        rPs = None                              # shared softmax: P's A fragments, loaded from sP
+        sPs = None
+        rPsv = None
+        cpy_p = None
+        if cutlass.const_expr(SHARED_SM):
+            if lane % LPR == 0:                 # a split without chunks: no key, lse = -inf
+                sRow[1, srow] = NEG_INF
+                sRow[2, srow] = 0.0
+            cpy_p = cute.make_tiled_copy_A(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 4), MDT), tiled_pv)
+            thr_cp = cpy_p.get_slice(lane)
+            rPs = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
+            sPs = thr_cp.partition_S(sP)
+            rPsv = thr_cp.retile(rPs)
 
         for ci in cutlass.range(c_lo, c_hi, unroll=1):
             it = ci - c_lo
@@ -358,68 +403,121 @@ def build_mla_decode_tile(block):
                 tSsS[i] = accS[i]
             cute.arch.sync_threads()            # all partial scores of chunk ci in sS
 
-            # ---- every warp: the chunk's scores (sum of k-slices), mask, online softmax ---------
-            accP = cute.make_rmem_tensor(thr_pv.partition_shape_C((MP, CH)), Float32)
-            tPs0 = thr_pv.partition_C(sS[0, None, None])
-            for i in cutlass.range_constexpr(cute.size(accP)):
-                accP[i] = tPs0[i]
-            for kk in cutlass.range_constexpr(1, NWK):
-                tPsk = thr_pv.partition_C(sS[kk, None, None])
-                for i in cutlass.range_constexpr(cute.size(accP)):
-                    accP[i] = accP[i] + tPsk[i]
-            if cutlass.const_expr(SPARSE):
-                # the chunk's tokens (HIDDEN for -1 / past the list): causal rule of query tq
-                for i in cutlass.range_constexpr(cute.size(accP)):
-                    m_, n_ = cS[i]
-                    if sTok[st, n_] > length - T + tq:
-                        accP[i] = NEG_INF
-            elif (ci + 1) * CH > length - T:    # chunk reaches the new tokens or the end
-                for i in cutlass.range_constexpr(cute.size(accP)):
-                    m_, n_ = cS[i]
-                    tqd = m_ // H
+            if cutlass.const_expr(SHARED_SM):
+                # ---- warp w: the online softmax of rows w*RPW .. (LPR lanes x EPL tokens a row) --
+                sc = cute.make_rmem_tensor((1, EPL), Float32)
+                sc.store(cute.local_tile(sS[0, None, None], (1, EPL), (srow, lane % LPR)).load())
+                for kk in cutlass.range_constexpr(1, NWK):
+                    sc.store(sc.load() + cute.local_tile(sS[kk, None, None], (1, EPL), (srow, lane % LPR)).load())
+                if cutlass.const_expr(SPARSE):
+                    for e in cutlass.range_constexpr(EPL):
+                        if sTok[st, j0 + e] > length - T + tq:
+                            sc[0, e] = NEG_INF
+                elif (ci + 1) * CH > length - T:
+                    tqd = srow // H
                     if tqd > T - 1:
                         tqd = T - 1
-                    if ci * CH + n_ > length - T + tqd:
-                        accP[i] = NEG_INF
-            accP_mn = mn_view(accP)
-            for r in cutlass.range_constexpr(NROW):
-                row = accP_mn[r, None].load()
-                mx = quad_max(row.reduce(cute.ReductionOp.MAX, NEG_INF, 0))
-                m_new = cute.arch.fmax(row_max[r], mx)
+                    for e in cutlass.range_constexpr(EPL):
+                        if ci * CH + j0 + e > length - T + tqd:
+                            sc[0, e] = NEG_INF
+                mx = group_max(sc.load().reduce(cute.ReductionOp.MAX, NEG_INF, 0), LPR)
+                m_new = cute.arch.fmax(m_run, mx)
                 m_use = m_new
                 if m_new == NEG_INF:
                     m_use = Float32(0.0)
-                p = cute.math.exp2(row * scale_log2 - m_use * scale_log2, fastmath=True)
-                alpha = cute.math.exp2(row_max[r] * scale_log2 - m_use * scale_log2, fastmath=True)
-                row_sum[r] = row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                accO_mn[r, None] = accO_mn[r, None].load() * alpha
-                row_max[r] = m_new
-                accP_mn[r, None] = p
+                p = cute.math.exp2(sc.load() * scale_log2 - m_use * scale_log2, fastmath=True)
+                alpha = cute.math.exp2(m_run * scale_log2 - m_use * scale_log2, fastmath=True)
+                l_run = l_run * alpha + group_sum(p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0), LPR)
+                m_run = m_new
+                cute.local_tile(sP, (1, EPL), (srow, lane % LPR)).store(p.to(MDT))
+                if lane % LPR == 0:
+                    sRow[0, srow] = alpha
+                    sRow[1, srow] = m_run
+                    sRow[2, srow] = l_run
+                cute.arch.sync_threads()        # P and the rescale factors of chunk ci shared
 
-            # ---- O[:, this warp's value columns] += P @ V --------------------------------------
-            rP = cute.make_rmem_tensor(accP.layout, MDT)
-            rP.store(accP.load().to(MDT))
-            tOrP = a_view(rP)
-            sVt = cute.local_tile(sKVt[buf, None, None], (DVW, CH), (wid, 0))
-            tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
-            tOsV = thr_cv.partition_S(sVt)
-            tOrVv = thr_cv.retile(tOrV)
-            for k in cutlass.range_constexpr(CH // 16):
-                cute.copy(cpy_v, tOsV[None, None, k], tOrVv[None, None, k])
-                cute.gemm(tiled_pv, accO, tOrP[None, None, k], tOrV[None, None, k], accO)
+                # ---- O[:, this warp's value columns] = O * alpha + P @ V -------------------------
+                for r in cutlass.range_constexpr(NROW):
+                    accO_mn[r, None] = accO_mn[r, None].load() * sRow[0, cO_mn[r, 0][0]]
+                sVt = cute.local_tile(sKVt[buf, None, None], (DVW, CH), (wid, 0))
+                tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+                tOsV = thr_cv.partition_S(sVt)
+                tOrVv = thr_cv.retile(tOrV)
+                for k in cutlass.range_constexpr(CH // 16):
+                    cute.copy(cpy_p, sPs[None, None, k], rPsv[None, None, k])
+                    cute.copy(cpy_v, tOsV[None, None, k], tOrVv[None, None, k])
+                    cute.gemm(tiled_pv, accO, rPs[None, None, k], tOrV[None, None, k], accO)
+            else:
+                # ---- every warp: the chunk's scores (sum of k-slices), mask, online softmax ---------
+                accP = cute.make_rmem_tensor(thr_pv.partition_shape_C((MP, CH)), Float32)
+                tPs0 = thr_pv.partition_C(sS[0, None, None])
+                for i in cutlass.range_constexpr(cute.size(accP)):
+                    accP[i] = tPs0[i]
+                for kk in cutlass.range_constexpr(1, NWK):
+                    tPsk = thr_pv.partition_C(sS[kk, None, None])
+                    for i in cutlass.range_constexpr(cute.size(accP)):
+                        accP[i] = accP[i] + tPsk[i]
+                if cutlass.const_expr(SPARSE):
+                    # the chunk's tokens (HIDDEN for -1 / past the list): causal rule of query tq
+                    for i in cutlass.range_constexpr(cute.size(accP)):
+                        m_, n_ = cS[i]
+                        if sTok[st, n_] > length - T + tq:
+                            accP[i] = NEG_INF
+                elif (ci + 1) * CH > length - T:    # chunk reaches the new tokens or the end
+                    for i in cutlass.range_constexpr(cute.size(accP)):
+                        m_, n_ = cS[i]
+                        tqd = m_ // H
+                        if tqd > T - 1:
+                            tqd = T - 1
+                        if ci * CH + n_ > length - T + tqd:
+                            accP[i] = NEG_INF
+                accP_mn = mn_view(accP)
+                for r in cutlass.range_constexpr(NROW):
+                    row = accP_mn[r, None].load()
+                    mx = quad_max(row.reduce(cute.ReductionOp.MAX, NEG_INF, 0))
+                    m_new = cute.arch.fmax(row_max[r], mx)
+                    m_use = m_new
+                    if m_new == NEG_INF:
+                        m_use = Float32(0.0)
+                    p = cute.math.exp2(row * scale_log2 - m_use * scale_log2, fastmath=True)
+                    alpha = cute.math.exp2(row_max[r] * scale_log2 - m_use * scale_log2, fastmath=True)
+                    row_sum[r] = row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    accO_mn[r, None] = accO_mn[r, None].load() * alpha
+                    row_max[r] = m_new
+                    accP_mn[r, None] = p
+
+                # ---- O[:, this warp's value columns] += P @ V --------------------------------------
+                rP = cute.make_rmem_tensor(accP.layout, MDT)
+                rP.store(accP.load().to(MDT))
+                tOrP = a_view(rP)
+                sVt = cute.local_tile(sKVt[buf, None, None], (DVW, CH), (wid, 0))
+                tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+                tOsV = thr_cv.partition_S(sVt)
+                tOrVv = thr_cv.retile(tOrV)
+                for k in cutlass.range_constexpr(CH // 16):
+                    cute.copy(cpy_v, tOsV[None, None, k], tOrVv[None, None, k])
+                    cute.gemm(tiled_pv, accO, tOrP[None, None, k], tOrV[None, None, k], accO)
 
         cute.arch.cp_async_wait_group(0)        # nothing in flight when the tile ends
 
         # ---- epilogue: normalised partial output and its lse ----------------------------------
-        cO_mn = mn_view(thr_pv.partition_C(cute.make_identity_tensor((MP, DVW))))
+        if cutlass.const_expr(SHARED_SM):
+            cute.arch.sync_threads()            # the row owners' last max / sum (or their init)
         for r in cutlass.range_constexpr(NROW):
-            l = quad_sum(row_sum[r])
+            m_ = cO_mn[r, 0][0]
+            l = Float32(0.0)
+            mx_r = Float32(NEG_INF)
+            if cutlass.const_expr(SHARED_SM):
+                l = sRow[2, m_]
+                mx_r = sRow[1, m_]
+            else:
+                l = quad_sum(row_sum[r])
+                mx_r = row_max[r]
             inv = Float32(0.0)
             lse = Float32(NEG_INF)
             if l > Float32(0.0):
                 inv = Float32(1.0) / l
-                lse = row_max[r] * scale_nat + cute.math.log(l, fastmath=False)
-            m_ = cO_mn[r, 0][0]
+                lse = mx_r * scale_nat + cute.math.log(l, fastmath=False)
             if m_ < TR:
                 for cc in cutlass.range_constexpr(cute.size(accO_mn, mode=[1])):
                     mO[b, s, row0 + m_, wid * DVW + cO_mn[r, cc][1]] = accO_mn[r, cc] * inv

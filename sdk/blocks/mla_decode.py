@@ -118,6 +118,9 @@ class MLADecodeConfig:
     stages: int = 0                    # pipeline depth; 0 = auto (what fits in ~200 KB, 2..8)
     index_width: int = 0               # DSA: entries of each query's index list (0 = dense attention)
     q_in_regs: bool | None = None      # query slice in registers across chunks; None = auto (q_regs)
+    shared_softmax: bool = True        # each warp runs the online softmax for rows / 8 of the rows and
+                                       # hands P and the rescale factors over in shared memory; False:
+                                       # every warp runs it for all rows (redundant, no extra barrier)
 
 
 class MLADecodeBlock(Block):
@@ -207,11 +210,18 @@ class MLADecodeBlock(Block):
         accesses of the MMA fragments, see _mla_cute.py)."""
         return self.config.chunk + 8
 
+    @property
+    def p_row(self) -> int:
+        """16-bit row stride of the shared P (shared_softmax): chunk + 8, conflict-free ldmatrix."""
+        return self.config.chunk + 8
+
     def _smem_bytes(self, stages: int) -> int:
         c = self.config
         rs = self.d_qk + 8                       # padded bf16 row: conflict-free ldmatrix
         b = self.m_pad * rs * 2                  # sQ
         b += self.nwk * self.m_pad * self.score_row * 4                    # sS partial scores
+        if c.shared_softmax:
+            b += self.m_pad * self.p_row * 2 + 3 * self.m_pad * 4          # sP, rescale + row stats
         if self.fp8:
             b += stages * c.chunk * (self.d_qk + 16)                       # fp8 stages
             b += stages * c.chunk * (self.d_qk // c.scale_group) * 4       # their scales

@@ -7,7 +7,8 @@ Layout idioms used below (standard CuTe):
   x4 transposed for V);
 - `mn_view(acc)`: the (rows, cols) view of an accumulator fragment ((2,2), M, N) for the
   per-row softmax; `a_view(p)`: the same registers viewed as the A operand of the next MMA
-  (an m16n8 C fragment pair = one m16k16 A fragment), so P never goes through shared memory;
+  (an m16n8 C fragment pair = one m16k16 A fragment), so P need not go through shared memory
+  (the DSV4 tile; MLA decode shares the softmax rows out over its warps and P through smem);
 - coordinates of every fragment element come from partitioning an identity tensor the same way,
   so masking and the epilogue never hard-code the MMA's thread layout;
 - shared-memory rows of the KV chunks and of Q are padded by 16 bytes: 8 consecutive rows then
@@ -119,8 +120,9 @@ def build_mla_decode_tile(block):
     HIDDEN = 0x7FFFFFFF                  # sparse mask: a token no query sees
     ROW_BYTES = DQK * (1 if FP8 else 2)  # one cache row
     WHOLE_PAGE_CHUNKS = (not SPARSE) and PS % CH == 0   # dense chunks never straddle a page
-    SHARED_SM = bool(c.shared_softmax)   # softmax rows shared out over the warps (P via smem)
-    RPW = MP // NUM_WARPS                # shared softmax: rows of one warp (2 or 4) ..
+    OVERLAP = block.overlap              # P @ V of a chunk beside QK^T of the next
+    NBUF = block.chunk_buffers           # MMA-ready chunk buffers: the stages, or fp8's f16 ones
+    RPW = MP // NUM_WARPS                # softmax: rows of one warp (2 or 4) ..
     LPR = 32 // RPW                      # .. lanes of one row (16 or 8) ..
     EPL = CH // LPR                      # .. and consecutive tokens of one lane (1 .. 8)
     PROW = block.p_row
@@ -197,6 +199,109 @@ def build_mla_decode_tile(block):
                         tok = v
                 sTok[st, j] = tok
 
+    # ---- the chunk's phases (outside `tile`: staged control flow cannot call closures) ------
+    @cute.jit
+    def dequant(sStage, sScSt, skv, tid, st, dst):
+        """fp8: stage st's e4m3 rows times their group scales -> f16 chunk buffer dst. A unit:
+        8 e4m3 (2 words) -> 4 f16x2 words, each times the f16x2 scale."""
+        s8w = smem_tensor(sStage.iterator.toint(), Int32, (ST, CH, RS8 // 8, 2))
+        skw = smem_tensor(skv.iterator.toint(), Int32, (NBUF, CH, RS // 8, 4))
+        rw = cute.make_rmem_tensor((2,), Int32)
+        ro = cute.make_rmem_tensor((4,), Int32)
+        for k in cutlass.range_constexpr(CVT):
+            i = tid + k * NUM_THREADS
+            if i < NCV:
+                j = i // CV
+                u = i % CV
+                sc2 = f32_to_f16x2_splat(sScSt[st, j, (u * 8) // G, 0])
+                rw.store(s8w[st, j, u, None].load())
+                for w in cutlass.range_constexpr(2):
+                    lo, hi = e4m3x4_to_f16x2x2(rw[w])
+                    ro[2 * w] = mul_f16x2(lo, sc2)
+                    ro[2 * w + 1] = mul_f16x2(hi, sc2)
+                skw[dst, j, u, None].store(ro.load())
+
+    @cute.jit
+    def scores(sKV, sS, mma, frag_q, nw, kp, buf):
+        """This warp's partial scores of chunk buffer buf (rows x TPW tokens over its d_qk
+        slice) -> sS[kp]; two accumulators (even / odd k-steps): two MMA chains of half the
+        length."""
+        tiled_qk, thr_qk, thr_ck, cpy_q, cpy_k = mma
+        tSrQ, tSsQ, tSrQv = frag_q
+        sKw = cute.local_tile(sKV[buf, None, None], (TPW, KS), (nw, kp))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKw))
+        tSsK = thr_ck.partition_S(sKw)
+        tSrKv = thr_ck.retile(tSrK)
+        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, TPW)), Float32)
+        accS2 = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, TPW)), Float32)
+        accS.fill(0.0)
+        accS2.fill(0.0)
+        for k in cutlass.range_constexpr(KS // 16):
+            if cutlass.const_expr(not Q_REGS):
+                cute.copy(cpy_q, tSsQ[None, None, k], tSrQv[None, None, k])
+            cute.copy(cpy_k, tSsK[None, None, k], tSrKv[None, None, k])
+            acc_k = accS if k % 2 == 0 else accS2
+            cute.gemm(tiled_qk, acc_k, tSrQ[None, None, k], tSrK[None, None, k], acc_k)
+        accS.store(accS.load() + accS2.load())
+        tSsS = thr_qk.partition_C(cute.local_tile(sS[kp, None, None], (MP, TPW), (0, nw)))
+        for i in cutlass.range_constexpr(cute.size(accS)):
+            tSsS[i] = accS[i]
+
+    @cute.jit
+    def softmax(sS, sP, sRow, sTok, srow, lane, length, tq, ci, st, m_run, l_run):
+        """Warp w: the online softmax of rows w*RPW .. (LPR lanes x EPL tokens a row) over
+        chunk ci (stage st: the sparse mask's tokens): the scores are the sum of the NWK
+        k-slices; P -> sP, the rows' rescale factor, max and sum -> sRow. Returns the lane's
+        row's running max and sum."""
+        j0 = (lane % LPR) * EPL
+        sc = cute.make_rmem_tensor((1, EPL), Float32)
+        sc.store(cute.local_tile(sS[0, None, None], (1, EPL), (srow, lane % LPR)).load())
+        for kk in cutlass.range_constexpr(1, NWK):
+            sc.store(sc.load() + cute.local_tile(sS[kk, None, None], (1, EPL), (srow, lane % LPR)).load())
+        if cutlass.const_expr(SPARSE):
+            for e in cutlass.range_constexpr(EPL):
+                if sTok[st, j0 + e] > length - T + tq:
+                    sc[0, e] = NEG_INF
+        elif (ci + 1) * CH > length - T:    # the chunk reaches the new tokens or the end
+            tqd = srow // H
+            if tqd > T - 1:
+                tqd = T - 1
+            for e in cutlass.range_constexpr(EPL):
+                if ci * CH + j0 + e > length - T + tqd:
+                    sc[0, e] = NEG_INF
+        mx = group_max(sc.load().reduce(cute.ReductionOp.MAX, NEG_INF, 0), LPR)
+        m_new = cute.arch.fmax(m_run, mx)
+        m_use = m_new
+        if m_new == NEG_INF:
+            m_use = Float32(0.0)
+        p = cute.math.exp2(sc.load() * scale_log2 - m_use * scale_log2, fastmath=True)
+        alpha = cute.math.exp2(m_run * scale_log2 - m_use * scale_log2, fastmath=True)
+        l_new = l_run * alpha + group_sum(p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0), LPR)
+        cute.local_tile(sP, (1, EPL), (srow, lane % LPR)).store(p.to(MDT))
+        if lane % LPR == 0:
+            sRow[0, srow] = alpha
+            sRow[1, srow] = m_new
+            sRow[2, srow] = l_new
+        return m_new, l_new
+
+    @cute.jit
+    def rescale_pv(accO, sRow, sKVt, mma, frag_p, wid, lane, buf):
+        """O[:, this warp's value columns] = O * alpha + P @ V (chunk buffer buf)."""
+        tiled_pv, thr_pv, thr_cv, cpy_v, cpy_p = mma
+        tOrP, tOsP, tOrPv = frag_p
+        accO_mn = mn_view(accO)
+        cO_mn = mn_view(thr_pv.partition_C(cute.make_identity_tensor((MP, DVW))))
+        for r in cutlass.range_constexpr(cute.size(accO_mn, mode=[0])):
+            accO_mn[r, None] = accO_mn[r, None].load() * sRow[0, cO_mn[r, 0][0]]
+        sVt = cute.local_tile(sKVt[buf, None, None], (DVW, CH), (wid, 0))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        tOsV = thr_cv.partition_S(sVt)
+        tOrVv = thr_cv.retile(tOrV)
+        for k in cutlass.range_constexpr(CH // 16):
+            cute.copy(cpy_p, tOsP[None, None, k], tOrPv[None, None, k])
+            cute.copy(cpy_v, tOsV[None, None, k], tOrVv[None, None, k])
+            cute.gemm(tiled_pv, accO, tOrP[None, None, k], tOrV[None, None, k], accO)
+
     @cute.jit
     def tile(ptrs, t: Int32, scratch):
         tid, _, _ = cute.arch.thread_idx()
@@ -238,7 +343,7 @@ def build_mla_decode_tile(block):
                                                                     stride=(CH * RS8, RS8, EP, 1)))
             sScSt = smem.allocate_tensor(Float32, cute.make_layout((ST, CH, NG, 1), stride=(CH * NG, NG, 1, 1)),
                                          byte_alignment=16)
-            skv = smem.allocate_tensor(MDT, cute.make_layout((1, CH, RS), stride=(CH * RS, RS, 1)),
+            skv = smem.allocate_tensor(MDT, cute.make_layout((NBUF, CH, RS), stride=(CH * RS, RS, 1)),
                                        byte_alignment=128)
         else:
             skv = smem.allocate_tensor(BFloat16, cute.make_layout((ST, CH, RS), stride=(CH * RS, RS, 1)),
@@ -248,13 +353,10 @@ def build_mla_decode_tile(block):
         sTok = None
         if cutlass.const_expr(SPARSE):
             sTok = smem.allocate_tensor(Int32, cute.make_layout((ST, CH), stride=(CH, 1)), byte_alignment=16)
-        sP = None
-        sRow = None
-        if cutlass.const_expr(SHARED_SM):
-            sP = smem.allocate_tensor(MDT, cute.make_layout((MP, CH), stride=(PROW, 1)), byte_alignment=16)
-            # [0]: this chunk's rescale factor of each row; [1], [2]: running max and sum (owners)
-            sRow = smem.allocate_tensor(Float32, cute.make_layout((3, MP), stride=(MP, 1)), byte_alignment=16)
-        NBUF = 1 if FP8 else ST
+        # P of the chunk (MMA operand type) and, per row, [0] the chunk's rescale factor, [1], [2]
+        # the running max and sum (written by the row's softmax lanes)
+        sP = smem.allocate_tensor(MDT, cute.make_layout((MP, CH), stride=(PROW, 1)), byte_alignment=16)
+        sRow = smem.allocate_tensor(Float32, cute.make_layout((3, MP), stride=(MP, 1)), byte_alignment=16)
         sKV = cute.make_tensor(skv.iterator, cute.make_layout((NBUF, CH, DQK), stride=(CH * RS, RS, 1)))
         sKVt = cute.make_tensor(skv.iterator, cute.make_layout((NBUF, DQK, CH), stride=(CH * RS, 1, RS)))
 
@@ -323,201 +425,90 @@ def build_mla_decode_tile(block):
         accO.fill(0.0)
         accO_mn = mn_view(accO)
         NROW = cute.size(accO_mn, mode=[0])
-        row_max = cute.make_rmem_tensor((NROW,), Float32)
-        row_sum = cute.make_rmem_tensor((NROW,), Float32)
-        row_max.fill(NEG_INF)
-        row_sum.fill(0.0)
-
-        cS = thr_pv.partition_C(cute.make_identity_tensor((MP, CH)))
         cO_mn = mn_view(thr_pv.partition_C(cute.make_identity_tensor((MP, DVW))))   # (row, col) of accO
-        srow = wid * RPW + lane // LPR          # shared softmax: this lane's row, its first token,
-        j0 = (lane % LPR) * EPL                 # the row's running max and sum (same in its LPR lanes)
+        srow = wid * RPW + lane // LPR          # softmax: this lane's row
+        if lane % LPR == 0:                     # a split without chunks: no key, lse = -inf
+            sRow[1, srow] = NEG_INF
+            sRow[2, srow] = 0.0
+        cpy_p = cute.make_tiled_copy_A(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 4), MDT), tiled_pv)
+        thr_cp = cpy_p.get_slice(lane)
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
+        tOsP = thr_cp.partition_S(sP)
+        tOrPv = thr_cp.retile(tOrP)
+        mma_qk = (tiled_qk, thr_qk, thr_ck, cpy_q, cpy_k)
+        frag_q = (tSrQ, tSsQ, tSrQv)
+        mma_pv = (tiled_pv, thr_pv, thr_cv, cpy_v, cpy_p)
+        frag_p = (tOrP, tOsP, tOrPv)
+
         m_run = Float32(NEG_INF)
         l_run = Float32(0.0)
-        rPs = None                              # shared softmax: P's A fragments, loaded from sP
-        sPs = None
-        rPsv = None
-        cpy_p = None
-        if cutlass.const_expr(SHARED_SM):
-            if lane % LPR == 0:                 # a split without chunks: no key, lse = -inf
-                sRow[1, srow] = NEG_INF
-                sRow[2, srow] = 0.0
-            cpy_p = cute.make_tiled_copy_A(cute.make_copy_atom(cwarp.LdMatrix8x8x16bOp(False, 4), MDT), tiled_pv)
-            thr_cp = cpy_p.get_slice(lane)
-            rPs = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
-            sPs = thr_cp.partition_S(sP)
-            rPsv = thr_cp.retile(rPs)
-
-        for ci in cutlass.range(c_lo, c_hi, unroll=1):
-            it = ci - c_lo
-            st = it % ST
-            cute.arch.cp_async_wait_group(ST - 2)
-            cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
-            nxt = ci + ST - 1
-            if nxt < c_hi:
-                load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, (it + ST - 1) % ST, sStage, sScSt, sTok,
-                           tid, g2s, g2s4)
-            cute.arch.cp_async_commit_group()
-            buf = st
-            if cutlass.const_expr(FP8):
-                # dequantise the fp8 stage into the f16 chunk buffer: value * scale of its group
-                buf = 0
-                # a unit: 8 e4m3 (2 words) -> 4 f16x2 words, each times the f16x2 scale
-                s8w = smem_tensor(sStage.iterator.toint(), Int32, (ST, CH, RS8 // 8, 2))
-                skw = smem_tensor(skv.iterator.toint(), Int32, (CH, RS // 8, 4))
-                rw = cute.make_rmem_tensor((2,), Int32)
-                ro = cute.make_rmem_tensor((4,), Int32)
-                for k in cutlass.range_constexpr(CVT):
-                    i = tid + k * NUM_THREADS
-                    if i < NCV:
-                        j = i // CV
-                        u = i % CV
-                        sc2 = f32_to_f16x2_splat(sScSt[st, j, (u * 8) // G, 0])
-                        rw.store(s8w[st, j, u, None].load())
-                        for w in cutlass.range_constexpr(2):
-                            lo, hi = e4m3x4_to_f16x2x2(rw[w])
-                            ro[2 * w] = mul_f16x2(lo, sc2)
-                            ro[2 * w + 1] = mul_f16x2(hi, sc2)
-                        skw[j, u, None].store(ro.load())
+        if cutlass.const_expr(OVERLAP):
+            # chunk ci's P @ V beside chunk ci + 1's QK^T (independent MMA chains, one barrier
+            # apart), then ci + 1's softmax: two barriers a chunk, ST - 2 chunks in flight
+            if c_lo < c_hi:
+                cute.arch.cp_async_wait_group(ST - 2)       # chunk c_lo landed
                 cute.arch.sync_threads()
-
-            # ---- partial scores of this warp: rows x 8 tokens over its d_qk slice ---------------
-            sKw = cute.local_tile(sKV[buf, None, None], (TPW, KS), (nw, kp))
-            tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKw))
-            tSsK = thr_ck.partition_S(sKw)
-            tSrKv = thr_ck.retile(tSrK)
-            # two accumulators (even / odd k-steps): two MMA dependency chains of half the length
-            accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, TPW)), Float32)
-            accS2 = cute.make_rmem_tensor(thr_qk.partition_shape_C((MP, TPW)), Float32)
-            accS.fill(0.0)
-            accS2.fill(0.0)
-            for k in cutlass.range_constexpr(KS // 16):
-                if cutlass.const_expr(not Q_REGS):
-                    cute.copy(cpy_q, tSsQ[None, None, k], tSrQv[None, None, k])
-                cute.copy(cpy_k, tSsK[None, None, k], tSrKv[None, None, k])
-                acc_k = accS if k % 2 == 0 else accS2
-                cute.gemm(tiled_qk, acc_k, tSrQ[None, None, k], tSrK[None, None, k], acc_k)
-            accS.store(accS.load() + accS2.load())
-            tSsS = thr_qk.partition_C(cute.local_tile(sS[kp, None, None], (MP, TPW), (0, nw)))
-            for i in cutlass.range_constexpr(cute.size(accS)):
-                tSsS[i] = accS[i]
-            cute.arch.sync_threads()            # all partial scores of chunk ci in sS
-
-            if cutlass.const_expr(SHARED_SM):
-                # ---- warp w: the online softmax of rows w*RPW .. (LPR lanes x EPL tokens a row) --
-                sc = cute.make_rmem_tensor((1, EPL), Float32)
-                sc.store(cute.local_tile(sS[0, None, None], (1, EPL), (srow, lane % LPR)).load())
-                for kk in cutlass.range_constexpr(1, NWK):
-                    sc.store(sc.load() + cute.local_tile(sS[kk, None, None], (1, EPL), (srow, lane % LPR)).load())
-                if cutlass.const_expr(SPARSE):
-                    for e in cutlass.range_constexpr(EPL):
-                        if sTok[st, j0 + e] > length - T + tq:
-                            sc[0, e] = NEG_INF
-                elif (ci + 1) * CH > length - T:
-                    tqd = srow // H
-                    if tqd > T - 1:
-                        tqd = T - 1
-                    for e in cutlass.range_constexpr(EPL):
-                        if ci * CH + j0 + e > length - T + tqd:
-                            sc[0, e] = NEG_INF
-                mx = group_max(sc.load().reduce(cute.ReductionOp.MAX, NEG_INF, 0), LPR)
-                m_new = cute.arch.fmax(m_run, mx)
-                m_use = m_new
-                if m_new == NEG_INF:
-                    m_use = Float32(0.0)
-                p = cute.math.exp2(sc.load() * scale_log2 - m_use * scale_log2, fastmath=True)
-                alpha = cute.math.exp2(m_run * scale_log2 - m_use * scale_log2, fastmath=True)
-                l_run = l_run * alpha + group_sum(p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0), LPR)
-                m_run = m_new
-                cute.local_tile(sP, (1, EPL), (srow, lane % LPR)).store(p.to(MDT))
-                if lane % LPR == 0:
-                    sRow[0, srow] = alpha
-                    sRow[1, srow] = m_run
-                    sRow[2, srow] = l_run
-                cute.arch.sync_threads()        # P and the rescale factors of chunk ci shared
-
-                # ---- O[:, this warp's value columns] = O * alpha + P @ V -------------------------
-                for r in cutlass.range_constexpr(NROW):
-                    accO_mn[r, None] = accO_mn[r, None].load() * sRow[0, cO_mn[r, 0][0]]
-                sVt = cute.local_tile(sKVt[buf, None, None], (DVW, CH), (wid, 0))
-                tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
-                tOsV = thr_cv.partition_S(sVt)
-                tOrVv = thr_cv.retile(tOrV)
-                for k in cutlass.range_constexpr(CH // 16):
-                    cute.copy(cpy_p, sPs[None, None, k], rPsv[None, None, k])
-                    cute.copy(cpy_v, tOsV[None, None, k], tOrVv[None, None, k])
-                    cute.gemm(tiled_pv, accO, rPs[None, None, k], tOrV[None, None, k], accO)
-            else:
-                # ---- every warp: the chunk's scores (sum of k-slices), mask, online softmax ---------
-                accP = cute.make_rmem_tensor(thr_pv.partition_shape_C((MP, CH)), Float32)
-                tPs0 = thr_pv.partition_C(sS[0, None, None])
-                for i in cutlass.range_constexpr(cute.size(accP)):
-                    accP[i] = tPs0[i]
-                for kk in cutlass.range_constexpr(1, NWK):
-                    tPsk = thr_pv.partition_C(sS[kk, None, None])
-                    for i in cutlass.range_constexpr(cute.size(accP)):
-                        accP[i] = accP[i] + tPsk[i]
-                if cutlass.const_expr(SPARSE):
-                    # the chunk's tokens (HIDDEN for -1 / past the list): causal rule of query tq
-                    for i in cutlass.range_constexpr(cute.size(accP)):
-                        m_, n_ = cS[i]
-                        if sTok[st, n_] > length - T + tq:
-                            accP[i] = NEG_INF
-                elif (ci + 1) * CH > length - T:    # chunk reaches the new tokens or the end
-                    for i in cutlass.range_constexpr(cute.size(accP)):
-                        m_, n_ = cS[i]
-                        tqd = m_ // H
-                        if tqd > T - 1:
-                            tqd = T - 1
-                        if ci * CH + n_ > length - T + tqd:
-                            accP[i] = NEG_INF
-                accP_mn = mn_view(accP)
-                for r in cutlass.range_constexpr(NROW):
-                    row = accP_mn[r, None].load()
-                    mx = quad_max(row.reduce(cute.ReductionOp.MAX, NEG_INF, 0))
-                    m_new = cute.arch.fmax(row_max[r], mx)
-                    m_use = m_new
-                    if m_new == NEG_INF:
-                        m_use = Float32(0.0)
-                    p = cute.math.exp2(row * scale_log2 - m_use * scale_log2, fastmath=True)
-                    alpha = cute.math.exp2(row_max[r] * scale_log2 - m_use * scale_log2, fastmath=True)
-                    row_sum[r] = row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    accO_mn[r, None] = accO_mn[r, None].load() * alpha
-                    row_max[r] = m_new
-                    accP_mn[r, None] = p
-
-                # ---- O[:, this warp's value columns] += P @ V --------------------------------------
-                rP = cute.make_rmem_tensor(accP.layout, MDT)
-                rP.store(accP.load().to(MDT))
-                tOrP = a_view(rP)
-                sVt = cute.local_tile(sKVt[buf, None, None], (DVW, CH), (wid, 0))
-                tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
-                tOsV = thr_cv.partition_S(sVt)
-                tOrVv = thr_cv.retile(tOrV)
-                for k in cutlass.range_constexpr(CH // 16):
-                    cute.copy(cpy_v, tOsV[None, None, k], tOrVv[None, None, k])
-                    cute.gemm(tiled_pv, accO, tOrP[None, None, k], tOrV[None, None, k], accO)
+                if cutlass.const_expr(FP8):
+                    dequant(sStage, sScSt, skv, tid, 0, 0)
+                    cute.arch.sync_threads()
+                scores(sKV, sS, mma_qk, frag_q, nw, kp, 0)
+                cute.arch.sync_threads()
+                m_run, l_run = softmax(sS, sP, sRow, sTok, srow, lane, length, tq, c_lo, 0, m_run, l_run)
+            for ci in cutlass.range(c_lo, c_hi, unroll=1):
+                it = ci - c_lo
+                cute.arch.cp_async_wait_group(ST - 3)       # chunk ci + 1 landed (if any)
+                cute.arch.sync_threads()                    # P of ci shared; ci - 1's stage free
+                nxt = ci + ST - 1
+                if nxt < c_hi:
+                    load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, (it + ST - 1) % ST, sStage,
+                               sScSt, sTok, tid, g2s, g2s4)
+                cute.arch.cp_async_commit_group()
+                buf = it % NBUF
+                nbuf = (it + 1) % NBUF
+                if cutlass.const_expr(FP8):
+                    if ci + 1 < c_hi:
+                        dequant(sStage, sScSt, skv, tid, (it + 1) % ST, nbuf)
+                    cute.arch.sync_threads()
+                rescale_pv(accO, sRow, sKVt, mma_pv, frag_p, wid, lane, buf)
+                scores(sKV, sS, mma_qk, frag_q, nw, kp, nbuf)                                # past the last chunk: unused
+                cute.arch.sync_threads()                    # ci + 1's partial scores in sS
+                if ci + 1 < c_hi:
+                    m_run, l_run = softmax(sS, sP, sRow, sTok, srow, lane, length, tq, ci + 1, (it + 1) % ST,
+                                           m_run, l_run)
+        else:
+            for ci in cutlass.range(c_lo, c_hi, unroll=1):
+                it = ci - c_lo
+                st = it % ST
+                cute.arch.cp_async_wait_group(ST - 2)
+                cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
+                nxt = ci + ST - 1
+                if nxt < c_hi:
+                    load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, (it + ST - 1) % ST, sStage,
+                               sScSt, sTok, tid, g2s, g2s4)
+                cute.arch.cp_async_commit_group()
+                buf = st
+                if cutlass.const_expr(FP8):
+                    buf = 0
+                    dequant(sStage, sScSt, skv, tid, st, 0)
+                    cute.arch.sync_threads()
+                scores(sKV, sS, mma_qk, frag_q, nw, kp, buf)
+                cute.arch.sync_threads()            # all partial scores of chunk ci in sS
+                m_run, l_run = softmax(sS, sP, sRow, sTok, srow, lane, length, tq, ci, st, m_run, l_run)
+                cute.arch.sync_threads()            # P and the rescale factors of chunk ci shared
+                rescale_pv(accO, sRow, sKVt, mma_pv, frag_p, wid, lane, buf)
 
         cute.arch.cp_async_wait_group(0)        # nothing in flight when the tile ends
 
         # ---- epilogue: normalised partial output and its lse ----------------------------------
-        if cutlass.const_expr(SHARED_SM):
-            cute.arch.sync_threads()            # the row owners' last max / sum (or their init)
+        cute.arch.sync_threads()                # the row owners' last max / sum (or their init)
         for r in cutlass.range_constexpr(NROW):
             m_ = cO_mn[r, 0][0]
-            l = Float32(0.0)
-            mx_r = Float32(NEG_INF)
-            if cutlass.const_expr(SHARED_SM):
-                l = sRow[2, m_]
-                mx_r = sRow[1, m_]
-            else:
-                l = quad_sum(row_sum[r])
-                mx_r = row_max[r]
+            l = sRow[2, m_]
             inv = Float32(0.0)
             lse = Float32(NEG_INF)
             if l > Float32(0.0):
                 inv = Float32(1.0) / l
-                lse = mx_r * scale_nat + cute.math.log(l, fastmath=False)
+                lse = sRow[1, m_] * scale_nat + cute.math.log(l, fastmath=False)
             if m_ < TR:
                 for cc in cutlass.range_constexpr(cute.size(accO_mn, mode=[1])):
                     mO[b, s, row0 + m_, wid * DVW + cO_mn[r, cc][1]] = accO_mn[r, cc] * inv

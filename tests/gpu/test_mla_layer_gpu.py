@@ -20,7 +20,7 @@ YARN = (("factor", 4.0), ("mscale", 1.0), ("mscale_all_dim", 1.0), ("original_ma
                                                       (1, 12, "interleaved", "bf16", YARN)])
 def test_mla_sublayer_one_launch(T, heads, mode, kvd, scaling):
     need_gpu()
-    from sdk.megakernel.mla_attention import MLAAttentionConfig
+    from sdk.megakernel.mla_attention import MLAAttentionConfig, decode_block
     from sdk.megakernel.mla_layer import MLALayerConfig, build_program, make_inputs, make_weights, reference
     seed = clock_seed()
     lens = [T, 3001, 9000]
@@ -39,9 +39,23 @@ def test_mla_sublayer_one_launch(T, heads, mode, kvd, scaling):
             rt.tensors[name].fill_(float("nan"))
         rt.run()
         x = inp["x"].float()
+        assert rel_err(rt.tensors["resid"], want) <= 1e-2, f"seed {seed}, launch {launch}"
+        if kvd == "fp8_e4m3":
+            # An e4m3 element of a new row moves by a whole step (1/16 .. 1/8 of it) wherever the
+            # device's bf16 projections land on the other side of a rounding tie than the fp32
+            # reference (and a group's scale with its amax): ~1e-2 over the rows, ~2e-2 through a
+            # length-1 sequence's attention (measured 2.03e-2 once). So the new rows are checked
+            # against the reference's own at 3e-2 (PyVM: 1.2e-2), and the attention core over the
+            # rows the kernel wrote.
+            ref_rows = []
+            reference(cfg, w, inp, rows_out=ref_rows)
+            dec = decode_block(attn)
+            got_rows = torch.stack([dec.gather_kv(rt.tensors, b, n - T, n) for b, n in enumerate(lens)])
+            err_rows = rel_err(got_rows, ref_rows[0])
+            assert err_rows <= 3e-2, f"seed {seed}, launch {launch}: new fp8 rows rel err {err_rows:.3e}"
+            want = reference(cfg, w, inp, stored=rt.tensors)
         err = rel_err(rt.tensors["resid"] - x, want - x)
         assert err <= 2e-2, f"seed {seed}, launch {launch}: attention output rel err {err:.3e}"
-        assert rel_err(rt.tensors["resid"], want) <= 1e-2, f"seed {seed}, launch {launch}"
 
 
 def test_rope_append_fp8_block_standalone():

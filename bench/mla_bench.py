@@ -130,6 +130,8 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
         fn_comb(ctab.data_ptr(), cu_stream())
     reps = max(2, 8 // copies) if not quick else 2
     us, mode = timed([lambda o=o: call(o) for _, o in tables] * reps)
+    # the decode launch alone: what the combine (its own launch) adds is us - decode_us
+    decode_us, _ = timed([lambda o=o: fn_dec(o.data_ptr(), cu_stream()) for _, o in tables] * reps)
 
     torch_us, torch_note = None, "skipped (gather would exceed memory)"
     gather_bytes = batch * npg * page * d * 2 * (2 if blk.fp8 else 1)
@@ -148,7 +150,7 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
     rec = {"case": f"{shard} B={batch} ctx={ctx} T={T} {kvd}{tag}", "overrides": overrides or {}, "shard": shard, "heads": heads, "rope": rope,
            "batch": batch, "context": ctx, "q_tokens": T, "kv_dtype": kvd, "num_splits": splits,
-           "chunk": cfg.chunk, "stages": blk.stages, "combine_tiles": comb.num_tiles(), "kv_bytes": kvb, "us": us, "gbs": kvb / (us * 1e3),
+           "chunk": cfg.chunk, "stages": blk.stages, "combine_tiles": comb.num_tiles(), "kv_bytes": kvb, "us": us, "decode_us": decode_us, "gbs": kvb / (us * 1e3),
            "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
            "speedup_vs_torch_graph": (torch_us / us) if torch_us else None, "torch_note": torch_note,
            "timing_mode": mode, "rel_err": err, "l2_rotation_copies": copies, "compile_s": round(compile_s, 2)}

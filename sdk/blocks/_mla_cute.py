@@ -120,8 +120,7 @@ def build_mla_decode_tile(block):
     HIDDEN = 0x7FFFFFFF                  # sparse mask: a token no query sees
     ROW_BYTES = DQK * (1 if FP8 else 2)  # one cache row
     WHOLE_PAGE_CHUNKS = (not SPARSE) and PS % CH == 0   # dense chunks never straddle a page
-    OVERLAP = block.overlap              # P @ V of a chunk beside QK^T of the next
-    NBUF = block.chunk_buffers           # MMA-ready chunk buffers: the stages, or fp8's f16 ones
+    NBUF = 1 if FP8 else ST              # MMA-ready chunk buffers: the stages, or fp8's f16 one
     RPW = MP // NUM_WARPS                # softmax: rows of one warp (2 or 4) ..
     LPR = 32 // RPW                      # .. lanes of one row (16 or 8) ..
     EPL = CH // LPR                      # .. and consecutive tokens of one lane (1 .. 8)
@@ -442,60 +441,26 @@ def build_mla_decode_tile(block):
 
         m_run = Float32(NEG_INF)
         l_run = Float32(0.0)
-        if cutlass.const_expr(OVERLAP):
-            # chunk ci's P @ V beside chunk ci + 1's QK^T (independent MMA chains, one barrier
-            # apart), then ci + 1's softmax: two barriers a chunk, ST - 2 chunks in flight
-            if c_lo < c_hi:
-                cute.arch.cp_async_wait_group(ST - 2)       # chunk c_lo landed
+        for ci in cutlass.range(c_lo, c_hi, unroll=1):
+            it = ci - c_lo
+            st = it % ST
+            cute.arch.cp_async_wait_group(ST - 2)
+            cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
+            nxt = ci + ST - 1
+            if nxt < c_hi:
+                load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, (it + ST - 1) % ST, sStage,
+                           sScSt, sTok, tid, g2s, g2s4)
+            cute.arch.cp_async_commit_group()
+            buf = st
+            if cutlass.const_expr(FP8):
+                buf = 0
+                dequant(sStage, sScSt, skv, tid, st, 0)
                 cute.arch.sync_threads()
-                if cutlass.const_expr(FP8):
-                    dequant(sStage, sScSt, skv, tid, 0, 0)
-                    cute.arch.sync_threads()
-                scores(sKV, sS, mma_qk, frag_q, nw, kp, 0)
-                cute.arch.sync_threads()
-                m_run, l_run = softmax(sS, sP, sRow, sTok, srow, lane, length, tq, c_lo, 0, m_run, l_run)
-            for ci in cutlass.range(c_lo, c_hi, unroll=1):
-                it = ci - c_lo
-                cute.arch.cp_async_wait_group(ST - 3)       # chunk ci + 1 landed (if any)
-                cute.arch.sync_threads()                    # P of ci shared; ci - 1's stage free
-                nxt = ci + ST - 1
-                if nxt < c_hi:
-                    load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, (it + ST - 1) % ST, sStage,
-                               sScSt, sTok, tid, g2s, g2s4)
-                cute.arch.cp_async_commit_group()
-                buf = it % NBUF
-                nbuf = (it + 1) % NBUF
-                if cutlass.const_expr(FP8):
-                    if ci + 1 < c_hi:
-                        dequant(sStage, sScSt, skv, tid, (it + 1) % ST, nbuf)
-                    cute.arch.sync_threads()
-                rescale_pv(accO, sRow, sKVt, mma_pv, frag_p, wid, lane, buf)
-                scores(sKV, sS, mma_qk, frag_q, nw, kp, nbuf)                                # past the last chunk: unused
-                cute.arch.sync_threads()                    # ci + 1's partial scores in sS
-                if ci + 1 < c_hi:
-                    m_run, l_run = softmax(sS, sP, sRow, sTok, srow, lane, length, tq, ci + 1, (it + 1) % ST,
-                                           m_run, l_run)
-        else:
-            for ci in cutlass.range(c_lo, c_hi, unroll=1):
-                it = ci - c_lo
-                st = it % ST
-                cute.arch.cp_async_wait_group(ST - 2)
-                cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
-                nxt = ci + ST - 1
-                if nxt < c_hi:
-                    load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, (it + ST - 1) % ST, sStage,
-                               sScSt, sTok, tid, g2s, g2s4)
-                cute.arch.cp_async_commit_group()
-                buf = st
-                if cutlass.const_expr(FP8):
-                    buf = 0
-                    dequant(sStage, sScSt, skv, tid, st, 0)
-                    cute.arch.sync_threads()
-                scores(sKV, sS, mma_qk, frag_q, nw, kp, buf)
-                cute.arch.sync_threads()            # all partial scores of chunk ci in sS
-                m_run, l_run = softmax(sS, sP, sRow, sTok, srow, lane, length, tq, ci, st, m_run, l_run)
-                cute.arch.sync_threads()            # P and the rescale factors of chunk ci shared
-                rescale_pv(accO, sRow, sKVt, mma_pv, frag_p, wid, lane, buf)
+            scores(sKV, sS, mma_qk, frag_q, nw, kp, buf)
+            cute.arch.sync_threads()            # all partial scores of chunk ci in sS
+            m_run, l_run = softmax(sS, sP, sRow, sTok, srow, lane, length, tq, ci, st, m_run, l_run)
+            cute.arch.sync_threads()            # P and the rescale factors of chunk ci shared
+            rescale_pv(accO, sRow, sKVt, mma_pv, frag_p, wid, lane, buf)
 
         cute.arch.cp_async_wait_group(0)        # nothing in flight when the tile ends
 

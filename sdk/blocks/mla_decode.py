@@ -118,8 +118,6 @@ class MLADecodeConfig:
     stages: int = 0                    # pipeline depth; 0 = auto (what fits in ~200 KB, 2..8)
     index_width: int = 0               # DSA: entries of each query's index list (0 = dense attention)
     q_in_regs: bool | None = None      # query slice in registers across chunks; None = auto (q_regs)
-    overlap: bool | None = None        # P @ V of chunk i beside QK^T of chunk i + 1 (two barriers a
-                                       # chunk, needs 3 stages); None = auto (when 3 stages fit)
 
 
 class MLADecodeBlock(Block):
@@ -198,7 +196,7 @@ class MLADecodeBlock(Block):
         return self.config.softmax_scale * self.config.scale_factor
 
     def smem_bytes(self) -> int:
-        return self._smem_bytes(self.stages, self.chunk_buffers if self.fp8 else 0)
+        return self._smem_bytes(self.stages)
 
     def own_smem_bytes(self) -> int:
         return self.smem_bytes()
@@ -211,34 +209,11 @@ class MLADecodeBlock(Block):
 
     @property
     def p_row(self) -> int:
-        """16-bit row stride of the shared P (shared_softmax): chunk + 8, conflict-free ldmatrix."""
+        """16-bit row stride of the shared P: chunk + 8, conflict-free ldmatrix."""
         return self.config.chunk + 8
 
-    @property
-    def overlap(self) -> bool:
-        """P @ V of chunk i beside QK^T of chunk i + 1: the two MMA chains interleave and a chunk
-        passes two barriers instead of three; chunks i and i + 1 both stay resident, so it needs
-        3 stages (bf16 chunk 64 fits only 2). Auto: on when 3 stages fit."""
+    def _smem_bytes(self, stages: int) -> int:
         c = self.config
-        return self.stages >= 3 if c.overlap is None else bool(c.overlap)
-
-    @property
-    def chunk_buffers(self) -> int:
-        """MMA-ready chunk buffers: bf16 reads the stages; fp8 dequantises into 1 f16 buffer, or
-        2 when overlapping (chunk i's V beside chunk i + 1's K)."""
-        if not self.fp8:
-            return self.stages
-        return 2 if self.overlap else 1
-
-    def _f16_buffers(self) -> int:
-        # fp8's f16 chunk buffers as the stage count is chosen (the auto overlap follows it)
-        o = self.config.overlap
-        return 1 if o is not None and not o else 2
-
-    def _smem_bytes(self, stages: int, f16_buffers: int | None = None) -> int:
-        c = self.config
-        if f16_buffers is None:
-            f16_buffers = self._f16_buffers()
         rs = self.d_qk + 8                       # padded bf16 row: conflict-free ldmatrix
         b = self.m_pad * rs * 2                  # sQ
         b += self.nwk * self.m_pad * self.score_row * 4                    # sS partial scores
@@ -246,7 +221,7 @@ class MLADecodeBlock(Block):
         if self.fp8:
             b += stages * c.chunk * (self.d_qk + 16)                       # fp8 stages
             b += stages * c.chunk * (self.d_qk // c.scale_group) * 4       # their scales
-            b += f16_buffers * c.chunk * rs * 2                            # dequantised chunks
+            b += c.chunk * rs * 2                                          # dequantised chunk
         else:
             b += stages * c.chunk * rs * 2
         if self.sparse:
@@ -275,8 +250,6 @@ class MLADecodeBlock(Block):
                              f"and be a multiple of 16")
         if c.num_splits < 1 or c.batch < 1 or c.q_tokens < 1:
             self.unsupported("mla_decode: batch, q_tokens and num_splits must be >= 1")
-        if c.overlap and self.stages < 3:
-            self.unsupported(f"mla_decode: overlap needs 3 stages (stages={self.stages}; lower chunk)")
         if self.smem_bytes() > 227 * 1024:
             self.unsupported(f"mla_decode: {self.smem_bytes()} B of shared memory > 227 KiB "
                              f"(lower stages or chunk)")

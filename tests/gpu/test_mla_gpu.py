@@ -251,19 +251,3 @@ def test_attention_program_one_launch(T, kvd):
         err = rel_err(rt.tensors["o"], want)
         assert err <= BF16_TOL, f"seed {seed}, launch {launch}: rel err {err:.3e}"
 
-
-@pytest.mark.parametrize("kvd,overlap", [("bf16", False), ("fp8_e4m3", False), ("fp8_e4m3", True)])
-def test_chunk_orders_equal_reference(kvd, overlap):
-    """Both chunk orders of the decode tile (overlap: P@V of chunk i beside QK^T of chunk i + 1;
-    sequential) on a ragged batch (1 .. 9000 tokens, the last chunk of each sequence partial),
-    pages scattered, chunk 32."""
-    need_gpu()
-    from sdk.blocks.mla_decode import MLADecodeConfig
-    seed = clock_seed()
-    g = torch.Generator().manual_seed(seed)
-    lens = [1] + torch.randint(1, 9000, (7,), generator=g).tolist()
-    cfg = MLADecodeConfig(heads=12, softmax_scale=K3_SCALE, batch=8, num_pages=sum(-(-x // 64) for x in lens) + 8,
-                          max_seq_len=9000, num_splits=12, kv_dtype=kvd, chunk=32, overlap=overlap)
-    blk, t = make_case(cfg, lens, seed)
-    assert blk.overlap == overlap
-    check(blk, t, seed)

@@ -111,6 +111,7 @@ def build_mla_decode_tile(block):
                                          # 16-byte stores of consecutive threads: no bank conflicts)
     NCV = CH * CV
     CVT = -(-NCV // NUM_THREADS)
+    QPT = -(-MP * (DQK // 8) // NUM_THREADS)   # 16-byte query pieces per thread
     kvdt = DTYPE_MAP[c.kv_dtype]
     scale_log2 = block.scale * LOG2_E
     scale_nat = block.scale
@@ -384,17 +385,26 @@ def build_mla_decode_tile(block):
                            g2s, g2s4)
             cute.arch.cp_async_commit_group()
 
+        # the query rows: every thread's pieces loaded at once (an unroll-1 loop waited for each
+        # load in turn - serial round trips in the tile's fixed cost), then stored (zero padding)
         sQv = cute.make_tensor(sQ.iterator, cute.make_layout((MP, DQK // 8, 8), stride=(RS, 8, 1)))
-        for i in cutlass.range(tid, MP * (DQK // 8), NUM_THREADS, unroll=1):
-            r = i // (DQK // 8)
-            p = i % (DQK // 8)
-            if r < TR:
-                if cutlass.const_expr(FP8):
-                    sQv[r, p, None].store(mQ[b, row0 + r, p, None].load().to(Float32).to(Float16))
+        rQ = cute.make_rmem_tensor((QPT, 8), BFloat16)
+        for k in cutlass.range_constexpr(QPT):
+            i = tid + k * NUM_THREADS
+            if i < TR * (DQK // 8):
+                rQ[k, None].store(mQ[b, row0 + i // (DQK // 8), i % (DQK // 8), None].load())
+        for k in cutlass.range_constexpr(QPT):
+            i = tid + k * NUM_THREADS
+            if i < MP * (DQK // 8):
+                r = i // (DQK // 8)
+                p = i % (DQK // 8)
+                if r < TR:
+                    if cutlass.const_expr(FP8):
+                        sQv[r, p, None].store(rQ[k, None].load().to(Float32).to(Float16))
+                    else:
+                        sQv[r, p, None].store(rQ[k, None].load())
                 else:
-                    sQv[r, p, None].store(mQ[b, row0 + r, p, None].load())
-            else:
-                sQv[r, p, None].fill(0.0)
+                    sQv[r, p, None].fill(0.0)
 
         # ---- MMA machinery ---------------------------------------------------------------------
         mma_op = cwarp.MmaF16BF16Op(MDT, Float32, (16, 8, 16))
@@ -492,6 +502,7 @@ def build_mla_combine_tile(block):
     NCQ = DV // CW
     CG = CW // 4                         # 16-byte column groups of a tile
     SG = NUM_THREADS // CG               # split groups: thread (sg, cg) sums splits sg, sg + SG, ..
+    LPL = -(-S // 32)                    # lse values per lane of warp 0
     NEG_INF = -math.inf
 
     @cute.jit
@@ -510,40 +521,37 @@ def build_mla_combine_tile(block):
         smem = SmemAllocator()
         sW = smem.allocate_tensor(Float32, cute.make_layout(S), byte_alignment=16)
         sR = smem.allocate_tensor(Float32, cute.make_layout((SG, CW), stride=(CW, 1)), byte_alignment=16)
-        sM = smem.allocate_tensor(Float32, cute.make_layout(2), byte_alignment=16)
-        # ---- the splits' weights: warp 0 reduces max and sum of exp over the S lse values -----
+        # ---- the splits' weights: warp 0 holds the S lse values (all loads in flight at once;
+        # loops of dependent loads were serial round trips in a batch-1 step's fixed cost),
+        # reduces max and sum of exp, and writes each split's weight exp(lse_s - lse) -----------
         if tid < 32:
-            mx = Float32(NEG_INF)
-            for sp in cutlass.range(lane, S, 32, unroll=1):
-                mx = cute.arch.fmax(mx, mL[b, sp, r])
+            lv = cute.make_rmem_tensor((LPL,), Float32)
+            for k in cutlass.range_constexpr(LPL):
+                lv[k] = NEG_INF
+                if lane + 32 * k < S:
+                    lv[k] = mL[b, lane + 32 * k, r]
+            mx = lv.load().reduce(cute.ReductionOp.MAX, NEG_INF, 0)
             for off in cutlass.range_constexpr(5):
                 mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << off, mask=-1,
                                                                      mask_and_clamp=31))
-            den = Float32(0.0)
+            ex = cute.make_rmem_tensor((LPL,), Float32)
+            ex.fill(0.0)
             if mx != NEG_INF:
-                for sp in cutlass.range(lane, S, 32, unroll=1):
-                    den = den + cute.math.exp(mL[b, sp, r] - mx, fastmath=True)
+                ex.store(cute.math.exp(lv.load() - mx, fastmath=True))
+            den = ex.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             for off in cutlass.range_constexpr(5):
                 den = den + cute.arch.shuffle_sync_bfly(den, offset=1 << off, mask=-1, mask_and_clamp=31)
-            if tid == 0:
-                sM[0] = mx
-                sM[1] = den
+            inv = Float32(0.0)
+            if den > Float32(0.0):
+                inv = Float32(1.0) / den
+            for k in cutlass.range_constexpr(LPL):
+                if lane + 32 * k < S:
+                    sW[lane + 32 * k] = ex[k] * inv
+            if tid == 0 and cq == 0:
                 lse = Float32(NEG_INF)
                 if den > Float32(0.0):
                     lse = mx + cute.math.log(den, fastmath=False)
-                if cq == 0:
-                    mLse[b, tq, h] = lse
-        cute.arch.sync_threads()
-        mx = sM[0]
-        den = sM[1]
-        inv = Float32(0.0)
-        if den > Float32(0.0):
-            inv = Float32(1.0) / den
-        for sp in cutlass.range(tid, S, NUM_THREADS, unroll=1):
-            w = Float32(0.0)
-            if den > Float32(0.0):
-                w = cute.math.exp(mL[b, sp, r] - mx, fastmath=True) * inv
-            sW[sp] = w
+                mLse[b, tq, h] = lse
         cute.arch.sync_threads()
         # ---- weighted sum: 16-byte loads, several splits in flight per thread -----------------
         cg = tid % CG

@@ -509,7 +509,7 @@ class MLACombineBlock(Block):
 
     def own_smem_bytes(self) -> int:
         cw = self.cols_per_tile
-        return 4 * self.config.num_splits + 4 * (NUM_THREADS // (cw // 4)) * cw + 16   # weights, split sums, max / sum
+        return 4 * self.config.num_splits + 4 * (NUM_THREADS // (cw // 4)) * cw + 16   # weights, split sums, alignment
 
     def cost(self) -> Cost:
         c = self.config

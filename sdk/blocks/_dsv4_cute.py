@@ -311,7 +311,6 @@ def build_dsv4_combine_tile(block):
     SG = NUM_THREADS // CG               # split groups
     RD = c.rope_dim
     R2 = max(RD // 2, 1)
-    NEG_INF = -math.inf
 
     @cute.jit
     def tile(ptrs, t: Int32, scratch):

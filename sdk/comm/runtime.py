@@ -38,7 +38,6 @@ import torch
 
 from ..blocks.allreduce import ERR_PEER_TIMEOUT, PEER_ERROR_FIELDS
 from ..errors import KernelTimeoutError, UnsupportedConfigError
-from ..megakernel import isa
 from .ops import ERR, PARAMS
 
 

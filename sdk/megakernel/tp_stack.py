@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks.gemv import GemvBlock, GemvConfig
+from ..blocks.gemv import GemvConfig
 from ..blocks.rmsnorm import RMSNormBlock, RMSNormConfig
 from ..comm.ops import CommProgram
 from ..errors import UnsupportedConfigError

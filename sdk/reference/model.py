@@ -16,7 +16,7 @@ prefilled one sequence at a time into the batch's caches, then decoded together.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..errors import CapacityError, SdkError, UnsupportedConfigError
 from ..spec import LayerSpec, ModelSpec
 from .common import StepInfo, rms_norm
-from .weights import Prefixed, load_state_dict
+from .weights import Prefixed
 
 ATTENTION = {
     "kda": "sdk.reference.kda:KDAReference",

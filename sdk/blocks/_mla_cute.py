@@ -201,11 +201,11 @@ def build_mla_decode_tile(block):
 
     # ---- the chunk's phases (outside `tile`: staged control flow cannot call closures) ------
     @cute.jit
-    def dequant(sStage, sScSt, skv, tid, st):
-        """fp8: stage st's e4m3 rows times their group scales -> the f16 chunk buffer. A unit:
+    def dequant(sStage, sScSt, skv, tid, st, dst):
+        """fp8: stage st's e4m3 rows times their group scales -> f16 chunk buffer dst. A unit:
         8 e4m3 (2 words) -> 4 f16x2 words, each times the f16x2 scale."""
         s8w = smem_tensor(sStage.iterator.toint(), Int32, (ST, CH, RS8 // 8, 2))
-        skw = smem_tensor(skv.iterator.toint(), Int32, (CH, RS // 8, 4))
+        skw = smem_tensor(skv.iterator.toint(), Int32, (NBUF, CH, RS // 8, 4))
         rw = cute.make_rmem_tensor((2,), Int32)
         ro = cute.make_rmem_tensor((4,), Int32)
         for k in cutlass.range_constexpr(CVT):
@@ -219,7 +219,7 @@ def build_mla_decode_tile(block):
                     lo, hi = e4m3x4_to_f16x2x2(rw[w])
                     ro[2 * w] = mul_f16x2(lo, sc2)
                     ro[2 * w + 1] = mul_f16x2(hi, sc2)
-                skw[j, u, None].store(ro.load())
+                skw[dst, j, u, None].store(ro.load())
 
     @cute.jit
     def scores(sKV, sS, mma, frag_q, nw, kp, buf):
@@ -464,7 +464,7 @@ def build_mla_decode_tile(block):
             buf = st
             if cutlass.const_expr(FP8):
                 buf = 0
-                dequant(sStage, sScSt, skv, tid, st)
+                dequant(sStage, sScSt, skv, tid, st, 0)
                 cute.arch.sync_threads()
             scores(sKV, sS, mma_qk, frag_q, nw, kp, buf)
             cute.arch.sync_threads()            # all partial scores of chunk ci in sS

@@ -217,14 +217,22 @@ def make_inputs(cfg: MLALayerConfig, lens, seed: int = 0, device="cpu") -> dict[
     return out
 
 
+def stored_rows(cfg: MLALayerConfig, tensors: dict) -> torch.Tensor:
+    """The new tokens' rows as a cache holds them (positions len - T .. len - 1 of each sequence;
+    fp8: dequantised): [B, T, d_qk] fp32."""
+    dec = mla.decode_block(cfg.attn)
+    lens = [int(x) for x in tensors["seq_lens"]]
+    return torch.stack([dec.gather_kv(tensors, b, n - cfg.attn.q_tokens, n) for b, n in enumerate(lens)])
+
+
 def reference(cfg: MLALayerConfig, weights: dict, inputs: dict, stored: dict | None = None,
-              rows_out: list | None = None) -> torch.Tensor:
+              with_rows: bool = False):
     """x + MLAReference.forward(rmsnorm(x) * input_norm) over the cache's earlier rows (fp32):
     resid [M, D]. The new tokens' rows are the reference's own, in the cache's format - or, with
-    `stored` (a runtime's tensors after its launch), read back from the cache that launch wrote:
-    an fp8 row's e4m3 rounding follows the device's bf16 projections, and a 1-ulp difference there
-    flips an element by a whole e4m3 step (1/8), so the attention core is compared over the same
-    rows. rows_out: receives the reference's own new rows [B, T, d_qk] (fp32, cache format)."""
+    `stored` (a runtime's tensors after its launch), read back from the cache that launch wrote
+    (`stored_rows`): an fp8 row's e4m3 rounding follows the device's bf16 projections, and a 1-ulp
+    difference there moves an element by a whole e4m3 step, so the attention core is compared over
+    the same rows. with_rows: returns (resid, the reference's own new rows [B, T, d_qk] fp32)."""
     from types import SimpleNamespace
 
     from ..reference.common import StepInfo, rms_norm
@@ -255,11 +263,11 @@ def reference(cfg: MLALayerConfig, weights: dict, inputs: dict, stored: dict | N
         from ..blocks.mla_decode import quantize_kv_fp8
         q8, sc = quantize_kv_fp8(rows.float(), dec.config.scale_group)
         rows = (q8.float() * sc.repeat_interleave(dec.config.scale_group, dim=-1)).to(torch.bfloat16)
-    if rows_out is not None:
-        rows_out.append(rows.float())
+    own_rows = rows.float()
     if stored is not None:
-        rows = torch.stack([dec.gather_kv(stored, b, n - a.q_tokens, n) for b, n in enumerate(lens)])
+        rows = stored_rows(cfg, stored)
     cache = {"latent": dense}
     ref.write_cache(cache, step, rows.float())
     out = ref.project_out(h, ref.attend(q_nope, q_pe, cache, step))
-    return (x + out).reshape(a.tokens, cfg.hidden)
+    resid = (x + out).reshape(a.tokens, cfg.hidden)
+    return (resid, own_rows) if with_rows else resid

@@ -250,4 +250,3 @@ def test_attention_program_one_launch(T, kvd):
         rt.run()
         err = rel_err(rt.tensors["o"], want)
         assert err <= BF16_TOL, f"seed {seed}, launch {launch}: rel err {err:.3e}"
-

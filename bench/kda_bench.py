@@ -3,10 +3,11 @@ GLM-5.3 at TP8 (8 heads), batch 1, 8, 64; each beside the same work in PyTorch u
 and the floor (state bytes read + written / copy bandwidth measured in this run:
 bench/common.copy_bandwidth, read + write bytes).
 
-    python -m bench.kda_bench --out bench/results/h200 [--quick]
+    python -m bench.kda_bench --out bench/results/h200 [--quick] [--match "B=64 stream" ...]
 
 Variants: "core" (gate math + l2norm + delta rule; q, k, v given) with v_split 1 / 2 / 4 (tiles
-per head), "fused" (short conv + core + gated output norm, v_split 1; the conv outputs staged in
+per head), "stream" (the core as a streaming block: a persistent grid, one tile per head, its
+V-slices through the smem ring; "2/SM": two CTAs per SM), "fused" (short conv + core + gated output norm, v_split 1; the conv outputs staged in
 shared memory), "fused ... per-lane" (conv_staged=False: each conv output computed by every lane
 that reads it), "bf16" (bf16 state), and "verify4" (4-token verify pass, commit none, + the
 commit pass re-running 2 accepted tokens); at batch 64 also k_warps 1 / 8 and "no-pdl".
@@ -76,10 +77,14 @@ def torch_step(block, t, state, conv_state=None, n_tokens=None):
 def bench_case(model, heads, batch, variant, kw, copy_bw, check=True):
     from sdk.blocks._cute import standalone
     from sdk.blocks.kda import KDABlock, KDAConfig
-    # launched with PDL unless a variant's dict says "pdl": False (standalone's pdl)
+    # launched with PDL unless a variant's dict says "pdl": False (standalone's pdl); the streaming
+    # form's persistent grid is one CTA per SM unless it says "ctas_per_sm"
+    launch_keys = ("pdl", "ctas_per_sm")
     blocks = [KDABlock(KDAConfig(batch=batch, heads=heads, head_dim=128,
-                                 **{n: v for n, v in k.items() if n != "pdl"})) for k in kw]
-    fns = [standalone(b, pdl=k.get("pdl", True)) for b, k in zip(blocks, kw)]
+                                 **{n: v for n, v in k.items() if n not in launch_keys})) for k in kw]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fns = [standalone(b, pdl=k.get("pdl", True),
+                      num_ctas=sms * k["ctas_per_sm"] if "ctas_per_sm" in k else None) for b, k in zip(blocks, kw)]
     # the last block has every operand (verify4's commit pass adds n_accepted)
     t = blocks[-1].random_operands(seed=batch, device="cuda", n_accepted=[2] * batch)
     one_state = t["state"].numel() * t["state"].element_size()
@@ -130,7 +135,7 @@ def bench_case(model, heads, batch, variant, kw, copy_bw, check=True):
             "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
             "speedup_vs_torch_graph": torch_us / us, "timing_mode": mode, "rel_err": err,
             "state_copies": copies,
-            "launch": [{"pdl": k.get("pdl", True)} for k in kw]}
+            "launch": [{"pdl": k.get("pdl", True), "ctas_per_sm": k.get("ctas_per_sm")} for k in kw]}
 
 
 # tiles per head: enough tiles for the SMs at small batch; at batch 64 quarter heads, whose 32-column
@@ -150,6 +155,13 @@ def cases(quick: bool):
             out.append((model, heads, batch, "fused conv+norm", [dict(conv=True, out_norm=True)]))
             out.append((model, heads, batch, "fused conv+norm per-lane",
                         [dict(conv=True, out_norm=True, conv_staged=False)]))
+            # the streaming form (KDAConfig.stream: tile = head, V-slices through the smem ring)
+            out.append((model, heads, batch, "stream v_split=4", [dict(stream=True, v_split=4)]))
+            if batch == 64:
+                for name, extra in (("k_warps=1", dict(k_warps=1)), ("k_warps=8", dict(k_warps=8)),
+                                    ("2/SM", dict(ctas_per_sm=2)), ("k_warps=1 2/SM", dict(k_warps=1, ctas_per_sm=2))):
+                    out.append((model, heads, batch, f"stream v_split=4 {name}", [dict(stream=True, v_split=4, **extra)]))
+                out.append((model, heads, batch, "stream v_split=2", [dict(stream=True, v_split=2)]))
             if batch == 64:     # warps across K (KDAConfig.k_warps; the v_split=2 default is 4)
                 for vs, kw_ in ((2, 1), (2, 8), (4, 1), (4, 8)):
                     out.append((model, heads, batch, f"core v_split={vs} k_warps={kw_}",
@@ -164,13 +176,16 @@ def cases(quick: bool):
     return out
 
 
-def run(out_dir: str, quick: bool = False) -> dict:
+def run(out_dir: str, quick: bool = False, match: list[str] | None = None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     copy_bw = copy_bandwidth()["copy"]
     print(f"GPU {props.name}, {props.multi_processor_count} SMs; copy bandwidth {copy_bw:.0f} GB/s")
     results = []
     for model, heads, batch, variant, kw in cases(quick):
+        name = f"{model} B={batch} {variant}"
+        if match and not any(m in name for m in match):
+            continue
         try:
             r = bench_case(model, heads, batch, variant, kw, copy_bw)
         except Exception as exc:
@@ -197,8 +212,10 @@ def summary(report) -> str:
 
 
 def main(argv=None):
-    a = arg_parser(__doc__.splitlines()[0]).parse_args(argv)
-    rep = run(a.out, quick=a.quick)
+    ap = arg_parser(__doc__.splitlines()[0])
+    ap.add_argument("--match", action="append", help="run only the cases whose name contains this (repeatable)")
+    a = ap.parse_args(argv)
+    rep = run(a.out, quick=a.quick, match=a.match)
     print("\n" + summary(rep))
 
 

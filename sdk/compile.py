@@ -39,6 +39,7 @@ def block_cases():
         KDABlock(KDAConfig(batch=64, heads=12, conv=True, out_norm=True)),
         KDABlock(KDAConfig(batch=1, heads=8, v_split=4, tokens=4, commit="accepted", state_dtype="bf16")),
         KDABlock(KDAConfig(batch=8, heads=8, tokens=2, conv=True, out_norm=True, conv_staged=False)),  # per-lane conv
+        KDABlock(KDAConfig(batch=64, heads=8, v_split=4, stream=True)),                                # through the ring
     ] + _moe_block_cases() + _mla_block_cases() + _allreduce_block_cases() + _dsv4_block_cases() \
       + _indexer_block_cases()
 

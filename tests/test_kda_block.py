@@ -48,6 +48,9 @@ VARIANTS = [
     dict(conv=True, out_norm=True, tokens=2),
     dict(conv=True, conv_w_dtype="fp32", tokens=4, commit="accepted", gate_kind="softplus"),
     dict(conv=True, out_norm=True, tokens=3, commit="per_token", norm_eps=1e-5),
+    dict(stream=True, v_split=2),                                        # tile = (b, h), all slices
+    dict(stream=True, v_split=2, tokens=3, commit="accepted", gate_kind="softplus"),
+    dict(stream=True, tokens=2, commit="per_token", state_dtype="bf16"),
 ]
 
 
@@ -58,13 +61,15 @@ def test_emulated_tiles_equal_reference(kw):
     assert_matches(block, emulate(block, t), block.reference(**t))
 
 
-def test_pyvm_two_steps_equal_reference():
+@pytest.mark.parametrize("kw", [dict(conv=True, out_norm=True), dict(stream=True, v_split=2)],
+                         ids=["conv+norm", "stream"])
+def test_pyvm_two_steps_equal_reference(kw):
     """The block as an op of a megakernel program, run by the PyVM for two decode steps (the
     state and conv state carried in place between launches)."""
     from sdk.megakernel.program import Program, encode
     from sdk.megakernel.pyvm import PyVM
     from sdk.schedule import schedule, validate
-    block = KDABlock(KDAConfig(**TINY, conv=True, out_norm=True))
+    block = KDABlock(KDAConfig(**TINY, **kw))
     prog = Program()
     for s in block.operand_specs():
         prog.buffer(s.name, s.shape, s.dtype, role="output" if s.output else "input")
@@ -76,14 +81,35 @@ def test_pyvm_two_steps_equal_reference():
     state = None
     for step in range(2):
         t = make_inputs(block, seed=10 + step)
+        carried = ("state", "conv_state") if block.config.conv else ("state",)
         if state is not None:
-            t["state"], t["conv_state"] = state
+            t.update(state)
         ref = block.reference(**t)
         for k, v in t.items():
             vm.tensors[k].copy_(v)
         vm.step(seed=step)
         assert_matches(block, vm.tensors, ref)
-        state = (vm.tensors["state"].clone(), vm.tensors["conv_state"].clone())
+        state = {n: vm.tensors[n].clone() for n in carried}
+
+
+def test_program_refuses_ring_hazards():
+    """The streaming form's ring reads the state ahead of every wait: no other op of the same
+    launch may write it (a verify and its commit on one state are two launches)."""
+    from sdk.megakernel.program import Program
+    kw = dict(**TINY, tokens=2, stream=True)
+    verify = KDABlock(KDAConfig(**kw, commit="none"))
+    commit = KDABlock(KDAConfig(**kw, commit="accepted"))
+    one_tile = KDABlock(KDAConfig(**TINY, tokens=2))
+    for first, second in ((verify, commit), (one_tile, verify), (verify, one_tile)):
+        prog = Program()
+        for b in (first, second):
+            for s in b.operand_specs():
+                if s.name not in prog.buffers:
+                    prog.buffer(s.name, s.shape, s.dtype, role="output" if s.output else "input")
+        prog.op(first, {s.name: s.name for s in first.operand_specs()}, label="a")
+        with pytest.raises(UnsupportedConfigError, match="streamed through the smem ring"):
+            prog.op(second, {s.name: s.name for s in second.operand_specs()}, label="b")
+    assert commit.stream_data_mutable() and not verify.stream_data_mutable()
 
 
 # ------------------------------------------------------------------ the block = the model oracle
@@ -210,7 +236,8 @@ def test_verify_then_commit_equals_single_steps(kw):
 # ------------------------------------------------------------------ static checks
 @pytest.mark.parametrize("kw", [dict(v_split=2, conv=True), dict(v_split=2, out_norm=True), dict(v_split=8),
                                 dict(head_dim=256), dict(tokens=17), dict(commit="later"),
-                                dict(gate_kind="exp"), dict(state_dtype="fp8_e4m3"), dict(k_warps=3)])
+                                dict(gate_kind="exp"), dict(state_dtype="fp8_e4m3"), dict(k_warps=3),
+                                dict(stream=True, conv=True), dict(stream=True, out_norm=True)])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):
         KDABlock(KDAConfig(**{**TINY, "head_dim": 128, **kw}))
@@ -234,6 +261,9 @@ COMPILE_VARIANTS = [
     dict(batch=2, heads=12, tokens=3, commit="accepted", conv=True, out_norm=True, conv_staged=False),
     dict(batch=2, heads=12, tokens=2, v_split=2, k_warps=4, commit="per_token"),
     dict(batch=2, heads=12, tokens=2, commit="accepted", conv=True, out_norm=True, k_warps=2),
+    dict(batch=8, heads=12, tokens=4, v_split=4, state_dtype="bf16", commit="accepted", stream=True),
+    dict(batch=2, heads=8, tokens=3, v_split=2, commit="per_token", gate_kind="log_decay", stream=True, k_warps=8),
+    dict(batch=64, heads=8, v_split=4, k_warps=1, stream=True),
 ]
 
 
@@ -250,6 +280,18 @@ def test_k_warps_thread_mapping(kw, lanes):
     assert (lv, lk, rk) == lanes
     assert lk * rk * b.nwk == 128 and lv * 4 * (8 // b.nwk) == b.vs
     assert b.own_smem_bytes() == (0 if b.nwk == 1 else 4 * b.nwk * (2 * b.vs + 2))
+
+
+def test_streaming_form_geometry():
+    """stream=True: one tile per (sequence, head), its V-slices the ring's chunks (the state slice,
+    unpadded); the head's staged inputs and the K-sum exchange in the activation area."""
+    b = KDABlock(KDAConfig(batch=64, heads=8, head_dim=128, v_split=4, stream=True))
+    assert (b.num_tiles(), b.stream_chunks(), b.chunk_bytes()) == (512, 4, 128 * 32 * 4)
+    assert b.nwk == 4 and b.own_smem_bytes() == 0
+    assert b.x_smem_bytes() == 4 * (4 * 128 + 4 + 4 * (2 * 32 + 2))
+    assert b.num_tiles() * b.cost().bytes >= b.state_bytes()
+    one = KDABlock(KDAConfig(batch=64, heads=8, head_dim=128, v_split=4))
+    assert (one.num_tiles(), one.stream_chunks(), one.x_smem_bytes()) == (2048, 0, 0)
 
 
 def test_k_warps_auto_needs_many_tiles():
@@ -275,7 +317,8 @@ def test_inlines_into_the_megakernel():
     from sdk.megakernel.kernel import compile_megakernel
     blocks = [RMSNormBlock(RMSNormConfig(d=7168, m=8)), KDABlock(KDAConfig(batch=8, heads=12, tokens=2, conv=True, out_norm=True)),
               KDABlock(KDAConfig(batch=8, heads=12, conv=True, out_norm=True, conv_staged=False)),
-              KDABlock(KDAConfig(batch=64, heads=12, v_split=2))]
+              KDABlock(KDAConfig(batch=64, heads=12, v_split=2)),
+              KDABlock(KDAConfig(batch=64, heads=12, v_split=4, stream=True))]   # through the ring
     compile_megakernel(blocks, 132, 8, arch="sm_90a")
     # the staged conv's [T, 3, K] fp32 outputs (conv_staged is the default); nothing per lane or
     # without conv; the 64-column tile's cross-warp K sums (4 warps across K by default)

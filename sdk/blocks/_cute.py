@@ -362,6 +362,7 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
         # a ring two CTAs fit on one SM: consecutive launches overlap on every SM (coresident_stages)
         max_stages = coresident_stages([block])
     stage_bytes, P, xbytes = ring_geometry([block], max_stages)
+    mutable = block.stream_data_mutable()     # e.g. a state the previous launch updates in place
 
     @cute.jit
     def produce(ptrs, bid, mine, ring_base, pi, pc, ps):
@@ -388,11 +389,15 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
         ring_base = ring.iterator.toint()
         sx = xs.iterator.toint()
         pi, pc, ps = Int32(0), Int32(0), Int32(0)
+        if cutlass.const_expr(mutable):
+            cute.arch.griddepcontrol_wait()
         for _ in cutlass.range_constexpr(P):
             pi, pc, ps = produce(ptrs, bid, mine, ring_base, pi, pc, ps)
-        # weights only above; activations and outputs (the previous launch's) below: with PDL
-        # this launch may have started early - wait for the previous grid (no-op without PDL)
-        cute.arch.griddepcontrol_wait()
+        # weights only above (or, `mutable`, data the previous launch may write, after the wait);
+        # activations and outputs (the previous launch's) below: with PDL this launch may have
+        # started early - wait for the previous grid (no-op without PDL)
+        if cutlass.const_expr(not mutable):
+            cute.arch.griddepcontrol_wait()
         cseq = Int32(0)
         for j in cutlass.range(mine, unroll=1):
             cseq, pi, pc, ps = stream_tile(

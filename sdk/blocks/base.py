@@ -247,6 +247,20 @@ class Block:
     def x_smem_bytes(self) -> int:
         return 0
 
+    def streamed_operands(self) -> tuple[str, ...]:
+        """Operands whose data the ring reads AHEAD (before the tile's dependency wait, before
+        earlier instructions of the launch have run), when another op could write them: the
+        program refuses to let any other op write them (Program.op), and when one is also this
+        block's output (a state updated in place, e.g. the streaming KDA) the data changes
+        between launches, so a PDL launch fills its ring only after griddepcontrol.wait
+        (`stream_data_mutable`). Weights, which nothing writes, need not be listed."""
+        return ()
+
+    def stream_data_mutable(self) -> bool:
+        """A streamed operand is also an output: the previous launch may be writing it."""
+        outs = {s.name for s in self.operand_specs() if s.output}
+        return any(n in outs for n in self.streamed_operands())
+
     def device_stream(self) -> StreamFaces:
         if self._device_stream is None:
             self._device_stream = self._build_device_stream()

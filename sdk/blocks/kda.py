@@ -91,6 +91,9 @@ class KDAConfig:
                                          # instead of by every lane that reads them (32x for q, k):
                                          # K3 TP8 batch 64 fused step 43.3% of copy vs 25.5% (H200);
                                          # without conv it has nothing to stage
+    stream: bool = False                 # the streaming form: tile = (sequence, head), its V-slices
+                                         # the chunks of the megakernel's smem ring (the state loaded
+                                         # ahead like GEMV weights); no conv / out_norm fusion
     k_warps: int = 0                     # warps across K (1: each warp holds all K rows of its
                                          # columns, K sums are warp shuffles; 2 / 4 / 8: more lanes
                                          # across V - longer contiguous row segments per load -
@@ -119,9 +122,10 @@ class KDABlock(Block):
         warps across K, 128-byte pieces of 4 rows. Not below: batch 8 (192 / 128 tiles, one
         wave, latency-bound) 6.2 -> 6.5 us, and whole-head tiles (v_split=1) lost with 2 (68.4% ->
         65.2%)."""
-        if self.config.k_warps:
-            return self.config.k_warps
-        return 4 if self.vs <= 64 and self.num_tiles() >= AUTO_K_WARPS_TILES else 1
+        c = self.config
+        if c.k_warps:
+            return c.k_warps
+        return 4 if self.vs <= 64 and c.batch * c.heads * c.v_split >= AUTO_K_WARPS_TILES else 1
 
     @property
     def lanes(self) -> tuple[int, int, int]:
@@ -165,6 +169,10 @@ class KDABlock(Block):
         if (c.conv or c.out_norm) and c.v_split != 1:
             u("kda: conv / out_norm fusion needs the whole head in one tile (v_split=1): the conv "
               "state is shared by the head's tiles and the norm reduces over all of V")
+        if c.stream and (c.conv or c.out_norm):
+            u("kda: the streaming form (stream=True) fuses neither the conv nor the output norm")
+        if c.stream and c.head_dim % 32:
+            u(f"kda: stream=True needs head_dim a multiple of 32 (one warp per token stages q, k), got {c.head_dim}")
         if c.conv and c.conv_kernel < 2:
             u(f"kda: conv_kernel={c.conv_kernel} (supported: >= 2)")
         if not 1 <= c.batch:
@@ -199,12 +207,36 @@ class KDABlock(Block):
 
     def num_tiles(self) -> int:
         c = self.config
-        return c.batch * c.heads * c.v_split
+        return c.batch * c.heads * (1 if c.stream else c.v_split)
 
     def own_smem_bytes(self) -> int:
         c = self.config
+        if c.stream:
+            return 0                    # everything lives in the ring's activation area (x_smem_bytes)
         conv = c.tokens * 3 * c.head_dim * 4 if c.conv_staged and c.conv else 0
         return conv + self.k_exchange_words() * 4
+
+    # -- the streaming form (stream=True; kda_device.build_kda_stream) --------------------------
+    def stream_chunks(self) -> int:
+        return self.config.v_split if self.config.stream else 0
+
+    def chunk_bytes(self) -> int:
+        c = self.config
+        return c.head_dim * self.vs * (4 if c.state_dtype == "fp32" else 2) if c.stream else 0
+
+    def streamed_operands(self) -> tuple[str, ...]:
+        return ("state",) if self.config.stream else ()
+
+    def stream_sx_exchange_offset(self) -> int:
+        """fp32 word offset of the cross-warp K sums in `sx`, after the head's staged q, k, decay,
+        v [T, 4, K] and beta [T] (16-byte aligned)."""
+        c = self.config
+        return -(-(c.tokens * 4 * c.head_dim + c.tokens) // 4) * 4
+
+    def x_smem_bytes(self) -> int:
+        if not self.config.stream:
+            return 0
+        return 4 * (self.stream_sx_exchange_offset() + max(4, self.k_exchange_words()))
 
     def k_exchange_words(self) -> int:
         """fp32 words of shared memory for the cross-warp K sums (k_warps > 1): two column-sum
@@ -221,7 +253,8 @@ class KDABlock(Block):
 
     def cost(self) -> Cost:
         c = self.config
-        K, T, vs = c.head_dim, c.tokens, self.vs
+        K, T = c.head_dim, c.tokens
+        vs = c.head_dim if c.stream else self.vs      # the streaming tile runs every slice of its head
         sb = 4 if c.state_dtype == "fp32" else 2
         writes = {"all": 1, "accepted": 1, "none": 0, "per_token": T}[c.commit]
         b = K * vs * sb * (1 + writes)
@@ -375,9 +408,13 @@ class KDABlock(Block):
 
     def emulate_tile(self, t: dict[str, torch.Tensor], tile: int) -> None:
         c = self.config
-        b, rest = divmod(tile, c.heads * c.v_split)
-        h, sl = divmod(rest, c.v_split)
-        b_sl, heads, cols = slice(b, b + 1), slice(h, h + 1), slice(sl * self.vs, (sl + 1) * self.vs)
+        if c.stream:                    # tile = (b, h), every slice
+            (b, h), cols = divmod(tile, c.heads), slice(0, c.head_dim)
+        else:
+            b, rest = divmod(tile, c.heads * c.v_split)
+            h, sl = divmod(rest, c.v_split)
+            cols = slice(sl * self.vs, (sl + 1) * self.vs)
+        b_sl, heads = slice(b, b + 1), slice(h, h + 1)
         o, s, n, full = self._run(t, b_sl, heads, cols, t["state"][b_sl, heads, :, cols].float())
         self._store(t, b_sl, heads, cols, o, s, n, full, t)
 
@@ -385,3 +422,7 @@ class KDABlock(Block):
     def _build_device_tile(self):
         from .kda_device import build_kda_tile
         return build_kda_tile(self)
+
+    def _build_device_stream(self):
+        from .kda_device import build_kda_stream
+        return build_kda_stream(self)

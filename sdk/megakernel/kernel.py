@@ -76,6 +76,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
     NOPS, rec_bytes = records_geometry(blocks, max_len)
     stage_bytes, P, xbytes = ring_geometry(blocks, reserved=rec_bytes)
     NT = NUM_THREADS
+    mutable = pdl and any(b.stream_data_mutable() for b in blocks if b.stream_chunks())
 
     @cute.jit
     def chunks_of(op: Int32) -> Int32:
@@ -176,7 +177,10 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
             xs = smem.allocate_tensor(cutlass.Int8, cute.make_layout(xbytes), byte_alignment=128)
             ring_base = ring.iterator.toint()
             sx = xs.iterator.toint()
-            # fill the ring before anything waits: these are the first instructions' weights
+            # fill the ring before anything waits: these are the first instructions' weights - but
+            # after the PDL wait when a block streams data the previous launch writes (a state)
+            if cutlass.const_expr(mutable):
+                cute.arch.griddepcontrol_wait()
             pi = next_streaming(sW, n, Int32(0))
             for _ in cutlass.range_constexpr(P):
                 pi, pc, ps = produce(sW, sP, n, ring_base, pi, pc, ps)

@@ -112,6 +112,7 @@ class Program:
             elif not s.optional:
                 raise ValueError(f"{label}: operand {s.name!r} not bound")
             self.optab.append(buf)
+        self._check_ring_hazards(block, bindings, label)
         waits = list(waits)
         if len(waits) > isa.MAX_WAITS:
             raise UnsupportedConfigError(f"{label}: at most {isa.MAX_WAITS} dependencies per op")
@@ -129,6 +130,21 @@ class Program:
             self.instructions.append(ins)
         self.ops.append(op)
         return len(self.ops) - 1
+
+    def _check_ring_hazards(self, block: Block, bindings: dict, label: str) -> None:
+        """The ring reads a block's streamed operands ahead of everything (Block.streamed_operands):
+        no other op of the launch may write them, before or after."""
+        streamed = {bindings[n] for n in block.streamed_operands() if bindings.get(n)}
+        written = {bindings[s.name] for s in block.operand_specs() if s.output and bindings.get(s.name)}
+        for op in self.ops:
+            theirs = {op.bindings[s.name] for s in op.block.operand_specs() if s.output and op.bindings.get(s.name)}
+            their_streamed = {op.bindings[n] for n in op.block.streamed_operands() if op.bindings.get(n)}
+            clash = (streamed & theirs) | (written & their_streamed)
+            if clash:
+                raise UnsupportedConfigError(
+                    f"{label}: buffer(s) {sorted(clash)} are streamed through the smem ring (read ahead of "
+                    f"the dependency waits) by one of {label!r} / {op.label!r} and written by the other in "
+                    f"the same launch: split them into two launches")
 
     def operand_views(self, block: Block, base: int, tensors: dict) -> dict:
         """{operand name: its buffer's tensor from `tensors`, viewed in the operand's shape} of the

@@ -71,6 +71,11 @@ CASES = [
     dict(v_split=4, k_warps=4, state_dtype="bf16"),
     dict(v_split=2, k_warps=2, tokens=3, commit="per_token", out_dtype="fp32"),
     dict(conv=True, out_norm=True, k_warps=2, tokens=2),
+    dict(stream=True, v_split=4),                                  # the streaming form (ring)
+    dict(stream=True, v_split=4, k_warps=1),
+    dict(stream=True, v_split=2, k_warps=8, state_dtype="bf16", gate_kind="softplus"),
+    dict(stream=True, v_split=2, tokens=3, commit="per_token", out_dtype="fp32"),
+    dict(stream=True, tokens=4, commit="none", gate_kind="log_decay"),
 ]
 
 
@@ -102,8 +107,9 @@ def test_kda_staged_conv_equals_per_lane_conv(batch, model, tokens):
         assert torch.equal(got_staged[name], got_plain[name]), f"{name}: staged conv differs from the per-lane conv"
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(conv=True, out_norm=True), dict(state_dtype="bf16", v_split=2)],
-                         ids=["core", "conv+norm", "bf16-state"])
+@pytest.mark.parametrize("kw", [dict(), dict(conv=True, out_norm=True), dict(state_dtype="bf16", v_split=2),
+                                dict(stream=True, v_split=4)],
+                         ids=["core", "conv+norm", "bf16-state", "stream"])
 def test_kda_ragged_accepted_commit(kw):
     """Batch 8, every sequence its own state scale (one all-zero: a fresh sequence) and its own
     accepted count 0..4 of a 4-token verify: the commit pass writes exactly those."""
@@ -165,7 +171,8 @@ def test_kda_bf16_state_drift_10k_steps():
     assert drift["bf16"]["max_rel_err_o"] <= 5e-2, drift
 
 
-@pytest.mark.parametrize("kw", [dict(v_split=4), dict(conv=True, out_norm=True)], ids=["core", "conv+norm"])
+@pytest.mark.parametrize("kw", [dict(v_split=4), dict(conv=True, out_norm=True), dict(v_split=4, stream=True)],
+                         ids=["core", "conv+norm", "stream"])
 def test_kda_pdl_back_to_back_steps_feed_each_other(kw):
     """standalone(pdl=True): the one-tile-per-CTA kernel launched with programmatic dependent
     launch, 4 steps back to back on one stream without a host sync, each reading the state (and

@@ -76,6 +76,7 @@ def torch_step(block, t, state, conv_state=None, n_tokens=None):
 # ------------------------------------------------------------------ one case
 def bench_case(model, heads, batch, variant, kw, copy_bw, check=True):
     from sdk.blocks._cute import standalone
+    from sdk.blocks.base import coresident_stages
     from sdk.blocks.kda import KDABlock, KDAConfig
     # launched with PDL unless a variant's dict says "pdl": False (standalone's pdl); the streaming
     # form's persistent grid is one CTA per SM unless it says "ctas_per_sm"
@@ -83,8 +84,14 @@ def bench_case(model, heads, batch, variant, kw, copy_bw, check=True):
     blocks = [KDABlock(KDAConfig(batch=batch, heads=heads, head_dim=128,
                                  **{n: v for n, v in k.items() if n not in launch_keys})) for k in kw]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    fns = [standalone(b, pdl=k.get("pdl", True),
-                      num_ctas=sms * k["ctas_per_sm"] if "ctas_per_sm" in k else None) for b, k in zip(blocks, kw)]
+
+    def launcher(b, k):
+        if "ctas_per_sm" not in k:
+            return standalone(b, pdl=k.get("pdl", True))
+        # N CTAs of this launch per SM: the ring sized so that N fit one SM's shared memory
+        n = k["ctas_per_sm"]
+        return standalone(b, pdl=k.get("pdl", True), num_ctas=sms * n, max_stages=coresident_stages([b], ctas=n))
+    fns = [launcher(b, k) for b, k in zip(blocks, kw)]
     # the last block has every operand (verify4's commit pass adds n_accepted)
     t = blocks[-1].random_operands(seed=batch, device="cuda", n_accepted=[2] * batch)
     one_state = t["state"].numel() * t["state"].element_size()
@@ -158,8 +165,8 @@ def cases(quick: bool):
             # the streaming form (KDAConfig.stream: tile = head, V-slices through the smem ring)
             out.append((model, heads, batch, "stream v_split=4", [dict(stream=True, v_split=4)]))
             if batch == 64:
-                for name, extra in (("k_warps=1", dict(k_warps=1)), ("k_warps=8", dict(k_warps=8)),
-                                    ("2/SM", dict(ctas_per_sm=2)), ("k_warps=1 2/SM", dict(k_warps=1, ctas_per_sm=2))):
+                for name, extra in (("k_warps=8", dict(k_warps=8)), ("2/SM", dict(ctas_per_sm=2)),
+                                    ("3/SM", dict(ctas_per_sm=3)), ("k_warps=2 3/SM", dict(k_warps=2, ctas_per_sm=3))):
                     out.append((model, heads, batch, f"stream v_split=4 {name}", [dict(stream=True, v_split=4, **extra)]))
                 out.append((model, heads, batch, "stream v_split=2", [dict(stream=True, v_split=2)]))
             if batch == 64:     # warps across K (KDAConfig.k_warps; the v_split=2 default is 4)
@@ -167,6 +174,9 @@ def cases(quick: bool):
                     out.append((model, heads, batch, f"core v_split={vs} k_warps={kw_}",
                                 [dict(v_split=vs, k_warps=kw_)]))
                 out.append((model, heads, batch, "core v_split=4 no-pdl", [dict(v_split=4, pdl=False)]))
+                out.append((model, heads, batch, "core v_split=4 cs", [dict(v_split=4, state_cache="cs")]))
+                out.append((model, heads, batch, "core v_split=4 k_warps=8 cs",
+                            [dict(v_split=4, k_warps=8, state_cache="cs")]))
                 out.append((model, heads, batch, "fused conv+norm no-pdl", [dict(conv=True, out_norm=True, pdl=False)]))
             if full:
                 vs = AUTO_SPLIT[batch]

@@ -237,7 +237,8 @@ def test_verify_then_commit_equals_single_steps(kw):
 @pytest.mark.parametrize("kw", [dict(v_split=2, conv=True), dict(v_split=2, out_norm=True), dict(v_split=8),
                                 dict(head_dim=256), dict(tokens=17), dict(commit="later"),
                                 dict(gate_kind="exp"), dict(state_dtype="fp8_e4m3"), dict(k_warps=3),
-                                dict(stream=True, conv=True), dict(stream=True, out_norm=True)])
+                                dict(stream=True, conv=True), dict(stream=True, out_norm=True),
+                                dict(state_cache="cs", state_dtype="bf16"), dict(state_cache="lu")])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):
         KDABlock(KDAConfig(**{**TINY, "head_dim": 128, **kw}))
@@ -264,6 +265,7 @@ COMPILE_VARIANTS = [
     dict(batch=8, heads=12, tokens=4, v_split=4, state_dtype="bf16", commit="accepted", stream=True),
     dict(batch=2, heads=8, tokens=3, v_split=2, commit="per_token", gate_kind="log_decay", stream=True, k_warps=8),
     dict(batch=64, heads=8, v_split=4, k_warps=1, stream=True),
+    dict(batch=64, heads=8, v_split=4, state_cache="cs"),
 ]
 
 

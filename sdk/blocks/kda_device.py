@@ -223,6 +223,7 @@ def build_kda_tile(block):
     norm_eps = float(c.norm_eps)
     staged = c.conv_staged and c.conv
     NCONV = T * 3 * K                        # staged conv outputs of the tile's head (all tokens)
+    streaming_hint = c.state_cache == "cs"   # fp32 state (KDABlock.check)
 
     def bf16_round(x):
         return x.to(BFloat16).to(Float32)
@@ -291,7 +292,14 @@ def build_kda_tile(block):
         # the state slice: all loads issued at once (RK x 16 bytes in flight per thread)
         rS = cute.make_rmem_tensor((RK, 4), Float32)
         for j in cutlass.range_constexpr(RK):
-            rS[j, None].store(mS[b, h, k0 + j, c4, None].load().to(Float32))
+            if cutlass.const_expr(streaming_hint):
+                v4 = cute.arch.inline_ptx(
+                    "ld.global.cs.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];", write_only_types=[Float32] * 4,
+                    read_only_args=[mS[b, h, k0 + j, c4, None].iterator.toint()])
+                for e in cutlass.range_constexpr(4):
+                    rS[j, e] = v4[e]
+            else:
+                rS[j, None].store(mS[b, h, k0 + j, c4, None].load().to(Float32))
 
         n_tok = Int32(T)
         if cutlass.const_expr(commit == "accepted"):
@@ -383,7 +391,13 @@ def build_kda_tile(block):
         if cutlass.const_expr(write_state):
             if n_tok > 0:
                 for j in cutlass.range_constexpr(RK):
-                    mS[b, h, k0 + j, c4, None].store(rS[j, None].load().to(sdt))
+                    if cutlass.const_expr(streaming_hint):
+                        cute.arch.inline_ptx(
+                            "st.global.cs.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                            read_only_args=[mS[b, h, k0 + j, c4, None].iterator.toint(),
+                                            rS[j, 0], rS[j, 1], rS[j, 2], rS[j, 3]])
+                    else:
+                        mS[b, h, k0 + j, c4, None].store(rS[j, None].load().to(sdt))
             if cutlass.const_expr(conv):
                 # new conv state = window columns n_tok .. n_tok+W1-1 of the head's 3K channels,
                 # spread over all threads; read everything before anyone overwrites it
@@ -454,35 +468,42 @@ def build_kda_stream(block):
         h = t % H
         sIn = smem_tensor(sx, Float32, (T, 4, K))
         sBeta = smem_tensor(sx + 4 * SX_BETA, Float32, (T,))
-        mQ = gmem_tensor(ptrs[idx["q"]], BFloat16, (B, T, H, K), 2)
-        mK = gmem_tensor(ptrs[idx["k"]], BFloat16, (B, T, H, K), 2)
-        mV = gmem_tensor(ptrs[idx["v"]], BFloat16, (B, T, H, K), 2)
-        mG = gmem_tensor(ptrs[idx["g"]], gdt, (B, T, H, K), 2 if gdt is BFloat16 else 4)
+        # each lane's KPL consecutive elements as one vector load per operand, all issued first
+        a16, ag = _pow2_align(2 * KPL), _pow2_align((2 if gdt is BFloat16 else 4) * KPL)
+        mQ = gmem_tensor(ptrs[idx["q"]], BFloat16, (B, T, H, 32, KPL), a16)
+        mK = gmem_tensor(ptrs[idx["k"]], BFloat16, (B, T, H, 32, KPL), a16)
+        mV = gmem_tensor(ptrs[idx["v"]], BFloat16, (B, T, H, 32, KPL), a16)
+        mG = gmem_tensor(ptrs[idx["g"]], gdt, (B, T, H, 32, KPL), ag)
         mBeta = gmem_tensor(ptrs[idx["beta"]], BFloat16, (B, T, H), 2)
         rate = Float32(1.0)
+        rdt = cute.make_rmem_tensor((KPL,), Float32)
         if cutlass.const_expr(not log_decay):
-            mDt = gmem_tensor(ptrs[idx["dt_bias"]], Float32, (H, K), 4)
+            mDt = gmem_tensor(ptrs[idx["dt_bias"]], Float32, (H, 32, KPL), _pow2_align(4 * KPL))
             mA = gmem_tensor(ptrs[idx["a_log"]], Float32, (H,), 4)
             rate = cute.math.exp(mA[h], fastmath=False)
+            rdt.store(mDt[h, lane, None].load())
         rq = cute.make_rmem_tensor((KPL,), Float32)
         rk = cute.make_rmem_tensor((KPL,), Float32)
+        rg = cute.make_rmem_tensor((KPL,), Float32)
+        rv = cute.make_rmem_tensor((KPL,), Float32)
         for tt in cutlass.range(warp, T, NW, unroll=1):
+            rq.store(mQ[b, tt, h, lane, None].load().to(Float32))
+            rk.store(mK[b, tt, h, lane, None].load().to(Float32))
+            rg.store(mG[b, tt, h, lane, None].load().to(Float32))
+            rv.store(mV[b, tt, h, lane, None].load().to(Float32))
             qs = Float32(0.0)
             ks = Float32(0.0)
             for e in cutlass.range_constexpr(KPL):
                 kk = lane * KPL + e
-                rq[e] = mQ[b, tt, h, kk].to(Float32)
-                rk[e] = mK[b, tt, h, kk].to(Float32)
                 qs = qs + rq[e] * rq[e]
                 ks = ks + rk[e] * rk[e]
-                x = mG[b, tt, h, kk].to(Float32)
                 d = Float32(0.0)
                 if cutlass.const_expr(log_decay):
-                    d = cute.math.exp(x, fastmath=False)
+                    d = cute.math.exp(rg[e], fastmath=False)
                 else:
-                    d = P.decay(x + mDt[h, kk], rate)
+                    d = P.decay(rg[e] + rdt[e], rate)
                 sIn[tt, 2, kk] = d
-                sIn[tt, 3, kk] = mV[b, tt, h, kk].to(Float32)
+                sIn[tt, 3, kk] = rv[e]
             for o in (1, 2, 4, 8, 16):
                 qs = qs + cute.arch.shuffle_sync_bfly(qs, offset=o)
                 ks = ks + cute.arch.shuffle_sync_bfly(ks, offset=o)

@@ -76,6 +76,7 @@ CASES = [
     dict(stream=True, v_split=2, k_warps=8, state_dtype="bf16", gate_kind="softplus"),
     dict(stream=True, v_split=2, tokens=3, commit="per_token", out_dtype="fp32"),
     dict(stream=True, tokens=4, commit="none", gate_kind="log_decay"),
+    dict(v_split=4, state_cache="cs"),                             # evict-first state loads / stores
 ]
 
 

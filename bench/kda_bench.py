@@ -7,7 +7,9 @@ bench/common.copy_bandwidth, read + write bytes).
 
 Variants: "core" (gate math + l2norm + delta rule; q, k, v given) with v_split 1 / 2 / 4 (tiles
 per head), "stream" (the core as a streaming block: a persistent grid, one tile per head, its
-V-slices through the smem ring; "2/SM": two CTAs per SM), "fused" (short conv + core + gated output norm, v_split 1; the conv outputs staged in
+V-slices through the smem ring; "2/SM": two CTAs per SM), "megakernel layers" (enough layers
+for their states to exceed the L2 in ONE megakernel launch, layer l+1's v = layer l's output,
+beside the same layers as standalone PDL launches: bench_chain), "fused" (short conv + core + gated output norm, v_split 1; the conv outputs staged in
 shared memory), "fused ... per-lane" (conv_staged=False: each conv output computed by every lane
 that reads it), "bf16" (bf16 state), and "verify4" (4-token verify pass, commit none, + the
 commit pass re-running 2 accepted tokens); at batch 64 also k_warps 1 / 8 and "no-pdl".
@@ -71,6 +73,58 @@ def torch_step(block, t, state, conv_state=None, n_tokens=None):
     if c.out_norm:
         o = F.rms_norm(o, (K,), t["norm_w"].float(), c.norm_eps) * torch.sigmoid(t["out_gate"][:, :T].float())
     return o.to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------ KDA layers in one megakernel launch
+PER_LAYER = ("state", "conv_state", "o", "states_out")
+
+
+def layer_chain(block, layers: int):
+    """A megakernel program of `layers` KDA ops of `block`, in one launch as a model's layers
+    are: each layer its own state (and conv state, output); without the conv, layer l+1's v is
+    layer l's output o and the op waits for layer l (a dependency through the launch's
+    counters), with the conv the layers are independent. Per-layer buffers are named
+    f"{operand}{l}" (PER_LAYER), the others are shared by the layers. Returns the Program."""
+    from sdk.megakernel.program import Program
+    prog = Program()
+    specs = block.operand_specs()
+    chained = any(s.name == "v" for s in specs)
+    for s in specs:
+        names = [f"{s.name}{i}" for i in range(layers)] if s.name in PER_LAYER else [s.name]
+        for n in names:
+            prog.buffer(n, s.shape, s.dtype, role="output" if s.output else "input")
+    prev = None
+    for i in range(layers):
+        bind = {s.name: f"{s.name}{i}" if s.name in PER_LAYER else s.name for s in specs}
+        if chained and i > 0:
+            bind["v"] = f"o{i - 1}"
+        prev = prog.op(block, bind, waits=[prev] if chained and prev is not None else [], label=f"kda{i}")
+    return prog
+
+
+def layer_chain_inputs(block, layers: int, seed: int, device="cpu") -> dict:
+    """Fresh random tensors for every buffer of layer_chain(block, layers): the shared operands
+    and each layer's own state / conv state from block.random_operands (outputs NaN-poisoned)."""
+    per = [block.random_operands(seed=seed + 1000 * i, device=device) for i in range(layers)]
+    t = {n: v for n, v in per[0].items() if n not in PER_LAYER}
+    for i, ti in enumerate(per):
+        t.update({f"{n}{i}": v for n, v in ti.items() if n in PER_LAYER})
+    return t
+
+
+def layer_chain_reference(block, t: dict, layers: int) -> dict:
+    """The fp32 reference of layer_chain's launch from the tensors `t` (program buffer names):
+    {buffer name: expected value} for every per-layer output; a chained layer's v is the bf16
+    of the previous layer's reference output (what the device writes and reads)."""
+    chained = "v" in block.operands()
+    out = {}
+    for i in range(layers):
+        ti = {n: t[f"{n}{i}" if n in PER_LAYER else n] for n in block.operands() if (f"{n}{i}" in t or n in t)}
+        if chained and i > 0:
+            ti["v"] = out[f"o{i - 1}"].to(torch.bfloat16)
+        for name, v in block.reference(**ti).items():
+            out[f"{name}{i}"] = v
+    return out
 
 
 # ------------------------------------------------------------------ one case
@@ -145,6 +199,53 @@ def bench_case(model, heads, batch, variant, kw, copy_bw, check=True):
             "launch": [{"pdl": k.get("pdl", True), "ctas_per_sm": k.get("ctas_per_sm")} for k in kw]}
 
 
+def bench_chain(model, heads, batch, variant, kw, copy_bw):
+    """`layers` KDA layers (layer_chain: layer l+1's v = layer l's output) in ONE megakernel
+    launch, against the same layers as standalone launches (PDL) and as PyTorch, one CUDA graph
+    of steps each. Enough layers that their states exceed the L2 (every layer's state comes from
+    HBM). kw: the KDAConfig fields, plus "pdl" (MegakernelRuntime's) if wanted."""
+    from sdk.blocks._cute import standalone
+    from sdk.blocks.kda import KDABlock, KDAConfig
+    from sdk.megakernel.runtime import program_runtime
+    kw = dict(kw)
+    pdl = kw.pop("pdl", False)
+    block = KDABlock(KDAConfig(batch=batch, heads=heads, head_dim=128, **kw))
+    one_state = block.state_bytes() // 2
+    L = max(2, -(-L2_FLUSH_BYTES // one_state))
+    prog = layer_chain(block, L)
+    t = layer_chain_inputs(block, L, seed=batch, device="cuda")
+    ref = layer_chain_reference(block, t, L)
+    rt = program_runtime(prog, {}, inputs={k: v.clone() for k, v in t.items()}, pdl=pdl)
+    rt.run()
+    last = f"o{L - 1}"
+    err = ((rt.tensors[last].float() - ref[last]).norm() / ref[last].norm()).item()
+    us, mode = timed([rt.launch] * 8)
+    rt.check()
+    # the same layers as standalone launches (PDL), on the runtime's buffers
+    fn = standalone(block, pdl=True)
+    tabs = [torch.tensor([rt.tensors[op.bindings[n]].data_ptr() if op.bindings.get(n) else 0
+                          for n in block.operands()], dtype=torch.int64, device="cuda") for op in prog.ops]
+    sa_us, _ = timed([lambda: [fn(tab.data_ptr(), cu_stream()) for tab in tabs]] * 8)
+
+    def tstep():
+        for i in range(L):
+            ti = {n: rt.tensors[f"{n}{i}" if n in PER_LAYER else n] for n in block.operands()
+                  if (f"{n}{i}" if n in PER_LAYER else n) in rt.tensors}
+            if "v" in ti and i > 0:
+                ti["v"] = rt.tensors[f"o{i - 1}"]
+            rt.tensors[f"o{i}"].copy_(torch_step(block, ti, ti["state"], ti.get("conv_state")))
+    torch_us, _ = timed([tstep])
+    state_bytes = L * block.state_bytes()
+    floor_us = state_bytes / (copy_bw * 1e3)
+    return {"case": f"{model} B={batch} {variant}", "model": model, "heads": heads, "batch": batch,
+            "variant": variant, "configs": [str(block.config)], "layers": L, "tiles": block.num_tiles(),
+            "state_bytes": state_bytes, "us": us, "gbs": state_bytes / (us * 1e3), "floor_us": floor_us,
+            "fraction_of_floor": floor_us / us, "standalone_pdl_us": sa_us,
+            "standalone_fraction_of_floor": floor_us / sa_us, "torch_graph_us": torch_us,
+            "speedup_vs_torch_graph": torch_us / us, "timing_mode": mode, "rel_err": err,
+            "launch": {"megakernel_pdl": pdl}}
+
+
 # tiles per head: enough tiles for the SMs at small batch; at batch 64 quarter heads, whose 32-column
 # tiles take 4 warps across K (KDABlock.nwk): K3 TP8 80.4% of copy vs 68.4% whole heads (H200)
 AUTO_SPLIT = {1: 4, 8: 2, 64: 4}
@@ -165,18 +266,18 @@ def cases(quick: bool):
             # the streaming form (KDAConfig.stream: tile = head, V-slices through the smem ring)
             out.append((model, heads, batch, "stream v_split=4", [dict(stream=True, v_split=4)]))
             if batch == 64:
-                for name, extra in (("k_warps=8", dict(k_warps=8)), ("2/SM", dict(ctas_per_sm=2)),
-                                    ("3/SM", dict(ctas_per_sm=3)), ("k_warps=2 3/SM", dict(k_warps=2, ctas_per_sm=3))):
-                    out.append((model, heads, batch, f"stream v_split=4 {name}", [dict(stream=True, v_split=4, **extra)]))
-                out.append((model, heads, batch, "stream v_split=2", [dict(stream=True, v_split=2)]))
+                out.append((model, heads, batch, "stream v_split=4 2/SM", [dict(stream=True, v_split=4, ctas_per_sm=2)]))
+                # layers in one megakernel launch (bench_chain): the one-tile form walked by one
+                # CTA per SM vs the streaming form (the next tiles' state loaded ahead)
+                for name, extra in (("core v_split=4", dict(v_split=4)), ("stream v_split=4", dict(v_split=4, stream=True)),
+                                    ("stream v_split=4 pdl", dict(v_split=4, stream=True, pdl=True)),
+                                    ("conv+norm", dict(conv=True, out_norm=True))):
+                    out.append((model, heads, batch, f"megakernel layers {name}", [extra]))
             if batch == 64:     # warps across K (KDAConfig.k_warps; the v_split=2 default is 4)
                 for vs, kw_ in ((2, 1), (2, 8), (4, 1), (4, 8)):
                     out.append((model, heads, batch, f"core v_split={vs} k_warps={kw_}",
                                 [dict(v_split=vs, k_warps=kw_)]))
                 out.append((model, heads, batch, "core v_split=4 no-pdl", [dict(v_split=4, pdl=False)]))
-                out.append((model, heads, batch, "core v_split=4 cs", [dict(v_split=4, state_cache="cs")]))
-                out.append((model, heads, batch, "core v_split=4 k_warps=8 cs",
-                            [dict(v_split=4, k_warps=8, state_cache="cs")]))
                 out.append((model, heads, batch, "fused conv+norm no-pdl", [dict(conv=True, out_norm=True, pdl=False)]))
             if full:
                 vs = AUTO_SPLIT[batch]
@@ -197,7 +298,10 @@ def run(out_dir: str, quick: bool = False, match: list[str] | None = None) -> di
         if match and not any(m in name for m in match):
             continue
         try:
-            r = bench_case(model, heads, batch, variant, kw, copy_bw)
+            if variant.startswith("megakernel"):
+                r = bench_chain(model, heads, batch, variant, kw[0], copy_bw)
+            else:
+                r = bench_case(model, heads, batch, variant, kw, copy_bw)
         except Exception as exc:
             r = {"case": f"{model} B={batch} {variant}", "error": f"{type(exc).__name__}: {exc}"}
         print(_line(r), flush=True)

@@ -91,9 +91,6 @@ class KDAConfig:
                                          # instead of by every lane that reads them (32x for q, k):
                                          # K3 TP8 batch 64 fused step 43.3% of copy vs 25.5% (H200);
                                          # without conv it has nothing to stage
-    state_cache: str = ""                # "" (default caching) | "cs": the one-tile form's state
-                                         # loads / stores as ld.global.cs / st.global.cs (evict-first
-                                         # in L2: each state line is touched once per step); fp32 state
     stream: bool = False                 # the streaming form: tile = (sequence, head), its V-slices
                                          # the chunks of the megakernel's smem ring (the state loaded
                                          # ahead like GEMV weights); no conv / out_norm fusion
@@ -172,8 +169,6 @@ class KDABlock(Block):
         if (c.conv or c.out_norm) and c.v_split != 1:
             u("kda: conv / out_norm fusion needs the whole head in one tile (v_split=1): the conv "
               "state is shared by the head's tiles and the norm reduces over all of V")
-        if c.state_cache not in ("", "cs") or (c.state_cache and (c.state_dtype != "fp32" or c.stream)):
-            u(f"kda: state_cache={c.state_cache!r} (supported: '' or 'cs' with an fp32 state, one-tile form)")
         if c.stream and (c.conv or c.out_norm):
             u("kda: the streaming form (stream=True) fuses neither the conv nor the output norm")
         if c.stream and c.head_dim % 32:

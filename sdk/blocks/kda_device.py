@@ -223,7 +223,6 @@ def build_kda_tile(block):
     norm_eps = float(c.norm_eps)
     staged = c.conv_staged and c.conv
     NCONV = T * 3 * K                        # staged conv outputs of the tile's head (all tokens)
-    streaming_hint = c.state_cache == "cs"   # fp32 state (KDABlock.check)
 
     def bf16_round(x):
         return x.to(BFloat16).to(Float32)
@@ -292,14 +291,7 @@ def build_kda_tile(block):
         # the state slice: all loads issued at once (RK x 16 bytes in flight per thread)
         rS = cute.make_rmem_tensor((RK, 4), Float32)
         for j in cutlass.range_constexpr(RK):
-            if cutlass.const_expr(streaming_hint):
-                v4 = cute.arch.inline_ptx(
-                    "ld.global.cs.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];", write_only_types=[Float32] * 4,
-                    read_only_args=[mS[b, h, k0 + j, c4, None].iterator.toint()])
-                for e in cutlass.range_constexpr(4):
-                    rS[j, e] = v4[e]
-            else:
-                rS[j, None].store(mS[b, h, k0 + j, c4, None].load().to(Float32))
+            rS[j, None].store(mS[b, h, k0 + j, c4, None].load().to(Float32))
 
         n_tok = Int32(T)
         if cutlass.const_expr(commit == "accepted"):
@@ -391,13 +383,7 @@ def build_kda_tile(block):
         if cutlass.const_expr(write_state):
             if n_tok > 0:
                 for j in cutlass.range_constexpr(RK):
-                    if cutlass.const_expr(streaming_hint):
-                        cute.arch.inline_ptx(
-                            "st.global.cs.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
-                            read_only_args=[mS[b, h, k0 + j, c4, None].iterator.toint(),
-                                            rS[j, 0], rS[j, 1], rS[j, 2], rS[j, 3]])
-                    else:
-                        mS[b, h, k0 + j, c4, None].store(rS[j, None].load().to(sdt))
+                    mS[b, h, k0 + j, c4, None].store(rS[j, None].load().to(sdt))
             if cutlass.const_expr(conv):
                 # new conv state = window columns n_tok .. n_tok+W1-1 of the head's 3K channels,
                 # spread over all threads; read everything before anyone overwrites it

@@ -76,7 +76,6 @@ CASES = [
     dict(stream=True, v_split=2, k_warps=8, state_dtype="bf16", gate_kind="softplus"),
     dict(stream=True, v_split=2, tokens=3, commit="per_token", out_dtype="fp32"),
     dict(stream=True, tokens=4, commit="none", gate_kind="log_decay"),
-    dict(v_split=4, state_cache="cs"),                             # evict-first state loads / stores
 ]
 
 
@@ -202,3 +201,43 @@ def test_kda_pdl_back_to_back_steps_feed_each_other(kw):
             tol = BF16_TOL if t[name].dtype == torch.bfloat16 else FP32_STATE_TOL
             err = rel_err(t[name], ref[name])
             assert err <= tol, f"{name} after 4 steps: relative error {err:.3e} > {tol}"
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("kw", [dict(v_split=4), dict(v_split=4, stream=True), dict(conv=True, out_norm=True),
+                                dict(v_split=2, stream=True, tokens=2, state_dtype="bf16")],
+                         ids=["core", "stream", "conv+norm", "stream-bf16-T2"])
+def test_kda_layer_chain_one_launch(model, kw):
+    """KDA as megakernel instructions: three layers in ONE megakernel launch (bench.kda_bench.
+    layer_chain - layer l+1's v is layer l's output, waited for through the counters; the conv
+    variant's layers independent), batch 64 at the TP8 shapes, two launches carrying the states,
+    outputs NaN-poisoned before each: every layer's output and state equal the chained fp32
+    reference."""
+    need_gpu()
+    from bench.kda_bench import layer_chain, layer_chain_inputs, layer_chain_reference
+    from sdk.blocks.kda import KDABlock, KDAConfig
+    L = 3
+    block = KDABlock(KDAConfig(batch=64, heads=SHAPES[model], head_dim=128, **kw))
+    prog = layer_chain(block, L)
+    seed = harness.clock_seed()
+    t = layer_chain_inputs(block, L, seed=seed, device="cuda")
+    rt = harness.program_runtime(prog, {}, inputs=t)
+    carried = {}
+    for launch in range(2):
+        fresh = layer_chain_inputs(block, L, seed=seed + 1 + launch, device="cuda")
+        fresh.update(carried)
+        ref = layer_chain_reference(block, fresh, L)
+        for name, v in fresh.items():
+            rt.tensors[name].copy_(v)
+        rt.run()
+        for name, r in ref.items():
+            g = rt.tensors[name]
+            base = name.rstrip("0123456789")
+            if base == "conv_state":
+                assert torch.equal(g, r), f"seed {seed}, launch {launch}: {name} (values are moved: exact)"
+                continue
+            tol = (FP32_STATE_TOL if g.dtype == torch.float32 else BF16_STATE_TOL) if base == "state" else BF16_TOL
+            err = harness.rel_err(g, r)
+            assert err <= tol, f"seed {seed}, launch {launch}: {name} relative error {err:.3e} > {tol}"
+        carried = {f"{n}{i}": rt.tensors[f"{n}{i}"].clone() for i in range(L) for n in ("state", "conv_state")
+                   if f"{n}{i}" in rt.tensors}

@@ -267,6 +267,11 @@ def cases(quick: bool):
             out.append((model, heads, batch, "stream v_split=4", [dict(stream=True, v_split=4)]))
             if batch == 64:
                 out.append((model, heads, batch, "stream v_split=4 2/SM", [dict(stream=True, v_split=4, ctas_per_sm=2)]))
+                for hpt in [n for n in (2, 3, 4) if heads % n == 0]:   # heads per tile: one begin per group
+                    out.append((model, heads, batch, f"stream v_split=4 hpt={hpt}",
+                                [dict(stream=True, v_split=4, heads_per_tile=hpt)]))
+                    out.append((model, heads, batch, f"megakernel layers stream v_split=4 hpt={hpt}",
+                                [dict(stream=True, v_split=4, heads_per_tile=hpt)]))
                 # layers in one megakernel launch (bench_chain): the one-tile form walked by one
                 # CTA per SM vs the streaming form (the next tiles' state loaded ahead)
                 for name, extra in (("core v_split=4", dict(v_split=4)), ("stream v_split=4", dict(v_split=4, stream=True)),

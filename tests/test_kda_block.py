@@ -51,6 +51,7 @@ VARIANTS = [
     dict(stream=True, v_split=2),                                        # tile = (b, h), all slices
     dict(stream=True, v_split=2, tokens=3, commit="accepted", gate_kind="softplus"),
     dict(stream=True, tokens=2, commit="per_token", state_dtype="bf16"),
+    dict(stream=True, v_split=2, heads_per_tile=2, tokens=3, commit="accepted"),   # tile = both heads
 ]
 
 
@@ -237,7 +238,8 @@ def test_verify_then_commit_equals_single_steps(kw):
 @pytest.mark.parametrize("kw", [dict(v_split=2, conv=True), dict(v_split=2, out_norm=True), dict(v_split=8),
                                 dict(head_dim=256), dict(tokens=17), dict(commit="later"),
                                 dict(gate_kind="exp"), dict(state_dtype="fp8_e4m3"), dict(k_warps=3),
-                                dict(stream=True, conv=True), dict(stream=True, out_norm=True)])
+                                dict(stream=True, conv=True), dict(stream=True, out_norm=True),
+                                dict(heads_per_tile=2), dict(stream=True, heads_per_tile=3)])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):
         KDABlock(KDAConfig(**{**TINY, "head_dim": 128, **kw}))
@@ -264,6 +266,8 @@ COMPILE_VARIANTS = [
     dict(batch=8, heads=12, tokens=4, v_split=4, state_dtype="bf16", commit="accepted", stream=True),
     dict(batch=2, heads=8, tokens=3, v_split=2, commit="per_token", gate_kind="log_decay", stream=True, k_warps=8),
     dict(batch=64, heads=8, v_split=4, k_warps=1, stream=True),
+    dict(batch=64, heads=12, v_split=4, stream=True, heads_per_tile=3),
+    dict(batch=4, heads=8, v_split=2, tokens=3, commit="accepted", stream=True, heads_per_tile=4, gate_kind="softplus"),
 ]
 
 
@@ -283,7 +287,7 @@ def test_k_warps_thread_mapping(kw, lanes):
 
 
 def test_streaming_form_geometry():
-    """stream=True: one tile per (sequence, head), its V-slices the ring's chunks (the state slice,
+    """stream=True: one tile per (sequence, head group), its heads' V-slices the ring's chunks (the state slice,
     unpadded); the head's staged inputs and the K-sum exchange in the activation area."""
     b = KDABlock(KDAConfig(batch=64, heads=8, head_dim=128, v_split=4, stream=True))
     assert (b.num_tiles(), b.stream_chunks(), b.chunk_bytes()) == (512, 4, 128 * 32 * 4)
@@ -292,6 +296,11 @@ def test_streaming_form_geometry():
     assert b.num_tiles() * b.cost().bytes >= b.state_bytes()
     one = KDABlock(KDAConfig(batch=64, heads=8, head_dim=128, v_split=4))
     assert (one.num_tiles(), one.stream_chunks(), one.x_smem_bytes()) == (2048, 0, 0)
+    # heads_per_tile: a tile stages 4 heads' inputs, its chunks are their 4 x 4 slices
+    g = KDABlock(KDAConfig(batch=64, heads=8, head_dim=128, v_split=4, stream=True, heads_per_tile=4))
+    assert (g.num_tiles(), g.stream_chunks(), g.chunk_bytes()) == (128, 16, 128 * 32 * 4)
+    assert g.x_smem_bytes() == 4 * (4 * 4 * 128 + 4 + 4 * (2 * 32 + 2))
+    assert g.cost().bytes == 4 * b.cost().bytes
 
 
 def test_k_warps_auto_needs_many_tiles():
@@ -326,8 +335,9 @@ def test_inlines_into_the_megakernel():
     assert blocks[2].own_smem_bytes() == 0 and blocks[3].own_smem_bytes() == 4 * 4 * (2 * 64 + 2)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(stream=True, v_split=2), dict(conv=True, out_norm=True)],
-                         ids=["one-tile", "stream", "conv+norm"])
+@pytest.mark.parametrize("kw", [dict(), dict(stream=True, v_split=2), dict(conv=True, out_norm=True),
+                                dict(stream=True, v_split=2, heads_per_tile=2)],
+                         ids=["one-tile", "stream", "conv+norm", "stream-2-heads"])
 def test_pyvm_layer_chain_equals_reference(kw):
     """Three KDA layers in one megakernel program (bench.kda_bench.layer_chain: layer l+1's v is
     layer l's output, waited for through the counters; independent layers with the conv), run by

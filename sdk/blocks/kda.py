@@ -91,9 +91,13 @@ class KDAConfig:
                                          # instead of by every lane that reads them (32x for q, k):
                                          # K3 TP8 batch 64 fused step 43.3% of copy vs 25.5% (H200);
                                          # without conv it has nothing to stage
-    stream: bool = False                 # the streaming form: tile = (sequence, head), its V-slices
-                                         # the chunks of the megakernel's smem ring (the state loaded
-                                         # ahead like GEMV weights); no conv / out_norm fusion
+    stream: bool = False                 # the streaming form: tile = (sequence, heads_per_tile
+                                         # heads), its V-slices the chunks of the megakernel's smem
+                                         # ring (the state loaded ahead like GEMV weights); no conv /
+                                         # out_norm fusion
+    heads_per_tile: int = 1              # stream=True: heads of one tile, their inputs staged by one
+                                         # `begin` - whose loads queue behind the ring's copies
+                                         # in flight, a wait paid once per tile (docs/kda.md)
     k_warps: int = 0                     # warps across K (1: each warp holds all K rows of its
                                          # columns, K sums are warp shuffles; 2 / 4 / 8: more lanes
                                          # across V - longer contiguous row segments per load -
@@ -171,6 +175,8 @@ class KDABlock(Block):
               "state is shared by the head's tiles and the norm reduces over all of V")
         if c.stream and (c.conv or c.out_norm):
             u("kda: the streaming form (stream=True) fuses neither the conv nor the output norm")
+        if c.heads_per_tile < 1 or c.heads % c.heads_per_tile or (c.heads_per_tile > 1 and not c.stream):
+            u(f"kda: heads_per_tile={c.heads_per_tile} (a divisor of heads={c.heads}; > 1 only with stream=True)")
         if c.stream and c.head_dim % 32:
             u(f"kda: stream=True needs head_dim a multiple of 32 (one warp per token stages q, k), got {c.head_dim}")
         if c.conv and c.conv_kernel < 2:
@@ -207,7 +213,7 @@ class KDABlock(Block):
 
     def num_tiles(self) -> int:
         c = self.config
-        return c.batch * c.heads * (1 if c.stream else c.v_split)
+        return c.batch * c.heads // c.heads_per_tile if c.stream else c.batch * c.heads * c.v_split
 
     def own_smem_bytes(self) -> int:
         c = self.config
@@ -218,7 +224,8 @@ class KDABlock(Block):
 
     # -- the streaming form (stream=True; kda_device.build_kda_stream) --------------------------
     def stream_chunks(self) -> int:
-        return self.config.v_split if self.config.stream else 0
+        c = self.config
+        return c.v_split * c.heads_per_tile if c.stream else 0
 
     def chunk_bytes(self) -> int:
         c = self.config
@@ -228,10 +235,11 @@ class KDABlock(Block):
         return ("state",) if self.config.stream else ()
 
     def stream_sx_exchange_offset(self) -> int:
-        """fp32 word offset of the cross-warp K sums in `sx`, after the head's staged q, k, decay,
-        v [T, 4, K] and beta [T] (16-byte aligned)."""
+        """fp32 word offset of the cross-warp K sums in `sx`, after the tile's staged q, k, decay,
+        v [T, heads_per_tile, 4, K] and beta [T, heads_per_tile] (16-byte aligned)."""
         c = self.config
-        return -(-(c.tokens * 4 * c.head_dim + c.tokens) // 4) * 4
+        n = c.tokens * c.heads_per_tile
+        return -(-(n * 4 * c.head_dim + n) // 4) * 4
 
     def x_smem_bytes(self) -> int:
         if not self.config.stream:
@@ -254,7 +262,8 @@ class KDABlock(Block):
     def cost(self) -> Cost:
         c = self.config
         K, T = c.head_dim, c.tokens
-        vs = c.head_dim if c.stream else self.vs      # the streaming tile runs every slice of its head
+        vs = c.head_dim if c.stream else self.vs      # a streaming tile: whole heads (heads_per_tile)
+        nh = c.heads_per_tile if c.stream else 1
         sb = 4 if c.state_dtype == "fp32" else 2
         writes = {"all": 1, "accepted": 1, "none": 0, "per_token": T}[c.commit]
         b = K * vs * sb * (1 + writes)
@@ -265,7 +274,7 @@ class KDABlock(Block):
             b += 3 * K * (c.conv_kernel - 1) * 2 * 2 + 3 * K * c.conv_kernel * 4
         if c.out_norm:
             b += T * vs * 2 + vs * 2
-        return Cost(bytes=b, flops=T * K * vs * 10)
+        return Cost(bytes=nh * b, flops=nh * T * K * vs * 10)
 
     def _kspec(self) -> KDASpec:
         c = self.config
@@ -408,13 +417,16 @@ class KDABlock(Block):
 
     def emulate_tile(self, t: dict[str, torch.Tensor], tile: int) -> None:
         c = self.config
-        if c.stream:                    # tile = (b, h), every slice
-            (b, h), cols = divmod(tile, c.heads), slice(0, c.head_dim)
+        if c.stream:                    # tile = (b, group of heads), every slice
+            hpt = c.heads_per_tile
+            (b, g), cols = divmod(tile, c.heads // hpt), slice(0, c.head_dim)
+            heads = slice(g * hpt, (g + 1) * hpt)
         else:
             b, rest = divmod(tile, c.heads * c.v_split)
             h, sl = divmod(rest, c.v_split)
             cols = slice(sl * self.vs, (sl + 1) * self.vs)
-        b_sl, heads = slice(b, b + 1), slice(h, h + 1)
+            heads = slice(h, h + 1)
+        b_sl = slice(b, b + 1)
         o, s, n, full = self._run(t, b_sl, heads, cols, t["state"][b_sl, heads, :, cols].float())
         self._store(t, b_sl, heads, cols, o, s, n, full, t)
 

@@ -6,12 +6,15 @@ Two forms of the same per-token math (`delta_rule`):
 - the one-tile form (`build_kda_tile`): one tile = one (sequence b, head h, V-slice); the tile
   loads its state slice into registers itself, derives q, k, the decay and beta of its head, runs
   the T tokens and writes the slice back;
-- the streaming form (`build_kda_stream`, `KDAConfig.stream`): one tile = one (sequence, head),
-  its V-slices are the chunks of the megakernel's shared-memory ring. The state is data no earlier
+- the streaming form (`build_kda_stream`, `KDAConfig.stream`): one tile = one sequence's group of
+  `heads_per_tile` heads, their V-slices are the chunks of the megakernel's shared-memory ring
+  (chunk c = head c // v_split of the group, slice c % v_split). The state is data no earlier
   instruction of the launch writes, so the ring loads it ahead, across instruction boundaries and
-  before the tile's dependency wait, exactly like GEMV weights; `begin` stages the head's
+  before the tile's dependency wait, exactly like GEMV weights; `begin` stages the group's
   normalised q, k, decay, v and beta once (not once per slice), `consume` runs a slice from its
-  stage, `end` has nothing left to do.
+  stage, `end` has nothing left to do. begin's loads queue behind the ring's copies in flight
+  (the same SM's memory pipeline), so a tile pays about the ring's latency once: more heads per
+  tile spread it over more chunks.
 
 Thread mapping (both forms): the 8 warps are NWV across the columns x NWK (`k_warps`) across K:
 warp w = wk * NWV + wv. Thread (warp, lane) holds S[k0 : k0+RK, cols] in registers, k0 = (wk * LK
@@ -404,9 +407,10 @@ def build_kda_tile(block):
 
 
 def build_kda_stream(block):
-    """The streaming form (see the module docstring): tile t = (b, h) = (t // H, t % H), chunk c =
-    V-slice c. Smem activations `sx`: [T, 4, K] fp32 (q * K^-0.5 / |q|, k / |k|, exp(a), v), then
-    beta [T] fp32, then the cross-warp K-sum exchange (NWK > 1)."""
+    """The streaming form (see the module docstring): tile t = (b, group g) = (t // (H / HPT),
+    t % (H / HPT)), heads g * HPT + i; chunk c = V-slice c % v_split of head i = c // v_split.
+    Smem activations `sx`: [T, HPT, 4, K] fp32 (q * K^-0.5 / |q|, k / |k|, exp(a), v), then beta
+    [T, HPT] fp32, then the cross-warp K-sum exchange (NWK > 1)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
@@ -416,7 +420,9 @@ def build_kda_stream(block):
 
     P = _Parts(block)
     B, T, H, K, V = P.B, P.T, P.H, P.K, P.V
-    VS, RK = P.VS, P.RK
+    VS, RK, VSPLIT = P.VS, P.RK, P.VSPLIT
+    HPT = block.config.heads_per_tile
+    GROUPS = H // HPT                        # head groups (tiles) per sequence
     idx, commit, write_state, log_decay = P.idx, P.commit, P.write_state, P.log_decay
     sdt, odt, s_align, o_align, gdt = P.sdt, P.odt, P.s_align, P.o_align, P.gdt
     NW = NUM_THREADS // 32
@@ -427,7 +433,7 @@ def build_kda_stream(block):
     UNITS = K * UPR                          # units of a chunk
     H4 = EU // 4                             # 4-column groups per unit
     KPL = K // 32                            # K elements per lane in begin (one warp per token)
-    SX_BETA = T * 4 * K                      # fp32 word offsets in sx
+    SX_BETA = T * HPT * 4 * K                # fp32 word offsets in sx
     SX_EX = block.stream_sx_exchange_offset()
 
     @cute.jit
@@ -437,23 +443,25 @@ def build_kda_stream(block):
                                    sdt, num_bits_per_copy=128)
         mS = gmem_tensor(ptrs[idx["state"]], sdt, (B * H, K, V // EU, EU), 16)
         sS = smem_tensor(stage_addr, sdt, (K, UPR, EU))
+        bh = t * HPT + ch // VSPLIT              # = b * H + g * HPT + head of the group
+        sl = ch % VSPLIT
         for j in cutlass.range_constexpr(-(-UNITS // NP)):
             u = p + NP * j
             if (p >= 0) & (u < UNITS):
                 r = u // UPR
                 cu = u - r * UPR
-                cute.copy(atom, mS[t, r, ch * UPR + cu, None], sS[r, cu ^ ((r // RK) % UPR), None])
+                cute.copy(atom, mS[bh, r, sl * UPR + cu, None], sS[r, cu ^ ((r // RK) % UPR), None])
 
     @cute.jit
     def begin(ptrs, t: Int32, sx, scratch, fresh: Int32):
-        """The head's inputs, one warp per token: l2norms by warp butterflies, gate -> decay."""
+        """The group's inputs, one warp per (token, head): l2norms by warp butterflies, gate -> decay."""
         tid, _, _ = cute.arch.thread_idx()
         lane = tid % 32
         warp = tid // 32
-        b = t // H
-        h = t % H
-        sIn = smem_tensor(sx, Float32, (T, 4, K))
-        sBeta = smem_tensor(sx + 4 * SX_BETA, Float32, (T,))
+        b = t // GROUPS
+        h0 = (t % GROUPS) * HPT
+        sIn = smem_tensor(sx, Float32, (T * HPT, 4, K))
+        sBeta = smem_tensor(sx + 4 * SX_BETA, Float32, (T * HPT,))
         # each lane's KPL consecutive elements as one vector load per operand, all issued first
         a16, ag = _pow2_align(2 * KPL), _pow2_align((2 if gdt is BFloat16 else 4) * KPL)
         mQ = gmem_tensor(ptrs[idx["q"]], BFloat16, (B, T, H, 32, KPL), a16)
@@ -461,22 +469,31 @@ def build_kda_stream(block):
         mV = gmem_tensor(ptrs[idx["v"]], BFloat16, (B, T, H, 32, KPL), a16)
         mG = gmem_tensor(ptrs[idx["g"]], gdt, (B, T, H, 32, KPL), ag)
         mBeta = gmem_tensor(ptrs[idx["beta"]], BFloat16, (B, T, H), 2)
-        rate = Float32(1.0)
         rdt = cute.make_rmem_tensor((KPL,), Float32)
-        if cutlass.const_expr(not log_decay):
-            mDt = gmem_tensor(ptrs[idx["dt_bias"]], Float32, (H, 32, KPL), _pow2_align(4 * KPL))
-            mA = gmem_tensor(ptrs[idx["a_log"]], Float32, (H,), 4)
-            rate = cute.math.exp(mA[h], fastmath=False)
-            rdt.store(mDt[h, lane, None].load())
         rq = cute.make_rmem_tensor((KPL,), Float32)
         rk = cute.make_rmem_tensor((KPL,), Float32)
         rg = cute.make_rmem_tensor((KPL,), Float32)
         rv = cute.make_rmem_tensor((KPL,), Float32)
-        for tt in cutlass.range(warp, T, NW, unroll=1):
+        n_tok = Int32(T)
+        if cutlass.const_expr(commit == "accepted"):
+            mN = gmem_tensor(ptrs[idx["n_accepted"]], Int32, (B,), 4)
+            n_tok = mN[b]
+        for item in cutlass.range(warp, T * HPT, NW, unroll=1):     # item = tt * HPT + head of the group
+            tt = item // HPT
+            h = h0 + item % HPT
+            # every load issued before the first use: they wait behind the ring's copies in flight
+            a_log = Float32(0.0)
+            if cutlass.const_expr(not log_decay):
+                mDt = gmem_tensor(ptrs[idx["dt_bias"]], Float32, (H, 32, KPL), _pow2_align(4 * KPL))
+                mA = gmem_tensor(ptrs[idx["a_log"]], Float32, (H,), 4)
+                a_log = mA[h]
+                rdt.store(mDt[h, lane, None].load())
             rq.store(mQ[b, tt, h, lane, None].load().to(Float32))
             rk.store(mK[b, tt, h, lane, None].load().to(Float32))
             rg.store(mG[b, tt, h, lane, None].load().to(Float32))
             rv.store(mV[b, tt, h, lane, None].load().to(Float32))
+            beta = mBeta[b, tt, h].to(Float32)
+            rate = cute.math.exp(a_log, fastmath=False)
             qs = Float32(0.0)
             ks = Float32(0.0)
             for e in cutlass.range_constexpr(KPL):
@@ -488,29 +505,24 @@ def build_kda_stream(block):
                     d = cute.math.exp(rg[e], fastmath=False)
                 else:
                     d = P.decay(rg[e] + rdt[e], rate)
-                sIn[tt, 2, kk] = d
-                sIn[tt, 3, kk] = rv[e]
+                sIn[item, 2, kk] = d
+                sIn[item, 3, kk] = rv[e]
             for o in (1, 2, 4, 8, 16):
                 qs = qs + cute.arch.shuffle_sync_bfly(qs, offset=o)
                 ks = ks + cute.arch.shuffle_sync_bfly(ks, offset=o)
             qn = cute.math.rsqrt(qs + Float32(P.eps)) * Float32(P.scale)
             kn = cute.math.rsqrt(ks + Float32(P.eps))
             for e in cutlass.range_constexpr(KPL):
-                sIn[tt, 0, lane * KPL + e] = rq[e] * qn
-                sIn[tt, 1, lane * KPL + e] = rk[e] * kn
+                sIn[item, 0, lane * KPL + e] = rq[e] * qn
+                sIn[item, 1, lane * KPL + e] = rk[e] * kn
             if lane == 0:
-                beta = mBeta[b, tt, h].to(Float32)
                 if cutlass.const_expr(P.beta_sig):
                     beta = P.sigmoid(beta)
-                sBeta[tt] = beta
-        n_tok = Int32(T)
-        if cutlass.const_expr(commit == "accepted"):
-            mN = gmem_tensor(ptrs[idx["n_accepted"]], Int32, (B,), 4)
-            n_tok = mN[b]
-            if n_tok > T:
-                n_tok = Int32(T)
-            if n_tok < 0:
-                n_tok = Int32(0)
+                sBeta[item] = beta
+        if n_tok > T:
+            n_tok = Int32(T)
+        if n_tok < 0:
+            n_tok = Int32(0)
         cute.arch.sync_threads()
         return [n_tok]
 
@@ -520,23 +532,25 @@ def build_kda_stream(block):
 
     @cute.jit
     def consume(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):
-        """V-slice ch of head t: the slice from its stage into registers, the T tokens, the
-        outputs (and the slice) straight to global memory."""
+        """Chunk ch of tile t (V-slice ch % v_split of the group's head ch // v_split): the slice
+        from its stage into registers, the T tokens, the outputs (and the slice) straight to
+        global memory."""
         n_tok = state[0]
         tid, _, _ = cute.arch.thread_idx()
         lane, wv, wk, vl, kl, kq, col = P.lane_coords(tid)
-        b = t // H
-        h = t % H
+        hg = ch // VSPLIT                              # the head within the group
+        b = t // GROUPS
+        h = (t % GROUPS) * HPT + hg
         cl = col // 4                                  # this lane's 4-column group in the slice
-        c4 = ch * (VS // 4) + cl                       # ... in [0, V/4)
+        c4 = (ch % VSPLIT) * (VS // 4) + cl            # ... in [0, V/4)
         sS = smem_tensor(stage_addr, sdt, (K, UPR, H4, 4))
         sw = kq % UPR                                  # the swizzle of this thread's rows
         rS = cute.make_rmem_tensor((RK, 4), Float32)
         for j in cutlass.range_constexpr(RK):
             rS[j, None].store(sS[kq * RK + j, (cl // H4) ^ sw, cl % H4, None].load().to(Float32))
-        sQK = smem_tensor(sx, Float32, (T, 4, K // RK, RK))
-        sV4 = smem_tensor(sx, Float32, (T, 4, K // 4, 4))
-        sBeta = smem_tensor(sx + 4 * SX_BETA, Float32, (T,))
+        sQK = smem_tensor(sx, Float32, (T * HPT, 4, K // RK, RK))
+        sV4 = smem_tensor(sx, Float32, (T * HPT, 4, K // 4, 4))
+        sBeta = smem_tensor(sx + 4 * SX_BETA, Float32, (T * HPT,))
         sX = smem_tensor(sx + 4 * SX_EX, Float32, (max(1, block.k_exchange_words()),))
         mO = gmem_tensor(ptrs[idx["o"]], odt, (B, T, H, V // 4, 4), o_align)
         rq = cute.make_rmem_tensor((RK,), Float32)
@@ -545,11 +559,12 @@ def build_kda_stream(block):
         rv = cute.make_rmem_tensor((4,), Float32)
         racc = cute.make_rmem_tensor((4,), Float32)
         for tt in cutlass.range(n_tok, unroll=1):
-            rq.store(sQK[tt, 0, kq, None].load())
-            rk.store(sQK[tt, 1, kq, None].load())
-            rd.store(sQK[tt, 2, kq, None].load())
-            rv.store(sV4[tt, 3, c4, None].load())
-            P.delta_rule(rS, rq, rk, rd, rv, racc, sBeta[tt], Float32(0.0), Float32(0.0), sX,
+            item = tt * HPT + hg
+            rq.store(sQK[item, 0, kq, None].load())
+            rk.store(sQK[item, 1, kq, None].load())
+            rd.store(sQK[item, 2, kq, None].load())
+            rv.store(sV4[item, 3, c4, None].load())
+            P.delta_rule(rS, rq, rk, rd, rv, racc, sBeta[item], Float32(0.0), Float32(0.0), sX,
                          wv, wk, col, kl, lane, False)
             if (kl == 0) & (wk == 0):
                 mO[b, tt, h, c4, None].store(racc.load().to(odt))

@@ -76,6 +76,8 @@ CASES = [
     dict(stream=True, v_split=2, k_warps=8, state_dtype="bf16", gate_kind="softplus"),
     dict(stream=True, v_split=2, tokens=3, commit="per_token", out_dtype="fp32"),
     dict(stream=True, tokens=4, commit="none", gate_kind="log_decay"),
+    dict(stream=True, v_split=4, heads_per_tile=4),                # 4 heads per tile (one begin)
+    dict(stream=True, v_split=2, heads_per_tile=2, tokens=3, commit="per_token", state_dtype="bf16"),
 ]
 
 
@@ -108,8 +110,8 @@ def test_kda_staged_conv_equals_per_lane_conv(batch, model, tokens):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(conv=True, out_norm=True), dict(state_dtype="bf16", v_split=2),
-                                dict(stream=True, v_split=4)],
-                         ids=["core", "conv+norm", "bf16-state", "stream"])
+                                dict(stream=True, v_split=4), dict(stream=True, v_split=2, heads_per_tile=4)],
+                         ids=["core", "conv+norm", "bf16-state", "stream", "stream-4-heads"])
 def test_kda_ragged_accepted_commit(kw):
     """Batch 8, every sequence its own state scale (one all-zero: a fresh sequence) and its own
     accepted count 0..4 of a 4-token verify: the commit pass writes exactly those."""
@@ -205,8 +207,9 @@ def test_kda_pdl_back_to_back_steps_feed_each_other(kw):
 
 @pytest.mark.parametrize("model", list(SHAPES))
 @pytest.mark.parametrize("kw", [dict(v_split=4), dict(v_split=4, stream=True), dict(conv=True, out_norm=True),
-                                dict(v_split=2, stream=True, tokens=2, state_dtype="bf16")],
-                         ids=["core", "stream", "conv+norm", "stream-bf16-T2"])
+                                dict(v_split=2, stream=True, tokens=2, state_dtype="bf16"),
+                                dict(v_split=4, stream=True, heads_per_tile=4)],
+                         ids=["core", "stream", "conv+norm", "stream-bf16-T2", "stream-4-heads"])
 def test_kda_layer_chain_one_launch(model, kw):
     """KDA as megakernel instructions: three layers in ONE megakernel launch (bench.kda_bench.
     layer_chain - layer l+1's v is layer l's output, waited for through the counters; the conv

@@ -267,6 +267,12 @@ def cases(quick: bool):
             out.append((model, heads, batch, "stream v_split=4", [dict(stream=True, v_split=4)]))
             if batch == 64:
                 out.append((model, heads, batch, "stream v_split=4 2/SM", [dict(stream=True, v_split=4, ctas_per_sm=2)]))
+                # where the streaming tile's time goes: no state stores (commit none), 32 KB chunks
+                for name, extra in (("hpt=4 commit=none", dict(heads_per_tile=4, commit="none")),
+                                    ("hpt=6", dict(heads_per_tile=6)), ("v_split=2 hpt=4", dict(v_split=2, heads_per_tile=4))):
+                    if heads % extra["heads_per_tile"] == 0:
+                        out.append((model, heads, batch, f"megakernel layers stream x {name}",
+                                    [dict(dict(stream=True, v_split=4), **extra)]))
                 for hpt in [n for n in (2, 3, 4) if heads % n == 0]:   # heads per tile: one begin per group
                     out.append((model, heads, batch, f"stream v_split=4 hpt={hpt}",
                                 [dict(stream=True, v_split=4, heads_per_tile=hpt)]))

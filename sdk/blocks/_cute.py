@@ -334,12 +334,14 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
         scratch = smem.allocate_tensor(Float32, cute.make_layout(SCRATCH_WORDS), byte_alignment=16)
         mOps = gmem_tensor(optab, Int64, (nops,), 8)
         bid, _, _ = cute.arch.block_idx()
+        # the operand table is the host's (no kernel writes it): read before the wait
+        ptrs = [mOps[j] for j in range(nops)]
         if cutlass.const_expr(pdl):
             # the previous grid's writes (e.g. the state it updated) are visible after the wait;
             # the next launch may start its CTAs as this grid's last ones start
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        tile_fn([mOps[j] for j in range(nops)], bid, scratch)
+        tile_fn(ptrs, bid, scratch)
 
     @cute.jit
     def host(optab: Int64, stream: "cuda.CUstream"):

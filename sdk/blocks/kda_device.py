@@ -225,6 +225,7 @@ def build_kda_tile(block):
     NCS_R = -(-NCS // NUM_THREADS)
     norm_eps = float(c.norm_eps)
     staged = c.conv_staged and c.conv
+    hoist = T == 1 and not c.conv              # token 0's inputs loaded before the state (see tile)
     NCONV = T * 3 * K                        # staged conv outputs of the tile's head (all tokens)
 
     def bf16_round(x):
@@ -249,6 +250,15 @@ def build_kda_tile(block):
         if cutlass.const_expr(cw_bf16):
             acc = bf16_round(acc)
         return bf16_round(acc * sigmoid(acc))
+
+    @cute.jit
+    def load_token(mQ, mK, mV, mG, mBeta, b: Int32, t: Int32, h: Int32, kq: Int32, c4: Int32, rq, rk, rv, rd, rb):
+        """Issue token t's input loads (q, k, v given): q, k rows k0.., v columns, raw gate, beta."""
+        rq.store(mQ[b, t, h, kq, None].load().to(Float32))
+        rk.store(mK[b, t, h, kq, None].load().to(Float32))
+        rv.store(mV[b, t, h, c4, None].load().to(Float32))
+        rd.store(mG[b, t, h, kq, None].load().to(Float32))
+        rb[0] = mBeta[b, t, h].to(Float32)
 
     @cute.jit
     def tile(ptrs, tile_id: Int32, scratch):
@@ -280,21 +290,39 @@ def build_kda_tile(block):
             mQ = gmem_tensor(ptrs[idx["q"]], BFloat16, (B, T, H, K // RK, RK), in_align)
             mK = gmem_tensor(ptrs[idx["k"]], BFloat16, (B, T, H, K // RK, RK), in_align)
             mV = gmem_tensor(ptrs[idx["v"]], BFloat16, (B, T, H, V // 4, 4), 8)
-        rate = Float32(1.0)
-        if cutlass.const_expr(not log_decay):
-            mDt = gmem_tensor(ptrs[idx["dt_bias"]], Float32, (H, K // RK, RK), min(16, RK * 4))
-            mA = gmem_tensor(ptrs[idx["a_log"]], Float32, (H,), 4)
-            rate = cute.math.exp(mA[h], fastmath=False)
         if cutlass.const_expr(commit == "per_token"):
             mSO = gmem_tensor(ptrs[idx["states_out"]], sdt, (B, T, H, K, V // 4, 4), s_align)
         if cutlass.const_expr(out_norm):
             mGate = gmem_tensor(ptrs[idx["out_gate"]], BFloat16, (B, T, H, V // 4, 4), 8)
             mNw = gmem_tensor(ptrs[idx["norm_w"]], BFloat16, (V // 4, 4), 8)
 
+        rq = cute.make_rmem_tensor((RK,), Float32)
+        rk = cute.make_rmem_tensor((RK,), Float32)
+        rd = cute.make_rmem_tensor((RK,), Float32)
+        rv = cute.make_rmem_tensor((4,), Float32)
+        rb = cute.make_rmem_tensor((1,), Float32)
+        racc = cute.make_rmem_tensor((4,), Float32)
+
+
+        # Issued first, before the state: the gate weights and (one decode token, q, k, v given)
+        # the token's inputs, a few hundred bytes from L2 - their latency then hides under the
+        # state's instead of following it. (Not with T > 1: dt_bias held across the token loop
+        # took v_split=2 verify tiles from 128 to 159 registers, one CTA per SM instead of two.)
+        a_log = Float32(0.0)
+        rdt = cute.make_rmem_tensor((RK,), Float32)
+        if cutlass.const_expr(not log_decay):
+            mDt = gmem_tensor(ptrs[idx["dt_bias"]], Float32, (H, K // RK, RK), min(16, RK * 4))
+            mA = gmem_tensor(ptrs[idx["a_log"]], Float32, (H,), 4)
+            a_log = mA[h]
+            if cutlass.const_expr(hoist):
+                rdt.store(mDt[h, kq, None].load())
+        if cutlass.const_expr(hoist):
+            load_token(mQ, mK, mV, mG, mBeta, b, Int32(0), h, kq, c4, rq, rk, rv, rd, rb)
         # the state slice: all loads issued at once (RK x 16 bytes in flight per thread)
         rS = cute.make_rmem_tensor((RK, 4), Float32)
         for j in cutlass.range_constexpr(RK):
             rS[j, None].store(mS[b, h, k0 + j, c4, None].load().to(Float32))
+        rate = cute.math.exp(a_log, fastmath=False)
 
         n_tok = Int32(T)
         if cutlass.const_expr(commit == "accepted"):
@@ -315,11 +343,6 @@ def build_kda_tile(block):
                 sConv[tt, part, ch] = conv_out(mX, mCS, mCW, b, part * C + h * K + ch, tt)
             cute.arch.sync_threads()
 
-        rq = cute.make_rmem_tensor((RK,), Float32)
-        rk = cute.make_rmem_tensor((RK,), Float32)
-        rd = cute.make_rmem_tensor((RK,), Float32)
-        rv = cute.make_rmem_tensor((4,), Float32)
-        racc = cute.make_rmem_tensor((4,), Float32)
         for t in cutlass.range(n_tok, unroll=1):
             # -- inputs of this token: q, k rows k0.., v columns, gate -> decay, beta
             if cutlass.const_expr(staged):
@@ -334,18 +357,19 @@ def build_kda_tile(block):
                     rk[j] = conv_out(mX, mCS, mCW, b, C + h * K + k0 + j, t)
                 for e in cutlass.range_constexpr(4):
                     rv[e] = conv_out(mX, mCS, mCW, b, 2 * C + c4 * 4 + e + h * K, t)
-            else:
-                rq.store(mQ[b, t, h, kq, None].load().to(Float32))
-                rk.store(mK[b, t, h, kq, None].load().to(Float32))
-                rv.store(mV[b, t, h, c4, None].load().to(Float32))
-            rd.store(mG[b, t, h, kq, None].load().to(Float32))
+            elif cutlass.const_expr(not hoist):
+                load_token(mQ, mK, mV, mG, mBeta, b, t, h, kq, c4, rq, rk, rv, rd, rb)
+            if cutlass.const_expr(conv):
+                rd.store(mG[b, t, h, kq, None].load().to(Float32))
+                rb[0] = mBeta[b, t, h].to(Float32)
             if cutlass.const_expr(log_decay):
                 for j in cutlass.range_constexpr(RK):
                     rd[j] = cute.math.exp(rd[j], fastmath=False)
             else:
-                dt = mDt[h, kq, None].load()
+                if cutlass.const_expr(not hoist):
+                    rdt.store(mDt[h, kq, None].load())
                 for j in cutlass.range_constexpr(RK):
-                    rd[j] = P.decay(rd[j] + dt[j], rate)
+                    rd[j] = P.decay(rd[j] + rdt[j], rate)
             qs = Float32(0.0)
             ks = Float32(0.0)
             for j in cutlass.range_constexpr(RK):
@@ -353,7 +377,7 @@ def build_kda_tile(block):
                 ks = ks + rk[j] * rk[j]
             qs = kred(qs)
             ks = kred(ks)
-            beta = mBeta[b, t, h].to(Float32)
+            beta = rb[0]
             if cutlass.const_expr(P.beta_sig):
                 beta = sigmoid(beta)
             P.delta_rule(rS, rq, rk, rd, rv, racc, beta, qs, ks, sX, wv, wk, col, kl, lane, True)

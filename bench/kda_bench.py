@@ -285,7 +285,7 @@ def cases(quick: bool):
                                     ("conv+norm", dict(conv=True, out_norm=True))):
                     out.append((model, heads, batch, f"megakernel layers {name}", [extra]))
             if batch == 64:     # warps across K (KDAConfig.k_warps; the v_split=2 default is 4)
-                for vs, kw_ in ((2, 1), (2, 8), (4, 1), (4, 8)):
+                for vs, kw_ in ((2, 1), (2, 8), (4, 1), (4, 4)):
                     out.append((model, heads, batch, f"core v_split={vs} k_warps={kw_}",
                                 [dict(v_split=vs, k_warps=kw_)]))
                 out.append((model, heads, batch, "core v_split=4 no-pdl", [dict(v_split=4, pdl=False)]))

@@ -273,12 +273,12 @@ COMPILE_VARIANTS = [
 
 @pytest.mark.parametrize("kw,lanes", [(dict(v_split=2, k_warps=1), (2, 16, 8)), (dict(v_split=2), (8, 4, 8)),
                                       (dict(v_split=1), (4, 8, 16)), (dict(v_split=2, k_warps=8), (16, 2, 8)),
-                                      (dict(v_split=4), (4, 8, 4)),
+                                      (dict(v_split=4), (8, 4, 4)), (dict(v_split=4, k_warps=4), (4, 8, 4)),
                                       (dict(v_split=1, k_warps=2), (8, 4, 16)), (dict(v_split=4, k_warps=2), (2, 16, 4))])
 def test_k_warps_thread_mapping(kw, lanes):
     """k_warps moves lanes from K to the columns: a warp's state load covers LV * 16 bytes of each
     row it touches (128 with 8 lanes across V); the rows still cover K exactly once. Auto (0):
-    4 warps across K for 32 / 64-column tiles from 512 tiles on (measured faster), 1 otherwise."""
+    8 / 4 warps across K for 32- / 64-column tiles from 512 tiles on (measured faster), 1 otherwise."""
     b = KDABlock(KDAConfig(batch=64, heads=12, head_dim=128, **kw))
     lv, lk, rk = b.lanes
     assert (lv, lk, rk) == lanes
@@ -307,6 +307,8 @@ def test_k_warps_auto_needs_many_tiles():
     """Batch 8 (one wave of CTAs, latency-bound) keeps the in-warp K sums: measured 6.2 vs 6.5 us."""
     assert KDABlock(KDAConfig(batch=8, heads=12, v_split=2)).nwk == 1
     assert KDABlock(KDAConfig(batch=64, heads=8, v_split=2)).nwk == 4      # GLM-5.3 TP8: 1024 tiles
+    assert KDABlock(KDAConfig(batch=64, heads=8, v_split=4)).nwk == 8      # 32-column tiles
+    assert KDABlock(KDAConfig(batch=64, heads=8, v_split=4, stream=True)).nwk == 4
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])

@@ -117,11 +117,13 @@ class KDABlock(Block):
 
     @property
     def nwk(self) -> int:
-        """Warps across K: `k_warps`, or (0) 4 for tiles of 32 / 64 columns when there are at
-        least AUTO_K_WARPS_TILES of them (state streaming over several waves of CTAs), else 1.
-        Measured on the H200 (core step, fp32 state, batch 64): Kimi K3 TP8 v_split=2 72.2% ->
-        78.6% of the copy bandwidth with 4 (78.1% with 8), v_split=4 43.7% -> 80.4% (80.1% with
-        8); GLM-5.3 TP8 67.3% -> 73.9% / 41.6% -> 75.7%. Nsight Compute had the 1-warp mapping
+        """Warps across K: `k_warps`, or (0) when there are at least AUTO_K_WARPS_TILES tiles
+        (state streaming over several waves of CTAs) 8 for 32-column tiles, 4 for 64-column ones,
+        else 1. Measured on the H200 (core step, fp32 state, batch 64): Kimi K3 TP8 v_split=2
+        72.2% -> 78.6% of the copy bandwidth with 4 (78.1% with 8), v_split=4 43.7% -> 80.4%
+        (80.1% with 8); GLM-5.3 TP8 67.3% -> 73.9% / 41.6% -> 75.7%. Since the decode tile issues
+        its inputs before the state (2026-12-04), 8 at v_split=4: K3 87.8% vs 85.6% with 4, GLM-5.3
+        83.9% vs 82.3% (with 8 a warp loads 4 rows x 128 bytes). Nsight Compute had the 1-warp mapping
         L2-throughput bound (80%) at 51% DRAM, its warps loading 32-byte pieces of 16 rows; with 4
         warps across K, 128-byte pieces of 4 rows. Not below: batch 8 (192 / 128 tiles, one
         wave, latency-bound) 6.2 -> 6.5 us, and whole-head tiles (v_split=1) lost with 2 (68.4% ->
@@ -129,7 +131,9 @@ class KDABlock(Block):
         c = self.config
         if c.k_warps:
             return c.k_warps
-        return 4 if self.vs <= 64 and c.batch * c.heads * c.v_split >= AUTO_K_WARPS_TILES else 1
+        if self.vs > 64 or c.batch * c.heads * c.v_split < AUTO_K_WARPS_TILES:
+            return 1
+        return 8 if self.vs == 32 and not c.stream else 4      # (the streaming form measured with 4)
 
     @property
     def lanes(self) -> tuple[int, int, int]:

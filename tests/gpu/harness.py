@@ -40,6 +40,36 @@ def run_standalone(block, tensors):
     torch.cuda.synchronize()
 
 
+def run_as_program(ops, tensors, **kw):
+    """Run `ops` - [(block, bindings)], bindings {operand: name in `tensors`} for the operands not
+    named as the operand itself (None: all are) - as ONE megakernel launch, each op waiting for
+    the one before (its instructions as the megakernel runs any op's), over `tensors` in place
+    (outputs land there; an optional operand without a tensor is a null pointer). Returns the
+    MegakernelRuntime (rt.run() launches again); kw to MegakernelRuntime."""
+    from sdk.blocks.base import DTYPES
+    from sdk.megakernel.program import Program
+    from sdk.megakernel.runtime import MegakernelRuntime
+    dtype_name = {v: k for k, v in DTYPES.items()}
+    prog = Program()
+    prev = None
+    for i, (block, names) in enumerate(ops):
+        bind = {}
+        for s in block.operand_specs():
+            n = (names or {}).get(s.name, s.name)
+            if tensors.get(n) is None:
+                if not s.optional:
+                    raise KeyError(f"op {i} ({type(block).__name__}): no tensor {n!r} for operand {s.name}")
+                continue
+            if n not in prog.buffers:
+                t = tensors[n]
+                prog.buffer(n, tuple(t.shape), dtype_name[t.dtype], role="output" if s.output else "input")
+            bind[s.name] = n
+        prev = prog.op(block, bind, waits=[prev] if prev is not None else [], label=f"{i}:{type(block).__name__}")
+    rt = MegakernelRuntime(prog, {n: tensors[n] for n in prog.buffers}, **kw)
+    rt.run()
+    return rt
+
+
 def program_runtime(prog, weights, **kw):
     """sdk.megakernel.runtime.program_runtime on the GPU (weights: tensors on the GPU)."""
     from sdk.megakernel.runtime import program_runtime as build

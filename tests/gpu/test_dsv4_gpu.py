@@ -6,7 +6,7 @@ compressed positions, SWA; T = 1..4. Run: `pytest -m gpu tests/gpu/test_dsv4_gpu
 import pytest
 import torch
 
-from harness import clock_seed, need_gpu, run_standalone
+from harness import clock_seed, need_gpu, run_as_program, run_standalone
 
 pytestmark = pytest.mark.gpu
 
@@ -46,9 +46,15 @@ def make_case(mode, starts, T, seed, heads=8, ratio=None, topk=512):
     return core, comb, t
 
 
-def check(core, comb, t, seed):
-    run_standalone(core, t)
-    run_standalone(comb, t)
+def check(core, comb, t, seed, one_launch=False):
+    """Run the core then the combine - two standalone kernels, or (one_launch) the two ops as ONE
+    megakernel launch, the combine's instructions waiting for the core's - and compare with the
+    blocks' fp32 reference."""
+    if one_launch:
+        run_as_program([(core, None), (comb, None)], t)
+    else:
+        run_standalone(core, t)
+        run_standalone(comb, t)
     assert torch.isfinite(t["o_part"]).all(), f"seed {seed}: NaN left in o_part"
     assert not torch.isnan(t["lse_part"]).any(), f"seed {seed}: NaN left in lse_part"
     cpu = {k: v.cpu() for k, v in t.items()}
@@ -82,3 +88,14 @@ def test_dsv4_batch64_hca():
     rnd = random.Random(seed)
     core, comb, t = make_case("hca", [rnd.randrange(0, 65536) for _ in range(64)], 1, seed)
     check(core, comb, t, seed)
+
+
+@pytest.mark.parametrize("mode,starts,T", [("swa", [3, 200], 4), ("hca", [131072, 7, 65000], 2),
+                                           ("csa", [2047, 3, 100000], 1)])
+def test_dsv4_decode_as_megakernel_instructions(mode, starts, T):
+    """The core and the combine as ops of one megakernel launch (dependency through the launch's
+    counters), ragged batch, poisoned outputs: equal to the reference as the standalone kernels."""
+    need_gpu()
+    seed = clock_seed()
+    core, comb, t = make_case(mode, starts, T, seed)
+    check(core, comb, t, seed, one_launch=True)

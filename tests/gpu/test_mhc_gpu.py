@@ -68,3 +68,57 @@ def test_mhc_layer_on_gpu(d, m, sdt, ds):
     want = emulate(head, th)
     run_standalone(head, th)
     assert rel(th["out"], want["out"]) < 1e-2, f"seed {seed}: mean head"
+
+
+@pytest.mark.parametrize("d,m,sdt", [(5120, 1, "fp32"), (4096, 8, "bf16"), (5120, 64, "fp32")])
+def test_mhc_two_sites_one_launch(d, m, sdt):
+    """The mHC blocks as megakernel instructions: two sublayer sites and the mean head in ONE
+    launch - mix -> pre (collapse + norm) -> [sublayer: identity, y = the normed input] -> post
+    (+ the next site's mix partials) -> pre -> post -> head - each op waiting for the one before;
+    equal to the blocks' emulated twins run in the same order on the CPU (which the CPU tests
+    prove equal to the fp32 reference), fresh random inputs, NaN-poisoned outputs."""
+    need_gpu()
+    from harness import run_as_program
+    from sdk.blocks.mhc import (MHCMixBlock, MHCMixConfig, MHCPostBlock, MHCPostConfig, MHCPreBlock,
+                                MHCPreConfig)
+    seed = clock_seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n, ds = 4, 128
+    S = d // ds
+    dt = torch.float32 if sdt == "fp32" else torch.bfloat16
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    nan = lambda *s, dtype=torch.float32: torch.full(s, float("nan"), device="cuda", dtype=dtype)
+    t = {"x0": r(m, n, d).to(dt), "fn1": r(24, n * d) * 0.02, "fn2": r(24, n * d) * 0.02,
+         "part1": nan(S, m, 25), "part2": nan(S, m, 25), "x1": nan(m, n, d, dtype=dt), "x2": nan(m, n, d, dtype=dt),
+         "out_head": nan(m, d, dtype=torch.bfloat16), "coef_head": nan(m, 4), "nw_head": 1 + 0.1 * r(d)}
+    for i in (1, 2):
+        t.update({f"base{i}": r(24) * 0.5, f"scale{i}": 1 + 0.3 * r(3), f"nw{i}": 1 + 0.1 * r(d),
+                  f"coef{i}": nan(m, 24), f"h{i}": nan(m, d, dtype=torch.bfloat16)})
+    mix = MHCMixBlock(MHCMixConfig(d=d, m=m, d_slice=ds, stream_dtype=sdt))
+    pre = MHCPreBlock(MHCPreConfig(d=d, m=m, slices=S, stream_dtype=sdt))
+    post_mix = MHCPostBlock(MHCPostConfig(d=d, m=m, d_slice=ds, stream_dtype=sdt, next_rows=24))
+    post = MHCPostBlock(MHCPostConfig(d=d, m=m, d_slice=ds, stream_dtype=sdt))
+    head = MHCPreBlock(MHCPreConfig(d=d, m=m, kind="mean", stream_dtype=sdt))
+    ops = [(mix, {"streams": "x0", "fn": "fn1", "part": "part1"}),
+           (pre, {"streams": "x0", "part": "part1", "base": "base1", "scale": "scale1", "norm_weight": "nw1",
+                  "coef": "coef1", "out": "h1"}),
+           (post_mix, {"streams": "x0", "y": "h1", "coef": "coef1", "fn_next": "fn2", "streams_out": "x1",
+                       "part_next": "part2"}),
+           (pre, {"streams": "x1", "part": "part2", "base": "base2", "scale": "scale2", "norm_weight": "nw2",
+                  "coef": "coef2", "out": "h2"}),
+           (post, {"streams": "x1", "y": "h2", "coef": "coef2", "streams_out": "x2"}),
+           (head, {"streams": "x2", "norm_weight": "nw_head", "coef": "coef_head", "out": "out_head"})]
+    want = {k: v.cpu().clone() for k, v in t.items()}
+    for block, names in ops:                       # the twins, in launch order, on the CPU
+        view = {op: want[names.get(op, op)] for op in block.operands() if names.get(op, op) in want}
+        for tile in range(block.num_tiles()):
+            block.emulate_tile(view, tile)
+    run_as_program(ops, t)
+    # first site as the standalone test bounds it; the second site inherits the first's rounding
+    # differences (the fp32 sums' order, the bf16 stream roundings), hence its looser bounds
+    fp32 = sdt == "fp32"
+    for name, tol in (("coef1", 1e-5), ("h1", 1e-2), ("x1", 1e-6 if fp32 else 1e-2), ("part2", 1e-3),
+                      ("coef2", 1e-3), ("h2", 2e-2), ("x2", 1e-4 if fp32 else 2e-2), ("out_head", 2e-2)):
+        assert torch.isfinite(t[name]).all(), f"seed {seed}: {name} not written"
+        err = rel(t[name], want[name])
+        assert err < tol, f"seed {seed}: {name} relative error {err:.3e} >= {tol}"

@@ -114,10 +114,11 @@ def test_mhc_two_sites_one_launch(d, m, sdt):
         for tile in range(block.num_tiles()):
             block.emulate_tile(view, tile)
     run_as_program(ops, t)
-    # first site as the standalone test bounds it; the second site inherits the first's rounding
-    # differences (the fp32 sums' order, the bf16 stream roundings), hence its looser bounds
+    # The twins run on their own coefficients (the standalone test feeds the device's to the post's
+    # twin), so the streams inherit the coefficients' ~1e-5 differences (H200, fp32, 64 tokens: x1
+    # 1.4e-5); the second site inherits the first's (the fp32 sums' order, the bf16 roundings)
     fp32 = sdt == "fp32"
-    for name, tol in (("coef1", 1e-5), ("h1", 1e-2), ("x1", 1e-6 if fp32 else 1e-2), ("part2", 1e-3),
+    for name, tol in (("coef1", 1e-5), ("h1", 1e-2), ("x1", 1e-4 if fp32 else 1e-2), ("part2", 1e-3),
                       ("coef2", 1e-3), ("h2", 2e-2), ("x2", 1e-4 if fp32 else 2e-2), ("out_head", 2e-2)):
         assert torch.isfinite(t[name]).all(), f"seed {seed}: {name} not written"
         err = rel(t[name], want[name])

@@ -9,7 +9,8 @@ Variants: "core" (gate math + l2norm + delta rule; q, k, v given) with v_split 1
 per head), "stream" (the core as a streaming block: a persistent grid, one tile per head, its
 V-slices through the smem ring; "2/SM": two CTAs per SM), "megakernel layers" (enough layers
 for their states to exceed the L2 in ONE megakernel launch, layer l+1's v = layer l's output,
-beside the same layers as standalone PDL launches: bench_chain), "fused" (short conv + core + gated output norm, v_split 1; the conv outputs staged in
+beside the same layers as standalone PDL launches: bench_chain), "sublayer" (the whole KDA sublayer
+with its projections in one launch: bench_sublayer), "fused" (short conv + core + gated output norm, v_split 1; the conv outputs staged in
 shared memory), "fused ... per-lane" (conv_staged=False: each conv output computed by every lane
 that reads it), "bf16" (bf16 state), and "verify4" (4-token verify pass, commit none, + the
 commit pass re-running 2 accepted tokens); at batch 64 also k_warps 1 / 8 and "no-pdl".
@@ -246,6 +247,52 @@ def bench_chain(model, heads, batch, variant, kw, copy_bw):
             "launch": {"megakernel_pdl": pdl}}
 
 
+SUBLAYER_SHARDS = {"kimi_k3_tp8": dict(hidden=7168),
+                   "glm53_tp8": dict(hidden=6144, output_gate_full_rank=False, conv_w_dtype="fp32")}
+
+
+def bench_sublayer(model, heads, batch, variant, kw, copy_bw):
+    """The whole KDA sublayer (sdk/megakernel/kda_layer.py: projections, conv + delta rule +
+    gated norm, o_proj + residual) in ONE megakernel launch, against KDAReference.forward (+ the
+    input norm and residual) as unfused PyTorch in bf16 under a CUDA graph, and the floor: weights
+    + state read and written + conv state + activations. Launches alternate over enough copies of
+    the weights and states to exceed the L2."""
+    from sdk.megakernel.kda_layer import KDALayerConfig, build_program, make_inputs, make_weights, reference
+    from sdk.megakernel.runtime import program_runtime
+    cfg = KDALayerConfig(heads=heads, batch=batch, **SUBLAYER_SHARDS[model], **kw)
+    prog = build_program(cfg)
+    weight_bytes = prog.bytes_by_role("weight")
+    cache_bytes = sum(t.numel() * t.element_size() for t in make_inputs(cfg, device="cuda").values()
+                      if t.dim() > 2)
+    one = weight_bytes + cache_bytes
+    copies = max(2, -(-L2_FLUSH_BYTES // one))
+    rts, refs = [], []
+    for i in range(copies):
+        w = make_weights(cfg, seed=i, device="cuda")
+        inp = make_inputs(cfg, seed=100 + i, device="cuda")
+        rts.append(program_runtime(prog, w, inputs={k: v.clone() for k, v in inp.items()}))
+        refs.append((w, inp))
+    want = reference(cfg, *refs[0])
+    rts[0].run()
+    x = refs[0][1]["x"].float()
+    err = ((rts[0].tensors["resid"] - x - (want["resid"] - x)).norm() / (want["resid"] - x).norm()).item()
+    us, mode = timed([rt.launch for rt in rts] * max(1, 8 // copies))
+    for rt in rts:
+        rt.check()
+    torch_us, _ = timed([lambda i=i: reference(cfg, *refs[i]) for i in range(copies)])
+    M, D = cfg.tokens_total, cfg.hidden
+    act_bytes = M * D * (2 + 4)                       # x in, resid out
+    state_rw = 2 * cfg.batch * heads * cfg.head_dim ** 2 * (4 if cfg.state_dtype == "fp32" else 2)
+    conv_rw = 2 * cfg.batch * 3 * cfg.channels * (cfg.conv_kernel - 1) * 2
+    floor_bytes = weight_bytes + state_rw + conv_rw + act_bytes
+    floor_us = floor_bytes / (copy_bw * 1e3)
+    return {"case": f"{model} B={batch} {variant}", "model": model, "heads": heads, "batch": batch,
+            "variant": variant, "configs": [str(cfg)], "weight_bytes": weight_bytes, "state_bytes": state_rw,
+            "floor_bytes": floor_bytes, "us": us, "gbs": floor_bytes / (us * 1e3), "floor_us": floor_us,
+            "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us, "speedup_vs_torch_graph": torch_us / us,
+            "timing_mode": mode, "rel_err": err, "copies": copies}
+
+
 # tiles per head: enough tiles for the SMs at small batch; at batch 64 quarter heads, whose 32-column
 # tiles take 4 warps across K (KDABlock.nwk): K3 TP8 80.4% of copy vs 68.4% whole heads (H200)
 AUTO_SPLIT = {1: 4, 8: 2, 64: 4}
@@ -290,6 +337,7 @@ def cases(quick: bool):
                                 [dict(v_split=vs, k_warps=kw_)]))
                 out.append((model, heads, batch, "core v_split=4 no-pdl", [dict(v_split=4, pdl=False)]))
                 out.append((model, heads, batch, "fused conv+norm no-pdl", [dict(conv=True, out_norm=True, pdl=False)]))
+            out.append((model, heads, batch, "sublayer", [{}]))        # the whole KDA sublayer, one launch
             if full:
                 vs = AUTO_SPLIT[batch]
                 out.append((model, heads, batch, f"bf16 state v_split={vs}", [dict(v_split=vs, state_dtype="bf16")]))
@@ -311,6 +359,8 @@ def run(out_dir: str, quick: bool = False, match: list[str] | None = None) -> di
         try:
             if variant.startswith("megakernel"):
                 r = bench_chain(model, heads, batch, variant, kw[0], copy_bw)
+            elif variant.startswith("sublayer"):
+                r = bench_sublayer(model, heads, batch, variant, kw[0], copy_bw)
             else:
                 r = bench_case(model, heads, batch, variant, kw, copy_bw)
         except Exception as exc:

@@ -52,6 +52,7 @@ VARIANTS = [
     dict(stream=True, v_split=2, tokens=3, commit="accepted", gate_kind="softplus"),
     dict(stream=True, tokens=2, commit="per_token", state_dtype="bf16"),
     dict(stream=True, v_split=2, heads_per_tile=2, tokens=3, commit="accepted"),   # tile = both heads
+    dict(conv=True, out_norm=True, beta_width=8),                        # a padded projection's beta rows
 ]
 
 
@@ -239,7 +240,7 @@ def test_verify_then_commit_equals_single_steps(kw):
                                 dict(head_dim=256), dict(tokens=17), dict(commit="later"),
                                 dict(gate_kind="exp"), dict(state_dtype="fp8_e4m3"), dict(k_warps=3),
                                 dict(stream=True, conv=True), dict(stream=True, out_norm=True),
-                                dict(heads_per_tile=2), dict(stream=True, heads_per_tile=3)])
+                                dict(heads_per_tile=2), dict(stream=True, heads_per_tile=3), dict(beta_width=1)])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):
         KDABlock(KDAConfig(**{**TINY, "head_dim": 128, **kw}))
@@ -266,7 +267,8 @@ COMPILE_VARIANTS = [
     dict(batch=8, heads=12, tokens=4, v_split=4, state_dtype="bf16", commit="accepted", stream=True),
     dict(batch=2, heads=8, tokens=3, v_split=2, commit="per_token", gate_kind="log_decay", stream=True, k_warps=8),
     dict(batch=64, heads=8, v_split=4, k_warps=1, stream=True),
-    dict(batch=64, heads=12, v_split=4, stream=True, heads_per_tile=3),
+    dict(batch=64, heads=12, v_split=4, stream=True, heads_per_tile=3, beta_width=16),
+    dict(batch=8, heads=12, conv=True, out_norm=True, beta_width=16),
     dict(batch=4, heads=8, v_split=2, tokens=3, commit="accepted", stream=True, heads_per_tile=4, gate_kind="softplus"),
 ]
 

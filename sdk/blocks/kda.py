@@ -95,6 +95,9 @@ class KDAConfig:
                                          # heads), its V-slices the chunks of the megakernel's smem
                                          # ring (the state loaded ahead like GEMV weights); no conv /
                                          # out_norm fusion
+    beta_width: int = 0                  # row width of the beta operand [B, T, beta_width] (its first
+                                         # `heads` values are read); 0 = heads. A projection GEMV's
+                                         # rows come in multiples of 8: Kimi K3 TP8's 12 heads pad to 16
     heads_per_tile: int = 1              # stream=True: heads of one tile, their inputs staged by one
                                          # `begin` - whose loads queue behind the ring's copies
                                          # in flight, a wait paid once per tile (docs/kda.md)
@@ -114,6 +117,10 @@ class KDABlock(Block):
     def vs(self) -> int:
         """Columns of S per tile."""
         return self.config.head_dim // self.config.v_split
+
+    @property
+    def beta_width(self) -> int:
+        return self.config.beta_width or self.config.heads
 
     @property
     def nwk(self) -> int:
@@ -181,6 +188,8 @@ class KDABlock(Block):
             u("kda: the streaming form (stream=True) fuses neither the conv nor the output norm")
         if c.heads_per_tile < 1 or c.heads % c.heads_per_tile or (c.heads_per_tile > 1 and not c.stream):
             u(f"kda: heads_per_tile={c.heads_per_tile} (a divisor of heads={c.heads}; > 1 only with stream=True)")
+        if c.beta_width and c.beta_width < c.heads:
+            u(f"kda: beta_width={c.beta_width} < heads={c.heads}")
         if c.stream and c.head_dim % 32:
             u(f"kda: stream=True needs head_dim a multiple of 32 (one warp per token stages q, k), got {c.head_dim}")
         if c.conv and c.conv_kernel < 2:
@@ -204,7 +213,7 @@ class KDABlock(Block):
         specs.append(OperandSpec("g", (B, T, H, K), g_dtype))
         if c.gate_kind != "log_decay":
             specs += [OperandSpec("dt_bias", (C,), "fp32"), OperandSpec("a_log", (H,), "fp32")]
-        specs.append(OperandSpec("beta", (B, T, H), "bf16"))
+        specs.append(OperandSpec("beta", (B, T, self.beta_width), "bf16"))
         specs.append(OperandSpec("state", (B, H, K, K), c.state_dtype, output=c.commit in ("all", "accepted")))
         if c.commit == "accepted":
             specs.append(OperandSpec("n_accepted", (B,), "int32"))

@@ -280,7 +280,7 @@ def build_kda_tile(block):
 
         mS = gmem_tensor(ptrs[idx["state"]], sdt, (B, H, K, V // 4, 4), s_align)
         mG = gmem_tensor(ptrs[idx["g"]], gdt, (B, T, H, K // RK, RK), g_align)
-        mBeta = gmem_tensor(ptrs[idx["beta"]], BFloat16, (B, T, H), 2)
+        mBeta = gmem_tensor(ptrs[idx["beta"]], BFloat16, (B, T, block.beta_width), 2)
         mO = gmem_tensor(ptrs[idx["o"]], odt, (B, T, H, V // 4, 4), o_align)
         if cutlass.const_expr(conv):
             mX = gmem_tensor(ptrs[idx["qkv"]], BFloat16, (B, T, 3 * C), 2)
@@ -492,7 +492,7 @@ def build_kda_stream(block):
         mK = gmem_tensor(ptrs[idx["k"]], BFloat16, (B, T, H, 32, KPL), a16)
         mV = gmem_tensor(ptrs[idx["v"]], BFloat16, (B, T, H, 32, KPL), a16)
         mG = gmem_tensor(ptrs[idx["g"]], gdt, (B, T, H, 32, KPL), ag)
-        mBeta = gmem_tensor(ptrs[idx["beta"]], BFloat16, (B, T, H), 2)
+        mBeta = gmem_tensor(ptrs[idx["beta"]], BFloat16, (B, T, block.beta_width), 2)
         rdt = cute.make_rmem_tensor((KPL,), Float32)
         rq = cute.make_rmem_tensor((KPL,), Float32)
         rk = cute.make_rmem_tensor((KPL,), Float32)

@@ -1,0 +1,214 @@
+"""A whole KDA (Kimi Delta Attention) sublayer of one GPU's head shard in ONE megakernel launch:
+the input RMSNorm fused into the projections, the short conv + delta rule + gated output norm
+(one KDA op), and the output projection with the residual add.
+
+    x (bf16 [M, D], M = B * T: the residual stream entering the sublayer)
+    qkv   = GEMV(rmsnorm(x) * input_norm, [W_q; W_k; W_v])       [M, 3C]  (the conv's channels q | k | v)
+    f_a   = GEMV(rmsnorm(x) * input_norm, W_f_a, zero rows to rp)  [M, rp]  (a GEMV's K comes in 256s:
+                                                                          rank 128 -> 256, see below)
+    beta  = GEMV(rmsnorm(x) * input_norm, W_b, zero rows to Hb)  [M, Hb]  (logits; a GEMV's rows come
+                                                                          in 8s: K3 TP8's 12 heads -> 16)
+    gate  = GEMV(rmsnorm(x) * input_norm, W_g)                   [M, C]   (full rank: Kimi K3)
+          = GEMV(GEMV(rmsnorm(x) * input_norm, W_g_a), W_g_b)              (low rank: GLM-5.3)
+    g     = GEMV(f_a, W_f_b, zero columns to rp)                 [M, C]   (raw gate; dt_bias in the KDA op)
+    o     = KDA(conv, out_norm)(qkv, conv_state, g, beta, state, gate)    [B, T, H, K]; conv_state and
+                                                                          state updated in place
+    resid = x + o @ W_o^T       (fp32: the o_proj GEMV's residual epilogue)
+
+An op waits for at most isa.MAX_WAITS (2) others, and the KDA op reads four producers, so two
+waits are chained: the gate waits for beta and g for qkv (beside f_a), and the KDA op waits for
+g and the gate. The waiting GEMVs still stream their weights before the wait (the ring loads
+weights ahead), so the chain costs little. `reference()` is sdk/reference/kda.py's
+KDAReference.forward on rmsnorm(x) in bf16 (the model's own projections, conv, gate and norm),
+plus the residual: the program is checked against the model's definition.
+
+Padding: a GEMV tile's rows come in 8s (one per warp) and its K in 256s (32 lanes x 16 bytes), so
+the low-rank gates' rank (128 in both models) is padded to 256 - zero rows in W_f_a / W_g_a, zero
+columns in W_f_b / W_g_b: +2.3 MB on Kimi K3 TP8's ~110 MB of weights - and the beta rows to a
+multiple of 8 (the KDA op reads the first `heads` of each row: KDAConfig.beta_width).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from ..blocks.gemv import GemvConfig
+from ..blocks.kda import KDABlock, KDAConfig
+from .mlp_stack import gemv_block
+from .program import Program
+
+GEMV_ROW_GROUP = 8          # a GEMV's rows per tile come in multiples of the 8 warps
+GEMV_K_GROUP = 256          # a GEMV's K in multiples of 32 lanes x 8 bf16
+
+
+@dataclass(frozen=True)
+class KDALayerConfig:
+    heads: int                           # this GPU's KDA heads (Kimi K3 TP8: 12, GLM-5.3 TP8: 8)
+    batch: int = 1
+    tokens: int = 1                      # T per sequence
+    head_dim: int = 128
+    hidden: int = 7168                   # Kimi K3 7168, GLM-5.3 6144
+    gate_rank: int = 0                   # rank of f_a / f_b (and g_a / g_b); 0 = head_dim
+    output_gate_full_rank: bool = True   # Kimi K3's g_proj; GLM-5.3: g_a / g_b
+    gate_kind: str = "sigmoid"
+    gate_lower_bound: float = -5.0
+    conv_kernel: int = 4
+    conv_w_dtype: str = "bf16"           # GLM-5.3 keeps the conv weight fp32
+    eps: float = 1e-6                    # the model's norm_eps: the input and the output norms
+    state_dtype: str = "fp32"
+    num_sms: int = 132
+
+    @property
+    def rank(self) -> int:
+        return self.gate_rank or self.head_dim
+
+    @property
+    def rank_padded(self) -> int:
+        return -(-self.rank // GEMV_K_GROUP) * GEMV_K_GROUP
+
+    @property
+    def channels(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def beta_rows(self) -> int:
+        return -(-self.heads // GEMV_ROW_GROUP) * GEMV_ROW_GROUP
+
+    @property
+    def tokens_total(self) -> int:
+        return self.batch * self.tokens
+
+    @property
+    def spec(self):
+        """The KDASpec the sublayer computes (what `reference()` runs KDAReference with)."""
+        from ..spec import KDASpec
+        return KDASpec(num_heads=self.heads, head_dim=self.head_dim, conv_kernel=self.conv_kernel,
+                       gate_kind=self.gate_kind, gate_lower_bound=self.gate_lower_bound, a_log_flat=True,
+                       gate_rank=self.gate_rank, output_gate_full_rank=self.output_gate_full_rank)
+
+    @property
+    def kda(self) -> KDAConfig:
+        """The KDA op: conv and gated output norm fused (whole heads per tile)."""
+        return KDAConfig(batch=self.batch, heads=self.heads, head_dim=self.head_dim, tokens=self.tokens,
+                         state_dtype=self.state_dtype, gate_kind=self.gate_kind,
+                         gate_lower_bound=self.gate_lower_bound, conv=True, conv_kernel=self.conv_kernel,
+                         conv_w_dtype=self.conv_w_dtype, out_norm=True, norm_eps=self.eps,
+                         beta_width=self.beta_rows)
+
+    def weight_shapes(self) -> dict[str, tuple[tuple, str]]:
+        """Program weight name -> (shape, dtype)."""
+        D, C, H, K, r = self.hidden, self.channels, self.heads, self.head_dim, self.rank_padded
+        w = {"input_norm": ((D,), "bf16"), "w_qkv": ((3 * C, D), "bf16"), "w_f_a": ((r, D), "bf16"),
+             "w_f_b": ((C, r), "bf16"), "w_b": ((self.beta_rows, D), "bf16"),
+             "conv_w": ((3 * C, self.conv_kernel), self.conv_w_dtype), "dt_bias": ((C,), "fp32"),
+             "a_log": ((H,), "fp32"), "o_norm": ((K,), "bf16"), "w_o": ((D, C), "bf16")}
+        if self.output_gate_full_rank:
+            w["w_g"] = ((C, D), "bf16")
+        else:
+            w.update({"w_g_a": ((r, D), "bf16"), "w_g_b": ((C, r), "bf16")})
+        return w
+
+
+def build_program(cfg: KDALayerConfig) -> Program:
+    D, C, M, r = cfg.hidden, cfg.channels, cfg.tokens_total, cfg.rank_padded
+    kda = KDABlock(cfg.kda)
+    prog = Program()
+    prog.buffer("x", (M, D), "bf16", "input")
+    for name, (shape, dtype) in cfg.weight_shapes().items():
+        prog.buffer(name, shape, dtype, "weight")
+    # the recurrent caches: read and written in place every step
+    prog.buffer("conv_state", (cfg.batch, 3 * C, cfg.conv_kernel - 1), "bf16", "input")
+    prog.buffer("state", (cfg.batch, cfg.heads, cfg.head_dim, cfg.head_dim), cfg.state_dtype, "input")
+    for name, width in (("qkv", 3 * C), ("f_a", r), ("beta", cfg.beta_rows), ("gate", C), ("g", C)):
+        prog.buffer(name, (M, width), "bf16")
+    if not cfg.output_gate_full_rank:
+        prog.buffer("g_a", (M, r), "bf16")
+    prog.buffer("o", (M, C), "bf16")
+    prog.buffer("resid", (M, D), "fp32", "output")
+
+    def gemv(n, k, **kw):
+        return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), 0, cfg.num_sms)
+
+    def from_x(n, w, y, waits=(), label=""):
+        return prog.op(gemv(n, D, norm=True), {"w": w, "x": "x", "norm_weight": "input_norm", "y": y},
+                       waits=waits, label=label)
+
+    qkv = from_x(3 * C, "w_qkv", "qkv", label="kda.qkv")
+    f_a = from_x(r, "w_f_a", "f_a", label="kda.f_a")
+    beta = from_x(cfg.beta_rows, "w_b", "beta", label="kda.beta")
+    if cfg.output_gate_full_rank:
+        gate = from_x(C, "w_g", "gate", waits=[beta], label="kda.gate")
+    else:
+        g_a = from_x(r, "w_g_a", "g_a", waits=[beta], label="kda.g_a")
+        gate = prog.op(gemv(C, r), {"w": "w_g_b", "x": "g_a", "y": "gate"}, waits=[g_a], label="kda.g_b")
+    g = prog.op(gemv(C, r), {"w": "w_f_b", "x": "f_a", "y": "g"}, waits=[f_a, qkv], label="kda.f_b")
+    core = prog.op(kda, {"qkv": "qkv", "conv_state": "conv_state", "conv_w": "conv_w", "g": "g", "dt_bias": "dt_bias",
+                         "a_log": "a_log", "beta": "beta", "state": "state", "out_gate": "gate", "norm_w": "o_norm",
+                         "o": "o"}, waits=[g, gate], label="kda.core")
+    prog.op(gemv(D, C, out_dtype="fp32", residual="bf16"), {"w": "w_o", "x": "o", "res": "x", "y": "resid"},
+            waits=[core], label="kda.o_proj")
+    return prog
+
+
+def make_weights(cfg: KDALayerConfig, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
+    """Random weights in the program's names: projections scaled by fan-in^-1/2, gates like a
+    trained model's (A_log = log U(1, 16), dt_bias small); the padding (beta rows past `heads`,
+    low-rank rows / columns past the rank) zero."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = {}
+    for name, (shape, dtype) in cfg.weight_shapes().items():
+        x = torch.randn(*shape, generator=g, device=device) * shape[-1] ** -0.5
+        w[name] = x.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    H, r = cfg.heads, cfg.rank
+    w["w_b"][H:] = 0
+    for a, b in (("w_f_a", "w_f_b"), ("w_g_a", "w_g_b")):
+        if a in w:
+            w[a][r:] = 0
+            w[b][:, r:] = 0
+            w[b] *= (cfg.rank_padded / r) ** 0.5          # scaled by the true fan-in
+    w["conv_w"] = (0.5 * torch.randn(3 * cfg.channels, cfg.conv_kernel, generator=g, device=device)).to(w["conv_w"].dtype)
+    w["dt_bias"] = 0.5 * torch.randn(cfg.channels, generator=g, device=device)
+    w["a_log"] = torch.empty(H, device=device).uniform_(1, 16, generator=g).log()
+    w["input_norm"] = (1 + 0.1 * torch.randn(cfg.hidden, generator=g, device=device)).to(torch.bfloat16)
+    w["o_norm"] = (1 + 0.1 * torch.randn(cfg.head_dim, generator=g, device=device)).to(torch.bfloat16)
+    return w
+
+
+def make_inputs(cfg: KDALayerConfig, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
+    """x and the two caches (random: a sequence some steps in)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    B, C, H, K = cfg.batch, cfg.channels, cfg.heads, cfg.head_dim
+    sdt = torch.float32 if cfg.state_dtype == "fp32" else torch.bfloat16
+    return {"x": torch.randn(cfg.tokens_total, cfg.hidden, generator=g, device=device).to(torch.bfloat16),
+            "conv_state": torch.randn(B, 3 * C, cfg.conv_kernel - 1, generator=g, device=device).to(torch.bfloat16),
+            "state": (0.1 * torch.randn(B, H, K, K, generator=g, device=device)).to(sdt)}
+
+
+def reference(cfg: KDALayerConfig, weights: dict, inputs: dict) -> dict[str, torch.Tensor]:
+    """{resid [M, D] fp32, conv_state, state [B, H, K, K] fp32}: x + KDAReference.forward(bf16(
+    rmsnorm(x) * input_norm)) with the checkpoint's weights in bf16 (the model's dtype; the conv
+    in the conv weight's), the caches updated as the model updates them."""
+    from ..reference.common import rms_norm
+    from ..reference.kda import KDAReference
+    C, H, r = cfg.channels, cfg.heads, cfg.rank
+    w = weights
+    q, k, v = w["w_qkv"].split(C)
+    hf = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v,
+          "conv1d.weight": w["conv_w"].view(3 * C, 1, cfg.conv_kernel),
+          "forget_gate.f_a_proj.weight": w["w_f_a"][:r], "forget_gate.f_b_proj.weight": w["w_f_b"][:, :r],
+          "forget_gate.dt_bias": w["dt_bias"], "forget_gate.A_log": w["a_log"], "b_proj.weight": w["w_b"][:H],
+          "o_norm.weight": w["o_norm"], "o_proj.weight": w["w_o"]}
+    if cfg.output_gate_full_rank:
+        hf["g_proj.weight"] = w["w_g"]
+    else:
+        hf.update({"g_a_proj.weight": w["w_g_a"][:r], "g_b_proj.weight": w["w_g_b"][:, :r]})
+    model = SimpleNamespace(norm_eps=cfg.eps, hidden_size=cfg.hidden)
+    ref = KDAReference(model, SimpleNamespace(attention=cfg.spec), hf)
+    x = inputs["x"].float()
+    h = rms_norm(x, w["input_norm"].float(), cfg.eps).to(torch.bfloat16)
+    cache = {"conv": inputs["conv_state"].clone(), "state": inputs["state"].float().clone()}
+    out = ref.forward(h.view(cfg.batch, cfg.tokens, cfg.hidden), cache, None)
+    return {"resid": x + out.float().reshape(cfg.tokens_total, cfg.hidden), "conv_state": cache["conv"],
+            "state": cache["state"]}

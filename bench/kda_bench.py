@@ -251,12 +251,13 @@ SUBLAYER_SHARDS = {"kimi_k3_tp8": dict(hidden=7168),
                    "glm53_tp8": dict(hidden=6144, output_gate_full_rank=False, conv_w_dtype="fp32")}
 
 
-def bench_sublayer(model, heads, batch, variant, kw, copy_bw):
+def bench_sublayer(model, heads, batch, variant, kw, copy_bw, timeline_path=None):
     """The whole KDA sublayer (sdk/megakernel/kda_layer.py: projections, conv + delta rule +
     gated norm, o_proj + residual) in ONE megakernel launch, against KDAReference.forward (+ the
     input norm and residual) as unfused PyTorch in bf16 under a CUDA graph, and the floor: weights
     + state read and written + conv state + activations. Launches alternate over enough copies of
-    the weights and states to exceed the L2."""
+    the weights and states to exceed the L2. timeline_path: also write the per-instruction record
+    of one launch from a flushed L2 there (bench.timeline draws it)."""
     from sdk.megakernel.kda_layer import KDALayerConfig, build_program, make_inputs, make_weights, reference
     from sdk.megakernel.runtime import program_runtime
     cfg = KDALayerConfig(heads=heads, batch=batch, **SUBLAYER_SHARDS[model], **kw)
@@ -280,6 +281,20 @@ def bench_sublayer(model, heads, batch, variant, kw, copy_bw):
     for rt in rts:
         rt.check()
     torch_us, _ = timed([lambda i=i: reference(cfg, *refs[i]) for i in range(copies)])
+    if timeline_path:
+        import json
+
+        from bench.common import flush_l2
+        from sdk.megakernel.runtime import MegakernelRuntime
+        rt_t = MegakernelRuntime(prog, rts[0].tensors, timing=True)
+        rt_t.run()
+        flush_l2()
+        rt_t.run()
+        rec_t = rt_t.timing_record()
+        rec_t.update({"case": f"{model} B={batch} {variant}", "us": us})
+        with open(timeline_path, "w") as f:
+            json.dump(rec_t, f)
+        del rt_t
     M, D = cfg.tokens_total, cfg.hidden
     act_bytes = M * D * (2 + 4)                       # x in, resid out
     state_rw = 2 * cfg.batch * heads * cfg.head_dim ** 2 * (4 if cfg.state_dtype == "fp32" else 2)
@@ -360,7 +375,8 @@ def run(out_dir: str, quick: bool = False, match: list[str] | None = None) -> di
             if variant.startswith("megakernel"):
                 r = bench_chain(model, heads, batch, variant, kw[0], copy_bw)
             elif variant.startswith("sublayer"):
-                r = bench_sublayer(model, heads, batch, variant, kw[0], copy_bw)
+                tl = os.path.join(out_dir, f"timeline_kda_sublayer_{model}_b{batch}.json") if batch == 1 else None
+                r = bench_sublayer(model, heads, batch, variant, kw[0], copy_bw, tl)
             else:
                 r = bench_case(model, heads, batch, variant, kw, copy_bw)
         except Exception as exc:

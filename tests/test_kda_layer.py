@@ -47,11 +47,14 @@ def test_pyvm_sublayer_equals_model_reference(kw):
 
 
 def test_padding():
-    """K3 TP8: beta rows 12 -> 16, rank 128 -> 256 (zero rows / columns)."""
+    """K3 TP8: beta (12 rows) and f_a (rank 128) in one 256-row GEMV, W_f_b's K 256 with zeros
+    under the beta columns; GLM-5.3's low-rank output gate padded to 256."""
     cfg = KDALayerConfig(heads=12, batch=1)
-    assert (cfg.beta_rows, cfg.rank_padded) == (16, 256)
+    assert (cfg.bfa_width, cfg.rank_padded, cfg.kda.beta_width) == (256, 256, 256)
     shapes = cfg.weight_shapes()
-    assert shapes["w_b"][0] == (16, 7168) and shapes["w_f_a"][0] == (256, 7168) and shapes["w_f_b"][0] == (1536, 256)
-    w = make_weights(KDALayerConfig(**TINY), seed=0)
-    assert not w["w_f_a"][64:].any() and not w["w_f_b"][:, 64:].any()
-    assert len(build_program(KDALayerConfig(heads=8, hidden=6144, output_gate_full_rank=False)).ops) == 8
+    assert shapes["w_bf_a"][0] == (256, 7168) and shapes["w_f_b"][0] == (1536, 256) and "w_g" in shapes
+    w = make_weights(KDALayerConfig(**TINY, output_gate_full_rank=False), seed=0)
+    assert not w["w_bf_a"][4 + 64:].any() and not w["w_f_b"][:, :4].any() and not w["w_f_b"][:, 68:].any()
+    assert not w["w_g_a"][64:].any() and not w["w_g_b"][:, 64:].any()
+    ops = [op.label for op in build_program(KDALayerConfig(heads=8, hidden=6144, output_gate_full_rank=False)).ops]
+    assert ops == ["kda.qkv", "kda.beta_f_a", "kda.g_a", "kda.g_b", "kda.f_b", "kda.core", "kda.o_proj"]

@@ -3,29 +3,29 @@ the input RMSNorm fused into the projections, the short conv + delta rule + gate
 (one KDA op), and the output projection with the residual add.
 
     x (bf16 [M, D], M = B * T: the residual stream entering the sublayer)
-    qkv   = GEMV(rmsnorm(x) * input_norm, [W_q; W_k; W_v])       [M, 3C]  (the conv's channels q | k | v)
-    f_a   = GEMV(rmsnorm(x) * input_norm, W_f_a, zero rows to rp)  [M, rp]  (a GEMV's K comes in 256s:
-                                                                          rank 128 -> 256, see below)
-    beta  = GEMV(rmsnorm(x) * input_norm, W_b, zero rows to Hb)  [M, Hb]  (logits; a GEMV's rows come
-                                                                          in 8s: K3 TP8's 12 heads -> 16)
-    gate  = GEMV(rmsnorm(x) * input_norm, W_g)                   [M, C]   (full rank: Kimi K3)
-          = GEMV(GEMV(rmsnorm(x) * input_norm, W_g_a), W_g_b)              (low rank: GLM-5.3)
-    g     = GEMV(f_a, W_f_b, zero columns to rp)                 [M, C]   (raw gate; dt_bias in the KDA op)
-    o     = KDA(conv, out_norm)(qkv, conv_state, g, beta, state, gate)    [B, T, H, K]; conv_state and
-                                                                          state updated in place
+    qkv   = GEMV(rmsnorm(x) * input_norm, [W_q; W_k; W_v])           [M, 3C]  (the conv's channels q | k | v)
+    bf_a  = GEMV(rmsnorm(x) * input_norm, [W_b; W_f_a; 0])           [M, P]   (beta logits in columns
+                                                                              0..H-1, f_a in H..H+r-1)
+    gate  = GEMV(rmsnorm(x) * input_norm, W_g)                       [M, C]   (full rank: Kimi K3)
+          = GEMV(GEMV(rmsnorm(x) * input_norm, [W_g_a; 0]), [W_g_b 0])         (low rank: GLM-5.3)
+    g     = GEMV(bf_a, [0 W_f_b 0])                                   [M, C]   (raw gate; dt_bias in the KDA op)
+    o     = KDA(conv, out_norm)(qkv, conv_state, g, beta = bf_a, state, gate)  [B, T, H, K]; conv_state
+                                                                              and state updated in place
     resid = x + o @ W_o^T       (fp32: the o_proj GEMV's residual epilogue)
 
-An op waits for at most isa.MAX_WAITS (2) others, and the KDA op reads four producers, so two
-waits are chained: the gate waits for beta and g for qkv (beside f_a), and the KDA op waits for
-g and the gate. The waiting GEMVs still stream their weights before the wait (the ring loads
-weights ahead), so the chain costs little. `reference()` is sdk/reference/kda.py's
-KDAReference.forward on rmsnorm(x) in bf16 (the model's own projections, conv, gate and norm),
-plus the residual: the program is checked against the model's definition.
+Why beta and f_a share one GEMV: a GEMV's K comes in 256s (32 lanes x 16 bytes), so the forget
+gate's rank (128 in both models) is padded to 256 anyway (zero columns in W_f_b), and the beta
+rows fill part of that padding: one 256-row GEMV instead of a 128-row one and a 12-row one - the
+latter, 2 tiles on 2 SMs streaming 100 KB each, took 15 us at Kimi K3 TP8 batch 1 (H200
+timeline). The KDA op reads beta as the first `heads` columns of each bf_a row
+(KDAConfig.beta_width = P), f_b multiplies the beta columns by zeros.
 
-Padding: a GEMV tile's rows come in 8s (one per warp) and its K in 256s (32 lanes x 16 bytes), so
-the low-rank gates' rank (128 in both models) is padded to 256 - zero rows in W_f_a / W_g_a, zero
-columns in W_f_b / W_g_b: +2.3 MB on Kimi K3 TP8's ~110 MB of weights - and the beta rows to a
-multiple of 8 (the KDA op reads the first `heads` of each row: KDAConfig.beta_width).
+An op waits for at most isa.MAX_WAITS (2) others and the KDA op reads four producers, so f_b
+(tiny, after bf_a anyway) also waits for qkv, and the KDA op waits for f_b and the gate. The
+waiting GEMVs still stream their weights before the wait (the ring loads weights ahead).
+`reference()` is sdk/reference/kda.py's KDAReference.forward on rmsnorm(x) in bf16 (the model's
+own projections, conv, gate and norm) plus the residual: the program is checked against the
+model's definition.
 """
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ from ..blocks.kda import KDABlock, KDAConfig
 from .mlp_stack import gemv_block
 from .program import Program
 
-GEMV_ROW_GROUP = 8          # a GEMV's rows per tile come in multiples of the 8 warps
 GEMV_K_GROUP = 256          # a GEMV's K in multiples of 32 lanes x 8 bf16
 
 
@@ -73,8 +72,9 @@ class KDALayerConfig:
         return self.heads * self.head_dim
 
     @property
-    def beta_rows(self) -> int:
-        return -(-self.heads // GEMV_ROW_GROUP) * GEMV_ROW_GROUP
+    def bfa_width(self) -> int:
+        """P: columns of bf_a (beta logits, then f_a), a multiple of GEMV_K_GROUP."""
+        return -(-(self.heads + self.rank) // GEMV_K_GROUP) * GEMV_K_GROUP
 
     @property
     def tokens_total(self) -> int:
@@ -95,13 +95,13 @@ class KDALayerConfig:
                          state_dtype=self.state_dtype, gate_kind=self.gate_kind,
                          gate_lower_bound=self.gate_lower_bound, conv=True, conv_kernel=self.conv_kernel,
                          conv_w_dtype=self.conv_w_dtype, out_norm=True, norm_eps=self.eps,
-                         beta_width=self.beta_rows)
+                         beta_width=self.bfa_width)
 
     def weight_shapes(self) -> dict[str, tuple[tuple, str]]:
         """Program weight name -> (shape, dtype)."""
-        D, C, H, K, r = self.hidden, self.channels, self.heads, self.head_dim, self.rank_padded
-        w = {"input_norm": ((D,), "bf16"), "w_qkv": ((3 * C, D), "bf16"), "w_f_a": ((r, D), "bf16"),
-             "w_f_b": ((C, r), "bf16"), "w_b": ((self.beta_rows, D), "bf16"),
+        D, C, H, K, r, P = self.hidden, self.channels, self.heads, self.head_dim, self.rank_padded, self.bfa_width
+        w = {"input_norm": ((D,), "bf16"), "w_qkv": ((3 * C, D), "bf16"), "w_bf_a": ((P, D), "bf16"),
+             "w_f_b": ((C, P), "bf16"),
              "conv_w": ((3 * C, self.conv_kernel), self.conv_w_dtype), "dt_bias": ((C,), "fp32"),
              "a_log": ((H,), "fp32"), "o_norm": ((K,), "bf16"), "w_o": ((D, C), "bf16")}
         if self.output_gate_full_rank:
@@ -112,7 +112,7 @@ class KDALayerConfig:
 
 
 def build_program(cfg: KDALayerConfig) -> Program:
-    D, C, M, r = cfg.hidden, cfg.channels, cfg.tokens_total, cfg.rank_padded
+    D, C, M, r, P = cfg.hidden, cfg.channels, cfg.tokens_total, cfg.rank_padded, cfg.bfa_width
     kda = KDABlock(cfg.kda)
     prog = Program()
     prog.buffer("x", (M, D), "bf16", "input")
@@ -121,7 +121,7 @@ def build_program(cfg: KDALayerConfig) -> Program:
     # the recurrent caches: read and written in place every step
     prog.buffer("conv_state", (cfg.batch, 3 * C, cfg.conv_kernel - 1), "bf16", "input")
     prog.buffer("state", (cfg.batch, cfg.heads, cfg.head_dim, cfg.head_dim), cfg.state_dtype, "input")
-    for name, width in (("qkv", 3 * C), ("f_a", r), ("beta", cfg.beta_rows), ("gate", C), ("g", C)):
+    for name, width in (("qkv", 3 * C), ("bf_a", P), ("gate", C), ("g", C)):
         prog.buffer(name, (M, width), "bf16")
     if not cfg.output_gate_full_rank:
         prog.buffer("g_a", (M, r), "bf16")
@@ -136,16 +136,15 @@ def build_program(cfg: KDALayerConfig) -> Program:
                        waits=waits, label=label)
 
     qkv = from_x(3 * C, "w_qkv", "qkv", label="kda.qkv")
-    f_a = from_x(r, "w_f_a", "f_a", label="kda.f_a")
-    beta = from_x(cfg.beta_rows, "w_b", "beta", label="kda.beta")
+    bf_a = from_x(P, "w_bf_a", "bf_a", label="kda.beta_f_a")
     if cfg.output_gate_full_rank:
-        gate = from_x(C, "w_g", "gate", waits=[beta], label="kda.gate")
+        gate = from_x(C, "w_g", "gate", label="kda.gate")
     else:
-        g_a = from_x(r, "w_g_a", "g_a", waits=[beta], label="kda.g_a")
+        g_a = from_x(r, "w_g_a", "g_a", label="kda.g_a")
         gate = prog.op(gemv(C, r), {"w": "w_g_b", "x": "g_a", "y": "gate"}, waits=[g_a], label="kda.g_b")
-    g = prog.op(gemv(C, r), {"w": "w_f_b", "x": "f_a", "y": "g"}, waits=[f_a, qkv], label="kda.f_b")
+    g = prog.op(gemv(C, P), {"w": "w_f_b", "x": "bf_a", "y": "g"}, waits=[bf_a, qkv], label="kda.f_b")
     core = prog.op(kda, {"qkv": "qkv", "conv_state": "conv_state", "conv_w": "conv_w", "g": "g", "dt_bias": "dt_bias",
-                         "a_log": "a_log", "beta": "beta", "state": "state", "out_gate": "gate", "norm_w": "o_norm",
+                         "a_log": "a_log", "beta": "bf_a", "state": "state", "out_gate": "gate", "norm_w": "o_norm",
                          "o": "o"}, waits=[g, gate], label="kda.core")
     prog.op(gemv(D, C, out_dtype="fp32", residual="bf16"), {"w": "w_o", "x": "o", "res": "x", "y": "resid"},
             waits=[core], label="kda.o_proj")
@@ -154,20 +153,22 @@ def build_program(cfg: KDALayerConfig) -> Program:
 
 def make_weights(cfg: KDALayerConfig, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
     """Random weights in the program's names: projections scaled by fan-in^-1/2, gates like a
-    trained model's (A_log = log U(1, 16), dt_bias small); the padding (beta rows past `heads`,
-    low-rank rows / columns past the rank) zero."""
+    trained model's (A_log = log U(1, 16), dt_bias small); bf_a's rows: W_b, W_f_a, zeros (W_f_b's
+    columns: zeros under beta, W_f_b, zeros); the low-rank output gate's padding zero."""
     g = torch.Generator(device=device).manual_seed(seed)
     w = {}
     for name, (shape, dtype) in cfg.weight_shapes().items():
         x = torch.randn(*shape, generator=g, device=device) * shape[-1] ** -0.5
         w[name] = x.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     H, r = cfg.heads, cfg.rank
-    w["w_b"][H:] = 0
-    for a, b in (("w_f_a", "w_f_b"), ("w_g_a", "w_g_b")):
-        if a in w:
-            w[a][r:] = 0
-            w[b][:, r:] = 0
-            w[b] *= (cfg.rank_padded / r) ** 0.5          # scaled by the true fan-in
+    w["w_bf_a"][H + r:] = 0
+    w["w_f_b"][:, :H] = 0
+    w["w_f_b"][:, H + r:] = 0
+    w["w_f_b"] *= (cfg.bfa_width / r) ** 0.5              # scaled by the true fan-in
+    if "w_g_a" in w:
+        w["w_g_a"][r:] = 0
+        w["w_g_b"][:, r:] = 0
+        w["w_g_b"] *= (cfg.rank_padded / r) ** 0.5
     w["conv_w"] = (0.5 * torch.randn(3 * cfg.channels, cfg.conv_kernel, generator=g, device=device)).to(w["conv_w"].dtype)
     w["dt_bias"] = 0.5 * torch.randn(cfg.channels, generator=g, device=device)
     w["a_log"] = torch.empty(H, device=device).uniform_(1, 16, generator=g).log()
@@ -197,8 +198,8 @@ def reference(cfg: KDALayerConfig, weights: dict, inputs: dict) -> dict[str, tor
     q, k, v = w["w_qkv"].split(C)
     hf = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v,
           "conv1d.weight": w["conv_w"].view(3 * C, 1, cfg.conv_kernel),
-          "forget_gate.f_a_proj.weight": w["w_f_a"][:r], "forget_gate.f_b_proj.weight": w["w_f_b"][:, :r],
-          "forget_gate.dt_bias": w["dt_bias"], "forget_gate.A_log": w["a_log"], "b_proj.weight": w["w_b"][:H],
+          "forget_gate.f_a_proj.weight": w["w_bf_a"][H:H + r], "forget_gate.f_b_proj.weight": w["w_f_b"][:, H:H + r],
+          "forget_gate.dt_bias": w["dt_bias"], "forget_gate.A_log": w["a_log"], "b_proj.weight": w["w_bf_a"][:H],
           "o_norm.weight": w["o_norm"], "o_proj.weight": w["w_o"]}
     if cfg.output_gate_full_rank:
         hf["g_proj.weight"] = w["w_g"]

@@ -58,6 +58,8 @@ class KDALayerConfig:
     eps: float = 1e-6                    # the model's norm_eps: the input and the output norms
     state_dtype: str = "fp32"
     num_sms: int = 132
+    x_gemv_rows: int = 0                 # rows per tile of the GEMVs that read x (0: each balanced as
+                                         # if alone - they run side by side, see build_program)
 
     @property
     def rank(self) -> int:
@@ -132,8 +134,8 @@ def build_program(cfg: KDALayerConfig) -> Program:
         return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), 0, cfg.num_sms)
 
     def from_x(n, w, y, waits=(), label=""):
-        return prog.op(gemv(n, D, norm=True), {"w": w, "x": "x", "norm_weight": "input_norm", "y": y},
-                       waits=waits, label=label)
+        blk = gemv_block(GemvConfig(n=n, k=D, m=M, norm=True, norm_eps=cfg.eps), cfg.x_gemv_rows, cfg.num_sms)
+        return prog.op(blk, {"w": w, "x": "x", "norm_weight": "input_norm", "y": y}, waits=waits, label=label)
 
     qkv = from_x(3 * C, "w_qkv", "qkv", label="kda.qkv")
     bf_a = from_x(P, "w_bf_a", "bf_a", label="kda.beta_f_a")

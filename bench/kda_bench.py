@@ -353,7 +353,7 @@ def cases(quick: bool):
                 out.append((model, heads, batch, "core v_split=4 no-pdl", [dict(v_split=4, pdl=False)]))
                 out.append((model, heads, batch, "fused conv+norm no-pdl", [dict(conv=True, out_norm=True, pdl=False)]))
             out.append((model, heads, batch, "sublayer", [{}]))        # the whole KDA sublayer, one launch
-            for rows in (16, 32):     # the x-reading GEMVs' tiles cut alike (they share the SMs)
+            for rows in (0, 16):      # the x-reading GEMVs' tiles: each balanced alone / 16 rows (default 32)
                 out.append((model, heads, batch, f"sublayer x_gemv_rows={rows}", [dict(x_gemv_rows=rows)]))
             if full:
                 vs = AUTO_SPLIT[batch]

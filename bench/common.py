@@ -28,6 +28,23 @@ def flush_l2() -> None:
     torch.cuda.synchronize()
 
 
+def record_timeline(prog, tensors: dict, path: str, case: str, us: float) -> None:
+    """The per-instruction record of one launch of `prog` over `tensors` (a second runtime with
+    timing on), taken after an L2 flush - from HBM, as the timed replays' rotated copies - and
+    written as JSON to `path` with the case name and the timed us (bench.timeline draws it)."""
+    import json
+
+    from sdk.megakernel.runtime import MegakernelRuntime
+    rt = MegakernelRuntime(prog, tensors, timing=True)
+    rt.run()
+    flush_l2()
+    rt.run()
+    rec = rt.timing_record()
+    rec.update({"case": case, "us": us})
+    with open(path, "w") as f:
+        json.dump(rec, f)
+
+
 def commit() -> str:
     """The commit measured: $GIT_COMMIT (the session scripts set it; the device copy has no .git),
     else `git rev-parse HEAD` of this checkout, else 'unknown'."""

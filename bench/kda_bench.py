@@ -30,7 +30,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench.common import arg_parser, copy_bandwidth, cu_stream, run_record, summary_lines, timed, write_json
+from bench.common import (arg_parser, copy_bandwidth, cu_stream, record_timeline, run_record, summary_lines, timed,
+                          write_json)
 
 L2_FLUSH_BYTES = 128 << 20      # state copies per timed graph: 2.5x the H200's 50 MB L2
 MODELS = {"kimi_k3_tp8": 12, "glm53_tp8": 8}
@@ -282,19 +283,7 @@ def bench_sublayer(model, heads, batch, variant, kw, copy_bw, timeline_path=None
         rt.check()
     torch_us, _ = timed([lambda i=i: reference(cfg, *refs[i]) for i in range(copies)])
     if timeline_path:
-        import json
-
-        from bench.common import flush_l2
-        from sdk.megakernel.runtime import MegakernelRuntime
-        rt_t = MegakernelRuntime(prog, rts[0].tensors, timing=True)
-        rt_t.run()
-        flush_l2()
-        rt_t.run()
-        rec_t = rt_t.timing_record()
-        rec_t.update({"case": f"{model} B={batch} {variant}", "us": us})
-        with open(timeline_path, "w") as f:
-            json.dump(rec_t, f)
-        del rt_t
+        record_timeline(prog, rts[0].tensors, timeline_path, f"{model} B={batch} {variant}", us)
     M, D = cfg.tokens_total, cfg.hidden
     act_bytes = M * D * (2 + 4)                       # x in, resid out
     state_rw = 2 * cfg.batch * heads * cfg.head_dim ** 2 * (4 if cfg.state_dtype == "fp32" else 2)

@@ -18,13 +18,12 @@ fraction of floor, torch graph us and the speed-up, rel err of the timed configu
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import torch
 
-from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, flush_l2, run_cases, timed
+from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, record_timeline, run_cases, timed
 
 SHARDS = {   # name: heads, rope, softmax scale
     "kimi_k3_tp8": (12, 64, 192 ** -0.5),
@@ -298,7 +297,6 @@ def bench_dsa_layer_case(shard, ctx, batch, copy_bw, timeline_path=None):
     a torch ratio (no PyTorch sparse-MLA path to compare with fairly)."""
     from models.glm_53.config import full, spec_from_config
     from sdk.megakernel.dsa_layer import build_program, check_selection, make_inputs, make_weights, reference, shard_config
-    from sdk.megakernel.runtime import MegakernelRuntime
     if shard != "glm_53_tp8":
         raise ValueError(f"{shard}: the DSA sublayer case takes the GLM-5.3 TP8 shard")
     cfg = shard_config(spec_from_config(full()), batch=batch, max_seq_len=ctx,
@@ -317,16 +315,8 @@ def bench_dsa_layer_case(shard, ctx, batch, copy_bw, timeline_path=None):
     launches, copies = rotated_launches(prog, rt, make_weights, cfg, kvb + ikb + wb)
     us, mode = timed(launches)
     rt.check()
-    if timeline_path:                       # a second runtime with the per-instruction record
-        rt_t = MegakernelRuntime(prog, rt.tensors, timing=True)
-        rt_t.run()
-        flush_l2()                      # recorded from HBM, as the timed replays' cold caches
-        rt_t.run()
-        rec_t = rt_t.timing_record()
-        rec_t.update({"case": f"{shard} B={batch} ctx={ctx} dsa_sublayer", "us": us})
-        with open(timeline_path, "w") as f:
-            json.dump(rec_t, f)
-        del rt_t
+    if timeline_path:
+        record_timeline(prog, rt.tensors, timeline_path, f"{shard} B={batch} ctx={ctx} dsa_sublayer", us)
     floor_us = (kvb + ikb + wb) / (copy_bw * 1e3)
     rec = {"case": f"{shard} B={batch} ctx={ctx} dsa_sublayer", "shard": shard, "batch": batch, "context": ctx,
            "program_ops": [op.label for op in prog.ops], "index_width": cfg.width, "kv_bytes": kvb,

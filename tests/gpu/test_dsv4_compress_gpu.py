@@ -1,0 +1,47 @@
+"""DeepSeek-V4 KV compression block on the GPU (V4.1-Flash: HCA ratio 128 and CSA ratio 4 at 512
+channels, the CSA indexer's compressor at 128): the standalone tile over successive calls of T
+tokens, ragged sequences placed around window boundaries, against the block's reference (bit-equal
+to the model's compressor on the CPU, tests/test_dsv4_compress.py), the entries NaN-poisoned.
+Run: `pytest -m gpu tests/gpu/test_dsv4_compress_gpu.py`."""
+import pytest
+import torch
+
+from harness import clock_seed, need_gpu, rel_err, run_standalone
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dim,ratio,overlap,batch,T", [(512, 128, False, 64, 1), (512, 4, True, 8, 2),
+                                                       (128, 4, True, 64, 1), (512, 128, False, 3, 4)],
+                         ids=["hca-b64", "csa-b8-T2", "indexer-b64", "hca-b3-T4"])
+def test_dsv4_compress(dim, ratio, overlap, batch, T):
+    need_gpu()
+    from sdk.blocks.dsv4_compress import DSV4CompressBlock, DSV4CompressConfig
+    seed = clock_seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E, C = 64, 2 * dim if overlap else dim
+    block = DSV4CompressBlock(DSV4CompressConfig(dim=dim, ratio=ratio, overlap=overlap, batch=batch, tokens=T,
+                                                 max_entries=E))
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    # sequences just before a window boundary, at one, and far in
+    start = torch.tensor([(ratio * (1 + b % 5)) - (b % 3) for b in range(batch)], dtype=torch.int32, device="cuda")
+    t = {"position_bias": 0.5 * r(ratio, C), "kv_norm": (1 + 0.1 * r(dim)).to(torch.bfloat16),
+         "state_kv": r(batch, block.slots, C).to(torch.bfloat16), "state_gate": r(batch, block.slots, C),
+         "entries": torch.full((batch, E, dim), float("nan"), device="cuda", dtype=torch.bfloat16)}
+    closed = 0
+    for call in range(max(2, 2 * ratio // T)):
+        ang = r(batch, T, 32)
+        t.update({"kv": r(batch, T, C).to(torch.bfloat16), "gate": r(batch, T, C).to(torch.bfloat16),
+                  "cos": ang.cos().to(torch.bfloat16), "sin": ang.sin().to(torch.bfloat16), "start": start})
+        want = block.reference(**{k: v.cpu() for k, v in t.items()})
+        run_standalone(block, t)
+        for name in ("state_kv", "state_gate"):                 # values moved / one exact fp32 add
+            assert torch.equal(t[name].cpu(), want[name]), f"seed {seed}, call {call}: {name}"
+        fin = torch.isfinite(want["entries"])
+        assert torch.equal(torch.isfinite(t["entries"].cpu()), fin), f"seed {seed}, call {call}: entries written"
+        if fin.any():
+            err = rel_err(t["entries"].cpu()[fin], want["entries"][fin])
+            assert err <= 1e-2, f"seed {seed}, call {call}: entries rel err {err:.3e}"
+        closed += int((((start.cpu()[:, None] + torch.arange(T)) + 1) % ratio == 0).sum())
+        start = start + T
+    assert closed > 0

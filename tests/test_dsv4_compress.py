@@ -1,0 +1,92 @@
+"""DeepSeek-V4 KV compression block (sdk/blocks/dsv4_compress.py) on the CPU: its reference and
+its per-tile emulation (what the PyVM runs) equal the model's own compressor
+(sdk/reference/dsv4_attention.py `Compressor`, proven equal to transformers) over several calls
+of T tokens with ragged sequence lengths - HCA, CSA (overlapping windows, incl. the first window)
+and the indexer's 128-wide compressor; bad configs fail loudly; compile checks for every arch."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sdk.blocks.dsv4_compress import DSV4CompressBlock, DSV4CompressConfig, dsv4_compress_compile_cases
+from sdk.errors import UnsupportedConfigError
+
+
+def model_compressor(dim, ratio, overlap, rope, hidden, seed):
+    from sdk.reference.dsv4_attention import Compressor, Rope
+    from sdk.spec import RopeSpec
+    g = torch.Generator().manual_seed(seed)
+    c = 2 * dim if overlap else dim
+    w = {"compressor.kv_proj.weight": (torch.randn(c, hidden, generator=g) * hidden ** -0.5).to(torch.bfloat16),
+         "compressor.gate_proj.weight": (torch.randn(c, hidden, generator=g) * hidden ** -0.5).to(torch.bfloat16),
+         "compressor.position_bias": 0.5 * torch.randn(ratio, c, generator=g),
+         "compressor.kv_norm.weight": (1 + 0.1 * torch.randn(dim, generator=g)).to(torch.bfloat16)}
+    rp = Rope(RopeSpec(dim=rope, theta=10000.0, interleaved=True))
+    comp = Compressor(w, "compressor.", dim, ratio, overlap, rp, 1e-6, ("comp_kv", "state_kv", "state_gate"))
+    return comp, w, rp
+
+
+@pytest.mark.parametrize("dim,ratio,overlap,T", [(512, 8, False, 3), (512, 4, True, 2), (128, 4, True, 1),
+                                                 (64, 2, True, 4)],
+                         ids=["hca-like", "csa", "indexer", "csa-small"])
+def test_block_equals_model_compressor(dim, ratio, overlap, T):
+    from sdk.reference.common import StepInfo
+    B, hidden, rope, E = 3, 256, 64, 16
+    comp, w, rp = model_compressor(dim, ratio, overlap, rope, hidden, seed=dim + ratio)
+    block = DSV4CompressBlock(DSV4CompressConfig(dim=dim, ratio=ratio, overlap=overlap, rope=rope, batch=B,
+                                                 tokens=T, max_entries=E))
+    cache = comp.new_cache(B, E * ratio, "cpu", torch.bfloat16)
+    emu = {"state_kv": cache["state_kv"].clone(), "state_gate": cache["state_gate"].clone(),
+           "entries": cache["comp_kv"].clone()}
+    start = torch.tensor([0, 5, 2 * ratio - 1])                    # ragged; one closes at once
+    g = torch.Generator().manual_seed(1)
+    closed = 0
+    for call in range(4 * ratio // T + 2):
+        x = torch.randn(B, T, hidden, generator=g).to(torch.bfloat16)
+        pos = start[:, None] + torch.arange(T)
+        t = {"kv": F.linear(x, w["compressor.kv_proj.weight"]), "gate": F.linear(x, w["compressor.gate_proj.weight"]),
+             "position_bias": w["compressor.position_bias"], "kv_norm": w["compressor.kv_norm.weight"],
+             "start": start.int()}
+        t["cos"], t["sin"] = rp.cos_sin(pos + 1 - ratio, torch.bfloat16)   # the window each token would close
+        ref = block.reference(**t, **emu)
+        for b in range(B):
+            block.emulate_tile({**t, **emu}, b)
+        comp.update(x, cache, StepInfo(start=start, positions=pos, input_ids=torch.zeros_like(pos)))
+        for name, model in (("state_kv", cache["state_kv"]), ("state_gate", cache["state_gate"]),
+                            ("entries", cache["comp_kv"])):
+            assert torch.equal(ref[name], emu[name]), f"call {call}: {name}: reference != emulation"
+            # the same roundings in the same places: bit-equal (the sums over the window's keys
+            # are fp32 before one bf16 rounding, so the order moves nothing at these sizes)
+            assert torch.equal(emu[name], model), f"call {call}: {name} differs from the model's compressor"
+        closed += int(((pos + 1) % ratio == 0).sum())
+        start = start + T
+    assert closed >= B and cache["comp_kv"].abs().sum() > 0      # entries were written and compared
+
+
+def test_entries_past_the_cache_are_not_written():
+    c = DSV4CompressConfig(dim=64, ratio=2, rope=0, batch=1, tokens=2, max_entries=1)
+    block = DSV4CompressBlock(c)
+    t = {"kv": torch.randn(1, 2, 64).to(torch.bfloat16), "gate": torch.randn(1, 2, 64).to(torch.bfloat16),
+         "position_bias": torch.zeros(2, 64), "kv_norm": torch.ones(64).to(torch.bfloat16),
+         "start": torch.tensor([2], dtype=torch.int32), "state_kv": torch.zeros(1, 2, 64).to(torch.bfloat16),
+         "state_gate": torch.zeros(1, 2, 64), "entries": torch.full((1, 1, 64), 7.0).to(torch.bfloat16)}
+    out = block.reference(**t)                                    # closes window 1: past the single entry
+    assert torch.equal(out["entries"], t["entries"])
+
+
+@pytest.mark.parametrize("kw", [dict(dim=1024), dict(dim=63), dict(rope=66, dim=64), dict(ratio=0)])
+def test_unsupported_configs_fail_loudly(kw):
+    with pytest.raises(UnsupportedConfigError):
+        DSV4CompressBlock(DSV4CompressConfig(**kw))
+
+
+def test_registered():
+    from sdk.blocks import builtin_blocks
+    assert DSV4CompressBlock in builtin_blocks()
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+def test_compile(arch):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from sdk.blocks._cute import standalone
+    for block in dsv4_compress_compile_cases():
+        standalone(block, arch)

@@ -82,7 +82,10 @@ def run_reference(ref, spec, w, starts, T, seed=1):
         ref.select = lambda *a: sel.setdefault("mask", orig(*a))
     out = ref.forward(x, cache, step).view(B, T, spec.num_heads, spec.head_dim)
     t = {"q": q, "window": ring, "new_kv": kv, "start": start.int(), "sinks": w["sinks"],
-         "cos": cos, "sin": sin}
+         "cos": cos, "sin": sin,
+         # the projections' outputs before the prologue (DSV4PrologueBlock's inputs)
+         "q_raw": (q_res @ w["q_b_proj.weight"].T).view(B * T, spec.num_heads, spec.head_dim),
+         "kv_raw": (x @ w["kv_proj.weight"].T).view(B * T, spec.head_dim), "kv_norm": w["kv_norm.weight"]}
     if spec.compress_ratio:
         t["comp"] = cache["comp_kv"].clone()
     if "mask" in sel:
@@ -144,6 +147,34 @@ def test_blocks_equal_reference_attention(mode, starts, T, splits):
     err = rel(got["out"], want)
     print(f"{mode} starts={starts} T={T}: rel err exact {rel(exact['out'], want):.2e}, emulated {err:.2e}")
     assert err < 2e-2
+
+
+@pytest.mark.parametrize("mode,starts,T,splits", [CASES[1], CASES[3], CASES[5]])
+def test_prologue_then_blocks_equal_reference_attention(mode, starts, T, splits):
+    """The chain from the projections' outputs: DSV4PrologueBlock (per-head q norm + RoPE, kv norm
+    + RoPE; emulated on bf16 inputs, as the device) -> decode core -> combine equals the model's
+    attention (DSV4AttentionReference.forward, identity o_a / o_b)."""
+    from sdk.blocks.dsv4_prologue import DSV4PrologueBlock, DSV4PrologueConfig
+    spec, w, ref = build(mode)
+    t, want = run_reference(ref, spec, w, starts, T)
+    B, H, hd = len(starts), spec.num_heads, spec.head_dim
+    pro = DSV4PrologueBlock(DSV4PrologueConfig(heads=H, head_dim=hd, rope=64, batch=B, tokens=T, eps=spec.norm_eps))
+    bf = torch.bfloat16
+    tp = {"q_raw": t["q_raw"].to(bf), "kv_raw": t["kv_raw"].to(bf), "kv_norm": t["kv_norm"].to(bf),
+          "cos": t["cos"].reshape(B * T, -1).to(bf), "sin": t["sin"].reshape(B * T, -1).to(bf),
+          "q": torch.full((B, T, H, hd), float("nan"), dtype=bf), "new_kv": torch.full((B, T, hd), float("nan"), dtype=bf)}
+    for tile in range(pro.num_tiles()):
+        pro.emulate_tile(tp, tile)
+    ref_out = pro.reference(**{k: v for k, v in tp.items()})
+    assert torch.equal(ref_out["q"], tp["q"]) and torch.equal(ref_out["new_kv"], tp["new_kv"])
+    # the prologue's q / new_kv against the reference's own (fp32 projections, fp32 norm weight)
+    assert rel(tp["q"], t["q"]) < 1e-2 and rel(tp["new_kv"], t["new_kv"]) < 1e-2
+    core, comb = blocks_for(spec, mode, B, T, splits)
+    tb = {k: (v.to(bf) if k in ("window", "comp", "cos", "sin") else v) for k, v in t.items()}
+    tb.update(q=tp["q"], new_kv=tp["new_kv"])
+    got = run_blocks(core, comb, tb)
+    err = rel(got["out"], want)
+    assert err < 2e-2, f"{mode}: prologue -> core -> combine rel err {err:.2e}"
 
 
 def test_sink_and_split_lse():

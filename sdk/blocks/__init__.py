@@ -17,11 +17,12 @@ def builtin_blocks() -> list[type]:
     from .mhc import MHCMixBlock, MHCPostBlock, MHCPreBlock
     from .dsv4_attention import DSV4CombineBlock, DSV4DecodeBlock
     from .dsv4_compress import DSV4CompressBlock
+    from .dsv4_prologue import DSV4PrologueBlock
     from .indexer import IndexScoreBlock, TopKBlock
     from .ep import EPCombineBlock, EPDispatchBlock, EPTableBlock
     return [RMSNormBlock, GemvBlock, KDABlock, RouterSelectBlock, ExpertsBlock,
             MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock, MLARopeAppendBlock, MHCMixBlock, MHCPreBlock, MHCPostBlock,
-            DSV4DecodeBlock, DSV4CombineBlock, DSV4CompressBlock, IndexScoreBlock, TopKBlock, EPDispatchBlock, EPTableBlock,
+            DSV4DecodeBlock, DSV4CombineBlock, DSV4CompressBlock, DSV4PrologueBlock, IndexScoreBlock, TopKBlock, EPDispatchBlock, EPTableBlock,
             EPCombineBlock]
 
 

@@ -99,3 +99,30 @@ def test_dsv4_decode_as_megakernel_instructions(mode, starts, T):
     seed = clock_seed()
     core, comb, t = make_case(mode, starts, T, seed)
     check(core, comb, t, seed, one_launch=True)
+
+
+@pytest.mark.parametrize("heads,batch,T", [(8, 1, 1), (8, 64, 1), (8, 4, 3), (16, 8, 2)])
+def test_dsv4_prologue(heads, batch, T):
+    """DSV4PrologueBlock (per-head q RMSNorm + RoPE, kv RMSNorm + RoPE) against its reference (the
+    model's rms_norm_v4 / Rope), fresh inputs, outputs NaN-poisoned: the norms' sums differ in
+    order only, so a bf16 rounding may flip (bound 1e-2, the other bf16 outputs')."""
+    need_gpu()
+    from sdk.blocks.dsv4_prologue import DSV4PrologueBlock, DSV4PrologueConfig
+    seed = clock_seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blk = DSV4PrologueBlock(DSV4PrologueConfig(heads=heads, batch=batch, tokens=T))
+    M, hd = batch * T, 512
+    ang = torch.randn(M, 32, device="cuda", generator=g) * 3
+    t = {"q_raw": (4 * torch.randn(M, heads, hd, device="cuda", generator=g)).to(torch.bfloat16),
+         "kv_raw": torch.randn(M, hd, device="cuda", generator=g).to(torch.bfloat16),
+         "kv_norm": (1 + 0.1 * torch.randn(hd, device="cuda", generator=g)).to(torch.bfloat16),
+         "cos": ang.cos().to(torch.bfloat16), "sin": ang.sin().to(torch.bfloat16),
+         "q": torch.full((batch, T, heads, hd), float("nan"), device="cuda", dtype=torch.bfloat16),
+         "new_kv": torch.full((batch, T, hd), float("nan"), device="cuda", dtype=torch.bfloat16)}
+    want = blk.reference(**{k: v.cpu() for k, v in t.items()})
+    run_standalone(blk, t)
+    for name in ("q", "new_kv"):
+        got = t[name].float().cpu()
+        assert torch.isfinite(got).all(), f"seed {seed}: {name} not written"
+        err = ((got - want[name].float()).norm() / want[name].float().norm()).item()
+        assert err <= 1e-2, f"seed {seed}: {name} rel err {err:.3e}"

@@ -1,0 +1,56 @@
+"""DeepSeek-V4 attention prologue block (sdk/blocks/dsv4_prologue.py) on the CPU: reference =
+emulation, ragged positions through the host's cos / sin, no RoPE, bad configs, compile checks
+(the chain prologue -> core -> combine against the model's attention is in test_dsv4_block.py)."""
+import pytest
+import torch
+
+from sdk.blocks.dsv4_prologue import DSV4PrologueBlock, DSV4PrologueConfig, dsv4_prologue_compile_cases
+from sdk.errors import UnsupportedConfigError
+
+
+def inputs(block, seed=0):
+    c = block.config
+    g = torch.Generator().manual_seed(seed)
+    M, H, HD = block.m, c.heads, c.head_dim
+    ang = torch.randn(M, max(c.rope // 2, 1), generator=g) * 3
+    return {"q_raw": torch.randn(M, H, HD, generator=g).to(torch.bfloat16) * 4,
+            "kv_raw": torch.randn(M, HD, generator=g).to(torch.bfloat16),
+            "kv_norm": (1 + 0.1 * torch.randn(HD, generator=g)).to(torch.bfloat16),
+            "cos": ang.cos().to(torch.bfloat16), "sin": ang.sin().to(torch.bfloat16),
+            "q": torch.full((c.batch, c.tokens, H, HD), float("nan")).to(torch.bfloat16),
+            "new_kv": torch.full((c.batch, c.tokens, HD), float("nan")).to(torch.bfloat16)}
+
+
+@pytest.mark.parametrize("kw", [dict(heads=8, batch=3, tokens=2), dict(heads=2, head_dim=128, rope=0, batch=2),
+                                dict(heads=9, head_dim=64, rope=64)])
+def test_reference_equals_emulation(kw):
+    block = DSV4PrologueBlock(DSV4PrologueConfig(**kw))
+    t = inputs(block)
+    want = block.reference(**t)
+    for tile in range(block.num_tiles()):
+        block.emulate_tile(t, tile)
+    assert torch.equal(t["q"], want["q"]) and torch.equal(t["new_kv"], want["new_kv"])
+    assert torch.isfinite(t["q"].float()).all() and torch.isfinite(t["new_kv"].float()).all()
+    # unit rms before the rope (rope is a rotation: the norm of each row is kept) - a sanity
+    # bound on what the normalisation produced
+    rms = t["q"].float().pow(2).mean(-1).sqrt()
+    assert ((rms - 1).abs() < 2e-2).all()
+
+
+@pytest.mark.parametrize("kw", [dict(head_dim=96), dict(rope=65), dict(rope=1024), dict(heads=0)])
+def test_unsupported_configs_fail_loudly(kw):
+    with pytest.raises(UnsupportedConfigError):
+        DSV4PrologueBlock(DSV4PrologueConfig(**kw))
+
+
+def test_registered():
+    from sdk.blocks import builtin_blocks
+    assert DSV4PrologueBlock in builtin_blocks()
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+def test_compile(arch):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from sdk.blocks._cute import standalone
+    for block in dsv4_prologue_compile_cases():
+        standalone(block, arch)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from .base import NUM_THREADS, Block, Cost, OperandSpec
 
 NUM_WARPS = NUM_THREADS // 32

@@ -86,6 +86,7 @@ def run_reference(ref, spec, w, starts, T, seed=1):
          # the projections' outputs before the prologue (DSV4PrologueBlock's inputs)
          "q_raw": (q_res @ w["q_b_proj.weight"].T).view(B * T, spec.num_heads, spec.head_dim),
          "kv_raw": (x @ w["kv_proj.weight"].T).view(B * T, spec.head_dim), "kv_norm": w["kv_norm.weight"]}
+    t["window_after"] = cache["window"].clone()          # the ring as the reference leaves it
     if spec.compress_ratio:
         t["comp"] = cache["comp_kv"].clone()
     if "mask" in sel:
@@ -175,6 +176,14 @@ def test_prologue_then_blocks_equal_reference_attention(mode, starts, T, splits)
     got = run_blocks(core, comb, tb)
     err = rel(got["out"], want)
     assert err < 2e-2, f"{mode}: prologue -> core -> combine rel err {err:.2e}"
+    # then the ring write (after the core): the ring the reference leaves
+    from sdk.blocks.dsv4_attention import DSV4RingWriteBlock, DSV4RingWriteConfig
+    rw = DSV4RingWriteBlock(DSV4RingWriteConfig(batch=B, q_tokens=T, head_dim=hd, window=spec.sliding_window))
+    ring = {"new_kv": tp["new_kv"], "start": t["start"], "window": tb["window"].clone()}
+    for tile in range(rw.num_tiles()):
+        rw.emulate_tile(ring, tile)
+    assert torch.equal(ring["window"], rw.reference(new_kv=tp["new_kv"], start=t["start"], window=tb["window"])["window"])
+    assert rel(ring["window"], t["window_after"]) < 1e-2
 
 
 def test_sink_and_split_lse():

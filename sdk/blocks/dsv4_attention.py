@@ -35,7 +35,8 @@ tiles of other splits may still read it).
 
 Supported: rows = (T or 1) * H <= 32 (TP8: 8 heads, T <= 4), head_dim a multiple of 256, T <= W,
 bf16 caches, chunk 16/32/64. Not yet: fp8 / fp4 cache formats (V4.1 SWA E4M3 + UE8M0 and
-compressed E2M1), H > 32 rows (TP1's 64 heads), the ring write fused in the combine, wgmma/tcgen05.
+compressed E2M1), H > 32 rows (TP1's 64 heads), wgmma/tcgen05. The ring write is its own op
+after the core (`DSV4RingWriteBlock`).
 The indexer (scores, top-k) is `docs/dsv4_attention.md`'s design, not a block yet.
 """
 from __future__ import annotations
@@ -370,6 +371,83 @@ class DSV4CombineBlock(Block):
         return build_dsv4_combine_tile(self)
 
 
+@dataclass(frozen=True)
+class DSV4RingWriteConfig:
+    batch: int = 1
+    q_tokens: int = 1
+    head_dim: int = 512
+    window: int = 128
+
+
+class DSV4RingWriteBlock(Block):
+    """The sliding-window ring after the attention: window[b, (start[b] + t) % W] = new_kv[b, t]
+    for this call's last min(T, W) tokens (as DSV4AttentionReference.forward writes it). A separate
+    op that waits for the decode core: the core's tiles of every split read the old ring. Tile =
+    one sequence, its rows copied as 16-byte units spread over the threads."""
+    name = "dsv4_ring_write"
+    Config = DSV4RingWriteConfig
+
+    def check(self):
+        c = self.config
+        if c.head_dim % 8 or c.window < 1 or c.q_tokens < 1 or c.batch < 1:
+            self.unsupported(f"dsv4_ring_write: head_dim={c.head_dim} (multiple of 8), window={c.window}, "
+                             f"q_tokens={c.q_tokens}, batch={c.batch}")
+
+    def operand_specs(self):
+        c = self.config
+        return [OperandSpec("new_kv", (c.batch, c.q_tokens, c.head_dim), "bf16"),
+                OperandSpec("start", (c.batch,), "int32"),
+                OperandSpec("window", (c.batch, c.window, c.head_dim), "bf16", output=True)]
+
+    def num_tiles(self) -> int:
+        return self.config.batch
+
+    def cost(self) -> Cost:
+        c = self.config
+        return Cost(bytes=4 * min(c.q_tokens, c.window) * c.head_dim, flops=0)
+
+    def _sequence(self, t, b, ring):
+        c = self.config
+        for tq in range(max(0, c.q_tokens - c.window), c.q_tokens):
+            ring[b, (int(t["start"][b]) + tq) % c.window] = t["new_kv"][b, tq].to(ring.dtype)
+
+    def reference(self, **t):
+        ring = t["window"].clone()
+        for b in range(self.config.batch):
+            self._sequence(t, b, ring)
+        return {"window": ring}
+
+    def emulate_tile(self, t, tile):
+        self._sequence(t, tile, t["window"])
+
+    def _build_device_tile(self):
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import BFloat16, Int32
+
+        from ._cute import gmem_tensor
+
+        c = self.config
+        B, T, HD, W = c.batch, c.q_tokens, c.head_dim, c.window
+        T0 = max(0, T - W)
+        U = HD // 8                          # 16-byte units per row
+        N = (T - T0) * U
+
+        @cute.jit
+        def tile(ptrs, b: Int32, scratch):
+            tid, _, _ = cute.arch.thread_idx()
+            mNew = gmem_tensor(ptrs[0], BFloat16, (B, T, U, 8), 16)
+            mStart = gmem_tensor(ptrs[1], Int32, (B,), 4)
+            mRing = gmem_tensor(ptrs[2], BFloat16, (B, W, U, 8), 16)
+            start = mStart[b]
+            for i in cutlass.range(tid, N, NUM_THREADS, unroll=1):
+                tq = T0 + i // U
+                u = i % U
+                mRing[b, (start + tq) % W, u, None].store(mNew[b, tq, u, None].load())
+
+        return tile
+
+
 def dsv4_compile_cases() -> list:
     """V4.1-Flash TP8 (8 heads, head_dim 512, window 128): HCA at 1M context, CSA top-512, SWA."""
     return [
@@ -379,4 +457,5 @@ def dsv4_compile_cases() -> list:
         DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode="swa", batch=64, q_tokens=4, chunk=64)),
         DSV4CombineBlock(DSV4CombineConfig(heads=8, batch=1, num_splits=16)),
         DSV4CombineBlock(DSV4CombineConfig(heads=8, batch=8, q_tokens=2, num_splits=4, per_token_groups=True)),
+        DSV4RingWriteBlock(DSV4RingWriteConfig(batch=64, q_tokens=2)),
     ]

@@ -52,3 +52,15 @@ def test_csa_is_refused_clearly():
     from sdk.errors import UnsupportedConfigError
     with pytest.raises(UnsupportedConfigError, match="CSA"):
         build_program(DSV4LayerConfig(mode="csa", **TINY))
+
+
+def test_v41_tp8_megakernel_compiles():
+    """The V4.1-Flash TP8 HCA sublayer's megakernel (every block of the program inlined in the
+    dispatch loop) compiles for sm_90a with no GPU."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from sdk.megakernel.kernel import compile_megakernel
+    from sdk.schedule import schedule
+    cfg = DSV4LayerConfig(mode="hca", heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=128,
+                          max_seq_len=16384)
+    prog = build_program(cfg)
+    compile_megakernel(prog.opcodes.blocks, 132, schedule(prog, 132).max_len, timing=False, arch="sm_90a")

@@ -7,12 +7,17 @@ not included) / the copy bandwidth measured in this run (bench/common.copy_bandw
 
     python -m bench.dsv4_bench --out bench/results/h200 [--quick]
 
+Also the whole SWA / HCA attention sublayer in one launch ("sublayer:" cases, bench_sublayer:
+projections and the output projection included; floor = weights + KV rows read; a timeline at
+batch 1).
+
 Timing: both launches of many calls in one CUDA graph, rotating over enough cache copies to
 exceed the L2; median of replays. JSON (dsv4_bench.json): commit, command, GPU, copy bandwidth,
 per case us, GB/s, fraction of floor, torch graph us, speed-up, rel err of the timed config.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -113,6 +118,54 @@ def bench_case(mode, ctx, batch, copy_bw, quick=False):
     return rec
 
 
+def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None):
+    """The SWA / HCA attention sublayer (sdk/megakernel/dsv4_layer.py: projections, norms + RoPE,
+    compressor, split-KV decode, combine, ring write, o_a / o_b + residual) in ONE launch at the
+    V4.1-Flash TP8 shard (8 heads, hidden 5120), sequences at `ctx` tokens, against
+    DSV4AttentionReference.forward (+ input norm, residual) as PyTorch - under a CUDA graph where it
+    captures (its compressor's Python loop syncs on the closing windows: then eager, said in the
+    record) - and the floor: weights + the KV rows the attention reads. Launches alternate over
+    copies of the weights and caches (L2)."""
+    from bench.common import record_timeline
+    from sdk.megakernel.dsv4_layer import DSV4LayerConfig, build_program, make_inputs, make_weights, reference
+    from sdk.megakernel.runtime import program_runtime
+    cfg = DSV4LayerConfig(mode=mode, batch=batch, heads=HEADS, hidden=5120, q_rank=1024, o_rank=1024, window=W,
+                          ratio=128, max_seq_len=ctx + 256)
+    prog = build_program(cfg)
+    starts = [ctx - 1] * batch
+    wb = prog.bytes_by_role("weight")
+    dec = next(op.block for op in prog.ops if op.label == "v4.decode")
+    kvb = dec.kv_bytes(starts)
+    copies = max(2, -(-L2_FLUSH_BYTES // (wb + kvb)))
+    rts, refs = [], []
+    for i in range(copies):
+        w = make_weights(cfg, seed=i, device="cuda")
+        inp = make_inputs(cfg, starts, seed=100 + i, device="cuda")
+        rts.append(program_runtime(prog, w, inputs={k: v.clone() for k, v in inp.items()}))
+        refs.append((w, inp))
+    want = reference(cfg, *refs[0])
+    rts[0].tensors["resid"].fill_(float("nan"))
+    rts[0].run()
+    x = refs[0][1]["x"].float()
+    d = rts[0].tensors["resid"] - x
+    err = ((d - (want["resid"] - x)).norm() / (want["resid"] - x).norm()).item()
+    us, mode_t = timed([rt.launch for rt in rts] * max(1, 8 // copies))
+    for rt in rts:
+        rt.check()
+    case = f"v41flash_tp8 sublayer {mode} B={batch} ctx={ctx}"
+    if timeline_path:
+        record_timeline(prog, rts[0].tensors, timeline_path, case, us)
+    torch_us, torch_mode = timed([lambda i=i: reference(cfg, *refs[i]) for i in range(copies)])
+    floor_us = (wb + kvb) / (copy_bw * 1e3)
+    return {"case": case, "mode": mode, "batch": batch, "context": ctx, "heads": HEADS, "weight_bytes": wb,
+            "kv_bytes": kvb, "program_ops": [op.label for op in prog.ops], "decode_stages": dec.stages,
+            "num_splits": dec.config.num_splits, "us": us, "gbs": (wb + kvb) / (us * 1e3), "floor_us": floor_us,
+            "fraction_of_floor": floor_us / us, "torch_us": torch_us, "torch_timing_mode": torch_mode,
+            "torch_graph_us": torch_us if torch_mode == "cuda_graph" else None,
+            "speedup_vs_torch_graph": torch_us / us if torch_mode == "cuda_graph" else None,
+            "speedup_vs_torch": torch_us / us, "timing_mode": mode_t, "rel_err": err, "copies": copies}
+
+
 def cases(quick):
     out = []
     for mode in ("hca", "csa"):
@@ -120,11 +173,22 @@ def cases(quick):
             for batch in (1, 8, 64):
                 out.append((mode, ctx, batch))
     out += [("swa", 4096, 1), ("swa", 4096, 64)]
+    # the whole SWA / HCA sublayer in one launch (bench_sublayer)
+    out += [("sublayer:hca", 32768, b) for b in (1, 8, 64)] + [("sublayer:swa", 4096, 1)]
     return out
 
 
+def bench_one(c, bw, quick, out_dir):
+    mode, ctx, batch = c
+    if mode.startswith("sublayer:"):
+        tl = (os.path.join(out_dir, f"timeline_dsv4_sublayer_{mode[9:]}_b{batch}.json")
+              if out_dir and batch == 1 else None)
+        return bench_sublayer(mode[9:], ctx, batch, bw, tl)
+    return bench_case(mode, ctx, batch, bw, quick)
+
+
 def run(out_dir=None, quick=False):
-    return run_cases("dsv4_bench.json", cases(quick), lambda c, bw: bench_case(*c, bw, quick),
+    return run_cases("dsv4_bench.json", cases(quick), lambda c, bw: bench_one(c, bw, quick, out_dir),
                      lambda c: f"v41flash_tp8 {c[0]} B={c[2]} ctx={c[1]}", out_dir, case_width=40)
 
 

@@ -17,18 +17,10 @@ def rel(a, b):
 
 @pytest.mark.parametrize("mode", ["swa", "hca"])
 def test_pyvm_sublayer_equals_model_reference(mode):
-    from sdk.megakernel.program import encode
     from sdk.megakernel.pyvm import PyVM
-    from sdk.schedule import schedule, validate
     cfg = DSV4LayerConfig(mode=mode, **TINY)
-    prog = build_program(cfg)
-    sched = schedule(prog, 8)
-    validate(prog, sched.per_sm)
-    words, lengths = encode(prog, sched.per_sm)
     w = make_weights(cfg, seed=1)
-    vm = PyVM(prog, words, lengths, PyVM.alloc(prog))
-    for k, v in w.items():
-        vm.tensors[k].copy_(v)
+    vm, _ = PyVM.from_program(build_program(cfg), 8, w)
     starts = [0, 5, 30]                          # 30 + 2 closes a window (ratio 4) in the first call
     carried = {}
     for call in range(2):

@@ -347,19 +347,12 @@ def test_pyvm_layer_chain_equals_reference(kw):
     layer l's output, waited for through the counters; independent layers with the conv), run by
     the PyVM: every layer's output and state equal the chained reference."""
     from bench.kda_bench import layer_chain, layer_chain_inputs, layer_chain_reference
-    from sdk.megakernel.program import encode
     from sdk.megakernel.pyvm import PyVM
-    from sdk.schedule import schedule, validate
     block = KDABlock(KDAConfig(**TINY, **kw))
     prog = layer_chain(block, 3)
     assert len(prog.ops) == 3 and ("v" not in block.operands() or prog.ops[1].bindings["v"] == "o0")
-    sched = schedule(prog, 4)
-    validate(prog, sched.per_sm)
-    words, lengths = encode(prog, sched.per_sm)
     t = layer_chain_inputs(block, 3, seed=5)
-    vm = PyVM(prog, words, lengths, PyVM.alloc(prog))
-    for k, v in t.items():
-        vm.tensors[k].copy_(v)
+    vm, _ = PyVM.from_program(prog, 4, {k: v.clone() for k, v in t.items()})
     ref = layer_chain_reference(block, t, 3)
     vm.step(seed=0)
     for name, r in ref.items():

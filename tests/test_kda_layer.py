@@ -18,18 +18,10 @@ def rel(a, b):
                                 dict(heads=12, hidden=512, gate_kind="softplus")],
                          ids=["k3-full-gate", "glm-low-rank-T2", "12-heads-softplus"])
 def test_pyvm_sublayer_equals_model_reference(kw):
-    from sdk.megakernel.program import encode
     from sdk.megakernel.pyvm import PyVM
-    from sdk.schedule import schedule, validate
     cfg = KDALayerConfig(**{**TINY, **kw})
-    prog = build_program(cfg)
-    sched = schedule(prog, 8)
-    validate(prog, sched.per_sm)
-    words, lengths = encode(prog, sched.per_sm)
     w = make_weights(cfg, seed=1)
-    vm = PyVM(prog, words, lengths, PyVM.alloc(prog))
-    for k, v in w.items():
-        vm.tensors[k].copy_(v)
+    vm, _ = PyVM.from_program(build_program(cfg), 8, w)
     carried = {}
     for step in range(2):
         inp = dict(make_inputs(cfg, seed=10 + step), **carried)

@@ -28,6 +28,20 @@ def flush_l2() -> None:
     torch.cuda.synchronize()
 
 
+def rotated_launches(prog, rt, make_weights, cfg, floor_bytes: int) -> tuple[list, int]:
+    """Launch callables over enough weight copies that one launch's weights are out of the L2 when
+    they come round again (the cache rows stay shared: at these shapes the weights dominate; with
+    one copy, 60-100 MB per launch, part of them can still be in the 50 MB L2). Each copy is its own
+    runtime (own counters) over the same inputs and scratch; launches run one after another."""
+    from sdk.megakernel.runtime import MegakernelRuntime
+    copies = max(1, min(8, -(-L2_FLUSH_BYTES // max(floor_bytes, 1))))
+    rts = [rt]
+    for i in range(1, copies):
+        w = make_weights(cfg, seed=100 + i, device="cuda")
+        rts.append(MegakernelRuntime(prog, {**rt.tensors, **{k: v for k, v in w.items() if k in prog.buffers}}))
+    return [r.launch for r in rts] * max(1, 8 // copies), copies
+
+
 def record_timeline(prog, tensors: dict, path: str, case: str, us: float) -> None:
     """The per-instruction record of one launch of `prog` over `tensors` (a second runtime with
     timing on), taken after an L2 flush - from HBM, as the timed replays' rotated copies - and

@@ -264,9 +264,13 @@ def bench_sublayer(model, heads, batch, variant, kw, copy_bw, timeline_path=None
     cfg = KDALayerConfig(heads=heads, batch=batch, **SUBLAYER_SHARDS[model], **kw)
     prog = build_program(cfg)
     weight_bytes = prog.bytes_by_role("weight")
-    cache_bytes = sum(t.numel() * t.element_size() for t in make_inputs(cfg, device="cuda").values()
-                      if t.dim() > 2)
+    # the caches one launch reads (and writes back): the recurrent state and the conv state
+    state_rw = 2 * cfg.batch * heads * cfg.head_dim ** 2 * (4 if cfg.state_dtype == "fp32" else 2)
+    conv_rw = 2 * cfg.batch * 3 * cfg.channels * (cfg.conv_kernel - 1) * 2
+    cache_bytes = (state_rw + conv_rw) // 2
     one = weight_bytes + cache_bytes
+    # weights AND states rotate (bench.common.rotated_launches shares the inputs: at batch 64 the
+    # states are a third of a launch's bytes)
     copies = max(2, -(-L2_FLUSH_BYTES // one))
     rts, refs = [], []
     for i in range(copies):
@@ -286,8 +290,6 @@ def bench_sublayer(model, heads, batch, variant, kw, copy_bw, timeline_path=None
         record_timeline(prog, rts[0].tensors, timeline_path, f"{model} B={batch} {variant}", us)
     M, D = cfg.tokens_total, cfg.hidden
     act_bytes = M * D * (2 + 4)                       # x in, resid out
-    state_rw = 2 * cfg.batch * heads * cfg.head_dim ** 2 * (4 if cfg.state_dtype == "fp32" else 2)
-    conv_rw = 2 * cfg.batch * 3 * cfg.channels * (cfg.conv_kernel - 1) * 2
     floor_bytes = weight_bytes + state_rw + conv_rw + act_bytes
     floor_us = floor_bytes / (copy_bw * 1e3)
     return {"case": f"{model} B={batch} {variant}", "model": model, "heads": heads, "batch": batch,

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, record_timeline, run_cases, timed
+from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, record_timeline, rotated_launches, run_cases, timed
 
 SHARDS = {   # name: heads, rope, softmax scale
     "kimi_k3_tp8": (12, 64, 192 ** -0.5),
@@ -222,20 +222,6 @@ def cases(quick: bool):
             ("kimi_k3_tp8", 131072, 64, "fp8_e4m3", 1), ("kimi_k3_tp16", 32768, 8, "bf16", 2),
             ("glm_53_tp8", 32768, 8, "bf16", 4)]
     return out
-
-
-def rotated_launches(prog, rt, make_weights, cfg, floor_bytes: int) -> tuple[list, int]:
-    """Launch callables over enough weight copies that one launch's weights are out of the L2 when
-    they come round again (the cache rows stay shared: at these shapes the weights dominate; with
-    one copy, 60-100 MB per launch, part of them can still be in the 50 MB L2). Each copy is its own
-    runtime (own counters) over the same inputs and scratch; launches run one after another."""
-    from sdk.megakernel.runtime import MegakernelRuntime
-    copies = max(1, min(8, -(-L2_FLUSH_BYTES // max(floor_bytes, 1))))
-    rts = [rt]
-    for i in range(1, copies):
-        w = make_weights(cfg, seed=100 + i, device="cuda")
-        rts.append(MegakernelRuntime(prog, {**rt.tensors, **{k: v for k, v in w.items() if k in prog.buffers}}))
-    return [r.launch for r in rts] * max(1, 8 // copies), copies
 
 
 def run_sublayer_once(build_program, make_weights, make_inputs, cfg, batch: int, ctx: int):

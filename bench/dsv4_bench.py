@@ -27,7 +27,7 @@ from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, run_cases, timed
 HEADS, HD, W = 8, 512, 128
 
 
-def bench_case(mode, ctx, batch, copy_bw, quick=False):
+def bench_case(mode, ctx, batch, copy_bw, quick=False, splits=None):
     from sdk.blocks._cute import standalone
     from sdk.blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock,
                                            DSV4DecodeConfig, choose_splits)
@@ -35,7 +35,7 @@ def bench_case(mode, ctx, batch, copy_bw, quick=False):
     start = ctx - 1
     E = max(1, ctx // ratio)
     probe = DSV4DecodeBlock(DSV4DecodeConfig(heads=HEADS, mode=mode, batch=batch, ratio=ratio, max_entries=E))
-    splits = choose_splits(batch, probe.keys_of(start))
+    forced, splits = splits, splits or choose_splits(batch, probe.keys_of(start))
     core = DSV4DecodeBlock(DSV4DecodeConfig(**{**probe.config.__dict__, "num_splits": splits}))
     comb = DSV4CombineBlock(DSV4CombineConfig(heads=HEADS, batch=batch, num_splits=splits))
     kvb = core.kv_bytes([start] * batch)
@@ -107,7 +107,7 @@ def bench_case(mode, ctx, batch, copy_bw, quick=False):
     except torch.OutOfMemoryError:
         pass
     floor_us = kvb / (copy_bw * 1e3)
-    rec = {"case": f"v41flash_tp8 {mode} B={batch} ctx={ctx}", "mode": mode, "batch": batch, "context": ctx,
+    rec = {"case": case_name((mode, ctx, batch, forced)), "mode": mode, "batch": batch, "context": ctx,
            "heads": HEADS, "num_splits": splits, "chunk": core.config.chunk, "stages": core.stages,
            "kv_bytes": kvb, "us": us, "gbs": kvb / (us * 1e3), "floor_us": floor_us,
            "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
@@ -118,19 +118,19 @@ def bench_case(mode, ctx, batch, copy_bw, quick=False):
     return rec
 
 
-def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None):
+def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None):
     """The SWA / HCA attention sublayer (sdk/megakernel/dsv4_layer.py: projections, norms + RoPE,
     compressor, split-KV decode, combine, ring write, o_a / o_b + residual) in ONE launch at the
-    V4.1-Flash TP8 shard (8 heads, hidden 5120), sequences at `ctx` tokens, against
-    DSV4AttentionReference.forward (+ input norm, residual) as PyTorch - under a CUDA graph where it
-    captures (its compressor's Python loop syncs on the closing windows: then eager, said in the
-    record) - and the floor: weights + the KV rows the attention reads. Launches alternate over
+    V4.1-Flash TP8 shard (8 heads, hidden 5120), sequences at `ctx` tokens (every sequence closes
+    a compressor window: the compressor's worst step), against DSV4AttentionReference.forward
+    (+ input norm, residual; its compressor `capturable`) as PyTorch under a CUDA graph, and the
+    floor: weights + the KV rows the attention reads. Launches alternate over
     weight copies (rotated_launches: the weights dominate the bytes)."""
     from bench.common import record_timeline, rotated_launches
     from sdk.megakernel.dsv4_layer import DSV4LayerConfig, build_program, make_inputs, make_weights, reference
     from sdk.megakernel.runtime import program_runtime
     cfg = DSV4LayerConfig(mode=mode, batch=batch, heads=HEADS, hidden=5120, q_rank=1024, o_rank=1024, window=W,
-                          ratio=128, max_seq_len=ctx + 256)
+                          ratio=128, max_seq_len=ctx + 256, num_splits=splits or 0)
     prog = build_program(cfg)
     starts = [ctx - 1] * batch
     wb = prog.bytes_by_role("weight")
@@ -148,10 +148,10 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None):
     launches, copies = rotated_launches(prog, rt, make_weights, cfg, wb + kvb)
     us, mode_t = timed(launches)
     rt.check()
-    case = f"v41flash_tp8 sublayer {mode} B={batch} ctx={ctx}"
+    case = case_name((f"sublayer:{mode}", ctx, batch, splits))
     if timeline_path:
         record_timeline(prog, rt.tensors, timeline_path, case, us)
-    torch_us, torch_mode = timed([lambda: reference(cfg, w, inp)])
+    torch_us, torch_mode = timed([lambda: reference(cfg, w, inp, capturable=True)])
     floor_us = (wb + kvb) / (copy_bw * 1e3)
     return {"case": case, "mode": mode, "batch": batch, "context": ctx, "heads": HEADS, "weight_bytes": wb,
             "kv_bytes": kvb, "program_ops": [op.label for op in prog.ops], "decode_stages": dec.stages,
@@ -171,21 +171,30 @@ def cases(quick):
     out += [("swa", 4096, 1), ("swa", 4096, 64)]
     # the whole SWA / HCA sublayer in one launch (bench_sublayer)
     out += [("sublayer:hca", 32768, b) for b in (1, 8, 64)] + [("sublayer:swa", 4096, 1)]
+    # batch 1 with more KV splits than choose_splits' 4-chunk minimum gives
+    out += [("hca", 32768, 1, 12), ("sublayer:hca", 32768, 1, 12), ("sublayer:swa", 4096, 1, 5)]
     return out
 
 
+def case_name(c):
+    """mode, ctx, batch[, KV splits forced]"""
+    name = f"v41flash_tp8 {c[0].replace(':', ' ')} B={c[2]} ctx={c[1]}"
+    return name + (f" S={c[3]}" if len(c) > 3 and c[3] else "")
+
+
 def bench_one(c, bw, quick, out_dir):
-    mode, ctx, batch = c
+    mode, ctx, batch = c[:3]
+    splits = c[3] if len(c) > 3 else None
     if mode.startswith("sublayer:"):
-        tl = (os.path.join(out_dir, f"timeline_dsv4_sublayer_{mode[9:]}_b{batch}.json")
+        tl = (os.path.join(out_dir, f"timeline_dsv4_sublayer_{mode[9:]}_b{batch}{f'_s{splits}' if splits else ''}.json")
               if out_dir and batch == 1 else None)
-        return bench_sublayer(mode[9:], ctx, batch, bw, tl)
-    return bench_case(mode, ctx, batch, bw, quick)
+        return bench_sublayer(mode[9:], ctx, batch, bw, tl, splits)
+    return bench_case(mode, ctx, batch, bw, quick, splits)
 
 
 def run(out_dir=None, quick=False):
     return run_cases("dsv4_bench.json", cases(quick), lambda c, bw: bench_one(c, bw, quick, out_dir),
-                     lambda c: f"v41flash_tp8 {c[0]} B={c[2]} ctx={c[1]}", out_dir, case_width=40)
+                     case_name, out_dir, case_width=44)
 
 
 def main(argv=None):

@@ -1,13 +1,15 @@
-"""DeepSeek-V4 KV compression block (sdk/blocks/dsv4_compress.py) on the CPU: its reference and
-its per-tile emulation (what the PyVM runs) equal the model's own compressor
-(sdk/reference/dsv4_attention.py `Compressor`, proven equal to transformers) over several calls
-of T tokens with ragged sequence lengths - HCA, CSA (overlapping windows, incl. the first window)
-and the indexer's 128-wide compressor; bad configs fail loudly; compile checks for every arch."""
+"""DeepSeek-V4 KV compression blocks (sdk/blocks/dsv4_compress.py: the pooling, then the entry norm)
+on the CPU: their references and their per-tile emulations (what the PyVM runs; the pooling cut
+into channel slices) equal the model's own compressor (sdk/reference/dsv4_attention.py
+`Compressor`, proven equal to transformers) over several calls of T tokens with ragged sequence
+lengths - HCA, CSA (overlapping windows, incl. the first window) and the indexer's 128-wide
+compressor; bad configs fail loudly; compile checks for every arch."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sdk.blocks.dsv4_compress import DSV4CompressBlock, DSV4CompressConfig, dsv4_compress_compile_cases
+from sdk.blocks.dsv4_compress import (DSV4CompressBlock, DSV4CompressConfig, DSV4CompressNormBlock, compressor_blocks,
+                                      dsv4_compress_compile_cases)
 from sdk.errors import UnsupportedConfigError
 
 
@@ -25,15 +27,16 @@ def model_compressor(dim, ratio, overlap, rope, hidden, seed):
     return comp, w, rp
 
 
-@pytest.mark.parametrize("dim,ratio,overlap,T", [(512, 8, False, 3), (512, 4, True, 2), (128, 4, True, 1),
-                                                 (64, 2, True, 4)],
+@pytest.mark.parametrize("dim,ratio,overlap,T,cpt", [(512, 8, False, 3, 64), (512, 4, True, 2, 128),
+                                                     (128, 4, True, 1, 64), (64, 2, True, 4, 16)],
                          ids=["hca-like", "csa", "indexer", "csa-small"])
-def test_block_equals_model_compressor(dim, ratio, overlap, T):
+def test_blocks_equal_model_compressor(dim, ratio, overlap, T, cpt):
     from sdk.reference.common import StepInfo
     B, hidden, rope, E = 3, 256, 64, 16
     comp, w, rp = model_compressor(dim, ratio, overlap, rope, hidden, seed=dim + ratio)
-    block = DSV4CompressBlock(DSV4CompressConfig(dim=dim, ratio=ratio, overlap=overlap, rope=rope, batch=B,
-                                                 tokens=T, max_entries=E))
+    pool, norm = compressor_blocks(DSV4CompressConfig(dim=dim, ratio=ratio, overlap=overlap, rope=rope, batch=B,
+                                                      tokens=T, max_entries=E, channels_per_tile=cpt))
+    assert pool.num_tiles() == B * dim // cpt
     cache = comp.new_cache(B, E * ratio, "cpu", torch.bfloat16)
     emu = {"state_kv": cache["state_kv"].clone(), "state_gate": cache["state_gate"].clone(),
            "entries": cache["comp_kv"].clone()}
@@ -47,9 +50,12 @@ def test_block_equals_model_compressor(dim, ratio, overlap, T):
              "position_bias": w["compressor.position_bias"], "kv_norm": w["compressor.kv_norm.weight"],
              "start": start.int()}
         t["cos"], t["sin"] = rp.cos_sin(pos + 1 - ratio, torch.bfloat16)   # the window each token would close
-        ref = block.reference(**t, **emu)
+        ref = pool.reference(**t, **emu)
+        ref.update(norm.reference(**{**t, **ref}))
+        for tile in range(pool.num_tiles()):
+            pool.emulate_tile({**t, **emu}, tile)
         for b in range(B):
-            block.emulate_tile({**t, **emu}, b)
+            norm.emulate_tile({**t, **emu}, b)
         comp.update(x, cache, StepInfo(start=start, positions=pos, input_ids=torch.zeros_like(pos)))
         for name, model in (("state_kv", cache["state_kv"]), ("state_gate", cache["state_gate"]),
                             ("entries", cache["comp_kv"])):
@@ -64,24 +70,26 @@ def test_block_equals_model_compressor(dim, ratio, overlap, T):
 
 def test_entries_past_the_cache_are_not_written():
     c = DSV4CompressConfig(dim=64, ratio=2, rope=0, batch=1, tokens=2, max_entries=1)
-    block = DSV4CompressBlock(c)
+    pool, norm = compressor_blocks(c)
     t = {"kv": torch.randn(1, 2, 64).to(torch.bfloat16), "gate": torch.randn(1, 2, 64).to(torch.bfloat16),
          "position_bias": torch.zeros(2, 64), "kv_norm": torch.ones(64).to(torch.bfloat16),
          "start": torch.tensor([2], dtype=torch.int32), "state_kv": torch.zeros(1, 2, 64).to(torch.bfloat16),
          "state_gate": torch.zeros(1, 2, 64), "entries": torch.full((1, 1, 64), 7.0).to(torch.bfloat16)}
-    out = block.reference(**t)                                    # closes window 1: past the single entry
+    out = pool.reference(**t)                                     # closes window 1: past the single entry
     assert torch.equal(out["entries"], t["entries"])
+    assert torch.equal(norm.reference(**{**t, **out})["entries"], t["entries"])
 
 
-@pytest.mark.parametrize("kw", [dict(dim=1024), dict(dim=63), dict(rope=66, dim=64), dict(ratio=0)])
+@pytest.mark.parametrize("kw", [dict(dim=1024), dict(dim=63), dict(rope=66, dim=64), dict(ratio=0),
+                                dict(channels_per_tile=48), dict(channels_per_tile=6, dim=96, rope=0)])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):
-        DSV4CompressBlock(DSV4CompressConfig(**kw))
+        compressor_blocks(DSV4CompressConfig(**kw))
 
 
 def test_registered():
     from sdk.blocks import builtin_blocks
-    assert DSV4CompressBlock in builtin_blocks()
+    assert DSV4CompressBlock in builtin_blocks() and DSV4CompressNormBlock in builtin_blocks()
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])

@@ -40,6 +40,18 @@ def test_pyvm_sublayer_equals_model_reference(mode):
         starts = [s + cfg.tokens for s in starts]
 
 
+def test_capturable_reference_is_the_same():
+    """The benchmarks' CUDA-graphed PyTorch (the compressor without host syncs) = the model's."""
+    import torch
+    cfg = DSV4LayerConfig(mode="hca", **TINY)
+    w = make_weights(cfg, seed=2)
+    inp = make_inputs(cfg, [2, 5, 30], seed=3)           # 2 + 2 and 30 + 2 close windows, 5 + 2 none
+    a, b = reference(cfg, w, inp), reference(cfg, w, inp, capturable=True)
+    assert not torch.equal(a["comp"], inp["comp"])
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 def test_csa_is_refused_clearly():
     from sdk.errors import UnsupportedConfigError
     with pytest.raises(UnsupportedConfigError, match="CSA"):

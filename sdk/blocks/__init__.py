@@ -16,13 +16,13 @@ def builtin_blocks() -> list[type]:
     from .mla_prologue import MLARopeAppendBlock
     from .mhc import MHCMixBlock, MHCPostBlock, MHCPreBlock
     from .dsv4_attention import DSV4CombineBlock, DSV4DecodeBlock, DSV4RingWriteBlock
-    from .dsv4_compress import DSV4CompressBlock
+    from .dsv4_compress import DSV4CompressBlock, DSV4CompressNormBlock
     from .dsv4_prologue import DSV4PrologueBlock
     from .indexer import IndexScoreBlock, TopKBlock
     from .ep import EPCombineBlock, EPDispatchBlock, EPTableBlock
     return [RMSNormBlock, GemvBlock, KDABlock, RouterSelectBlock, ExpertsBlock,
             MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock, MLARopeAppendBlock, MHCMixBlock, MHCPreBlock, MHCPostBlock,
-            DSV4DecodeBlock, DSV4CombineBlock, DSV4RingWriteBlock, DSV4CompressBlock, DSV4PrologueBlock,
+            DSV4DecodeBlock, DSV4CombineBlock, DSV4RingWriteBlock, DSV4CompressBlock, DSV4CompressNormBlock, DSV4PrologueBlock,
             IndexScoreBlock, TopKBlock, EPDispatchBlock, EPTableBlock, EPCombineBlock]
 
 

@@ -21,14 +21,21 @@ p = start[b] + t, with r = ratio, c = dim (HCA) or 2 * dim (CSA, `overlap`), L =
                of the window that token t closes; unread for tokens that close none)
       entries[b, w] = entry                    (w >= max_entries: not written)
 
-Blocks: `DSV4CompressBlock`, tile = one sequence (its T tokens in order: a T-token call equals T
-single-token calls). Threads own output channel pairs (2i, 2i + 1) - the RoPE pairs - and the
-state channels they pool (CSA: i and dim + i too), so the state written by a token is read back
-by the same thread: one CTA-wide sum (the RMSNorm) per entry is the only exchange.
+Two blocks, run one after the other (a dependency in a program; two launches standalone):
+- `DSV4CompressBlock` - the state and the pooling, which is per channel: tile = (sequence, slice
+  of `channels_per_tile` output channels), its T tokens in order (a T-token call equals T
+  single-token calls), so that a closing window's state (HCA: 128 slots x 512 channels x 6 bytes
+  = 384 KB a sequence) is read by many SMs at once. A thread owns one channel pair of the slice
+  (lane) and every 8th key of the window (key lane): its keys' gates and values are loaded in one
+  round trip, the max / sum / pooled sums meet across the key lanes in shared memory. It writes
+  `pooled` (bf16) into entries[b, w].
+- `DSV4CompressNormBlock` - tile = one sequence: the RMSNorm (kv_norm) and RoPE of the entries its
+  call closed, in place (one CTA-wide sum an entry).
 
-Supported: dim even and <= 2 * NUM_THREADS (V4.1-Flash: 512 main, 128 indexer), rope even and
-<= dim, ratio >= 1, bf16 projections / state / entries, fp32 gate state. Not yet: the fp8 / fp4
-entry formats of V4.1 serving (the decode core reads bf16 entries).
+Supported: dim even and <= 2 * NUM_THREADS (V4.1-Flash: 512 main, 128 indexer), channels_per_tile
+dividing dim with its channel pairs dividing NUM_THREADS, rope even and <= dim, ratio >= 1, bf16
+projections / state / entries, fp32 gate state. Not yet: the fp8 / fp4 entry formats of V4.1
+serving (the decode core reads bf16 entries).
 """
 from __future__ import annotations
 
@@ -36,7 +43,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import NUM_THREADS, Block, Cost, OperandSpec
+from .base import NUM_THREADS, SCRATCH_WORDS, Block, Cost, OperandSpec
+
+# the pooling's cross-key-lane sums: two fp32 words per thread in `scratch`
+assert 2 * NUM_THREADS <= SCRATCH_WORDS
 
 
 @dataclass(frozen=True)
@@ -49,10 +59,15 @@ class DSV4CompressConfig:
     tokens: int = 1                      # new tokens per sequence
     max_entries: int = 1024              # entries per sequence (max_seq_len // ratio)
     eps: float = 1e-6
+    channels_per_tile: int = 64          # DSV4CompressBlock: output channels a tile pools (min with dim)
 
 
-class DSV4CompressBlock(Block):
-    name = "dsv4_compress"
+def _window_closed(p: int, ratio: int):
+    """The window token position p closes, or None."""
+    return (p + 1) // ratio - 1 if (p + 1) % ratio == 0 else None
+
+
+class _CompressBase(Block):
     Config = DSV4CompressConfig
 
     @property
@@ -66,25 +81,244 @@ class DSV4CompressBlock(Block):
     def check(self):
         c = self.config
         if c.dim % 2 or not 2 <= c.dim <= 2 * NUM_THREADS:
-            self.unsupported(f"dsv4_compress: dim={c.dim} (even, at most {2 * NUM_THREADS}: one channel pair a thread)")
+            self.unsupported(f"{self.name}: dim={c.dim} (even, at most {2 * NUM_THREADS}: one channel pair a thread)")
         if c.rope % 2 or not 0 <= c.rope <= c.dim:
-            self.unsupported(f"dsv4_compress: rope={c.rope} (even, at most dim={c.dim})")
+            self.unsupported(f"{self.name}: rope={c.rope} (even, at most dim={c.dim})")
         if c.ratio < 1 or c.batch < 1 or c.tokens < 1 or c.max_entries < 1:
-            self.unsupported(f"dsv4_compress: ratio={c.ratio}, batch={c.batch}, tokens={c.tokens}, "
+            self.unsupported(f"{self.name}: ratio={c.ratio}, batch={c.batch}, tokens={c.tokens}, "
                              f"max_entries={c.max_entries} (all >= 1)")
+
+
+class DSV4CompressBlock(_CompressBase):
+    """The compressor state and the softmax pooling of the windows the call closes (pre-norm)."""
+    name = "dsv4_compress"
+
+    @property
+    def tile_channels(self) -> int:
+        return min(self.config.channels_per_tile, self.config.dim)
+
+    @property
+    def groups(self) -> int:
+        return self.config.dim // self.tile_channels
+
+    def check(self):
+        super().check()
+        c, tc = self.config, self.tile_channels
+        pairs = tc // 2
+        if tc < 2 or tc % 2 or c.dim % tc or NUM_THREADS % pairs:
+            self.unsupported(f"dsv4_compress: channels_per_tile={c.channels_per_tile} (even, dividing dim={c.dim}, "
+                             f"its {pairs} channel pairs dividing {NUM_THREADS} threads)")
 
     def operand_specs(self):
         c = self.config
-        B, T, C, R2 = c.batch, c.tokens, self.width, max(c.rope // 2, 1)
+        B, T, C = c.batch, c.tokens, self.width
         return [OperandSpec("kv", (B, T, C), "bf16"),
                 OperandSpec("gate", (B, T, C), "bf16"),
                 OperandSpec("position_bias", (c.ratio, C), "fp32"),
-                OperandSpec("kv_norm", (c.dim,), "bf16"),
-                OperandSpec("cos", (B, T, R2), "bf16", optional=c.rope == 0),
-                OperandSpec("sin", (B, T, R2), "bf16", optional=c.rope == 0),
                 OperandSpec("start", (B,), "int32"),
                 OperandSpec("state_kv", (B, self.slots, C), "bf16", output=True),
                 OperandSpec("state_gate", (B, self.slots, C), "fp32", output=True),
+                OperandSpec("entries", (B, c.max_entries, c.dim), "bf16", output=True)]
+
+    def num_tiles(self) -> int:
+        return self.config.batch * self.groups
+
+    def cost(self) -> Cost:
+        c = self.config
+        C = self.width // self.groups
+        per_token = C * (2 + 2 + 2 + 4 + 4)          # kv, gate in; state kv, gate out; bias
+        # an entry reads the window's state once per `ratio` tokens
+        entry = self.slots * C * 6 // c.ratio + self.tile_channels * 2
+        return Cost(bytes=c.tokens * (per_token + entry), flops=c.tokens * C * 8)
+
+    def _channels(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output channels, state channels) of slice g: HCA the same; CSA j and dim + j."""
+        tc, d = self.tile_channels, self.config.dim
+        out = torch.arange(g * tc, (g + 1) * tc)
+        return out, (torch.cat([out, out + d]) if self.config.overlap else out)
+
+    def _pool(self, t: dict, b: int, chans, state_chans, out: dict) -> None:
+        """Sequence b's T tokens, in order, on the given channels of the tensors of `out`."""
+        c = self.config
+        r, d, L = c.ratio, c.dim, self.slots
+        bias = t["position_bias"].float()[:, state_chans]
+        skv, sg, ent = out["state_kv"], out["state_gate"], out["entries"]
+        n = len(chans)
+        for tq in range(c.tokens):
+            p = int(t["start"][b]) + tq
+            skv[b, p % L, state_chans] = t["kv"][b, tq, state_chans].to(skv.dtype)
+            sg[b, p % L, state_chans] = t["gate"][b, tq, state_chans].float() + bias[p % r]
+            w = _window_closed(p, r)
+            if w is None:
+                continue
+            if c.overlap:
+                cur = (w % 2) * r + torch.arange(r)
+                prev = ((w + 1) % 2) * r + torch.arange(r)
+                pkv, pg = skv[b, prev][:, chans].float(), sg[b, prev][:, chans].float()
+                if w == 0:
+                    pkv, pg = torch.zeros_like(pkv), torch.full_like(pg, float("-inf"))
+                kv = torch.cat([pkv, skv[b, cur][:, chans + d].float()])
+                gate = torch.cat([pg, sg[b, cur][:, chans + d].float()])
+            else:
+                kv, gate = skv[b, :r][:, chans].float(), sg[b, :r][:, chans].float()
+            prob = gate.softmax(dim=0).to(torch.bfloat16).float()
+            pooled = (kv * prob).to(torch.bfloat16).float().sum(dim=0)
+            assert pooled.shape == (n,)
+            if w < c.max_entries:
+                ent[b, w, chans] = pooled.to(ent.dtype)
+
+    def reference(self, **t):
+        out = {n: t[n].clone() for n in ("state_kv", "state_gate", "entries")}
+        for b in range(self.config.batch):
+            d = torch.arange(self.config.dim)
+            self._pool(t, b, d, torch.cat([d, d + self.config.dim]) if self.config.overlap else d, out)
+        return out
+
+    def emulate_tile(self, t, tile):
+        b, g = divmod(tile, self.groups)
+        self._pool(t, b, *self._channels(g), t)
+
+    # -- device face ---------------------------------------------------------------------------
+    def _build_device_tile(self):
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import BFloat16, Float32, Int32
+
+        from ._cute import gmem_tensor
+
+        c = self.config
+        B, T, D, R, E = c.batch, c.tokens, c.dim, c.ratio, c.max_entries
+        C, L, G = self.width, self.slots, self.groups
+        HALVES = 2 if c.overlap else 1       # state channel pairs a lane pools from: j, and dim + j (CSA)
+        NP = D // 2                          # output channel pairs
+        PT = self.tile_channels // 2         # pairs of a tile = lanes
+        KL = NUM_THREADS // PT               # key lanes
+        NK = L if c.overlap else R           # keys of a window
+        KPT = -(-NK // KL)                   # keys a thread holds
+        names = self.operands()
+        ix = {n: i for i, n in enumerate(names)}
+        NEG = -3.0e38
+
+        def bf(x):
+            return x.to(BFloat16).to(Float32)
+
+        @cute.jit
+        def key_slot(w: Int32, k: Int32, i: Int32):
+            """(slot, state channel pair, valid) of key k of window w for output pair i: HCA the
+            window's k-th slot; CSA k < r: window w-1's slot k, first-half channels (no window -1:
+            invalid), k >= r: window w's slot k - r, second-half channels."""
+            sl = k
+            u = i
+            ok = k < NK
+            if cutlass.const_expr(c.overlap):
+                if k < R:
+                    sl = ((w + 1) % 2) * R + k
+                    ok = w > 0
+                else:
+                    sl = (w % 2) * R + (k - R)
+                    u = i + NP
+            if k >= NK:
+                sl = Int32(0)                # a key lane past the window reads slot 0, unused
+                u = i
+            return sl, u, ok
+
+        @cute.jit
+        def across_keys(vals, scratch, lane: Int32, kl: Int32, is_max: cutlass.Constexpr):
+            """Max / sum of the two values of a lane over the KL key lanes (barriers on both sides)."""
+            scratch[(kl * PT + lane) * 2] = vals[0]
+            scratch[(kl * PT + lane) * 2 + 1] = vals[1]
+            cute.arch.sync_threads()
+            tot = cute.make_rmem_tensor((2,), Float32)
+            for e in cutlass.range_constexpr(2):
+                tot[e] = scratch[lane * 2 + e]
+                for k in cutlass.range_constexpr(1, KL):
+                    v = scratch[(k * PT + lane) * 2 + e]
+                    if cutlass.const_expr(is_max):
+                        tot[e] = cute.arch.fmax(tot[e], v)
+                    else:
+                        tot[e] = tot[e] + v
+            cute.arch.sync_threads()
+            return tot
+
+        @cute.jit
+        def tile(ptrs, t: Int32, scratch):
+            tid, _, _ = cute.arch.thread_idx()
+            b = t // G
+            lane = tid % PT
+            kl = tid // PT
+            i = (t % G) * PT + lane          # the output channel pair of this lane
+            mKV = gmem_tensor(ptrs[ix["kv"]], BFloat16, (B, T, C // 2, 2), 4)
+            mG = gmem_tensor(ptrs[ix["gate"]], BFloat16, (B, T, C // 2, 2), 4)
+            mBias = gmem_tensor(ptrs[ix["position_bias"]], Float32, (R, C // 2, 2), 8)
+            mStart = gmem_tensor(ptrs[ix["start"]], Int32, (B,), 4)
+            mSKV = gmem_tensor(ptrs[ix["state_kv"]], BFloat16, (B, L, C // 2, 2), 4)
+            mSG = gmem_tensor(ptrs[ix["state_gate"]], Float32, (B, L, C // 2, 2), 8)
+            mEnt = gmem_tensor(ptrs[ix["entries"]], BFloat16, (B, E, D // 2, 2), 4)
+            start = mStart[b]
+            for tq in cutlass.range(T, unroll=1):
+                p = start + tq
+                slot = p % L
+                # this token into the state: key lanes 0 (and 1, CSA) write one half each
+                if kl < HALVES:
+                    u = i + kl * NP
+                    kv2 = mKV[b, tq, u, None].load()
+                    g2 = mG[b, tq, u, None].load().to(Float32) + mBias[p % R, u, None].load()
+                    mSKV[b, slot, u, None].store(kv2)
+                    mSG[b, slot, u, None].store(g2)
+                if (p + 1) % R == 0:                     # uniform over the CTA: b, tq
+                    w = (p + 1) // R - 1
+                    cute.arch.sync_threads()             # the token's state is read by other key lanes
+                    # the lane's keys: gates and values in registers (one round trip)
+                    gs = cute.make_rmem_tensor((KPT, 2), Float32)
+                    vs = cute.make_rmem_tensor((KPT, 2), Float32)
+                    for j in cutlass.range_constexpr(KPT):
+                        sl, u, ok = key_slot(w, kl + j * KL, i)
+                        g2 = mSG[b, sl, u, None].load()
+                        v2 = mSKV[b, sl, u, None].load().to(Float32)
+                        for e in cutlass.range_constexpr(2):
+                            ge = g2[e]                   # (taken out of the branch: staged values)
+                            ve = v2[e]
+                            gs[j, e] = Float32(NEG)
+                            vs[j, e] = Float32(0.0)
+                            if ok:
+                                gs[j, e] = ge
+                                vs[j, e] = ve
+                    part = cute.make_rmem_tensor((2,), Float32)
+                    for e in cutlass.range_constexpr(2):
+                        part[e] = Float32(NEG)
+                        for j in cutlass.range_constexpr(KPT):
+                            part[e] = cute.arch.fmax(part[e], gs[j, e])
+                    mx = across_keys(part, scratch, lane, kl, True)
+                    for e in cutlass.range_constexpr(2):
+                        part[e] = Float32(0.0)
+                        for j in cutlass.range_constexpr(KPT):
+                            if gs[j, e] > Float32(NEG):
+                                part[e] = part[e] + cute.math.exp(gs[j, e] - mx[e], fastmath=False)
+                    z = across_keys(part, scratch, lane, kl, False)
+                    for e in cutlass.range_constexpr(2):
+                        part[e] = Float32(0.0)
+                        for j in cutlass.range_constexpr(KPT):
+                            if gs[j, e] > Float32(NEG):
+                                prob = bf(cute.math.exp(gs[j, e] - mx[e], fastmath=False) / z[e])
+                                part[e] = part[e] + bf(vs[j, e] * prob)
+                    pooled = across_keys(part, scratch, lane, kl, False)
+                    if (kl == 0) & (w < E):
+                        mEnt[b, w, i, None].store(pooled.load().to(BFloat16))
+
+        return tile
+
+
+class DSV4CompressNormBlock(_CompressBase):
+    """The entries the call closed (pooled by DSV4CompressBlock): kv_norm RMSNorm + RoPE in place."""
+    name = "dsv4_compress_norm"
+
+    def operand_specs(self):
+        c = self.config
+        B, T, R2 = c.batch, c.tokens, max(c.rope // 2, 1)
+        return [OperandSpec("kv_norm", (c.dim,), "bf16"),
+                OperandSpec("cos", (B, T, R2), "bf16", optional=c.rope == 0),
+                OperandSpec("sin", (B, T, R2), "bf16", optional=c.rope == 0),
+                OperandSpec("start", (B,), "int32"),
                 OperandSpec("entries", (B, c.max_entries, c.dim), "bf16", output=True)]
 
     def num_tiles(self) -> int:
@@ -92,38 +326,16 @@ class DSV4CompressBlock(Block):
 
     def cost(self) -> Cost:
         c = self.config
-        C = self.width
-        per_token = C * (2 + 2 + 2 + 4 + 4)          # kv, gate in; state kv, gate out; bias
-        # an entry reads the window's state (and the bias) once per `ratio` tokens
-        entry = self.slots * C * 6 // c.ratio + c.dim * 4
-        return Cost(bytes=c.tokens * (per_token + entry), flops=c.tokens * C * 8)
+        return Cost(bytes=-(-c.tokens // c.ratio) * c.dim * 4 + c.dim * 2, flops=c.tokens * c.dim * 8 // c.ratio)
 
-    # -- torch faces ---------------------------------------------------------------------------
-    def _sequence(self, t: dict, b: int, out: dict) -> None:
-        """Sequence b's T tokens, in order, on the tensors of `out` (state and entries in place)."""
+    def _norm(self, t: dict, b: int, ent: torch.Tensor) -> None:
         c = self.config
-        r, d, L = c.ratio, c.dim, self.slots
-        bias = t["position_bias"].float()
-        skv, sg, ent = out["state_kv"], out["state_gate"], out["entries"]
+        d = c.dim
         for tq in range(c.tokens):
-            p = int(t["start"][b]) + tq
-            skv[b, p % L] = t["kv"][b, tq].to(skv.dtype)
-            sg[b, p % L] = t["gate"][b, tq].float() + bias[p % r]
-            if (p + 1) % r:
+            w = _window_closed(int(t["start"][b]) + tq, c.ratio)
+            if w is None or w >= c.max_entries:
                 continue
-            w = (p + 1) // r - 1
-            if c.overlap:
-                cur = (w % 2) * r + torch.arange(r)
-                prev = ((w + 1) % 2) * r + torch.arange(r)
-                pkv, pg = skv[b, prev, :d].float(), sg[b, prev, :d].float()
-                if w == 0:
-                    pkv, pg = torch.zeros_like(pkv), torch.full_like(pg, float("-inf"))
-                kv = torch.cat([pkv, skv[b, cur, d:].float()])
-                gate = torch.cat([pg, sg[b, cur, d:].float()])
-            else:
-                kv, gate = skv[b, :r].float(), sg[b, :r].float()
-            prob = gate.softmax(dim=0).to(torch.bfloat16).float()
-            pooled = (kv * prob).to(torch.bfloat16).float().sum(dim=0).to(torch.bfloat16).float()
+            pooled = ent[b, w].float()
             h = pooled * torch.rsqrt(pooled.pow(2).mean() + c.eps)
             h = (t["kv_norm"].float() * h).to(torch.bfloat16).float()
             if c.rope:
@@ -132,17 +344,16 @@ class DSV4CompressBlock(Block):
                 even, odd = x[0::2], x[1::2]
                 rot = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten()
                 h = torch.cat([h[:d - c.rope], rot.to(torch.bfloat16).float()])
-            if w < c.max_entries:
-                ent[b, w] = h.to(ent.dtype)
+            ent[b, w] = h.to(ent.dtype)
 
     def reference(self, **t):
-        out = {n: t[n].clone() for n in ("state_kv", "state_gate", "entries")}
+        ent = t["entries"].clone()
         for b in range(self.config.batch):
-            self._sequence(t, b, out)
-        return out
+            self._norm(t, b, ent)
+        return {"entries": ent}
 
     def emulate_tile(self, t, tile):
-        self._sequence(t, tile, t)
+        self._norm(t, tile, t["entries"])
 
     # -- device face ---------------------------------------------------------------------------
     def _build_device_tile(self):
@@ -154,8 +365,6 @@ class DSV4CompressBlock(Block):
 
         c = self.config
         B, T, D, R, RT, E = c.batch, c.tokens, c.dim, c.ratio, c.rope, c.max_entries
-        C, L = self.width, self.slots
-        HALVES = 2 if c.overlap else 1       # state channel pairs a thread owns: i, and dim + i (CSA)
         NP = D // 2                          # channel pairs = active threads
         R2 = max(RT // 2, 1)
         P0 = (D - RT) // 2                   # first rope pair
@@ -169,13 +378,8 @@ class DSV4CompressBlock(Block):
         @cute.jit
         def tile(ptrs, b: Int32, scratch):
             tid, _, _ = cute.arch.thread_idx()
-            mKV = gmem_tensor(ptrs[ix["kv"]], BFloat16, (B, T, C // 2, 2), 4)
-            mG = gmem_tensor(ptrs[ix["gate"]], BFloat16, (B, T, C // 2, 2), 4)
-            mBias = gmem_tensor(ptrs[ix["position_bias"]], Float32, (R, C // 2, 2), 8)
             mNW = gmem_tensor(ptrs[ix["kv_norm"]], BFloat16, (D // 2, 2), 4)
             mStart = gmem_tensor(ptrs[ix["start"]], Int32, (B,), 4)
-            mSKV = gmem_tensor(ptrs[ix["state_kv"]], BFloat16, (B, L, C // 2, 2), 4)
-            mSG = gmem_tensor(ptrs[ix["state_gate"]], Float32, (B, L, C // 2, 2), 8)
             mEnt = gmem_tensor(ptrs[ix["entries"]], BFloat16, (B, E, D // 2, 2), 4)
             mCos = None
             mSin = None
@@ -189,46 +393,18 @@ class DSV4CompressBlock(Block):
             start = mStart[b]
             for tq in cutlass.range(T, unroll=1):
                 p = start + tq
-                slot = p % L
-                # this token into the state: the thread's own channel pairs (read back below)
-                if active:
-                    for hh in cutlass.range_constexpr(HALVES):
-                        u = i + hh * NP
-                        kv2 = mKV[b, tq, u, None].load()
-                        g2 = mG[b, tq, u, None].load().to(Float32) + mBias[p % R, u, None].load()
-                        mSKV[b, slot, u, None].store(kv2)
-                        mSG[b, slot, u, None].store(g2)
-                if (p + 1) % R == 0:                     # uniform over the CTA: b, tq
-                    w = (p + 1) // R - 1
-                    # softmax over the window's keys per channel (max, then sum), then the pool
-                    pooled = cute.make_rmem_tensor((2,), Float32)
-                    for e in cutlass.range_constexpr(2):
-                        mx = Float32(-3.0e38)
-                        for k in cutlass.range(L if c.overlap else R, unroll=1):
-                            sl, u = key_slot(w, k, i)
-                            valid = key_valid(w, k)
-                            g = mSG[b, sl, u, e]
-                            if valid:
-                                mx = cute.arch.fmax(mx, g)
-                        z = Float32(0.0)
-                        for k in cutlass.range(L if c.overlap else R, unroll=1):
-                            sl, u = key_slot(w, k, i)
-                            if key_valid(w, k):
-                                z = z + cute.math.exp(mSG[b, sl, u, e] - mx, fastmath=False)
-                        acc = Float32(0.0)
-                        for k in cutlass.range(L if c.overlap else R, unroll=1):
-                            sl, u = key_slot(w, k, i)
-                            if key_valid(w, k):
-                                prob = bf(cute.math.exp(mSG[b, sl, u, e] - mx, fastmath=False) / z)
-                                acc = acc + bf(mSKV[b, sl, u, e].to(Float32) * prob)
-                        pooled[e] = bf(acc)
+                w = (p + 1) // R - 1
+                if ((p + 1) % R == 0) & (w < E):         # uniform over the CTA: b, tq
+                    x2 = mEnt[b, w, i, None].load().to(Float32)
+                    x0 = x2[0]
+                    x1 = x2[1]
                     ss = Float32(0.0)
                     if active:
-                        ss = pooled[0] * pooled[0] + pooled[1] * pooled[1]
+                        ss = x0 * x0 + x1 * x1
                     rstd = cute.math.rsqrt(block_sum(ss, scratch) / Float32(D) + Float32(eps), fastmath=False)
                     nw = mNW[i, None].load().to(Float32)
-                    h0 = bf(nw[0] * (pooled[0] * rstd))
-                    h1 = bf(nw[1] * (pooled[1] * rstd))
+                    h0 = bf(nw[0] * (x0 * rstd))
+                    h1 = bf(nw[1] * (x1 * rstd))
                     if cutlass.const_expr(RT > 0):
                         if i >= P0:
                             cs = mCos[b, tq, i - P0].to(Float32)
@@ -236,41 +412,24 @@ class DSV4CompressBlock(Block):
                             r0 = bf(h0 * cs - h1 * sn)
                             h1 = bf(h1 * cs + h0 * sn)
                             h0 = r0
-                    if active & (w < E):
+                    if active:
                         out2 = cute.make_rmem_tensor((2,), Float32)
                         out2[0] = h0
                         out2[1] = h1
                         mEnt[b, w, i, None].store(out2.load().to(BFloat16))
 
-        @cute.jit
-        def key_slot(w: Int32, k: Int32, i: Int32):
-            """(slot, channel pair) of key k of window w for output pair i: HCA the window's k-th
-            slot; CSA k < r: window w-1's slot k, first-half channels; k >= r: window w's slot
-            k - r, second-half channels."""
-            sl = k
-            u = i
-            if cutlass.const_expr(c.overlap):
-                if k < R:
-                    sl = ((w + 1) % 2) * R + k
-                else:
-                    sl = (w % 2) * R + (k - R)
-                    u = i + NP
-            return sl, u
-
-        @cute.jit
-        def key_valid(w: Int32, k: Int32):
-            """CSA: window w-1 does not exist for w = 0 (its keys: kv 0, gate -inf)."""
-            ok = True
-            if cutlass.const_expr(c.overlap):
-                ok = (w > 0) | (k >= R)
-            return ok
-
         return tile
+
+
+def compressor_blocks(config: DSV4CompressConfig) -> tuple[DSV4CompressBlock, DSV4CompressNormBlock]:
+    """The two blocks of a compressor, in their order."""
+    return DSV4CompressBlock(config), DSV4CompressNormBlock(config)
 
 
 def dsv4_compress_compile_cases():
     """V4.1-Flash: the HCA (ratio 128) and CSA (ratio 4, overlapping) main compressors at 512 and
     the CSA indexer's (128 channels), batch 1 / 64, T = 1 / 2."""
-    return [DSV4CompressBlock(DSV4CompressConfig(dim=512, ratio=128, batch=64)),
-            DSV4CompressBlock(DSV4CompressConfig(dim=512, ratio=4, overlap=True, batch=1, tokens=2)),
-            DSV4CompressBlock(DSV4CompressConfig(dim=128, ratio=4, overlap=True, batch=8))]
+    return [blk for cfg in (DSV4CompressConfig(dim=512, ratio=128, batch=64),
+                            DSV4CompressConfig(dim=512, ratio=4, overlap=True, batch=1, tokens=2),
+                            DSV4CompressConfig(dim=128, ratio=4, overlap=True, batch=8))
+            for blk in compressor_blocks(cfg)]

@@ -91,22 +91,30 @@ def balanced_config(config: GemvConfig, num_sms: int = 132, max_rows: int = 64) 
     tiles any SM gets x (the tile's weight bytes + TILE_OVERHEAD_BYTES), among the legal row
     counts up to `max_rows` that keep at most MAX_ACCUMULATORS per thread; ties go to taller
     tiles (fewer of them)."""
+    return balanced_configs([config], num_sms, max_rows)[0]
+
+
+def balanced_configs(configs: list[GemvConfig], num_sms: int = 132, max_rows: int = 64) -> list[GemvConfig]:
+    """`configs` - GEMVs that run side by side (e.g. every projection of one activation) - cut
+    alike: the one rows_per_tile (legal for all) whose tiles, all of them spread over `num_sms`
+    SMs, finish soonest (balancing each as if it ran alone gives each the whole GPU: together
+    they then take two waves on some SMs)."""
     import dataclasses
     best, best_key = None, None
     warps = NUM_THREADS // 32
     for r in range(8, max_rows + 1, 8):
         try:
-            cand = GemvBlock(dataclasses.replace(config, rows_per_tile=r, chunk_k=0))
+            cands = [GemvBlock(dataclasses.replace(c, rows_per_tile=r, chunk_k=0)) for c in configs]
         except UnsupportedConfigError:
             continue
-        if cand.accumulators > (MMA_ACCUMULATORS if cand.use_mma else MAX_ACCUMULATORS) and r > warps:
+        if any(b.accumulators > (MMA_ACCUMULATORS if b.use_mma else MAX_ACCUMULATORS) for b in cands) and r > warps:
             continue
-        per_tile = cand.nw * r * config.k * cand.wbytes + TILE_OVERHEAD_BYTES
-        key = (-(-cand.num_tiles() // num_sms) * per_tile, -r)
+        per_tile = max(b.nw * r * b.config.k * b.wbytes for b in cands) + TILE_OVERHEAD_BYTES
+        key = (-(-sum(b.num_tiles() for b in cands) // num_sms) * per_tile, -r)
         if best_key is None or key < best_key:
-            best, best_key = cand.config, key
+            best, best_key = [b.config for b in cands], key
     if best is None:
-        raise UnsupportedConfigError(f"gemv: no legal rows_per_tile <= {max_rows} for {config}")
+        raise UnsupportedConfigError(f"gemv: no legal rows_per_tile <= {max_rows} for {configs}")
     return best
 
 

@@ -10,7 +10,8 @@ projection with the residual add.
     kv_raw = GEMV(rmsnorm(x) * input_norm, W_kv)                    [M, hd]
     q, new_kv = DSV4Prologue(q_raw, kv_raw)        per-head norm + RoPE, kv_norm + RoPE
     HCA:  c_kv, c_gate = GEMV(rmsnorm(x) * input_norm, W_c_kv / W_c_gate)          [M, hd] each
-          comp = DSV4Compress(c_kv, c_gate, state)  entries of the windows this call closes
+          comp = DSV4Compress(c_kv, c_gate, state)  pooled entries of the windows this call closes
+          comp = DSV4CompressNorm(comp)             their kv_norm + RoPE, in place
     o_part, lse_part = DSV4Decode(q, window, new_kv, comp)          (waits for the prologue and the compressor)
     out    = DSV4Combine(o_part, lse_part, sinks)                   [B, T, H, hd] (un-roped)
     window = DSV4RingWrite(new_kv)                                  (after the decode read the old ring)
@@ -32,9 +33,9 @@ import torch
 
 from ..blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock, DSV4DecodeConfig,
                                      DSV4RingWriteBlock, DSV4RingWriteConfig, choose_splits)
-from ..blocks.dsv4_compress import DSV4CompressBlock, DSV4CompressConfig
+from ..blocks.dsv4_compress import DSV4CompressConfig, compressor_blocks
 from ..blocks.dsv4_prologue import DSV4PrologueBlock, DSV4PrologueConfig
-from ..blocks.gemv import GemvConfig
+from ..blocks.gemv import GemvConfig, balanced_configs
 from .mlp_stack import gemv_block
 from .program import Program
 
@@ -60,6 +61,8 @@ class DSV4LayerConfig:
     decode_stages: int = 0               # the decode core's pipeline stages (0: its auto; build_program
                                          # lowers them until the projections' weight ring fits beside)
     num_sms: int = 132
+    x_gemv_rows: int = 0                 # rows per tile of the GEMVs that read x (they run side by
+                                         # side); 0: balanced_configs cuts them alike
 
     @property
     def tokens_total(self) -> int:
@@ -102,8 +105,8 @@ class DSV4LayerConfig:
                                                              num_splits=S, rope_dim=self.rope)),
                "ring": DSV4RingWriteBlock(DSV4RingWriteConfig(batch=B, q_tokens=T, head_dim=hd, window=self.window))}
         if self.mode == "hca":
-            out["compress"] = DSV4CompressBlock(DSV4CompressConfig(dim=hd, ratio=self.ratio, rope=self.rope, batch=B,
-                                                                   tokens=T, max_entries=self.max_entries, eps=self.eps))
+            out["compress"], out["compress_norm"] = compressor_blocks(DSV4CompressConfig(
+                dim=hd, ratio=self.ratio, rope=self.rope, batch=B, tokens=T, max_entries=self.max_entries, eps=self.eps))
         return out
 
     def weight_shapes(self) -> dict:
@@ -161,11 +164,15 @@ def _build(cfg: DSV4LayerConfig) -> Program:
         prog.buffer(name, shape, dtype)
     prog.buffer("resid", (M, D), "fp32", "output")
 
-    def gemv(n, k, **kw):
-        return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), 0, cfg.num_sms)
+    def gemv(n, k, rows=0, **kw):
+        return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), rows, cfg.num_sms)
+
+    x_rows = [cfg.q_rank, hd] + ([hd, hd] if cfg.mode == "hca" else [])      # q_a, kv (c_kv, c_gate)
+    rows = cfg.x_gemv_rows or balanced_configs([GemvConfig(n=n, k=D, m=M, norm=True, norm_eps=cfg.eps)
+                                                for n in x_rows], cfg.num_sms)[0].rows_per_tile
 
     def from_x(n, w, y, label):
-        return prog.op(gemv(n, D, norm=True), {"w": w, "x": "x", "norm_weight": "input_norm", "y": y}, label=label)
+        return prog.op(gemv(n, D, rows, norm=True), {"w": w, "x": "x", "norm_weight": "input_norm", "y": y}, label=label)
 
     qa = from_x(cfg.q_rank, "w_q_a", "q_a", "v4.q_a")
     kv = from_x(hd, "w_kv", "kv_raw", "v4.kv")
@@ -183,12 +190,12 @@ def _build(cfg: DSV4LayerConfig) -> Program:
         prog.buffer("state_gate", (B, cfg.ratio, hd), "fp32", "input")
         prog.buffer("comp", (B, cfg.max_entries, hd), "bf16", "input")      # entries, appended in place
         ckv = from_x(hd, "w_c_kv", "c_kv", "v4.c_kv")
-        cg = prog.op(gemv(hd, D, norm=True), {"w": "w_c_gate", "x": "x", "norm_weight": "input_norm", "y": "c_gate"},
-                     waits=[ckv], label="v4.c_gate")     # (at most two waits for the compressor: chained)
-        comp = prog.op(blk["compress"], {"kv": "c_kv", "gate": "c_gate", "position_bias": "c_position_bias",
-                                         "kv_norm": "c_kv_norm", "cos": "c_cos", "sin": "c_sin", "start": "start",
-                                         "state_kv": "state_kv", "state_gate": "state_gate", "entries": "comp"},
-                       waits=[cg], label="v4.compress")
+        cg = from_x(hd, "w_c_gate", "c_gate", "v4.c_gate")
+        pool = prog.op(blk["compress"], {"kv": "c_kv", "gate": "c_gate", "position_bias": "c_position_bias",
+                                         "start": "start", "state_kv": "state_kv", "state_gate": "state_gate",
+                                         "entries": "comp"}, waits=[ckv, cg], label="v4.compress")
+        comp = prog.op(blk["compress_norm"], {"kv_norm": "c_kv_norm", "cos": "c_cos", "sin": "c_sin", "start": "start",
+                                              "entries": "comp"}, waits=[pool], label="v4.comp_norm")
         dbind["comp"] = "comp"
         dwaits.append(comp)
     core = prog.op(dec, dbind, waits=dwaits, label="v4.decode")
@@ -236,10 +243,10 @@ def make_inputs(cfg: DSV4LayerConfig, starts, seed: int = 0, device="cpu") -> di
     return t
 
 
-def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict) -> dict[str, torch.Tensor]:
+def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: bool = False) -> dict[str, torch.Tensor]:
     """{resid, window (+ state_kv, state_gate, comp)}: x + DSV4AttentionReference.forward(bf16(
     rmsnorm(x) * input_norm)) with the bf16 weights, over the given caches (updated as the model
-    updates them)."""
+    updates them). `capturable`: the compressor without host syncs (CUDA graphs)."""
     from ..reference.common import StepInfo, rms_norm
     from ..reference.dsv4_attention import DSV4AttentionReference
     w = weights
@@ -253,6 +260,8 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict) -> dict[str, to
         cache.update({"comp_kv": inputs["comp"].clone(), "comp_state_kv": inputs["state_kv"].clone(),
                       "comp_state_gate": inputs["state_gate"].clone()})
     ref = DSV4AttentionReference(None, SimpleNamespace(attention=cfg.spec), hf)
+    if ref.compressor is not None:
+        ref.compressor.capturable = capturable
     x = inputs["x"].float()
     h = rms_norm(x, w["input_norm"].float(), cfg.eps).to(torch.bfloat16)
     start = inputs["start"].long()

@@ -97,7 +97,11 @@ class Rope:
 
 class Compressor:
     """The compressor of one layer (main CSA/HCA or the indexer's): pending-token state and the
-    emission of one entry per `ratio` tokens of each sequence."""
+    emission of one entry per `ratio` tokens of each sequence.
+
+    `capturable` (the benchmarks' CUDA-graphed PyTorch): no host sync on which sequences close a
+    window - every sequence's entry is computed and written where it closes one (the same result)."""
+    capturable = False
 
     def __init__(self, w, prefix: str, dim: int, ratio: int, overlap: bool, rope: Rope, eps: float,
                  names: tuple[str, str, str]):
@@ -131,6 +135,12 @@ class Compressor:
             slot = pos % self.slots
             state_kv[rows, slot] = kv[:, t].to(state_kv.dtype)
             state_gate[rows, slot] = gate[:, t].float() + bias[pos % self.ratio]
+            if self.capturable:
+                window = ((pos + 1) // self.ratio - 1).clamp(min=0)
+                closes = ((pos + 1) % self.ratio == 0)[:, None]
+                new = self.entry(state_kv, state_gate, rows, window).to(entries.dtype)
+                entries[rows, window] = torch.where(closes, new, entries[rows, window])
+                continue
             closing = torch.nonzero((pos + 1) % self.ratio == 0).flatten()
             if closing.numel():
                 window = (pos[closing] + 1) // self.ratio - 1

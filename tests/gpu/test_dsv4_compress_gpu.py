@@ -1,7 +1,8 @@
-"""DeepSeek-V4 KV compression block on the GPU (V4.1-Flash: HCA ratio 128 and CSA ratio 4 at 512
-channels, the CSA indexer's compressor at 128): the standalone tile over successive calls of T
-tokens, ragged sequences placed around window boundaries, against the block's reference (bit-equal
-to the model's compressor on the CPU, tests/test_dsv4_compress.py), the entries NaN-poisoned.
+"""DeepSeek-V4 KV compression blocks on the GPU (V4.1-Flash: HCA ratio 128 and CSA ratio 4 at 512
+channels, the CSA indexer's compressor at 128): the pooling (channel-sliced tiles) then the entry
+norm, standalone, over successive calls of T tokens, ragged sequences placed around window
+boundaries, against the blocks' references (bit-equal to the model's compressor on the CPU,
+tests/test_dsv4_compress.py), the entries NaN-poisoned.
 Run: `pytest -m gpu tests/gpu/test_dsv4_compress_gpu.py`."""
 import pytest
 import torch
@@ -16,12 +17,12 @@ pytestmark = pytest.mark.gpu
                          ids=["hca-b64", "csa-b8-T2", "indexer-b64", "hca-b3-T4"])
 def test_dsv4_compress(dim, ratio, overlap, batch, T):
     need_gpu()
-    from sdk.blocks.dsv4_compress import DSV4CompressBlock, DSV4CompressConfig
+    from sdk.blocks.dsv4_compress import DSV4CompressConfig, compressor_blocks
     seed = clock_seed()
     g = torch.Generator(device="cuda").manual_seed(seed)
     E, C = 64, 2 * dim if overlap else dim
-    block = DSV4CompressBlock(DSV4CompressConfig(dim=dim, ratio=ratio, overlap=overlap, batch=batch, tokens=T,
-                                                 max_entries=E))
+    block, norm = compressor_blocks(DSV4CompressConfig(dim=dim, ratio=ratio, overlap=overlap, batch=batch, tokens=T,
+                                                       max_entries=E))
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)
     # sequences just before a window boundary, at one, and far in
     start = torch.tensor([(ratio * (1 + b % 5)) - (b % 3) for b in range(batch)], dtype=torch.int32, device="cuda")
@@ -33,8 +34,11 @@ def test_dsv4_compress(dim, ratio, overlap, batch, T):
         ang = r(batch, T, 32)
         t.update({"kv": r(batch, T, C).to(torch.bfloat16), "gate": r(batch, T, C).to(torch.bfloat16),
                   "cos": ang.cos().to(torch.bfloat16), "sin": ang.sin().to(torch.bfloat16), "start": start})
-        want = block.reference(**{k: v.cpu() for k, v in t.items()})
+        cpu = {k: v.cpu() for k, v in t.items()}
+        want = block.reference(**cpu)
+        want.update(norm.reference(**{**cpu, **want}))
         run_standalone(block, t)
+        run_standalone(norm, t)
         for name in ("state_kv", "state_gate"):                 # values moved / one exact fp32 add
             assert torch.equal(t[name].cpu(), want[name]), f"seed {seed}, call {call}: {name}"
         fin = torch.isfinite(want["entries"])

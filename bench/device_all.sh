@@ -40,7 +40,8 @@ for part in $PARTS; do
             echo "---- $tool"; timeout 150 compute-sanitizer --tool $tool --error-exitcode 3 python bench/sanitize_case.py
             echo "$tool rc=$?"; done ) > "$WORK/tests/sanitizer.log" 2>&1 &
       else echo "compute-sanitizer not found" > "$WORK/tests/sanitizer.log"; fi
-      timeout $(left ${TESTS_S:-330}) python -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -n $WORKERS $TIMEOUT_FLAG -q -rfE \
+      # SIGINT at the limit: pytest stops and still prints which tests failed
+      timeout -s INT -k 15 $(left ${TESTS_S:-330}) python -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -n $WORKERS $TIMEOUT_FLAG -q -rfE \
         -p no:cacheprovider --durations=15 > "$WORK/tests/gpu_tests.log" 2>&1
       echo "pytest rc=$? workers=$WORKERS" >> "$WORK/tests/gpu_tests.log"
       wait

@@ -118,19 +118,19 @@ def bench_case(mode, ctx, batch, copy_bw, quick=False, splits=None):
     return rec
 
 
-def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None):
+def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, **overrides):
     """The SWA / HCA attention sublayer (sdk/megakernel/dsv4_layer.py: projections, norms + RoPE,
     compressor, split-KV decode, combine, ring write, o_a / o_b + residual) in ONE launch at the
     V4.1-Flash TP8 shard (8 heads, hidden 5120), sequences at `ctx` tokens (every sequence closes
     a compressor window: the compressor's worst step), against DSV4AttentionReference.forward
     (+ input norm, residual; its compressor `capturable`) as PyTorch under a CUDA graph, and the
-    floor: weights + the KV rows the attention reads. Launches alternate over
+    floor: weights + the KV rows the attention reads. `overrides`: DSV4LayerConfig fields. Launches alternate over
     weight copies (rotated_launches: the weights dominate the bytes)."""
     from bench.common import record_timeline, rotated_launches
     from sdk.megakernel.dsv4_layer import DSV4LayerConfig, build_program, make_inputs, make_weights, reference
     from sdk.megakernel.runtime import program_runtime
     cfg = DSV4LayerConfig(mode=mode, batch=batch, heads=HEADS, hidden=5120, q_rank=1024, o_rank=1024, window=W,
-                          ratio=128, max_seq_len=ctx + 256, num_splits=splits or 0)
+                          ratio=128, max_seq_len=ctx + 256, num_splits=splits or 0, **overrides)
     prog = build_program(cfg)
     starts = [ctx - 1] * batch
     wb = prog.bytes_by_role("weight")
@@ -148,7 +148,7 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None):
     launches, copies = rotated_launches(prog, rt, make_weights, cfg, wb + kvb)
     us, mode_t = timed(launches)
     rt.check()
-    case = case_name((f"sublayer:{mode}", ctx, batch, splits))
+    case = case_name((f"sublayer:{mode}", ctx, batch, splits, overrides))
     if timeline_path:
         record_timeline(prog, rt.tensors, timeline_path, case, us)
     torch_us, torch_mode = timed([lambda: reference(cfg, w, inp, capturable=True)])
@@ -177,18 +177,21 @@ def cases(quick):
 
 
 def case_name(c):
-    """mode, ctx, batch[, KV splits forced]"""
+    """mode, ctx, batch[, KV splits forced[, DSV4LayerConfig overrides]]"""
     name = f"v41flash_tp8 {c[0].replace(':', ' ')} B={c[2]} ctx={c[1]}"
-    return name + (f" S={c[3]}" if len(c) > 3 and c[3] else "")
+    name += f" S={c[3]}" if len(c) > 3 and c[3] else ""
+    return name + "".join(f" {k}={v}" for k, v in (c[4] if len(c) > 4 else {}).items())
 
 
 def bench_one(c, bw, quick, out_dir):
     mode, ctx, batch = c[:3]
     splits = c[3] if len(c) > 3 else None
+    overrides = c[4] if len(c) > 4 else {}
     if mode.startswith("sublayer:"):
-        tl = (os.path.join(out_dir, f"timeline_dsv4_sublayer_{mode[9:]}_b{batch}{f'_s{splits}' if splits else ''}.json")
+        tag = (f"_s{splits}" if splits else "") + "".join(f"_{k}{int(v)}" for k, v in overrides.items())
+        tl = (os.path.join(out_dir, f"timeline_dsv4_sublayer_{mode[9:]}_b{batch}{tag}.json")
               if out_dir and batch == 1 else None)
-        return bench_sublayer(mode[9:], ctx, batch, bw, tl, splits)
+        return bench_sublayer(mode[9:], ctx, batch, bw, tl, splits, **overrides)
     return bench_case(mode, ctx, batch, bw, quick, splits)
 
 

@@ -165,6 +165,25 @@ def test_encode_words():
     assert len(unfused.opcodes) == 5  # norm (bf16 src, fp32 src = the final norm), gate/up, 2 downs
 
 
+def test_three_waits_and_no_more():
+    from sdk.blocks.rmsnorm import RMSNormBlock, RMSNormConfig
+    from sdk.errors import UnsupportedConfigError
+    from sdk.megakernel.program import Program
+    prog = Program()
+    for name in ("a", "b", "c", "d", "e"):
+        prog.buffer(name, (4, 1024), "bf16")
+    prog.buffer("w", (1024,), "bf16", "weight")
+    blk = RMSNormBlock(RMSNormConfig(d=1024, m=4, residual_in=False, write_resid=False))
+    ops = [prog.op(blk, {"src": "a", "weight": "w", "out": n}, label=n) for n in ("b", "c", "d")]
+    last = prog.op(blk, {"src": "b", "weight": "w", "out": "e"}, waits=ops, label="e")
+    words, _ = encode(prog, schedule(prog, 2).per_sm)
+    waits = [sorted(int(words[s, j, c]) for c, _ in isa.WAITS) for s in range(2) for j in range(words.shape[1])
+             if words[s, j, isa.SIGNAL] == prog.ops[last].counter]
+    assert waits and all(w == sorted(prog.ops[o].counter for o in ops) for w in waits)
+    with pytest.raises(UnsupportedConfigError, match="at most 3"):
+        prog.op(blk, {"src": "b", "weight": "w", "out": "a"}, waits=ops + [last], label="too many")
+
+
 def test_gemv_fp8_int_decode_bits_are_exact():
     """GemvBlock's fp8_decode="int" bit placement (fp8_word_to_f32), emulated on int32 words: every
     e4m3 byte in every byte position gives exactly its value * 2^-120 (subnormals included)."""

@@ -265,6 +265,26 @@ def producer_slot():
 
 
 @cute.jit
+def stage_rows_async(g2s, src: cute.Tensor, row0: Int32, dst: cute.Tensor, rows: cutlass.Constexpr):
+    """cp.async rows row0 .. row0 + rows - 1 of src [*, units, 8] into dst [rows_pad, units, 8]
+    (16-byte units); dst's rows past `rows` are zero-filled. Every unit's copy is issued before
+    any wait (the loop is unrolled: a loop of load + store waits one round trip per step - 4 us of
+    the DSV4 decode tile at batch 1). Commit with the caller's next cp.async group."""
+    units = cute.size(dst, mode=[1])
+    n = cute.size(dst, mode=[0]) * units
+    for k in cutlass.range_constexpr(-(-n // NUM_THREADS)):
+        tid, _, _ = cute.arch.thread_idx()
+        i = tid + k * NUM_THREADS
+        if i < n:
+            r = i // units
+            p = i % units
+            if r < rows:
+                cute.copy(g2s, src[row0 + r, p, None], dst[r, p, None])
+            else:
+                dst[r, p, None].fill(0.0)
+
+
+@cute.jit
 def block_sum(value: Float32, scratch: cute.Tensor) -> Float32:
     """Sum of `value` over all NUM_THREADS threads; every thread gets the result.
     Uses scratch[0:NUM_THREADS//32]; ends with a barrier so scratch can be reused at once."""

@@ -18,7 +18,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 from cutlass.memory import SmemAllocator
 
-from ._cute import gmem_tensor
+from ._cute import gmem_tensor, stage_rows_async
 from ._mla_cute import LOG2_E, a_view, mn_view, quad_max, quad_sum
 from .base import NUM_THREADS
 
@@ -163,19 +163,13 @@ def build_dsv4_decode_tile(block):
         if c_hi > n_chunks:
             c_hi = n_chunks
 
+        # q rides in the first stage's cp.async group
+        sQv = cute.make_tensor(sQ.iterator, cute.make_layout((MP, D // 8, 8), stride=(RS, 8, 1)))
+        stage_rows_async(g2s, mQ[b, None, None, None], g * TQ * H, sQv, R)
         for k in cutlass.range_constexpr(ST - 1):
             if c_lo + k < c_hi:
                 load_chunk(mRing, mNew, mComp, mIdx, b, g, start, nk, c_lo + k, k, sStage, tid, g2s)
             cute.arch.cp_async_commit_group()
-
-        sQv = cute.make_tensor(sQ.iterator, cute.make_layout((MP, D // 8, 8), stride=(RS, 8, 1)))
-        for i in cutlass.range(tid, MP * (D // 8), NUM_THREADS, unroll=1):
-            r = i // (D // 8)
-            p = i % (D // 8)
-            if r < R:
-                sQv[r, p, None].store(mQ[b, g * TQ * H + r, p, None].load())
-            else:
-                sQv[r, p, None].fill(0.0)
 
         mma_op = cwarp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
         tiled_qk = cute.make_tiled_mma(mma_op, (1, 1, 1))

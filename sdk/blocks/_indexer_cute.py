@@ -28,7 +28,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 from cutlass.memory import SmemAllocator
 
-from ._cute import gmem_tensor
+from ._cute import gmem_tensor, stage_rows_async
 from .base import NUM_THREADS
 from .indexer import CHUNK, RADIX_BITS, RADIX_PASSES
 
@@ -104,19 +104,13 @@ def build_index_score_tile(block):
         if hi > lo:
             nch = (hi - lo + CH - 1) // CH
 
+        # q rides in the first stage's cp.async group
+        sQv = cute.make_tensor(sQ.iterator, cute.make_layout((MP, D // 8, 8), stride=(RS, 8, 1)))
+        stage_rows_async(g2s, mQ[b, None, None, None], Int32(0), sQv, R)
         for k in cutlass.range_constexpr(ST - 1):
             if k < nch:
                 load_chunk(mK, b, n, lo + k * CH, k, sStage, tid, g2s)
             cute.arch.cp_async_commit_group()
-
-        sQv = cute.make_tensor(sQ.iterator, cute.make_layout((MP, D // 8, 8), stride=(RS, 8, 1)))
-        for i in cutlass.range(tid, MP * (D // 8), NUM_THREADS, unroll=1):
-            r = i // (D // 8)
-            p = i % (D // 8)
-            if r < R:
-                sQv[r, p, None].store(mQ[b, r, p, None].load())
-            else:
-                sQv[r, p, None].fill(0.0)
         for r in cutlass.range(tid, MP, NUM_THREADS, unroll=1):
             wr = Float32(0.0)
             if r < R:

@@ -83,7 +83,7 @@ class MultiRankVM:
                         continue
                     w = self.words[s, j]
                     need = [(int(w[c]), int(w[e]) * epoch[r]) for c, e in
-                            ((isa.WAIT0, isa.EXPECT0), (isa.WAIT1, isa.EXPECT1)) if w[c] >= 0]
+                            isa.WAITS if w[c] >= 0]
                     unmet = [(c, v) for c, v in need if self.counters[r][c] < v]
                     if unmet:
                         stuck.append(f"rank {r} SM {s} {self._label(s, j)}: counter " + ", ".join(

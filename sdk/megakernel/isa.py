@@ -10,7 +10,10 @@ An instruction is WORDS int32 words, built on the host, one list per SM:
     word 4  EXPECT0     signals expected on WAIT0 per step: wait for counter >= epoch * EXPECT0
     word 5  WAIT1       second dependency counter id, or NO_COUNTER
     word 6  EXPECT1
-    word 7  SIGNAL      counter incremented (release atomic, +1) when the tile is done, or NO_COUNTER
+    word 7  WAIT2       third dependency counter id, or NO_COUNTER
+    word 8  EXPECT2
+    word 9  SIGNAL      counter incremented (release atomic, +1) when the tile is done, or NO_COUNTER
+    words 10, 11 (padding: records load as 16-byte vectors)
 
 Counters are int32 in global memory and never reset: launch number `epoch` (1, 2, ...) waits for
 `counter >= epoch * expected`. Counter EXIT_COUNTER (id 0) counts CTAs that left the kernel; a
@@ -28,9 +31,10 @@ Every other CTA that sees a non-zero error word stops waiting and leaves; the ho
 """
 from __future__ import annotations
 
-WORDS = 8
-OPCODE, OPERANDS, TILE, WAIT0, EXPECT0, WAIT1, EXPECT1, SIGNAL = range(WORDS)
-MAX_WAITS = 2
+WORDS = 12
+OPCODE, OPERANDS, TILE, WAIT0, EXPECT0, WAIT1, EXPECT1, WAIT2, EXPECT2, SIGNAL = range(WORDS - 2)
+WAITS = ((WAIT0, EXPECT0), (WAIT1, EXPECT1), (WAIT2, EXPECT2))     # (counter word, expected word)
+MAX_WAITS = len(WAITS)
 NO_COUNTER = -1
 EXIT_COUNTER = 0
 

@@ -205,7 +205,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
             t = sW[i, isa.TILE]
             if tid == 0:
                 st = Int32(1)
-                for (cw, ew) in ((isa.WAIT0, isa.EXPECT0), (isa.WAIT1, isa.EXPECT1)):
+                for (cw, ew) in isa.WAITS:
                     c = sW[i, cw]
                     target = sW[i, ew] * epoch
                     # counters only grow: a (counter, target) met before is still met

@@ -175,7 +175,7 @@ def encode(program: Program, per_sm: list[list[int]]) -> tuple[np.ndarray, np.nd
     num_sms = len(per_sm)
     max_len = max(1, max(len(lst) for lst in per_sm))
     words = np.zeros((num_sms, max_len, isa.WORDS), dtype=np.int32)
-    words[:, :, [isa.WAIT0, isa.WAIT1, isa.SIGNAL]] = isa.NO_COUNTER
+    words[:, :, [wc for wc, _ in isa.WAITS] + [isa.SIGNAL]] = isa.NO_COUNTER
     lengths = np.array([len(lst) for lst in per_sm], dtype=np.int32)
     for s, lst in enumerate(per_sm):
         for j, i in enumerate(lst):
@@ -184,7 +184,7 @@ def encode(program: Program, per_sm: list[list[int]]) -> tuple[np.ndarray, np.nd
             w[isa.OPCODE] = ins.opcode
             w[isa.OPERANDS] = ins.operands
             w[isa.TILE] = ins.tile
-            for (c, e), (wc, we) in zip(ins.waits, ((isa.WAIT0, isa.EXPECT0), (isa.WAIT1, isa.EXPECT1))):
+            for (c, e), (wc, we) in zip(ins.waits, isa.WAITS):
                 w[wc], w[we] = c, e
             w[isa.SIGNAL] = ins.signal
     return words, lengths

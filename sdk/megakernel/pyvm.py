@@ -63,14 +63,14 @@ class PyVM:
             for s in live:
                 w = self.words[s, pos[s]]
                 ok = all(self.counters[w[c]] >= epoch * w[e]
-                         for c, e in ((isa.WAIT0, isa.EXPECT0), (isa.WAIT1, isa.EXPECT1)) if w[c] >= 0)
+                         for c, e in isa.WAITS if w[c] >= 0)
                 if ok:
                     ready.append(s)
             if not ready:
                 stuck = []
                 for s in live:
                     w = self.words[s, pos[s]]
-                    for c, e in ((isa.WAIT0, isa.EXPECT0), (isa.WAIT1, isa.EXPECT1)):
+                    for c, e in isa.WAITS:
                         if w[c] >= 0 and self.counters[w[c]] < epoch * w[e]:
                             stuck.append(f"SM {s} instruction {pos[s]} (opcode {w[isa.OPCODE]}): counter "
                                          f"{w[c]} ({self.program.counter_names[w[c]]}) = {self.counters[w[c]]} "

@@ -71,15 +71,23 @@ def rms_norm_v4(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tor
 
 class Rope:
     """Interleaved partial RoPE on the trailing `dim` channels."""
+    # (spec, device) -> inv_freq there: copied to a GPU once, not on every call (a host-to-device
+    # copy cannot be captured in a CUDA graph)
+    _on_device: dict = {}
 
     def __init__(self, rope: RopeSpec):
         if not rope.interleaved:
             raise UnsupportedConfigError("deepseek_v4 attention: only interleaved RoPE is implemented")
+        self.spec = rope
         self.inv_freq, self.factor = rope_inv_freq(rope)
 
     def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> cos, sin [..., dim/2] (cast to the activations' dtype, as transformers)."""
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        key = (self.spec, str(positions.device))
+        inv = self._on_device.get(key)
+        if inv is None:
+            inv = self._on_device[key] = self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * inv
         return (freqs.cos() * self.factor).to(dtype), (freqs.sin() * self.factor).to(dtype)
 
     @staticmethod

@@ -30,7 +30,10 @@ def test_dsv4_compress(dim, ratio, overlap, batch, T):
          "state_kv": r(batch, block.slots, C).to(torch.bfloat16), "state_gate": r(batch, block.slots, C),
          "entries": torch.full((batch, E, dim), float("nan"), device="cuda", dtype=torch.bfloat16)}
     closed = 0
-    for call in range(max(2, 2 * ratio // T)):
+    # two whole windows of calls at small batch; at batch 64 the first calls only (the sequences
+    # start 0-2 tokens before a boundary): the CPU reference of 256 calls x 64 sequences took
+    # over pytest's 180 s beside the other GPU tests
+    for call in range(max(2, 2 * ratio // T) if batch <= 8 else 8):
         ang = r(batch, T, 32)
         t.update({"kv": r(batch, T, C).to(torch.bfloat16), "gate": r(batch, T, C).to(torch.bfloat16),
                   "cos": ang.cos().to(torch.bfloat16), "sin": ang.sin().to(torch.bfloat16), "start": start})

@@ -119,8 +119,9 @@ def bench_case(mode, ctx, batch, copy_bw, quick=False, splits=None):
 
 
 def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, **overrides):
-    """The SWA / HCA attention sublayer (sdk/megakernel/dsv4_layer.py: projections, norms + RoPE,
-    compressor, split-KV decode, combine, ring write, o_a / o_b + residual) in ONE launch at the
+    """The SWA / HCA / CSA attention sublayer (sdk/megakernel/dsv4_layer.py: projections, norms +
+    RoPE, compressors, the CSA indexer, split-KV decode, combine, ring write, o_a / o_b + residual)
+    in ONE launch at the
     V4.1-Flash TP8 shard (8 heads, hidden 5120), sequences at `ctx` tokens (every sequence closes
     a compressor window: the compressor's worst step), against DSV4AttentionReference.forward
     (+ input norm, residual; its compressor `capturable`) as PyTorch under a CUDA graph, and the
@@ -130,12 +131,14 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     from sdk.megakernel.dsv4_layer import DSV4LayerConfig, build_program, make_inputs, make_weights, reference
     from sdk.megakernel.runtime import program_runtime
     cfg = DSV4LayerConfig(mode=mode, batch=batch, heads=HEADS, hidden=5120, q_rank=1024, o_rank=1024, window=W,
-                          ratio=128, max_seq_len=ctx + 256, num_splits=splits or 0, **overrides)
+                          ratio=4 if mode == "csa" else 128, max_seq_len=ctx + 256, num_splits=splits or 0, **overrides)
     prog = build_program(cfg)
     starts = [ctx - 1] * batch
     wb = prog.bytes_by_role("weight")
     dec = next(op.block for op in prog.ops if op.label == "v4.decode")
     kvb = dec.kv_bytes(starts)
+    if mode == "csa":       # + the indexer's keys, all of every sequence's ready entries
+        kvb += sum(min(cfg.max_entries, (s + 1) // cfg.ratio) for s in starts) * cfg.index_head_dim * 2
     w = make_weights(cfg, seed=0, device="cuda")
     inp = make_inputs(cfg, starts, seed=1, device="cuda")
     rt = program_runtime(prog, w, inputs={k: v.clone() for k, v in inp.items()})
@@ -171,6 +174,8 @@ def cases(quick):
     out += [("swa", 4096, 1), ("swa", 4096, 64)]
     # the whole SWA / HCA sublayer in one launch (bench_sublayer)
     out += [("sublayer:hca", 32768, b) for b in (1, 8, 64)] + [("sublayer:swa", 4096, 1)]
+    # CSA (the indexer chain in the program): batch 1 and 2 fit the shared memory (see dsv4_layer)
+    out += [("sublayer:csa", 32768, b) for b in (1, 2)]
     # batch 1 with more KV splits than choose_splits' 4-chunk minimum gives
     out += [("hca", 32768, 1, 12), ("sublayer:hca", 32768, 1, 12), ("sublayer:swa", 4096, 1, 5)]
     return out

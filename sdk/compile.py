@@ -52,10 +52,10 @@ def _indexer_block_cases():
 def _dsv4_block_cases():
     from .blocks.dsv4_attention import dsv4_compile_cases   # V4.1-Flash TP8: HCA, CSA, SWA + combine
     from .blocks.dsv4_compress import dsv4_compress_compile_cases   # HCA / CSA / indexer compressors
-    from .blocks.dsv4_prologue import dsv4_prologue_compile_cases   # q / kv norms + RoPE
+    from .blocks.dsv4_prologue import dsv4_index_q_compile_cases, dsv4_prologue_compile_cases   # norms + RoPE
     from .blocks.mhc import mhc_compile_cases               # mHC mix / pre / post, V4.1-Flash and GLM-5.3
     return mhc_compile_cases() + dsv4_compile_cases() + dsv4_compress_compile_cases() \
-        + dsv4_prologue_compile_cases()
+        + dsv4_prologue_compile_cases() + dsv4_index_q_compile_cases()
 
 
 def _allreduce_block_cases():

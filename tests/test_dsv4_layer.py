@@ -7,7 +7,8 @@ import pytest
 
 from sdk.megakernel.dsv4_layer import DSV4LayerConfig, build_program, make_inputs, make_weights, reference
 
-TINY = dict(heads=2, hidden=512, q_rank=256, o_rank=256, window=8, ratio=4, max_seq_len=64, batch=3, tokens=2)
+TINY = dict(heads=2, hidden=512, q_rank=256, o_rank=256, window=8, ratio=4, max_seq_len=64, batch=3, tokens=2,
+            index_heads=8, index_head_dim=64, index_topk=4)
 
 
 def rel(a, b):
@@ -15,7 +16,7 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("mode", ["swa", "hca"])
+@pytest.mark.parametrize("mode", ["swa", "hca", "csa"])
 def test_pyvm_sublayer_equals_model_reference(mode):
     from sdk.megakernel.pyvm import PyVM
     cfg = DSV4LayerConfig(mode=mode, **TINY)
@@ -33,10 +34,11 @@ def test_pyvm_sublayer_equals_model_reference(mode):
         x = inp["x"].float()
         err = rel(vm.tensors["resid"] - x, want["resid"] - x)
         assert err <= 2e-2, f"call {call}: sublayer output rel err {err:.3e}"
-        for name in [n for n in ("window", "comp", "state_kv", "state_gate") if n in want]:
+        caches = ["window"] + list(cfg.cache_shapes())
+        for name in caches:
             e = rel(vm.tensors[name], want[name])
             assert e <= 1e-2, f"call {call}: {name} rel err {e:.3e}"
-        carried = {n: vm.tensors[n].clone() for n in ("window", "comp", "state_kv", "state_gate") if n in want}
+        carried = {n: vm.tensors[n].clone() for n in caches}
         starts = [s + cfg.tokens for s in starts]
 
 
@@ -52,19 +54,29 @@ def test_capturable_reference_is_the_same():
         assert torch.equal(a[name], b[name]), name
 
 
-def test_csa_is_refused_clearly():
+def test_csa_past_the_shared_memory_is_refused_clearly():
+    """CSA at batch 8: the plain tiles' shared memory (indexer scores + decode) and the staged x
+    leave the weight ring no stages - a clear error at build time, not a failed launch."""
     from sdk.errors import UnsupportedConfigError
-    with pytest.raises(UnsupportedConfigError, match="CSA"):
-        build_program(DSV4LayerConfig(mode="csa", **TINY))
+    with pytest.raises(UnsupportedConfigError, match="smem ring"):
+        build_program(DSV4LayerConfig(mode="csa", heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128,
+                                      ratio=4, max_seq_len=16384, batch=8))
 
 
-def test_v41_tp8_megakernel_compiles():
-    """The V4.1-Flash TP8 HCA sublayer's megakernel (every block of the program inlined in the
-    dispatch loop) compiles for sm_90a with no GPU."""
+def test_unknown_mode_is_refused_clearly():
+    from sdk.errors import UnsupportedConfigError
+    with pytest.raises(UnsupportedConfigError, match="mode 'mla'"):
+        build_program(DSV4LayerConfig(mode="mla", **TINY))
+
+
+@pytest.mark.parametrize("mode,ratio", [("hca", 128), ("csa", 4)])
+def test_v41_tp8_megakernel_compiles(mode, ratio):
+    """The V4.1-Flash TP8 HCA / CSA sublayer's megakernel (every block of the program inlined in
+    the dispatch loop) compiles for sm_90a with no GPU."""
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     from sdk.megakernel.kernel import compile_megakernel
     from sdk.schedule import schedule
-    cfg = DSV4LayerConfig(mode="hca", heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=128,
+    cfg = DSV4LayerConfig(mode=mode, heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=ratio,
                           max_seq_len=16384)
     prog = build_program(cfg)
     compile_megakernel(prog.opcodes.blocks, 132, schedule(prog, 132).max_len, timing=False, arch="sm_90a")

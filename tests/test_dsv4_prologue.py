@@ -1,10 +1,13 @@
-"""DeepSeek-V4 attention prologue block (sdk/blocks/dsv4_prologue.py) on the CPU: reference =
-emulation, ragged positions through the host's cos / sin, no RoPE, bad configs, compile checks
-(the chain prologue -> core -> combine against the model's attention is in test_dsv4_block.py)."""
+"""DeepSeek-V4 attention prologue block and the CSA indexer's query RoPE block
+(sdk/blocks/dsv4_prologue.py) on the CPU: reference = emulation, ragged positions through the
+host's cos / sin, no RoPE, bad configs, compile checks (the chain prologue -> core -> combine
+against the model's attention is in test_dsv4_block.py; the indexer's queries inside the whole
+CSA sublayer against the model in test_dsv4_layer.py)."""
 import pytest
 import torch
 
-from sdk.blocks.dsv4_prologue import DSV4PrologueBlock, DSV4PrologueConfig, dsv4_prologue_compile_cases
+from sdk.blocks.dsv4_prologue import (DSV4IndexQBlock, DSV4IndexQConfig, DSV4PrologueBlock, DSV4PrologueConfig,
+                                      dsv4_index_q_compile_cases, dsv4_prologue_compile_cases)
 from sdk.errors import UnsupportedConfigError
 
 
@@ -43,14 +46,38 @@ def test_unsupported_configs_fail_loudly(kw):
         DSV4PrologueBlock(DSV4PrologueConfig(**kw))
 
 
+@pytest.mark.parametrize("kw", [dict(heads=8, head_dim=64, batch=3, tokens=2), dict(heads=4, rope=0)])
+def test_index_q_is_the_models_rope(kw):
+    """The indexer's queries: the model's Rope.apply per token (no norm), rows unchanged in norm."""
+    from sdk.reference.dsv4_attention import Rope
+    block = DSV4IndexQBlock(DSV4IndexQConfig(**kw))
+    c = block.config
+    t = inputs(DSV4PrologueBlock(DSV4PrologueConfig(heads=c.heads, head_dim=c.head_dim, rope=c.rope, batch=c.batch,
+                                                    tokens=c.tokens)))
+    want = block.reference(**t)["q"]
+    for tile in range(block.num_tiles()):
+        block.emulate_tile(t, tile)
+    assert torch.equal(t["q"], want)
+    q_raw = t["q_raw"].view(c.batch, c.tokens, c.heads, c.head_dim)
+    if c.rope:
+        model = torch.stack([torch.stack([Rope.apply(q_raw[b, tq], t["cos"][b * c.tokens + tq][None],
+                                                     t["sin"][b * c.tokens + tq][None]) for tq in range(c.tokens)])
+                             for b in range(c.batch)])
+        assert torch.equal(want, model)
+        assert not torch.equal(want, q_raw)
+        assert torch.allclose(want.float().norm(dim=-1), q_raw.float().norm(dim=-1), rtol=1e-2)
+    else:
+        assert torch.equal(want, q_raw)
+
+
 def test_registered():
     from sdk.blocks import builtin_blocks
-    assert DSV4PrologueBlock in builtin_blocks()
+    assert DSV4PrologueBlock in builtin_blocks() and DSV4IndexQBlock in builtin_blocks()
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
 def test_compile(arch):
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     from sdk.blocks._cute import standalone
-    for block in dsv4_prologue_compile_cases():
+    for block in dsv4_prologue_compile_cases() + dsv4_index_q_compile_cases():
         standalone(block, arch)

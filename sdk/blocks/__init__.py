@@ -17,12 +17,13 @@ def builtin_blocks() -> list[type]:
     from .mhc import MHCMixBlock, MHCPostBlock, MHCPreBlock
     from .dsv4_attention import DSV4CombineBlock, DSV4DecodeBlock, DSV4RingWriteBlock
     from .dsv4_compress import DSV4CompressBlock, DSV4CompressNormBlock
-    from .dsv4_prologue import DSV4PrologueBlock
+    from .dsv4_prologue import DSV4IndexQBlock, DSV4PrologueBlock
     from .indexer import IndexScoreBlock, TopKBlock
     from .ep import EPCombineBlock, EPDispatchBlock, EPTableBlock
     return [RMSNormBlock, GemvBlock, KDABlock, RouterSelectBlock, ExpertsBlock,
             MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock, MLARopeAppendBlock, MHCMixBlock, MHCPreBlock, MHCPostBlock,
             DSV4DecodeBlock, DSV4CombineBlock, DSV4RingWriteBlock, DSV4CompressBlock, DSV4CompressNormBlock, DSV4PrologueBlock,
+            DSV4IndexQBlock,
             IndexScoreBlock, TopKBlock, EPDispatchBlock, EPTableBlock, EPCombineBlock]
 
 

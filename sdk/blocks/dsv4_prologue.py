@@ -182,3 +182,117 @@ def dsv4_prologue_compile_cases():
     return [DSV4PrologueBlock(DSV4PrologueConfig(heads=8, batch=1, tokens=2)),
             DSV4PrologueBlock(DSV4PrologueConfig(heads=8, batch=64)),
             DSV4PrologueBlock(DSV4PrologueConfig(heads=16, batch=8))]
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DSV4IndexQConfig:
+    heads: int = 64                      # indexer heads (V4.1-Flash: 64; not sharded by TP)
+    head_dim: int = 128
+    rope: int = 64
+    batch: int = 1
+    tokens: int = 1
+
+
+class DSV4IndexQBlock(Block):
+    """The CSA indexer's queries: RoPE (interleaved pairs on the trailing `rope` channels, the
+    compress rope at each token's position: cos / sin [M, rope / 2]) of q_raw = the indexer's
+    q_b GEMV output [M, IH, ihd], no norm - sdk/reference/dsv4_attention.py `select`. Tile = one
+    token; a thread rotates channel pairs (head, pair) in steps of NUM_THREADS, all loads first."""
+    name = "dsv4_index_q"
+    Config = DSV4IndexQConfig
+
+    @property
+    def m(self) -> int:
+        return self.config.batch * self.config.tokens
+
+    def check(self):
+        c = self.config
+        if c.head_dim % 2 or c.rope % 2 or not 0 <= c.rope <= c.head_dim or c.heads < 1 or self.m < 1:
+            self.unsupported(f"dsv4_index_q: heads={c.heads}, head_dim={c.head_dim}, rope={c.rope} (even, <= head_dim)")
+
+    def operand_specs(self):
+        c = self.config
+        M, R2 = self.m, max(c.rope // 2, 1)
+        return [OperandSpec("q_raw", (M, c.heads, c.head_dim), "bf16"),
+                OperandSpec("cos", (M, R2), "bf16", optional=c.rope == 0),
+                OperandSpec("sin", (M, R2), "bf16", optional=c.rope == 0),
+                OperandSpec("q", (c.batch, c.tokens, c.heads, c.head_dim), "bf16", output=True)]
+
+    def num_tiles(self) -> int:
+        return self.m
+
+    def cost(self) -> Cost:
+        c = self.config
+        return Cost(bytes=c.heads * c.head_dim * 4 + c.rope * 2, flops=c.heads * c.rope * 4)
+
+    def _token(self, t: dict, m: int):
+        from ..reference.dsv4_attention import Rope
+        q = t["q_raw"][m]
+        if self.config.rope:
+            q = Rope.apply(q, t["cos"][m][None], t["sin"][m][None])
+        return q
+
+    def reference(self, **t):
+        c = self.config
+        out = t["q"].clone()
+        for m in range(self.m):
+            b, tq = divmod(m, c.tokens)
+            out[b, tq] = self._token(t, m)
+        return {"q": out}
+
+    def emulate_tile(self, t, tile):
+        b, tq = divmod(tile, self.config.tokens)
+        t["q"][b, tq] = self._token(t, tile)
+
+    def _build_device_tile(self):
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import BFloat16, Float32, Int32
+
+        from ._cute import gmem_tensor
+
+        c = self.config
+        M, H, HD, RT, T = self.m, c.heads, c.head_dim, c.rope, c.tokens
+        NP = H * HD // 2                     # channel pairs of a token
+        STEPS = -(-NP // NUM_THREADS)
+        R2 = max(RT // 2, 1)
+        P0 = (HD - RT) // 2                  # first rope pair of a head
+        ix = {n: i for i, n in enumerate(self.operands())}
+
+        @cute.jit
+        def tile(ptrs, m: Int32, scratch):
+            tid, _, _ = cute.arch.thread_idx()
+            b = m // T
+            tq = m % T
+            mQr = gmem_tensor(ptrs[ix["q_raw"]], BFloat16, (M, NP, 2), 4)
+            mQ = gmem_tensor(ptrs[ix["q"]], BFloat16, (c.batch, T, NP, 2), 4)
+            x = cute.make_rmem_tensor((STEPS, 2), Float32)
+            for k in cutlass.range_constexpr(STEPS):
+                u = tid + k * NUM_THREADS
+                if u < NP:
+                    x[k, None].store(mQr[m, u, None].load().to(Float32))
+            if cutlass.const_expr(RT > 0):
+                mCos = gmem_tensor(ptrs[ix["cos"]], BFloat16, (M, R2), 2)
+                mSin = gmem_tensor(ptrs[ix["sin"]], BFloat16, (M, R2), 2)
+                for k in cutlass.range_constexpr(STEPS):
+                    u = tid + k * NUM_THREADS
+                    pr = u % (HD // 2)
+                    if (u < NP) & (pr >= P0):
+                        cs = mCos[m, pr - P0].to(Float32)
+                        sn = mSin[m, pr - P0].to(Float32)
+                        a = x[k, 0]
+                        bb = x[k, 1]
+                        x[k, 0] = a * cs - bb * sn
+                        x[k, 1] = bb * cs + a * sn
+            for k in cutlass.range_constexpr(STEPS):
+                u = tid + k * NUM_THREADS
+                if u < NP:
+                    mQ[b, tq, u, None].store(x[k, None].load().to(BFloat16))
+
+        return tile
+
+
+def dsv4_index_q_compile_cases():
+    """V4.1-Flash's indexer: 64 heads x 128, rope 64, batch 1 / 64, T = 2."""
+    return [DSV4IndexQBlock(DSV4IndexQConfig(batch=1, tokens=2)), DSV4IndexQBlock(DSV4IndexQConfig(batch=64))]

@@ -1,18 +1,25 @@
 """A DeepSeek-V4 attention sublayer of one GPU's head shard in ONE megakernel launch - the sliding
-window (SWA) and heavily compressed (HCA) layers: the input RMSNorm fused into the projections,
-the q / kv norms and RoPE, the compression of the new tokens, the split-KV attention over the
-window + new tokens + compressed entries with the sinks, the ring write, and the grouped output
-projection with the residual add.
+window (SWA), heavily compressed (HCA) and compressed-sparse (CSA) layers: the input RMSNorm fused
+into the projections, the q / kv norms and RoPE, the compression of the new tokens, the CSA
+indexer (its queries, keys, scores and top-k), the split-KV attention over the window + new
+tokens + compressed entries with the sinks, the ring write, and the grouped output projection
+with the residual add.
 
     x (bf16 [M, D], M = B * T: the residual stream entering the sublayer)
     q_a    = GEMV(rmsnorm(x) * input_norm, W_q_a)                   [M, Q]
     q_raw  = GEMV(rmsnorm(q_a) * q_a_norm, W_q_b)                   [M, H, hd]
     kv_raw = GEMV(rmsnorm(x) * input_norm, W_kv)                    [M, hd]
     q, new_kv = DSV4Prologue(q_raw, kv_raw)        per-head norm + RoPE, kv_norm + RoPE
-    HCA:  c_kv, c_gate = GEMV(rmsnorm(x) * input_norm, W_c_kv / W_c_gate)          [M, hd] each
+    HCA / CSA:  c_kv, c_gate = GEMV(rmsnorm(x) * input_norm, W_c_kv / W_c_gate)   [M, hd] (CSA 2 hd)
           comp = DSV4Compress(c_kv, c_gate, state)  pooled entries of the windows this call closes
           comp = DSV4CompressNorm(comp)             their kv_norm + RoPE, in place
-    o_part, lse_part = DSV4Decode(q, window, new_kv, comp)          (waits for the prologue and the compressor)
+    CSA:  the indexer's own compressor (i_kv, i_gate [M, 2 ihd] -> index_keys, as above);
+          iq     = DSV4IndexQ(GEMV(rmsnorm(q_a) * q_a_norm, W_iq))  [B, T, IH, ihd]  (RoPE, compress rope)
+          iw     = GEMV(rmsnorm(x) * input_norm, W_iw)              [M, IH] fp32
+          scores = IndexScore(iq, iw, index_keys)    sum_h iw_h ReLU(iq_h . k) / sqrt(ihd IH)
+          index  = TopK(scores)                      the top-k ready entries of each query token
+    o_part, lse_part = DSV4Decode(q, window, new_kv, comp[, index])  (waits for the prologue, the
+                                                       compressor and, CSA, the top-k)
     out    = DSV4Combine(o_part, lse_part, sinks)                   [B, T, H, hd] (un-roped)
     window = DSV4RingWrite(new_kv)                                  (after the decode read the old ring)
     o_lat  = GEMV(out, W_o_a)                                       [M, R]  (the shard's one o_a group)
@@ -21,8 +28,10 @@ projection with the residual add.
 
 `reference()` is sdk/reference/dsv4_attention.py's DSV4AttentionReference.forward on bf16(rmsnorm(x)
 * input_norm) with the model's bf16 weights, plus the residual. Supported: the shard holds one
-o_a group (V4.1-Flash TP8: 8 heads = one of 8 groups); CSA layers need the indexer's chain (its
-projections, compressor, scores and top-k) in the program: not yet.
+o_a group (V4.1-Flash TP8: 8 heads = one of 8 groups); the indexer whole on every GPU (its heads
+are not sharded). The indexer's head weights iw stay fp32 out of their GEMV (the model rounds
+F.linear's output to bf16 first: a 2^-9 relative difference in each head's weight, which can
+swap entries whose scores tie that closely at the top-k boundary).
 """
 from __future__ import annotations
 
@@ -34,7 +43,7 @@ import torch
 from ..blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock, DSV4DecodeConfig,
                                      DSV4RingWriteBlock, DSV4RingWriteConfig, choose_splits)
 from ..blocks.dsv4_compress import DSV4CompressConfig, compressor_blocks
-from ..blocks.dsv4_prologue import DSV4PrologueBlock, DSV4PrologueConfig
+from ..blocks.dsv4_prologue import DSV4IndexQBlock, DSV4IndexQConfig, DSV4PrologueBlock, DSV4PrologueConfig
 from ..blocks.gemv import GemvConfig, balanced_configs
 from .mlp_stack import gemv_block
 from .program import Program
@@ -43,7 +52,7 @@ from .program import Program
 @dataclass(frozen=True)
 class DSV4LayerConfig:
     heads: int = 8                       # this GPU's query heads (V4.1-Flash TP8: 8)
-    mode: str = "hca"                    # "swa" | "hca"
+    mode: str = "hca"                    # "swa" | "hca" | "csa"
     batch: int = 1
     tokens: int = 1
     hidden: int = 4096
@@ -52,12 +61,18 @@ class DSV4LayerConfig:
     o_rank: int = 1024                   # o_lora_rank of the shard's o_a group
     rope: int = 64
     window: int = 128
-    ratio: int = 128                     # HCA compress ratio
+    ratio: int = 128                     # compress ratio (HCA 128, CSA 4)
+    index_heads: int = 64                # CSA indexer
+    index_head_dim: int = 128
+    index_topk: int = 512
     max_seq_len: int = 4096
     rope_theta: float = 10000.0          # the main rope (q, the window's kv)
     compress_rope_theta: float = 160000.0   # the compressed entries' rope
     eps: float = 1e-6
     num_splits: int = 0                  # 0: choose_splits
+    decode_chunk: int = 0                # keys per decode chunk (0: 32; CSA 16 - the plain tiles' shared
+                                         # memory adds up: the indexer's score tile takes 70 KB beside it)
+    index_stages: int = 2                # the indexer score tile's pipeline stages
     decode_stages: int = 0               # the decode core's pipeline stages (0: its auto; build_program
                                          # lowers them until the projections' weight ring fits beside)
     num_sms: int = 132
@@ -73,40 +88,66 @@ class DSV4LayerConfig:
         return max(1, self.max_seq_len // self.ratio)
 
     @property
+    def compressed(self) -> bool:
+        return self.mode in ("hca", "csa")
+
+    @property
+    def topk(self) -> int:
+        """CSA: entries the indexer selects per query (at most the cache's)."""
+        return min(self.index_topk, self.max_entries)
+
+    @property
     def spec(self):
         """The DSV4AttentionSpec the sublayer computes (what `reference()` runs)."""
-        from ..spec import DSV4AttentionSpec, RopeSpec
+        from ..spec import DSAIndexerSpec, DSV4AttentionSpec, RopeSpec
+        indexer = (DSAIndexerSpec(num_heads=self.index_heads, head_dim=self.index_head_dim, topk=self.index_topk)
+                   if self.mode == "csa" else None)
         return DSV4AttentionSpec(num_heads=self.heads, head_dim=self.head_dim, q_lora_rank=self.q_rank,
                                  rope_dim=self.rope, sliding_window=self.window,
-                                 compress_ratio=self.ratio if self.mode == "hca" else 0, o_groups=1,
-                                 o_lora_rank=self.o_rank, rope=RopeSpec(dim=self.rope, theta=self.rope_theta, interleaved=True),
+                                 compress_ratio=self.ratio if self.compressed else 0, indexer=indexer,
+                                 compress_overlap=self.mode == "csa", o_groups=1, o_lora_rank=self.o_rank,
+                                 rope=RopeSpec(dim=self.rope, theta=self.rope_theta, interleaved=True),
                                  compress_rope=RopeSpec(dim=self.rope, theta=self.compress_rope_theta, interleaved=True),
                                  norm_eps=self.eps)
 
     def splits(self) -> int:
-        keys = self.window + self.tokens + (self.max_entries if self.mode == "hca" else 0)
-        return self.num_splits or choose_splits(self.batch, keys, self.num_sms)
+        comp = {"swa": 0, "hca": self.max_entries, "csa": self.topk}[self.mode]
+        chunk = self.decode_chunk or (16 if self.mode == "csa" else 32)
+        return self.num_splits or choose_splits(self.batch, self.window + self.tokens + comp, self.num_sms, chunk=chunk)
 
     def blocks(self) -> dict:
         """The non-GEMV blocks of the program."""
+        from ..blocks.indexer import IndexScoreBlock, IndexScoreConfig, TopKBlock, TopKConfig, choose_keys_per_tile
         from ..errors import UnsupportedConfigError
-        if self.mode not in ("swa", "hca"):
-            raise UnsupportedConfigError(f"DSV4 layer: mode {self.mode!r} (supported: swa, hca; CSA needs the "
-                                         f"indexer's chain in the program, not yet)")
+        if self.mode not in ("swa", "hca", "csa"):
+            raise UnsupportedConfigError(f"DSV4 layer: mode {self.mode!r} (supported: swa, hca, csa)")
         B, T, H, hd = self.batch, self.tokens, self.heads, self.head_dim
         S = self.splits()
         out = {"prologue": DSV4PrologueBlock(DSV4PrologueConfig(heads=H, head_dim=hd, rope=self.rope, batch=B,
                                                                 tokens=T, eps=self.eps)),
                "decode": DSV4DecodeBlock(DSV4DecodeConfig(heads=H, mode=self.mode, batch=B, q_tokens=T, head_dim=hd,
-                                                          window=self.window, ratio=self.ratio if self.mode == "hca" else 1,
-                                                          max_entries=self.max_entries, num_splits=S,
-                                                          stages=self.decode_stages)),
-               "combine": DSV4CombineBlock(DSV4CombineConfig(heads=H, batch=B, q_tokens=T, head_dim=hd,
-                                                             num_splits=S, rope_dim=self.rope)),
+                                                          window=self.window, ratio=self.ratio if self.compressed else 1,
+                                                          max_entries=self.max_entries, topk=max(self.topk, 1),
+                                                          num_splits=S, stages=self.decode_stages,
+                                                          chunk=self.decode_chunk or (16 if self.mode == "csa" else 32))),
+               "combine": DSV4CombineBlock(DSV4CombineConfig(heads=H, batch=B, q_tokens=T, head_dim=hd, num_splits=S,
+                                                             per_token_groups=self.mode == "csa", rope_dim=self.rope)),
                "ring": DSV4RingWriteBlock(DSV4RingWriteConfig(batch=B, q_tokens=T, head_dim=hd, window=self.window))}
-        if self.mode == "hca":
+        if self.compressed:
             out["compress"], out["compress_norm"] = compressor_blocks(DSV4CompressConfig(
-                dim=hd, ratio=self.ratio, rope=self.rope, batch=B, tokens=T, max_entries=self.max_entries, eps=self.eps))
+                dim=hd, ratio=self.ratio, overlap=self.mode == "csa", rope=self.rope, batch=B, tokens=T,
+                max_entries=self.max_entries, eps=self.eps))
+        if self.mode == "csa":
+            ih, ihd, E = self.index_heads, self.index_head_dim, self.max_entries
+            out["i_compress"], out["i_compress_norm"] = compressor_blocks(DSV4CompressConfig(
+                dim=ihd, ratio=self.ratio, overlap=True, rope=self.rope, batch=B, tokens=T, max_entries=E, eps=self.eps))
+            out["index_q"] = DSV4IndexQBlock(DSV4IndexQConfig(heads=ih, head_dim=ihd, rope=self.rope, batch=B, tokens=T))
+            # ReLU commutes with a positive scale: the weights' IH^-0.5 joins the score's ihd^-0.5
+            out["scores"] = IndexScoreBlock(IndexScoreConfig(
+                heads=ih, head_dim=ihd, batch=B, q_tokens=T, max_entries=E, ratio=self.ratio,
+                scale=(ihd * ih) ** -0.5, keys_per_tile=choose_keys_per_tile(B, E, self.num_sms),
+                stages=self.index_stages))
+            out["topk"] = TopKBlock(TopKConfig(k=self.topk, batch=B, q_tokens=T, max_entries=E, ratio=self.ratio))
         return out
 
     def weight_shapes(self) -> dict:
@@ -114,10 +155,29 @@ class DSV4LayerConfig:
         w = {"input_norm": ((D,), "bf16"), "w_q_a": ((Q, D), "bf16"), "q_a_norm": ((Q,), "bf16"),
              "w_q_b": ((H * hd, Q), "bf16"), "w_kv": ((hd, D), "bf16"), "kv_norm": ((hd,), "bf16"),
              "sinks": ((H,), "fp32"), "w_o_a": ((R, H * hd), "bf16"), "w_o_b": ((D, R), "bf16")}
-        if self.mode == "hca":
-            w.update({"w_c_kv": ((hd, D), "bf16"), "w_c_gate": ((hd, D), "bf16"),
-                      "c_position_bias": ((self.ratio, hd), "fp32"), "c_kv_norm": ((hd,), "bf16")})
+        if self.compressed:
+            c = 2 * hd if self.mode == "csa" else hd
+            w.update({"w_c_kv": ((c, D), "bf16"), "w_c_gate": ((c, D), "bf16"),
+                      "c_position_bias": ((self.ratio, c), "fp32"), "c_kv_norm": ((hd,), "bf16")})
+        if self.mode == "csa":
+            ih, ihd = self.index_heads, self.index_head_dim
+            w.update({"w_i_kv": ((2 * ihd, D), "bf16"), "w_i_gate": ((2 * ihd, D), "bf16"),
+                      "i_position_bias": ((self.ratio, 2 * ihd), "fp32"), "i_kv_norm": ((ihd,), "bf16"),
+                      "w_iq": ((ih * ihd, Q), "bf16"), "w_iw": ((ih, D), "bf16")})
         return w
+
+    def cache_shapes(self) -> dict:
+        """The caches a call reads and updates in place (beside the window ring): name -> (shape, dtype)."""
+        B, hd, E, r = self.batch, self.head_dim, self.max_entries, self.ratio
+        out = {}
+        if self.compressed:
+            c, L = (2 * hd, 2 * r) if self.mode == "csa" else (hd, r)
+            out.update({"state_kv": ((B, L, c), "bf16"), "state_gate": ((B, L, c), "fp32"), "comp": ((B, E, hd), "bf16")})
+        if self.mode == "csa":
+            ihd = self.index_head_dim
+            out.update({"i_state_kv": ((B, 2 * r, 2 * ihd), "bf16"), "i_state_gate": ((B, 2 * r, 2 * ihd), "fp32"),
+                        "index_keys": ((B, E, ihd), "bf16")})
+        return out
 
 
 RECORDS_MARGIN = 4096     # smem the kernel's instruction records take beside the ring
@@ -146,16 +206,20 @@ def _build(cfg: DSV4LayerConfig) -> Program:
     B, T, M, D, H, hd = cfg.batch, cfg.tokens, cfg.tokens_total, cfg.hidden, cfg.heads, cfg.head_dim
     blk = cfg.blocks()
     dec = blk["decode"]
+    csa = cfg.mode == "csa"
     prog = Program()
     prog.buffer("x", (M, D), "bf16", "input")
-    for name, shape in (("start", (B,)),):
-        prog.buffer(name, shape, "int32", "input")
+    prog.buffer("start", (B,), "int32", "input")
     r2 = max(cfg.rope // 2, 1)
-    for name in ("cos", "sin", "c_cos", "c_sin"):          # host tables: main rope at the tokens, compress rope
-        prog.buffer(name, (B, T, r2), "bf16", "input")      # at the window each token would close
+    # host tables: the main rope at the tokens, the compress rope at the window each token would
+    # close (c_) and, CSA, at the tokens (i_: the indexer's queries)
+    for name in ("cos", "sin", "c_cos", "c_sin") + (("i_cos", "i_sin") if csa else ()):
+        prog.buffer(name, (B, T, r2), "bf16", "input")
     for name, (shape, dtype) in cfg.weight_shapes().items():
         prog.buffer(name, shape, dtype, "weight")
     prog.buffer("window", (B, cfg.window, hd), "bf16", "input")            # read, then written in place
+    for name, (shape, dtype) in cfg.cache_shapes().items():                # compressor windows, entries
+        prog.buffer(name, shape, dtype, "input")                            # (updated in place)
     for name, shape, dtype in (("q_a", (M, cfg.q_rank), "bf16"), ("q_raw", (M, H, hd), "bf16"),
                                ("kv_raw", (M, hd), "bf16"), ("q", (B, T, H, hd), "bf16"), ("new_kv", (B, T, hd), "bf16"),
                                ("o_part", (B, dec.groups, dec.config.num_splits, dec.rows, hd), "fp32"),
@@ -167,12 +231,29 @@ def _build(cfg: DSV4LayerConfig) -> Program:
     def gemv(n, k, rows=0, **kw):
         return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), rows, cfg.num_sms)
 
-    x_rows = [cfg.q_rank, hd] + ([hd, hd] if cfg.mode == "hca" else [])      # q_a, kv (c_kv, c_gate)
+    # the GEMVs of x run side by side: cut alike
+    c_width = 2 * hd if csa else hd
+    ih, ihd = cfg.index_heads, cfg.index_head_dim
+    x_rows = [cfg.q_rank, hd] + ([c_width, c_width] if cfg.compressed else []) + ([2 * ihd, 2 * ihd] if csa else [])
     rows = cfg.x_gemv_rows or balanced_configs([GemvConfig(n=n, k=D, m=M, norm=True, norm_eps=cfg.eps)
                                                 for n in x_rows], cfg.num_sms)[0].rows_per_tile
 
-    def from_x(n, w, y, label):
-        return prog.op(gemv(n, D, rows, norm=True), {"w": w, "x": "x", "norm_weight": "input_norm", "y": y}, label=label)
+    def from_x(n, w, y, label, **kw):
+        r = rows if n % rows == 0 else 0        # (the indexer's head weights: IH rows, balanced alone)
+        return prog.op(gemv(n, D, r, norm=True, **kw), {"w": w, "x": "x", "norm_weight": "input_norm", "y": y},
+                       label=label)
+
+    def compressor(prefix, width, pool_blk, norm_blk, state, entries, label):
+        """GEMVs of x into the compressor's kv / gate, its pooling, its entry norm: the last op."""
+        prog.buffer(prefix + "kv", (M, width), "bf16")
+        prog.buffer(prefix + "gate", (M, width), "bf16")
+        ckv = from_x(width, f"w_{prefix}kv", prefix + "kv", f"v4.{label}kv")
+        cg = from_x(width, f"w_{prefix}gate", prefix + "gate", f"v4.{label}gate")
+        pool = prog.op(pool_blk, {"kv": prefix + "kv", "gate": prefix + "gate", "position_bias": prefix + "position_bias",
+                                  "start": "start", "state_kv": state + "state_kv", "state_gate": state + "state_gate",
+                                  "entries": entries}, waits=[ckv, cg], label=f"v4.{label}compress")
+        return prog.op(norm_blk, {"kv_norm": prefix + "kv_norm", "cos": "c_cos", "sin": "c_sin", "start": "start",
+                                  "entries": entries}, waits=[pool], label=f"v4.{label}comp_norm")
 
     qa = from_x(cfg.q_rank, "w_q_a", "q_a", "v4.q_a")
     kv = from_x(hd, "w_kv", "kv_raw", "v4.kv")
@@ -183,21 +264,26 @@ def _build(cfg: DSV4LayerConfig) -> Program:
     dbind = {"q": "q", "window": "window", "new_kv": "new_kv", "start": "start", "o_part": "o_part",
              "lse_part": "lse_part"}
     dwaits = [pro]
-    if cfg.mode == "hca":
-        prog.buffer("c_kv", (M, hd), "bf16")
-        prog.buffer("c_gate", (M, hd), "bf16")
-        prog.buffer("state_kv", (B, cfg.ratio, hd), "bf16", "input")        # the compressor's open window
-        prog.buffer("state_gate", (B, cfg.ratio, hd), "fp32", "input")
-        prog.buffer("comp", (B, cfg.max_entries, hd), "bf16", "input")      # entries, appended in place
-        ckv = from_x(hd, "w_c_kv", "c_kv", "v4.c_kv")
-        cg = from_x(hd, "w_c_gate", "c_gate", "v4.c_gate")
-        pool = prog.op(blk["compress"], {"kv": "c_kv", "gate": "c_gate", "position_bias": "c_position_bias",
-                                         "start": "start", "state_kv": "state_kv", "state_gate": "state_gate",
-                                         "entries": "comp"}, waits=[ckv, cg], label="v4.compress")
-        comp = prog.op(blk["compress_norm"], {"kv_norm": "c_kv_norm", "cos": "c_cos", "sin": "c_sin", "start": "start",
-                                              "entries": "comp"}, waits=[pool], label="v4.comp_norm")
+    if cfg.compressed:
+        dwaits.append(compressor("c_", c_width, blk["compress"], blk["compress_norm"], "", "comp", "c_"))
         dbind["comp"] = "comp"
-        dwaits.append(comp)
+    if csa:
+        E = cfg.max_entries
+        for name, shape, dtype in (("iq_raw", (M, ih, ihd), "bf16"), ("iq", (B, T, ih, ihd), "bf16"),
+                                   ("iw", (M, ih), "fp32"), ("scores", (B, T, E), "fp32"),
+                                   ("index", (B, T, cfg.topk), "int32")):
+            prog.buffer(name, shape, dtype)
+        ikeys = compressor("i_", 2 * ihd, blk["i_compress"], blk["i_compress_norm"], "i_", "index_keys", "i_")
+        iw = from_x(ih, "w_iw", "iw", "v4.i_weights", out_dtype="fp32")
+        iqg = prog.op(gemv(ih * ihd, cfg.q_rank, norm=True),
+                      {"w": "w_iq", "x": "q_a", "norm_weight": "q_a_norm", "y": "iq_raw"}, waits=[qa], label="v4.i_q")
+        iq = prog.op(blk["index_q"], {"q_raw": "iq_raw", "cos": "i_cos", "sin": "i_sin", "q": "iq"}, waits=[iqg],
+                     label="v4.i_rope")
+        sc = prog.op(blk["scores"], {"q": "iq", "weights": "iw", "keys": "index_keys", "start": "start",
+                                     "scores": "scores"}, waits=[iq, ikeys, iw], label="v4.i_scores")
+        dwaits.append(prog.op(blk["topk"], {"scores": "scores", "start": "start", "index": "index"}, waits=[sc],
+                              label="v4.i_topk"))
+        dbind["index"] = "index"
     core = prog.op(dec, dbind, waits=dwaits, label="v4.decode")
     comb = prog.op(blk["combine"], {"o_part": "o_part", "lse_part": "lse_part", "sinks": "sinks", "cos": "cos",
                                     "sin": "sin", "out": "out"}, waits=[core], label="v4.combine")
@@ -214,7 +300,7 @@ def make_weights(cfg: DSV4LayerConfig, seed: int = 0, device="cpu") -> dict[str,
     for name, (shape, dtype) in cfg.weight_shapes().items():
         if name.endswith("norm"):
             x = 1 + 0.1 * torch.randn(*shape, generator=g, device=device)
-        elif name in ("sinks", "c_position_bias"):
+        elif name in ("sinks", "c_position_bias", "i_position_bias"):
             x = 0.5 * torch.randn(*shape, generator=g, device=device)
         else:
             x = torch.randn(*shape, generator=g, device=device) * shape[-1] ** -0.5
@@ -223,8 +309,8 @@ def make_weights(cfg: DSV4LayerConfig, seed: int = 0, device="cpu") -> dict[str,
 
 
 def make_inputs(cfg: DSV4LayerConfig, starts, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
-    """x, the caches of sequences with `starts` tokens before this call (random ring rows and
-    entries; the compressor's open window random), start and the host's rope tables."""
+    """x, the caches of sequences with `starts` tokens before this call (random ring rows,
+    compressor windows and entries), start and the host's rope tables."""
     from ..reference.dsv4_attention import Rope
     g = torch.Generator(device=device).manual_seed(seed)
     B, T, hd = cfg.batch, cfg.tokens, cfg.head_dim
@@ -232,19 +318,21 @@ def make_inputs(cfg: DSV4LayerConfig, starts, seed: int = 0, device="cpu") -> di
     pos = start.long()[:, None] + torch.arange(T, device=device)
     spec = cfg.spec
     cos, sin = Rope(spec.rope).cos_sin(pos, torch.bfloat16)
-    c_cos, c_sin = Rope(spec.compress_rope).cos_sin(pos + 1 - cfg.ratio, torch.bfloat16)
+    crope = Rope(spec.compress_rope)
+    c_cos, c_sin = crope.cos_sin(pos + 1 - cfg.ratio, torch.bfloat16)
     t = {"x": torch.randn(cfg.tokens_total, cfg.hidden, generator=g, device=device).to(torch.bfloat16),
          "start": start, "cos": cos, "sin": sin, "c_cos": c_cos, "c_sin": c_sin,
          "window": torch.randn(B, cfg.window, hd, generator=g, device=device).to(torch.bfloat16)}
-    if cfg.mode == "hca":
-        t.update({"state_kv": torch.randn(B, cfg.ratio, hd, generator=g, device=device).to(torch.bfloat16),
-                  "state_gate": torch.randn(B, cfg.ratio, hd, generator=g, device=device),
-                  "comp": torch.randn(B, cfg.max_entries, hd, generator=g, device=device).to(torch.bfloat16)})
+    if cfg.mode == "csa":
+        t["i_cos"], t["i_sin"] = crope.cos_sin(pos, torch.bfloat16)
+    for name, (shape, dtype) in cfg.cache_shapes().items():
+        v = torch.randn(*shape, generator=g, device=device)
+        t[name] = v.to(torch.bfloat16) if dtype == "bf16" else v
     return t
 
 
 def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: bool = False) -> dict[str, torch.Tensor]:
-    """{resid, window (+ state_kv, state_gate, comp)}: x + DSV4AttentionReference.forward(bf16(
+    """{resid, window, the caches of cache_shapes()}: x + DSV4AttentionReference.forward(bf16(
     rmsnorm(x) * input_norm)) with the bf16 weights, over the given caches (updated as the model
     updates them). `capturable`: the compressor without host syncs (CUDA graphs)."""
     from ..reference.common import StepInfo, rms_norm
@@ -254,14 +342,18 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
           "kv_proj.weight": w["w_kv"], "kv_norm.weight": w["kv_norm"], "sinks": w["sinks"],
           "o_a_proj.weight": w["w_o_a"], "o_b_proj.weight": w["w_o_b"]}
     cache = {"window": inputs["window"].clone()}
-    if cfg.mode == "hca":
+    if cfg.compressed:
         hf.update({"compressor.kv_proj.weight": w["w_c_kv"], "compressor.gate_proj.weight": w["w_c_gate"],
                    "compressor.position_bias": w["c_position_bias"], "compressor.kv_norm.weight": w["c_kv_norm"]})
-        cache.update({"comp_kv": inputs["comp"].clone(), "comp_state_kv": inputs["state_kv"].clone(),
-                      "comp_state_gate": inputs["state_gate"].clone()})
+    if cfg.mode == "csa":
+        hf.update({"indexer.kv_proj.weight": w["w_i_kv"], "indexer.gate_proj.weight": w["w_i_gate"],
+                   "indexer.position_bias": w["i_position_bias"], "indexer.kv_norm.weight": w["i_kv_norm"],
+                   "indexer.q_b_proj.weight": w["w_iq"], "indexer.weights_proj.weight": w["w_iw"]})
+    cache.update({CACHE_NAMES[n]: inputs[n].clone() for n in cfg.cache_shapes()})
     ref = DSV4AttentionReference(None, SimpleNamespace(attention=cfg.spec), hf)
-    if ref.compressor is not None:
-        ref.compressor.capturable = capturable
+    for comp in (ref.compressor, ref.indexer):
+        if comp is not None:
+            comp.capturable = capturable
     x = inputs["x"].float()
     h = rms_norm(x, w["input_norm"].float(), cfg.eps).to(torch.bfloat16)
     start = inputs["start"].long()
@@ -269,6 +361,10 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
                     input_ids=torch.zeros(cfg.batch, cfg.tokens, dtype=torch.long, device=start.device))
     out = ref.forward(h.view(cfg.batch, cfg.tokens, cfg.hidden), cache, step)
     res = {"resid": x + out.float().reshape(cfg.tokens_total, cfg.hidden), "window": cache["window"]}
-    if cfg.mode == "hca":
-        res.update({"comp": cache["comp_kv"], "state_kv": cache["comp_state_kv"], "state_gate": cache["comp_state_gate"]})
+    res.update({n: cache[CACHE_NAMES[n]] for n in cfg.cache_shapes()})
     return res
+
+
+# the program's cache buffers -> the reference's cache keys
+CACHE_NAMES = {"comp": "comp_kv", "state_kv": "comp_state_kv", "state_gate": "comp_state_gate",
+               "index_keys": "index_keys", "i_state_kv": "index_state_kv", "i_state_gate": "index_state_gate"}

@@ -1,6 +1,6 @@
-"""The DeepSeek-V4 attention sublayer (SWA and HCA layers) in ONE megakernel launch at V4.1-Flash's
+"""The DeepSeek-V4 attention sublayer (SWA, HCA and CSA layers) in ONE megakernel launch at V4.1-Flash's
 TP8 shard (8 heads x 512 = one of the 8 o_a groups, hidden 5120, q / o rank 1024, window 128, HCA
-ratio 128) against the model's definition (DSV4AttentionReference.forward + residual, bf16 as the
+ratio 128, CSA ratio 4 with the 64 x 128 indexer picking 512 entries) against the model's definition (DSV4AttentionReference.forward + residual, bf16 as the
 model runs), ragged sequences around window boundaries, the output NaN-poisoned, two launches
 carrying the ring, the compressor state and the entries.
 Run: `pytest -m gpu tests/gpu/test_dsv4_layer_gpu.py`."""
@@ -13,7 +13,8 @@ pytestmark = pytest.mark.gpu
 V41_TP8 = dict(heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=128, max_seq_len=16384)
 
 
-@pytest.mark.parametrize("mode,batch,T", [("hca", 1, 1), ("hca", 8, 2), ("hca", 64, 1), ("swa", 8, 1)])
+@pytest.mark.parametrize("mode,batch,T", [("hca", 1, 1), ("hca", 8, 2), ("hca", 64, 1), ("swa", 8, 1),
+                                          ("csa", 1, 1), ("csa", 2, 1)])
 def test_dsv4_sublayer_one_launch(mode, batch, T):
     need_gpu()
     import random
@@ -21,7 +22,7 @@ def test_dsv4_sublayer_one_launch(mode, batch, T):
     from sdk.megakernel.dsv4_layer import DSV4LayerConfig, build_program, make_inputs, make_weights, reference
     seed = clock_seed()
     rnd = random.Random(seed)
-    cfg = DSV4LayerConfig(mode=mode, batch=batch, tokens=T, **V41_TP8)
+    cfg = DSV4LayerConfig(mode=mode, batch=batch, tokens=T, **dict(V41_TP8, ratio=4 if mode == "csa" else 128))
     w = make_weights(cfg, seed=seed, device="cuda")
     rt = program_runtime(build_program(cfg), w)
     # starts just before / at / past a window boundary, and far in
@@ -37,8 +38,9 @@ def test_dsv4_sublayer_one_launch(mode, batch, T):
         x = inp["x"].float()
         err = rel_err(rt.tensors["resid"] - x, want["resid"] - x)
         assert err <= 2e-2, f"seed {seed}, launch {launch}: sublayer output rel err {err:.3e}"
-        for name in [n for n in ("window", "comp", "state_kv", "state_gate") if n in want]:
+        caches = ["window"] + list(cfg.cache_shapes())
+        for name in caches:
             e = rel_err(rt.tensors[name], want[name])
             assert e <= 1e-2, f"seed {seed}, launch {launch}: {name} rel err {e:.3e}"
-        carried = {n: rt.tensors[n].clone() for n in ("window", "comp", "state_kv", "state_gate") if n in want}
+        carried = {n: rt.tensors[n].clone() for n in caches}
         starts = [s + T for s in starts]

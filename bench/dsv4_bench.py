@@ -174,8 +174,8 @@ def cases(quick):
     out += [("swa", 4096, 1), ("swa", 4096, 64)]
     # the whole SWA / HCA sublayer in one launch (bench_sublayer)
     out += [("sublayer:hca", 32768, b) for b in (1, 8, 64)] + [("sublayer:swa", 4096, 1)]
-    # CSA (the indexer chain in the program): batch 1 and 2 fit the shared memory (see dsv4_layer)
-    out += [("sublayer:csa", 32768, b) for b in (1, 2)]
+    # CSA (the indexer chain in the program)
+    out += [("sublayer:csa", 32768, b) for b in (1, 8, 64)]
     # batch 1 with more KV splits than choose_splits' 4-chunk minimum gives
     out += [("hca", 32768, 1, 12), ("sublayer:hca", 32768, 1, 12), ("sublayer:swa", 4096, 1, 5)]
     return out

@@ -55,12 +55,14 @@ def test_capturable_reference_is_the_same():
 
 
 def test_csa_past_the_shared_memory_is_refused_clearly():
-    """CSA at batch 8: the plain tiles' shared memory (indexer scores + decode) and the staged x
-    leave the weight ring no stages - a clear error at build time, not a failed launch."""
+    """CSA at batch 8 x 2 tokens: the indexer's 128-row score tile and the staged x leave the
+    weight ring one stage - a clear error at build time, not a failed launch; T = 1 builds at
+    batch 64 (the plain tiles share one arena)."""
     from sdk.errors import UnsupportedConfigError
+    v41 = dict(heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=4, max_seq_len=16384)
     with pytest.raises(UnsupportedConfigError, match="smem ring"):
-        build_program(DSV4LayerConfig(mode="csa", heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128,
-                                      ratio=4, max_seq_len=16384, batch=8))
+        build_program(DSV4LayerConfig(mode="csa", batch=8, tokens=2, **v41))
+    build_program(DSV4LayerConfig(mode="csa", batch=64, **v41))
 
 
 def test_unknown_mode_is_refused_clearly():

@@ -149,16 +149,17 @@ def test_layer_program_fits_the_ring_or_says_why():
                                                         max_seq_len=9000)))
 
 
-def test_batch8_k3_shard_builds_with_smaller_projection_tiles():
+def test_batch8_k3_shard_builds_with_balanced_projection_tiles():
     """Kimi K3 TP8 at batch 8: the projections' balanced tiles (o_proj 56 rows: 29.6 KB ring
-    stages) beside 57 KB of staged activations and the decode's shared memory leave no 2-stage
-    ring; the program falls back to 16-row projection tiles and still fits (the B=8 sublayer
-    bench refused to build before)."""
+    stages) beside 57 KB of staged activations and the decode's shared memory - which needed the
+    16-row fallback while every plain tile had its own shared memory - fit now that the plain
+    tiles share one arena (base.plain_smem_bytes)."""
     from sdk.blocks.base import ring_geometry
     from sdk.megakernel.mla_attention import MLAAttentionConfig
     from sdk.megakernel.mla_layer import FALLBACK_GEMV_ROWS, RECORDS_MARGIN, MLALayerConfig, build_program
     attn = MLAAttentionConfig(heads=12, batch=8, q_tokens=1, num_pages=8 * 512 + 8, max_seq_len=32768)
     prog = build_program(MLALayerConfig(attn))
     gemvs = [b for b in prog.opcodes.blocks if b.stream_chunks()]
-    assert {b.config.rows_per_tile for b in gemvs} == {FALLBACK_GEMV_ROWS}
+    assert {b.config.rows_per_tile for b in gemvs} != {FALLBACK_GEMV_ROWS}
+    assert 56 in {b.config.rows_per_tile for b in gemvs}
     assert ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)[1] >= 2

@@ -120,6 +120,36 @@ def tree_sum(values: list):
     return values[0]
 
 
+class TileSmem:
+    """The shared memory of a plain tile: a bump allocator (offsets fixed at trace time) over the
+    arena that follows `scratch` - the kernel allocates scratch as SCRATCH_WORDS words plus the
+    arena (`scratch_region`), 128-byte aligned. Every plain tile of a kernel allocates from the
+    same arena (a CTA runs one tile at a time), so their shared memory is the largest of them,
+    not the sum. `capacity` = the block's own_smem_bytes(): allocating past it fails the trace."""
+
+    def __init__(self, scratch: cute.Tensor, capacity: int):
+        self.base = scratch.iterator.toint() + 4 * SCRATCH_WORDS
+        self.offset = 0
+        self.capacity = capacity
+
+    def allocate_tensor(self, dtype, layout, byte_alignment: int = 16) -> cute.Tensor:
+        self.offset = -(-self.offset // byte_alignment) * byte_alignment
+        ptr = cute.make_ptr(dtype, self.base + self.offset, cute.AddressSpace.smem, assumed_align=byte_alignment)
+        self.offset += cute.cosize(layout) * dtype.width // 8
+        if self.offset > self.capacity:
+            raise ValueError(f"TileSmem: {self.offset} B allocated, the block declares {self.capacity} "
+                             f"(own_smem_bytes)")
+        return cute.make_tensor(ptr, layout)
+
+
+def scratch_region(smem, blocks) -> cute.Tensor:
+    """The `scratch` tensor every tile gets: SCRATCH_WORDS fp32 words, then the plain tiles' arena
+    (base.plain_smem_bytes(blocks); TileSmem), 128-byte aligned."""
+    from .base import plain_smem_bytes
+    words = SCRATCH_WORDS + plain_smem_bytes(blocks) // 4
+    return smem.allocate_tensor(Float32, cute.make_layout(words), byte_alignment=128)
+
+
 @cute.jit
 def smem_tensor(addr, dtype: cutlass.Constexpr, shape: cutlass.Constexpr):
     """Row-major tensor at a shared-memory address (16-byte aligned by construction of the ring)."""
@@ -351,7 +381,7 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     @cute.kernel
     def kernel(optab: Int64):
         smem = SmemAllocator()
-        scratch = smem.allocate_tensor(Float32, cute.make_layout(SCRATCH_WORDS), byte_alignment=16)
+        scratch = scratch_region(smem, [block])
         mOps = gmem_tensor(optab, Int64, (nops,), 8)
         bid, _, _ = cute.arch.block_idx()
         # the operand table is the host's (no kernel writes it): read before the wait
@@ -400,7 +430,7 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
     @cute.kernel
     def kernel(optab: Int64):
         smem = SmemAllocator()
-        scratch = smem.allocate_tensor(Float32, cute.make_layout(SCRATCH_WORDS), byte_alignment=16)
+        scratch = scratch_region(smem, [block])
         ring = smem.allocate_tensor(cutlass.Int8, cute.make_layout(P * stage_bytes), byte_alignment=128)
         xs = smem.allocate_tensor(cutlass.Int8, cute.make_layout(xbytes), byte_alignment=128)
         cute.arch.griddepcontrol_launch_dependents()

@@ -16,9 +16,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
-from cutlass.memory import SmemAllocator
 
-from ._cute import gmem_tensor, stage_rows_async
+from ._cute import TileSmem, gmem_tensor, stage_rows_async
 from ._mla_cute import LOG2_E, a_view, mn_view, quad_max, quad_sum
 from .base import NUM_THREADS
 
@@ -26,6 +25,7 @@ NUM_WARPS = NUM_THREADS // 32
 
 
 def build_dsv4_decode_tile(block):
+    OWN = block.own_smem_bytes()          # its TileSmem capacity
     c = block.config
     B, T, H = c.batch, c.q_tokens, c.heads
     TQ, G = block.tq, block.groups
@@ -134,7 +134,7 @@ def build_dsv4_decode_tile(block):
         mO = gmem_tensor(ptrs[6], Float32, (B, G, S, R, D), 4)
         mL = gmem_tensor(ptrs[7], Float32, (B, G, S, R), 4)
 
-        smem = SmemAllocator()
+        smem = TileSmem(scratch, OWN)
         sQ = smem.allocate_tensor(BFloat16, cute.make_layout((MP, D), stride=(RS, 1)), byte_alignment=128)
         sS = smem.allocate_tensor(Float32, cute.make_layout((NWK, MP, CH), stride=(MP * CH, CH, 1)),
                                   byte_alignment=16)
@@ -294,6 +294,7 @@ def build_dsv4_combine_tile(block):
     sum of 128 columns with thread (split group sg, 16-byte column group cg) summing splits sg,
     sg + SG, ... (4 loads in flight), the groups' sums added through smem, rounded to bf16 and
     un-roped in pairs (the reference's order)."""
+    OWN = block.own_smem_bytes()          # its TileSmem capacity
     from .dsv4_attention import COMBINE_COLS
     c = block.config
     B, T, H, D, S = c.batch, c.q_tokens, c.heads, c.head_dim, c.num_splits
@@ -323,7 +324,7 @@ def build_dsv4_combine_tile(block):
         mL = gmem_tensor(ptrs[1], Float32, (B, G, S, R), 4)
         mSink = gmem_tensor(ptrs[2], Float32, (H,), 4)
         mOut = gmem_tensor(ptrs[5], BFloat16, (B, T, H, D), 2)
-        smem = SmemAllocator()
+        smem = TileSmem(scratch, OWN)
         sW = smem.allocate_tensor(Float32, cute.make_layout(S), byte_alignment=16)
         sR = smem.allocate_tensor(Float32, cute.make_layout((SG, CW), stride=(CW, 1)), byte_alignment=16)
         sM = smem.allocate_tensor(Float32, cute.make_layout(2), byte_alignment=16)

@@ -26,9 +26,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
-from cutlass.memory import SmemAllocator
 
-from ._cute import gmem_tensor, stage_rows_async
+from ._cute import TileSmem, gmem_tensor, stage_rows_async
 from .base import NUM_THREADS
 from .indexer import CHUNK, RADIX_BITS, RADIX_PASSES
 
@@ -36,6 +35,7 @@ NUM_WARPS = NUM_THREADS // 32
 
 
 def build_index_score_tile(block):
+    OWN = block.own_smem_bytes()          # its TileSmem capacity
     c = block.config
     B, T, H, D = c.batch, c.q_tokens, c.heads, c.head_dim
     R, MP = block.rows, block.m_pad
@@ -80,7 +80,7 @@ def build_index_score_tile(block):
         mStart = gmem_tensor(ptrs[3], Int32, (B,), 4)
         mS = gmem_tensor(ptrs[4], Float32, (B, T, E), 4)
 
-        smem = SmemAllocator()
+        smem = TileSmem(scratch, OWN)
         sQ = smem.allocate_tensor(BFloat16, cute.make_layout((MP, D), stride=(RS, 1)), byte_alignment=128)
         skv = smem.allocate_tensor(BFloat16, cute.make_layout((ST, CH, RS), stride=(CH * RS, RS, 1)),
                                    byte_alignment=128)
@@ -194,6 +194,7 @@ def build_index_score_tile(block):
 
 
 def build_topk_tile(block):
+    OWN = block.own_smem_bytes()          # its TileSmem capacity
     c = block.config
     B, T, E, K = c.batch, c.q_tokens, c.max_entries, c.k
     RATIO, X, TAIL, WID = c.ratio, c.expand, c.tail, block.width
@@ -247,7 +248,7 @@ def build_topk_tile(block):
         mStart = gmem_tensor(ptrs[1], Int32, (B,), 4)
         mI = gmem_tensor(ptrs[2], Int32, (B, T, WID), 4)
 
-        smem = SmemAllocator()
+        smem = TileSmem(scratch, OWN)
         sH = smem.allocate_tensor(Int32, cute.make_layout((NB,)), byte_alignment=16)
         sX = smem.allocate_tensor(Int32, cute.make_layout((2 + 2 * NUM_WARPS,)), byte_alignment=16)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass.memory import SmemAllocator
 
-from ._cute import DTYPE_MAP, block_sum, gmem_tensor
+from ._cute import DTYPE_MAP, TileSmem, block_sum, gmem_tensor
 from .base import NUM_THREADS
+from .mhc import fn_slice_smem_bytes
 
 NUM_WARPS = NUM_THREADS // 32
 
@@ -73,7 +73,7 @@ def build_mix_tile(block):
         wid = tid // 32
         mX = gmem_tensor(ptrs[0], sdt, (M, N, D // 4, 4), _align(c.stream_dtype))
         mP = gmem_tensor(ptrs[2], Float32, (S, M, R + 1), 4)
-        smem = SmemAllocator()
+        smem = TileSmem(scratch, block.own_smem_bytes())
         sF = smem.allocate_tensor(Float32, cute.make_layout((R, N, V, 4), stride=(N * DS, DS, 4, 1)),
                                   byte_alignment=16)
         stage(ptrs[1], t, sF, tid)
@@ -92,7 +92,7 @@ def post_mix_helpers(M, N, D, DS, R2, stream_dtype, fn_dtype):
     """(begin, mix_token): the mHC post-mix of one D-slice t, shared by MHCPostBlock's tile (y read
     from memory) and the all-reduce's mHC epilogue (y = the reduced sum, in registers).
 
-    begin(fn_addr, t, tid) -> sF   all threads: stage fn_next's slice in smem (R2 > 0; ends with a
+    begin(fn_addr, t, tid, scratch) -> sF   all threads: stage fn_next's slice in smem (R2 > 0; ends with a
                                    barrier) and return it; None without next partials
     mix_token(addrs, sF, t, lane, m, ys)
                                    one warp, token m: X'_n = post_n y + sum_j comb[j, n] X_j over the
@@ -116,10 +116,10 @@ def post_mix_helpers(M, N, D, DS, R2, stream_dtype, fn_dtype):
         return v.load().to(sdt).to(Float32)[0]
 
     @cute.jit
-    def begin(fn_addr, t: Int32, tid):
+    def begin(fn_addr, t: Int32, tid, scratch):
         sF = None
         if cutlass.const_expr(NEXT):
-            smem = SmemAllocator()
+            smem = TileSmem(scratch, fn_slice_smem_bytes(R2, N, DS))
             sF = smem.allocate_tensor(Float32, cute.make_layout((R2, N, V, 4), stride=(N * DS, DS, 4, 1)),
                                       byte_alignment=16)
             stage(fn_addr, t, sF, tid)
@@ -162,7 +162,7 @@ def build_post_tile(block):
         lane = tid % 32
         wid = tid // 32
         mY = gmem_tensor(ptrs[1], ydt, (M, c.d // 4, 4), _align(c.y_dtype))
-        sF = begin(ptrs[3], t, tid)         # weights first: their loads overlap the coefficient reads
+        sF = begin(ptrs[3], t, tid, scratch)         # weights first: their loads overlap the coefficient reads
         for m in cutlass.range(wid, M, NUM_WARPS, unroll=1):
             ys = [mY[m, t * V + lane + 32 * i, None].load().to(Float32) for i in range(VPL)]
             mix_token((ptrs[0], ptrs[2], ptrs[4], ptrs[5]), sF, t, lane, m, ys)

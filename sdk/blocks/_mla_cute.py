@@ -23,9 +23,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
-from cutlass.memory import SmemAllocator
 
-from ._cute import DTYPE_MAP, e4m3x4_to_f16x2x2, f32_to_f16x2_splat, gmem_tensor, mul_f16x2, smem_tensor
+from ._cute import DTYPE_MAP, TileSmem, e4m3x4_to_f16x2x2, f32_to_f16x2_splat, gmem_tensor, mul_f16x2, smem_tensor
 from .base import NUM_THREADS
 
 NUM_WARPS = NUM_THREADS // 32
@@ -78,6 +77,7 @@ def quad_sum(v: Float32) -> Float32:
 
 
 def build_mla_decode_tile(block):
+    OWN = block.own_smem_bytes()          # its TileSmem capacity
     c = block.config
     B, T, H = c.batch, c.q_tokens, c.heads
     R, MP = block.rows, block.m_pad
@@ -326,7 +326,7 @@ def build_mla_decode_tile(block):
         mO = gmem_tensor(ptrs[n_ops_out], Float32, (B, S, R, DV), 4)
         mL = gmem_tensor(ptrs[n_ops_out + 1], Float32, (B, S, R), 4)
 
-        smem = SmemAllocator()
+        smem = TileSmem(scratch, OWN)
         sQ = smem.allocate_tensor(MDT, cute.make_layout((MP, DQK), stride=(RS, 1)), byte_alignment=128)
         # partial scores, rows padded by 8 floats: the MMA fragments' 8-byte accesses (row g, columns
         # 2q, 2q+1) of a half-warp then cover 32 distinct banks; with CH-float rows (a multiple of
@@ -495,6 +495,7 @@ def build_mla_decode_tile(block):
 
 
 def build_mla_combine_tile(block):
+    OWN = block.own_smem_bytes()          # its TileSmem capacity
     c = block.config
     B, T, H, DV, S = c.batch, c.q_tokens, c.heads, c.d_v, c.num_splits
     R = T * H
@@ -518,7 +519,7 @@ def build_mla_combine_tile(block):
         mL = gmem_tensor(ptrs[1], Float32, (B, S, R), 4)
         mOut = gmem_tensor(ptrs[2], BFloat16, (B, T, H, DV), 2)
         mLse = gmem_tensor(ptrs[3], Float32, (B, T, H), 4)
-        smem = SmemAllocator()
+        smem = TileSmem(scratch, OWN)
         sW = smem.allocate_tensor(Float32, cute.make_layout(S), byte_alignment=16)
         sR = smem.allocate_tensor(Float32, cute.make_layout((SG, CW), stride=(CW, 1)), byte_alignment=16)
         # ---- the splits' weights: warp 0 holds the S lse values (all loads in flight at once;

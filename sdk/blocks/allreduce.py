@@ -638,7 +638,7 @@ class AllReduceBlock(Block):
             cute.arch.sync_threads()
             if tid == 0:
                 raise_flags(ptrs, "flags", t * N + rank, e)
-            sF = begin(ptrs[ix["fn_next"]], t, tid)      # fn_next's slice loads while the flags travel
+            sF = begin(ptrs[ix["fn_next"]], t, tid, scratch)      # fn_next's slice loads while the flags travel
             if wait_flags(ptrs[ix["flags_self"]], t * N, N, e, tmo, ebase, t, scratch):
                 mS = gmem_tensor(ptrs[ix["recv_self"]], wdt, (2, N, M, D4, 4), VA)
                 for m in cutlass.range(wid, M, NT // 32, unroll=1):        # one warp per token
@@ -656,7 +656,7 @@ class AllReduceBlock(Block):
             lane = tid % 32
             wid = tid // 32
             rank, e, par, tmo, ebase, mSt = prologue(ptrs, t)
-            sF = begin(ptrs[ix["fn_next"]], t, tid)      # loads while the last pieces arrive
+            sF = begin(ptrs[ix["fn_next"]], t, tid, scratch)      # loads while the last pieces arrive
             if wait_flags(ptrs[ix["ag_flags_self"]], Int32(0), TRS * N, e, tmo, ebase, t, scratch):
                 mA = gmem_tensor(ptrs[ix["ag_recv_self"]], wdt, (2, N, S4, 4), VA)
                 for m in cutlass.range(wid, M, NT // 32, unroll=1):

@@ -88,7 +88,7 @@ def ring_geometry(blocks, max_stages: int | None = None, reserved: int = 0) -> t
     if not stream:
         return 0, 0, 0
     own = [(type(b).__name__, b.own_smem_bytes()) for b in blocks if b.stream_chunks() == 0 and b.own_smem_bytes()]
-    reserved += sum(n for _, n in own)
+    reserved += plain_smem_bytes(blocks)
     up = lambda v: -(-v // 128) * 128
     stage = up(max(b.chunk_bytes() for b in stream))
     xbytes = up(max(max(b.x_smem_bytes() for b in stream), 16))
@@ -100,6 +100,13 @@ def ring_geometry(blocks, max_stages: int | None = None, reserved: int = 0) -> t
                                      f"for {stages} stage(s) beside {reserved} B of other shared memory"
                                      f"{beside}; need 2 (fewer pipeline stages in those blocks)")
     return stage, stages, xbytes
+
+def plain_smem_bytes(blocks) -> int:
+    """Shared memory of the plain-tile arena that follows `scratch` (_cute.TileSmem): the largest
+    own_smem_bytes() of the blocks - a CTA runs one tile at a time, so every plain tile's
+    allocations share it (128-byte multiple)."""
+    return -(-max([b.own_smem_bytes() for b in blocks if b.stream_chunks() == 0] + [0]) // 128) * 128
+
 
 def coresident_stages(blocks, ctas: int = 2, min_stages: int = 3) -> int | None:
     """The most ring stages with which `ctas` CTAs of this ring fit one SM's shared memory, or None
@@ -239,9 +246,10 @@ class Block:
         return 0
 
     def own_smem_bytes(self) -> int:
-        """Shared memory the block's device tile allocates for itself (SmemAllocator): inside the
-        megakernel every tile's allocations get their own bytes, so the weight ring takes what
-        they leave (ring_geometry). 0 for tiles that use only `scratch` and the ring."""
+        """Shared memory the block's plain device tile allocates for itself - from the arena after
+        `scratch` (`_cute.TileSmem(scratch, this)`), which every plain tile of a kernel shares
+        (one tile at a time per CTA): the kernel sizes it to the largest of its blocks, the weight
+        ring takes what is left (ring_geometry). 0 for tiles that use only `scratch` and the ring."""
         return 0
 
     def x_smem_bytes(self) -> int:

@@ -203,9 +203,8 @@ def build_kda_tile(block):
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
-    from cutlass.memory import SmemAllocator
 
-    from ._cute import DTYPE_MAP, gmem_tensor
+    from ._cute import DTYPE_MAP, TileSmem, gmem_tensor
 
     c = block.config
     P = _Parts(block)
@@ -262,13 +261,14 @@ def build_kda_tile(block):
 
     @cute.jit
     def tile(ptrs, tile_id: Int32, scratch):
+        smem = TileSmem(scratch, block.own_smem_bytes())
         sConv = None
         if cutlass.const_expr(staged):
-            sConv = SmemAllocator().allocate_tensor(Float32, cute.make_layout((T, 3, K), stride=(3 * K, K, 1)),
-                                                    byte_alignment=16)
+            sConv = smem.allocate_tensor(Float32, cute.make_layout((T, 3, K), stride=(3 * K, K, 1)),
+                                         byte_alignment=16)
         sX = scratch                                   # unused with NWK = 1
         if cutlass.const_expr(NWK > 1):
-            sX = SmemAllocator().allocate_tensor(Float32, cute.make_layout(XW), byte_alignment=16)
+            sX = smem.allocate_tensor(Float32, cute.make_layout(XW), byte_alignment=16)
         tid, _, _ = cute.arch.thread_idx()
         lane, wv, wk, vl, kl, kq, col = P.lane_coords(tid)
         bh = tile_id // VSPLIT

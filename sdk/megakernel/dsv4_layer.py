@@ -29,7 +29,8 @@ with the residual add.
 `reference()` is sdk/reference/dsv4_attention.py's DSV4AttentionReference.forward on bf16(rmsnorm(x)
 * input_norm) with the model's bf16 weights, plus the residual. Supported: the shard holds one
 o_a group (V4.1-Flash TP8: 8 heads = one of 8 groups); the indexer whole on every GPU (its heads
-are not sharded). The indexer's head weights iw stay fp32 out of their GEMV (the model rounds
+are not sharded); CSA with T = 1 at any batch, T = 2 at batch 1 (shared memory: the staged x, the
+weight ring and the largest plain tile - build_program says so otherwise). The indexer's head weights iw stay fp32 out of their GEMV (the model rounds
 F.linear's output to bf16 first: a 2^-9 relative difference in each head's weight, which can
 swap entries whose scores tie that closely at the top-k boundary).
 """
@@ -70,8 +71,9 @@ class DSV4LayerConfig:
     compress_rope_theta: float = 160000.0   # the compressed entries' rope
     eps: float = 1e-6
     num_splits: int = 0                  # 0: choose_splits
-    decode_chunk: int = 0                # keys per decode chunk (0: 32; CSA 16 - the plain tiles' shared
-                                         # memory adds up: the indexer's score tile takes 70 KB beside it)
+    decode_chunk: int = 0                # keys per decode chunk (0: 32; CSA 16 - the largest plain tile
+                                         # sizes the shared arena (the indexer's scores, 70 KB at T = 1):
+                                         # with chunk 32 the decode's 87 KB leaves batch 8 no ring stages)
     index_stages: int = 2                # the indexer score tile's pipeline stages
     decode_stages: int = 0               # the decode core's pipeline stages (0: its auto; build_program
                                          # lowers them until the projections' weight ring fits beside)

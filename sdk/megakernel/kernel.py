@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..blocks._cute import bounded_wait, gmem_tensor, smem_tensor, stream_tile
-from ..blocks.base import NUM_THREADS, SCRATCH_WORDS, ring_geometry
+from ..blocks._cute import bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile
+from ..blocks.base import NUM_THREADS, ring_geometry
 from ..errors import UnsupportedConfigError
 from . import isa
 
@@ -154,7 +154,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
     @cute.kernel
     def kernel(pI: Int64, pN: Int64, pC: Int64, pE: Int64, pT: Int64, pTim: Int64, timeout_ns: Int64):
         smem = SmemAllocator()
-        scratch = smem.allocate_tensor(Float32, cute.make_layout(SCRATCH_WORDS), byte_alignment=16)
+        scratch = scratch_region(smem, blocks)
         flags = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         tid, _, _ = cute.arch.thread_idx()
         sm, _, _ = cute.arch.block_idx()

@@ -206,7 +206,9 @@ def test_keys_and_bytes():
     csa = DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode="csa", ratio=4, q_tokens=2, max_entries=32768))
     assert csa.groups == 2 and csa.rows == 8 and csa.keys_of(5) == 128 + 2 + 512
     assert csa.operands() == ["q", "window", "new_kv", "comp", "index", "start", "o_part", "lse_part"]
-    assert choose_splits(1, 128 + 1 + 1024) == 9
+    assert choose_splits(1, 128 + 1 + 1024) == 37          # one 32-key chunk a split at batch 1
+    assert choose_splits(1, 128 + 1 + 1024, min_chunks=4) == 9
+    assert choose_splits(8, 128 + 1 + 1024) == 16          # one wave: 132 // 8 per sequence
     assert choose_splits(64, 641) == 2
 
 

@@ -51,10 +51,12 @@ from .base import NUM_THREADS, Block, Cost, OperandSpec
 MODES = ("swa", "hca", "csa")
 
 
-def choose_splits(batch: int, keys: int, num_sms: int = 132, chunk: int = 32, min_chunks: int = 4) -> int:
-    """KV splits per (sequence, group): about one wave of tiles, at least `min_chunks` chunks each."""
+def choose_splits(batch: int, keys: int, num_sms: int = 132, chunk: int = 32, min_chunks: int = 1) -> int:
+    """KV splits per (sequence, group): about one wave of tiles, at least `min_chunks` chunks each.
+    One chunk a split at small batch: a chunk is latency-bound (H200, V4.1-Flash TP8 HCA 32K batch
+    1: 3 splits of 4 chunks 15.8 us, 12 splits 9.7 us; the whole sublayer 54.0 vs 47.5 us)."""
     by_sms = max(1, num_sms // max(1, batch))
-    by_len = max(1, (keys // chunk) // min_chunks)
+    by_len = max(1, -(-keys // chunk) // min_chunks)
     return max(1, min(by_sms, by_len))
 
 

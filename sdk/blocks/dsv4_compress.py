@@ -289,18 +289,20 @@ class DSV4CompressBlock(_CompressBase):
                         for j in cutlass.range_constexpr(KPT):
                             part[e] = cute.arch.fmax(part[e], gs[j, e])
                     mx = across_keys(part, scratch, lane, kl, True)
+                    # no branch per key: a missing key's gate (NEG) gives exp 0 and its value is 0,
+                    # so the KPT keys' chains are independent and interleave (a branch per key
+                    # serialised them: ~12 us a tile on the H200)
                     for e in cutlass.range_constexpr(2):
                         part[e] = Float32(0.0)
                         for j in cutlass.range_constexpr(KPT):
-                            if gs[j, e] > Float32(NEG):
-                                part[e] = part[e] + cute.math.exp(gs[j, e] - mx[e], fastmath=False)
+                            gs[j, e] = cute.math.exp(gs[j, e] - mx[e], fastmath=False)
+                            part[e] = part[e] + gs[j, e]
                     z = across_keys(part, scratch, lane, kl, False)
                     for e in cutlass.range_constexpr(2):
+                        rz = Float32(1.0) / z[e]
                         part[e] = Float32(0.0)
                         for j in cutlass.range_constexpr(KPT):
-                            if gs[j, e] > Float32(NEG):
-                                prob = bf(cute.math.exp(gs[j, e] - mx[e], fastmath=False) / z[e])
-                                part[e] = part[e] + bf(vs[j, e] * prob)
+                            part[e] = part[e] + bf(vs[j, e] * bf(gs[j, e] * rz))
                     pooled = across_keys(part, scratch, lane, kl, False)
                     if (kl == 0) & (w < E):
                         mEnt[b, w, i, None].store(pooled.load().to(BFloat16))

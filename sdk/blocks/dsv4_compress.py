@@ -143,7 +143,6 @@ class DSV4CompressBlock(_CompressBase):
         r, d, L = c.ratio, c.dim, self.slots
         bias = t["position_bias"].float()[:, state_chans]
         skv, sg, ent = out["state_kv"], out["state_gate"], out["entries"]
-        n = len(chans)
         for tq in range(c.tokens):
             p = int(t["start"][b]) + tq
             skv[b, p % L, state_chans] = t["kv"][b, tq, state_chans].to(skv.dtype)
@@ -163,15 +162,15 @@ class DSV4CompressBlock(_CompressBase):
                 kv, gate = skv[b, :r][:, chans].float(), sg[b, :r][:, chans].float()
             prob = gate.softmax(dim=0).to(torch.bfloat16).float()
             pooled = (kv * prob).to(torch.bfloat16).float().sum(dim=0)
-            assert pooled.shape == (n,)
             if w < c.max_entries:
                 ent[b, w, chans] = pooled.to(ent.dtype)
 
     def reference(self, **t):
         out = {n: t[n].clone() for n in ("state_kv", "state_gate", "entries")}
+        d = torch.arange(self.config.dim)
+        state = torch.cat([d, d + self.config.dim]) if self.config.overlap else d
         for b in range(self.config.batch):
-            d = torch.arange(self.config.dim)
-            self._pool(t, b, d, torch.cat([d, d + self.config.dim]) if self.config.overlap else d, out)
+            self._pool(t, b, d, state, out)
         return out
 
     def emulate_tile(self, t, tile):

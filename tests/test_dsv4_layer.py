@@ -6,6 +6,7 @@ crossing window boundaries; SWA and HCA layers."""
 import pytest
 
 from sdk.megakernel.dsv4_layer import DSV4LayerConfig, build_program, make_inputs, make_weights, reference
+from sublayer_launches import check_launches
 
 TINY = dict(heads=2, hidden=512, q_rank=256, o_rank=256, window=8, ratio=4, max_seq_len=64, batch=3, tokens=2,
             index_heads=8, index_head_dim=64, index_topk=4)
@@ -23,23 +24,9 @@ def test_pyvm_sublayer_equals_model_reference(mode):
     w = make_weights(cfg, seed=1)
     vm, _ = PyVM.from_program(build_program(cfg), 8, w)
     starts = [0, 5, 30]                          # 30 + 2 closes a window (ratio 4) in the first call
-    carried = {}
-    for call in range(2):
-        inp = dict(make_inputs(cfg, starts, seed=10 + call), **carried)
-        want = reference(cfg, w, inp)
-        for k, v in inp.items():
-            vm.tensors[k].copy_(v)
-        vm.tensors["resid"].fill_(float("nan"))
-        vm.step(seed=call)
-        x = inp["x"].float()
-        err = rel(vm.tensors["resid"] - x, want["resid"] - x)
-        assert err <= 2e-2, f"call {call}: sublayer output rel err {err:.3e}"
-        caches = ["window"] + list(cfg.cache_shapes())
-        for name in caches:
-            e = rel(vm.tensors[name], want[name])
-            assert e <= 1e-2, f"call {call}: {name} rel err {e:.3e}"
-        carried = {n: vm.tensors[n].clone() for n in caches}
-        starts = [s + cfg.tokens for s in starts]
+    check_launches(vm.tensors, lambda call: vm.step(seed=call),
+                   lambda call: make_inputs(cfg, [s + call * cfg.tokens for s in starts], seed=10 + call),
+                   lambda inp: reference(cfg, w, inp), ["window"] + list(cfg.cache_shapes()), rel)
 
 
 def test_capturable_reference_is_the_same():

@@ -5,6 +5,7 @@ both output-gate forms (Kimi K3 full rank, GLM-5.3 low rank) and a padded beta /
 import pytest
 
 from sdk.megakernel.kda_layer import KDALayerConfig, build_program, make_inputs, make_weights, reference
+from sublayer_launches import check_launches
 
 TINY = dict(heads=4, head_dim=64, hidden=256, batch=3)
 
@@ -22,20 +23,8 @@ def test_pyvm_sublayer_equals_model_reference(kw):
     cfg = KDALayerConfig(**{**TINY, **kw})
     w = make_weights(cfg, seed=1)
     vm, _ = PyVM.from_program(build_program(cfg), 8, w)
-    carried = {}
-    for step in range(2):
-        inp = dict(make_inputs(cfg, seed=10 + step), **carried)
-        want = reference(cfg, w, inp)
-        for k, v in inp.items():
-            vm.tensors[k].copy_(v)
-        vm.tensors["resid"].fill_(float("nan"))
-        vm.step(seed=step)
-        x = inp["x"].float()
-        err = rel(vm.tensors["resid"] - x, want["resid"] - x)
-        assert err <= 2e-2, f"step {step}: sublayer output rel err {err:.3e}"
-        assert rel(vm.tensors["state"], want["state"]) <= 1e-2
-        assert rel(vm.tensors["conv_state"], want["conv_state"]) <= 1e-2
-        carried = {"state": vm.tensors["state"].clone(), "conv_state": vm.tensors["conv_state"].clone()}
+    check_launches(vm.tensors, lambda step: vm.step(seed=step), lambda step: make_inputs(cfg, seed=10 + step),
+                   lambda inp: reference(cfg, w, inp), ("state", "conv_state"), rel)
 
 
 def test_padding():

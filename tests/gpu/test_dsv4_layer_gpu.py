@@ -7,6 +7,7 @@ Run: `pytest -m gpu tests/gpu/test_dsv4_layer_gpu.py`."""
 import pytest
 
 from harness import clock_seed, need_gpu, program_runtime, rel_err
+from sublayer_launches import check_launches
 
 pytestmark = pytest.mark.gpu
 
@@ -27,20 +28,8 @@ def test_dsv4_sublayer_one_launch(mode, batch, T):
     rt = program_runtime(build_program(cfg), w)
     # starts just before / at / past a window boundary, and far in
     starts = [rnd.choice([127, 128, 255 - T, 5, 4000, 16000 - 2 * T]) for _ in range(batch)]
-    carried = {}
-    for launch in range(2):
-        inp = dict(make_inputs(cfg, starts, seed=seed + 1 + launch, device="cuda"), **carried)
-        want = reference(cfg, w, inp)
-        for name, v in inp.items():
-            rt.tensors[name].copy_(v)
-        rt.tensors["resid"].fill_(float("nan"))
-        rt.run()
-        x = inp["x"].float()
-        err = rel_err(rt.tensors["resid"] - x, want["resid"] - x)
-        assert err <= 2e-2, f"seed {seed}, launch {launch}: sublayer output rel err {err:.3e}"
-        caches = ["window"] + list(cfg.cache_shapes())
-        for name in caches:
-            e = rel_err(rt.tensors[name], want[name])
-            assert e <= 1e-2, f"seed {seed}, launch {launch}: {name} rel err {e:.3e}"
-        carried = {n: rt.tensors[n].clone() for n in caches}
-        starts = [s + T for s in starts]
+    check_launches(rt.tensors, lambda launch: rt.run(),
+                   lambda launch: make_inputs(cfg, [s + launch * T for s in starts], seed=seed + 1 + launch,
+                                              device="cuda"),
+                   lambda inp: reference(cfg, w, inp), ["window"] + list(cfg.cache_shapes()), rel_err,
+                   what=f"seed {seed}, ")

@@ -8,6 +8,7 @@ Run: `pytest -m gpu tests/gpu/test_kda_layer_gpu.py`."""
 import pytest
 
 from harness import clock_seed, need_gpu, program_runtime, rel_err
+from sublayer_launches import check_launches
 
 pytestmark = pytest.mark.gpu
 
@@ -24,18 +25,6 @@ def test_kda_sublayer_one_launch(model, batch, tokens):
     cfg = KDALayerConfig(batch=batch, tokens=tokens, **SHARDS[model])
     w = make_weights(cfg, seed=seed, device="cuda")
     rt = program_runtime(build_program(cfg), w)
-    carried = {}
-    for launch in range(2):
-        inp = dict(make_inputs(cfg, seed=seed + 1 + launch, device="cuda"), **carried)
-        want = reference(cfg, w, inp)
-        for name, v in inp.items():
-            rt.tensors[name].copy_(v)
-        rt.tensors["resid"].fill_(float("nan"))
-        rt.run()
-        x = inp["x"].float()
-        err = rel_err(rt.tensors["resid"] - x, want["resid"] - x)
-        assert err <= 2e-2, f"seed {seed}, launch {launch}: sublayer output rel err {err:.3e}"
-        for name in ("state", "conv_state"):
-            e = rel_err(rt.tensors[name], want[name])
-            assert e <= 1e-2, f"seed {seed}, launch {launch}: {name} rel err {e:.3e}"
-        carried = {"state": rt.tensors["state"].clone(), "conv_state": rt.tensors["conv_state"].clone()}
+    check_launches(rt.tensors, lambda launch: rt.run(),
+                   lambda launch: make_inputs(cfg, seed=seed + 1 + launch, device="cuda"),
+                   lambda inp: reference(cfg, w, inp), ("state", "conv_state"), rel_err, what=f"seed {seed}, ")

@@ -1,0 +1,30 @@
+"""The check every one-launch sublayer test runs (KDA, DeepSeek-V4 attention; the PyVM on the CPU,
+the megakernel on the GPU): several launches, each against the model's reference on the same
+inputs, the output poisoned before each, the caches the sublayer updates in place carried from
+launch to launch (the next launch starts from what this one wrote, not from the reference's).
+
+Imported as `from sublayer_launches import check_launches` (tests/ is on sys.path: pytest puts
+the folder of tests/conftest.py there, also for the tests under tests/gpu)."""
+
+
+def check_launches(tensors, run, inputs, reference, caches, err, what="", launches=2,
+                   out_tol=2e-2, cache_tol=1e-2):
+    """tensors: the runtime's buffers by name; run(launch): one launch; inputs(launch): that
+    launch's fresh inputs (caches included: the carried ones replace them); reference(inputs) ->
+    {"resid": x + sublayer(x), cache name: updated cache}; err(got, want): relative error.
+    The residual's increment (resid - x) is compared, not resid: x would hide the sublayer."""
+    carried = {}
+    for launch in range(launches):
+        inp = dict(inputs(launch), **carried)
+        want = reference(inp)
+        for name, v in inp.items():
+            tensors[name].copy_(v)
+        tensors["resid"].fill_(float("nan"))
+        run(launch)
+        x = inp["x"].float()
+        e = err(tensors["resid"] - x, want["resid"] - x)
+        assert e <= out_tol, f"{what}launch {launch}: sublayer output rel err {e:.3e}"
+        for name in caches:
+            e = err(tensors[name], want[name])
+            assert e <= cache_tol, f"{what}launch {launch}: {name} rel err {e:.3e}"
+        carried = {n: tensors[n].clone() for n in caches}

@@ -289,8 +289,9 @@ class DSV4CompressBlock(_CompressBase):
                             part[e] = cute.arch.fmax(part[e], gs[j, e])
                     mx = across_keys(part, scratch, lane, kl, True)
                     # no branch per key: a missing key's gate (NEG) gives exp 0 and its value is 0,
-                    # so the KPT keys' chains are independent and interleave (a branch per key
-                    # serialised them: ~12 us a tile on the H200)
+                    # so the KPT keys' chains are independent and may interleave (with a branch per
+                    # key the tiles took ~12 us each on the H200 - the likely cause; this form is
+                    # not measured yet)
                     for e in cutlass.range_constexpr(2):
                         part[e] = Float32(0.0)
                         for j in cutlass.range_constexpr(KPT):

@@ -236,13 +236,14 @@ def _build(cfg: DSV4LayerConfig) -> Program:
     # the GEMVs of x run side by side: cut alike
     c_width = 2 * hd if csa else hd
     ih, ihd = cfg.index_heads, cfg.index_head_dim
-    x_rows = [cfg.q_rank, hd] + ([c_width, c_width] if cfg.compressed else []) + ([2 * ihd, 2 * ihd] if csa else [])
-    rows = cfg.x_gemv_rows or balanced_configs([GemvConfig(n=n, k=D, m=M, norm=True, norm_eps=cfg.eps)
-                                                for n in x_rows], cfg.num_sms)[0].rows_per_tile
+    # (rows, GemvConfig extras) of q_a, kv, the compressor's kv / gate, the indexer's kv / gate and head weights
+    x_gemvs = ([(cfg.q_rank, {}), (hd, {})] + ([(c_width, {})] * 2 if cfg.compressed else [])
+               + ([(2 * ihd, {})] * 2 + [(ih, {"out_dtype": "fp32"})] if csa else []))
+    rows = cfg.x_gemv_rows or balanced_configs([GemvConfig(n=n, k=D, m=M, norm=True, norm_eps=cfg.eps, **kw)
+                                                for n, kw in x_gemvs], cfg.num_sms)[0].rows_per_tile
 
     def from_x(n, w, y, label, **kw):
-        r = rows if n % rows == 0 else 0        # (the indexer's head weights: IH rows, balanced alone)
-        return prog.op(gemv(n, D, r, norm=True, **kw), {"w": w, "x": "x", "norm_weight": "input_norm", "y": y},
+        return prog.op(gemv(n, D, rows, norm=True, **kw), {"w": w, "x": "x", "norm_weight": "input_norm", "y": y},
                        label=label)
 
     def compressor(prefix, width, pool_blk, norm_blk, state, entries, label):

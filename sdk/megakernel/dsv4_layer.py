@@ -30,9 +30,10 @@ with the residual add.
 * input_norm) with the model's bf16 weights, plus the residual. Supported: the shard holds one
 o_a group (V4.1-Flash TP8: 8 heads = one of 8 groups); the indexer whole on every GPU (its heads
 are not sharded); CSA with T = 1 at any batch, T = 2 at batch 1 (shared memory: the staged x, the
-weight ring and the largest plain tile - build_program says so otherwise). The indexer's head weights iw stay fp32 out of their GEMV (the model rounds
-F.linear's output to bf16 first: a 2^-9 relative difference in each head's weight, which can
-swap entries whose scores tie that closely at the top-k boundary).
+weight ring and the largest plain tile - build_program says so otherwise). The indexer's head
+weights iw stay fp32 out of their GEMV (the model rounds F.linear's output to bf16 first: a 2^-9
+relative difference in each head's weight, which can swap entries whose scores tie that closely
+at the top-k boundary).
 """
 from __future__ import annotations
 

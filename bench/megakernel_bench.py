@@ -31,14 +31,12 @@ def bench_gemv(n, k, m, wd, copy_bw, max_stages=None, pdl=True, overrides=None):
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     from sdk.megakernel.mlp_stack import quantize_fp8
     overrides = overrides or {}
-    # num_ctas: the grid (SMs); pre_wait: ring stages issued before the PDL wait (standalone())
-    cfg_kw = {kk: v for kk, v in overrides.items() if kk not in ("num_ctas", "pre_wait")}
+    cfg_kw = {kk: v for kk, v in overrides.items() if kk != "num_ctas"}    # num_ctas: the grid (SMs)
     block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype=wd, **cfg_kw))
     # persistent: one CTA per SM, weights through the smem ring; pdl (standalone's default, the
     # " no-pdl" cases without): back-to-back launches overlap (the next one fills its ring on the
     # SMs the previous one has left)
-    fn = standalone(block, max_stages=max_stages, pdl=pdl, num_ctas=overrides.get("num_ctas"),
-                    pre_wait_stages=overrides.get("pre_wait"))
+    fn = standalone(block, max_stages=max_stages, pdl=pdl, num_ctas=overrides.get("num_ctas"))
     stages = ring_geometry([block], max_stages)[1]
     wbytes = block.weight_bytes()
     copies = max(2, -(-L2_FLUSH_BYTES // wbytes))
@@ -376,8 +374,7 @@ def main(argv=None):
     ap.add_argument("--parts", default="gemv,chain,stack", help="comma-separated: gemv (alone), chain "
                     "(GEMVs in one launch), stack (one-launch MLP stacks)")
     ap.add_argument("--gemv-cases", default=None, help="instead of the built-in GEMV list: a Python literal "
-                    "list of (n, k, m, weight dtype, stages or None, pdl[, {GemvConfig overrides, num_ctas: the grid, "
-                    "pre_wait: ring stages before the PDL wait}])")
+                    "list of (n, k, m, weight dtype, stages or None, pdl[, {GemvConfig overrides, or num_ctas: the grid}])")
     ap.add_argument("--stack-cases", default=None, help="instead of the built-in stack list: a Python literal "
                     "list of MLPStackConfig keyword dicts, e.g. \"[{'intermediate': 2048, 'layers': 8}]\"")
     a = ap.parse_args(argv)

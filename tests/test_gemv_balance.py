@@ -153,14 +153,3 @@ def test_fill_stage_widens_chunks_to_the_ring_stage_and_never_past_it():
     # tensor-core tiles (batch 8) keep their auto chunk: measured slower with the wider one
     blocks, _ = streaming(MLPStackConfig(intermediate=2048, layers=2, weight_dtype="fp8_e4m3", batch=8))
     assert blocks[0].use_mma and blocks[0].chunk_k == 512
-
-
-def test_standalone_gemv_with_stages_issued_after_x_compiles():
-    """standalone(pre_wait_stages=2): two ring stages before the PDL wait, the rest after the first
-    tile stages x (the issue-3 experiment) - compiles for sm_90a; an out-of-range count is clamped."""
-    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
-    from sdk.blocks._cute import standalone
-    from sdk.blocks.gemv import GemvBlock, GemvConfig
-    block = GemvBlock(GemvConfig(n=7168, k=2048, m=1))
-    assert standalone(block, "sm_90a", pdl=True, pre_wait_stages=2) is not None
-    assert standalone(block, "sm_90a", pdl=True, pre_wait_stages=0) is not None     # clamped to 1

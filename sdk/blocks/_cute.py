@@ -188,25 +188,18 @@ def block_sum_multi(values, scratch: cute.Tensor, op: cutlass.Constexpr = "sum")
 
 @cute.jit
 def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
-                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce,
-                deferred: cutlass.Constexpr = 0, first=None):
+                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce):
     """Run one tile of a streaming block. Consumer chunk number cseq (over the CTA's whole
     stream) sits in stage cseq % stages; after a chunk is consumed its stage is refilled with
     chunk cseq + stages of the stream (`produce`, which may belong to a later instruction).
     One cp.async group is committed per chunk, so wait_group(stages - 1) means "the oldest
     chunk has landed" for this thread; the barrier after it makes every thread's copies visible.
     `fresh` = 0: the previous streaming tile of this CTA was of the same op (its staged
-    activations are still in sx; see sdk/blocks/base.py). `deferred` > 0 (with `first` != 0): the
-    caller issued only stages - deferred ring stages; the rest go out right after chunk 0's prep,
-    behind its activation loads instead of ahead of them (the standalone kernel's
-    pre_wait_stages). Returns the advanced (cseq, producer state p0, p1, p2)."""
+    activations are still in sx; see sdk/blocks/base.py). Returns the advanced (cseq, producer
+    state p0, p1, p2)."""
     st = faces.begin(ptrs, t, sx, scratch, fresh)
     for ch in cutlass.range(nch, unroll=1):
         faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
-        if cutlass.const_expr(deferred > 0):
-            if (ch == 0) & (first != 0):
-                for _ in cutlass.range_constexpr(deferred):
-                    p0, p1, p2 = produce(p0, p1, p2)
         cute.arch.cp_async_wait_group(stages - 1)
         cute.arch.sync_threads()
         faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
@@ -350,7 +343,7 @@ def _num_sms(default: int = 132) -> int:
 
 
 def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_stages: int | None = None,
-               pdl: bool | None = None, pre_wait_stages: int | None = None):
+               pdl: bool | None = None):
     """Compile `block`'s standalone kernel, operand pointers read from a device int64 array (same
     table format as the megakernel's): grid = block.num_tiles(), one tile per CTA; for a streaming
     block, grid = min(tiles, num_ctas or the SM count), persistent, through the ring. (A persistent
@@ -372,15 +365,11 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     the next launch then streams beside the previous one instead of waiting for its SM (7168 x 2048
     69.3% -> 84.0%).
 
-    pre_wait_stages (streaming, an experiment for the GEMV's launch latency): ring stages issued
-    before the PDL wait (default: all); the rest right after the first tile's activations are
-    staged, so those loads do not queue behind the whole ring's copies. Not measured yet.
-
     Returns `fn(optab_addr: int, stream)`. With `arch` set, compiles for that GPU arch with no GPU
     present (compile check)."""
     if block.stream_chunks() > 0:
         return _standalone_stream(block, arch, num_ctas or (132 if arch else _num_sms()), max_stages,
-                                  True if pdl is None else pdl, pre_wait_stages)
+                                  True if pdl is None else pdl)
     if num_ctas is not None:
         raise ValueError(f"standalone: num_ctas sets a streaming block's persistent grid; {type(block).__name__} "
                          f"runs one tile per CTA ({block.num_tiles()} CTAs)")
@@ -415,7 +404,7 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     return cute.compile(host, *args, options=opts) if opts else cute.compile(host, *args)
 
 
-def _standalone_stream(block, arch, num_ctas, max_stages, pdl, pre_wait_stages=None):
+def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
     faces = block.device_stream()
     nops = len(block.operands())
     ntiles = block.num_tiles()
@@ -426,9 +415,6 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl, pre_wait_stages=N
         max_stages = coresident_stages([block])
     stage_bytes, P, xbytes = ring_geometry([block], max_stages)
     mutable = block.stream_data_mutable()     # e.g. a state the previous launch updates in place
-    early = P if pre_wait_stages is None else max(1, min(P, pre_wait_stages))
-    if early < P and mutable:
-        raise ValueError("standalone: pre_wait_stages with a block whose streamed data the previous launch writes")
 
     @cute.jit
     def produce(ptrs, bid, mine, ring_base, pi, pc, ps):
@@ -457,7 +443,7 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl, pre_wait_stages=N
         pi, pc, ps = Int32(0), Int32(0), Int32(0)
         if cutlass.const_expr(mutable):
             cute.arch.griddepcontrol_wait()
-        for _ in cutlass.range_constexpr(early):
+        for _ in cutlass.range_constexpr(P):
             pi, pc, ps = produce(ptrs, bid, mine, ring_base, pi, pc, ps)
         # weights only above (or, `mutable`, data the previous launch may write, after the wait);
         # activations and outputs (the previous launch's) below: with PDL this launch may have
@@ -466,11 +452,10 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl, pre_wait_stages=N
             cute.arch.griddepcontrol_wait()
         cseq = Int32(0)
         for j in cutlass.range(mine, unroll=1):
-            first = Int32(cutlass.select_(j == 0, 1, 0))
             cseq, pi, pc, ps = stream_tile(
                 faces, nch, P, stage_bytes, ptrs, bid + G * j, ring_base, sx, scratch,
-                first, cseq, pi, pc, ps,
-                lambda a, b, c: produce(ptrs, bid, mine, ring_base, a, b, c), P - early, first)
+                Int32(cutlass.select_(j == 0, 1, 0)), cseq, pi, pc, ps,
+                lambda a, b, c: produce(ptrs, bid, mine, ring_base, a, b, c))
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit

@@ -5,7 +5,7 @@ beside the same work in PyTorch under a CUDA graph (gather of the keys, bf16 mat
 softmax with the sink) and the floor: bytes of window + new + compressed KV rows read (weights
 not included) / the copy bandwidth measured in this run (bench/common.copy_bandwidth).
 
-    python -m bench.dsv4_bench --out bench/results/h200 [--quick]
+    python -m bench.dsv4_bench --out bench/results/h200 [--quick] [--match "sublayer csa" ...]
 
 Also the whole SWA / HCA attention sublayer in one launch ("sublayer:" cases, bench_sublayer:
 projections and the output projection included; floor = weights + KV rows read; a timeline at
@@ -200,14 +200,18 @@ def bench_one(c, bw, quick, out_dir):
     return bench_case(mode, ctx, batch, bw, quick, splits)
 
 
-def run(out_dir=None, quick=False):
-    return run_cases("dsv4_bench.json", cases(quick), lambda c, bw: bench_one(c, bw, quick, out_dir),
+def run(out_dir=None, quick=False, match=None):
+    """match: run only the cases whose name contains one of these strings."""
+    todo = [c for c in cases(quick) if not match or any(m in case_name(c) for m in match)]
+    return run_cases("dsv4_bench.json", todo, lambda c, bw: bench_one(c, bw, quick, out_dir),
                      case_name, out_dir, case_width=44)
 
 
 def main(argv=None):
-    a = arg_parser(out_from_env=False).parse_args(argv)
-    run(a.out, a.quick)
+    ap = arg_parser(out_from_env=False)
+    ap.add_argument("--match", action="append", help="run only the cases whose name contains this (repeatable)")
+    a = ap.parse_args(argv)
+    run(a.out, a.quick, a.match)
 
 
 if __name__ == "__main__":

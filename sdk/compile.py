@@ -44,6 +44,16 @@ def block_cases():
       + _indexer_block_cases()
 
 
+def hopper_block_cases():
+    """Blocks built on Hopper-only instructions (warpgroup MMA): compiled for sm_90a alone."""
+    from .blocks.gemv import GemvBlock, GemvConfig
+    return [
+        GemvBlock(GemvConfig(n=7168, k=2048, m=1, rows_per_tile=64, weight_dtype="fp8_e4m3", fp8_decode="wgmma")),
+        GemvBlock(GemvConfig(n=2048, k=7168, m=2, rows_per_tile=16, weight_dtype="fp8_e4m3", fp8_decode="wgmma",
+                             swiglu=True, norm=True, residual="bf16")),
+    ]
+
+
 def _indexer_block_cases():
     from .blocks.indexer import indexer_compile_cases       # GLM-5.3 DSA + V4.1-Flash CSA scores / top-k
     return indexer_compile_cases()
@@ -79,6 +89,12 @@ def megakernel_cases():
             MLPStackConfig(hidden=7168, intermediate=2048, layers=2, batch=8, weight_dtype="fp8_e4m3")]
 
 
+def hopper_megakernel_cases():
+    from .megakernel.mlp_stack import MLPStackConfig
+    return [MLPStackConfig(hidden=7168, intermediate=2048, layers=2, batch=1, weight_dtype="fp8_e4m3",
+                           fp8_decode="wgmma")]
+
+
 def time_case(res: dict, name: str, build) -> None:
     """res[name] = the seconds `build()` took, or "error: ..." if it raised (a compile check
     reports every case, never stops at the first failure)."""
@@ -100,9 +116,10 @@ def compile_check(archs=ARCHS, num_sms: int = 132) -> dict:
     report: dict = {}
     for arch in archs:
         res = report.setdefault(arch, {})
-        for block in block_cases():
+        hopper = arch == "sm_90a"
+        for block in block_cases() + (hopper_block_cases() if hopper else []):
             time_case(res, f"{block.name} {block.config}", lambda: standalone(block, arch))
-        for cfg in megakernel_cases():
+        for cfg in megakernel_cases() + (hopper_megakernel_cases() if hopper else []):
             def build(cfg=cfg):
                 prog = build_program(cfg)
                 sched = schedule(prog, num_sms)

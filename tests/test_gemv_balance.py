@@ -153,3 +153,22 @@ def test_fill_stage_widens_chunks_to_the_ring_stage_and_never_past_it():
     # tensor-core tiles (batch 8) keep their auto chunk: measured slower with the wider one
     blocks, _ = streaming(MLPStackConfig(intermediate=2048, layers=2, weight_dtype="fp8_e4m3", batch=8))
     assert blocks[0].use_mma and blocks[0].chunk_k == 512
+
+
+def test_wgmma_fp8_config():
+    """fp8_decode="wgmma": unpadded rows (core matrices), x staged as 8 rows of e4m3 pieces (3
+    pieces up to 2 tokens, 2 up to 4), refused past 4 tokens; the
+    CUDA-core paths keep their padded rows; bf16 ignores the knob."""
+    import pytest
+    from sdk.blocks.gemv import GemvBlock, GemvConfig
+    from sdk.errors import UnsupportedConfigError
+    b = GemvBlock(GemvConfig(n=7168, k=2048, m=1, rows_per_tile=64, weight_dtype="fp8_e4m3", fp8_decode="wgmma"))
+    assert b.wgmma and b.x_pieces == 3 and b.pitch_units == b.chunk_k // 16
+    assert b.x_smem_bytes() == 8 * b.x_block + 16 + 2 * 8 * 64 * 4
+    assert GemvBlock(GemvConfig(n=7168, k=2048, m=4, rows_per_tile=64, weight_dtype="fp8_e4m3",
+                                fp8_decode="wgmma")).x_pieces == 2
+    h = GemvBlock(GemvConfig(n=7168, k=2048, m=1, rows_per_tile=64, weight_dtype="fp8_e4m3"))
+    assert not h.wgmma and h.pitch_units == h.chunk_k // 16 + 1
+    assert not GemvBlock(GemvConfig(n=7168, k=2048, m=1, fp8_decode="wgmma")).wgmma
+    with pytest.raises(UnsupportedConfigError, match="wgmma: m=5"):
+        GemvBlock(GemvConfig(n=7168, k=2048, m=5, rows_per_tile=64, weight_dtype="fp8_e4m3", fp8_decode="wgmma"))

@@ -100,6 +100,61 @@ def f32_to_f16x2_splat(x: Float32) -> Int32:
                                 write_only_types=[Int32], read_only_args=[x])
 
 
+@cute.jit
+def e4m3_piece(v):
+    """8 fp32 values -> (two words of their 8 e4m3 bytes, element e in byte e % 4 of word e // 4;
+    the 8 remainders v - e4m3(v) in fp32): one piece of the hi/lo split of x that the wgmma GEMV
+    stages (cvt.rn.satfinite.e4m3x2.f32, sm_89+; the remainder is exact in fp32)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 h0, h1, h2, h3, l0, l1, l2, l3, u0, u1, u2, u3; .reg .b32 f0, f1, f2, f3; "
+        ".reg .f32 a0, a1, a2, a3, a4, a5, a6, a7; "
+        "cvt.rn.satfinite.e4m3x2.f32 h0, {$r1}, {$r0}; cvt.rn.satfinite.e4m3x2.f32 h1, {$r3}, {$r2}; "
+        "cvt.rn.satfinite.e4m3x2.f32 h2, {$r5}, {$r4}; cvt.rn.satfinite.e4m3x2.f32 h3, {$r7}, {$r6}; "
+        "mov.b32 {$w0}, {h0, h1}; mov.b32 {$w1}, {h2, h3}; "
+        "cvt.rn.f16x2.e4m3x2 f0, h0; cvt.rn.f16x2.e4m3x2 f1, h1; "
+        "cvt.rn.f16x2.e4m3x2 f2, h2; cvt.rn.f16x2.e4m3x2 f3, h3; "
+        "mov.b32 {l0, u0}, f0; mov.b32 {l1, u1}, f1; mov.b32 {l2, u2}, f2; mov.b32 {l3, u3}, f3; "
+        "cvt.f32.f16 a0, l0; cvt.f32.f16 a1, u0; cvt.f32.f16 a2, l1; cvt.f32.f16 a3, u1; "
+        "cvt.f32.f16 a4, l2; cvt.f32.f16 a5, u2; cvt.f32.f16 a6, l3; cvt.f32.f16 a7, u3; "
+        "sub.f32 {$w2}, {$r0}, a0; sub.f32 {$w3}, {$r1}, a1; sub.f32 {$w4}, {$r2}, a2; "
+        "sub.f32 {$w5}, {$r3}, a3; sub.f32 {$w6}, {$r4}, a4; sub.f32 {$w7}, {$r5}, a5; "
+        "sub.f32 {$w8}, {$r6}, a6; sub.f32 {$w9}, {$r7}, a7; }",
+        write_only_types=[Int32, Int32] + [Float32] * 8, read_only_args=list(v))
+
+
+def wgmma_fp8_sync(n: int, groups: int, descs_a, descs_b, zero):
+    """`groups` accumulator sets of one warpgroup wgmma m64n{n}k32 (e4m3 x e4m3 -> fp32), each
+    the sum of 4 k32 steps (a 128-wide K block: the first step with scale-d 0, so the set starts
+    from zero), A and B read from shared memory through the descriptors descs_a / descs_b
+    (4 * groups Int64 each, set-major); waits for them (wgmma.wait_group 0) and returns the
+    groups * n / 2 fp32 accumulators of this thread, set-major (see GemvBlock's wgmma path for
+    the fragment layout). `zero`: an Int32 0 (the scale-d predicates are set from it). One
+    asm statement: the accumulators are complete when it ends (a plain helper: the PTX string
+    depends on n and groups)."""
+    nr = n // 2
+    na = 4 * groups
+    lines = ["{ .reg .pred pz, po; setp.ne.b32 pz, {$r0}, 0; setp.eq.b32 po, {$r0}, 0; wgmma.fence.sync.aligned; "]
+    for gi in range(groups):
+        regs = ", ".join("{$w%d}" % (gi * nr + j) for j in range(nr))
+        for s in range(4):
+            ia, ib = 1 + gi * 4 + s, 1 + na + gi * 4 + s
+            lines.append(f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 " + "{" + regs + "}, "
+                         + "{$r%d}, {$r%d}, " % (ia, ib) + ("pz" if s == 0 else "po") + ", 1, 1; ")
+    lines.append("wgmma.commit_group.sync.aligned; wgmma.wait_group.sync.aligned 0; }")
+    return cute.arch.inline_ptx("".join(lines), write_only_types=[Float32] * (groups * nr),
+                                read_only_args=[zero, *descs_a, *descs_b])
+
+
+@cute.jit
+def fence_proxy_async_smem():
+    """Make this thread's generic-proxy shared-memory writes (st.shared) visible to the async
+    proxy (wgmma operand reads): before the barrier that precedes those reads. (Not for the
+    ring's cp.async chunks: a fence after each chunk's wait measured 2.4x slower on the H200 -
+    it waits for the whole ring in flight - and the cp.async + GMMA pipelines of CUTLASS order
+    them by the wait and barrier alone.)"""
+    cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
+
+
 def mma_m16n8k16(kind: str, a, b, c):
     """One warp mma.sync m16n8k16, fp32 accumulate: `kind` "bf16" | "f16" (A and B), a = 4 and
     b = 2 packed 32-bit registers of the fragment layout, c = the 4 fp32 accumulators; returns

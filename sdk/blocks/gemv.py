@@ -54,6 +54,8 @@ MERGED_NORM_MAX_M = 2               # fused norm in one pass (x held in register
 MMA_MIN_M = 8                       # tensor cores from this batch (below, CUDA cores stream bf16
                                     # at ~90% of the bandwidth and need no cross-warp sum)
 MMA_ACCUMULATORS = 64               # fp32 accumulator registers per thread on the MMA path
+WGMMA_MAX_M = 4                     # fp8_decode="wgmma": tokens x x pieces fill one 8-row core matrix
+WGMMA_REGS = 64                     # ... fp32 wgmma accumulators per thread per asm statement
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,10 @@ class GemvConfig:
     fp8_decode: str = "hfma2"            # CUDA-core fp8: "hfma2" (packed f16 FMAs, x scaled per token
                                          # by a power of two into f16's range); "cvt" (e4m3x2 -> f16x2
                                          # -> f32 FMAs); "int" (bit placement, x staged x 2^64). H200,
-                                         # one-launch stack L=4 I=18432: 75.9 / 71.1 / 63.5% of copy
+                                         # one-launch stack L=4 I=18432: 75.9 / 71.1 / 63.5% of copy;
+                                         # "wgmma" (Hopper only, up to WGMMA_MAX_M tokens): the
+                                         # weights straight from the ring into warpgroup MMAs, x as
+                                         # a sum of e4m3 pieces - no per-weight instruction
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
@@ -183,6 +188,8 @@ class GemvBlock(Block):
         if self.use_mma:
             mt, nt = self.mma_tiles
             return self.nw * mt * nt * 4
+        if self.wgmma:
+            return self.nw * c.rows_per_tile // 4
         return c.rows_per_tile // (NUM_THREADS // 32) * self.nw * c.m
 
     @property
@@ -222,9 +229,26 @@ class GemvBlock(Block):
         best = 0
         for mult in range(1, c.k // kc + 1):
             kx = mult * kc
-            if c.k % kx == 0 and c.m * kx * 2 <= X_SMEM_MAX:
+            if c.k % kx == 0 and self._x_row_bytes(kx) <= X_SMEM_MAX:
                 best = kx
         return best
+
+    def _x_row_bytes(self, kx: int) -> int:
+        """Shared memory of kx staged columns of x: M rows of bf16 (f16), or (wgmma) one 8-row
+        core-matrix column block of e4m3 pieces."""
+        return 8 * kx if self.wgmma else self.config.m * kx * 2
+
+    @property
+    def wgmma(self) -> bool:
+        """fp8 weights through warpgroup MMAs straight from the ring (fp8_decode="wgmma")."""
+        c = self.config
+        return c.weight_dtype == "fp8_e4m3" and not self.use_mma and c.fp8_decode == "wgmma"
+
+    @property
+    def x_pieces(self) -> int:
+        """wgmma: e4m3 pieces per token of the staged x (x * scale = p0 + p1 / 16 + p2 / 256:
+        3 pieces keep 2^-12 of each value, 2 pieces 2^-8); tokens x pieces <= 8 rows."""
+        return 3 if 3 * self.config.m <= 8 else 2
 
     @property
     def x_block(self) -> int:
@@ -269,8 +293,13 @@ class GemvBlock(Block):
             self.unsupported("gemv: swiglu_limit without swiglu")
         if c.activation not in ("silu", "situ") or (c.activation != "silu" and not c.swiglu):
             self.unsupported(f"gemv: activation {c.activation!r} (supported: silu, situ; the swiglu epilogue's)")
-        if c.fp8_decode not in ("cvt", "int", "hfma2"):
-            self.unsupported(f"gemv: fp8_decode {c.fp8_decode!r} (supported: cvt, int, hfma2)")
+        if c.fp8_decode not in ("cvt", "int", "hfma2", "wgmma"):
+            self.unsupported(f"gemv: fp8_decode {c.fp8_decode!r} (supported: cvt, int, hfma2, wgmma)")
+        if self.wgmma:
+            if c.m > WGMMA_MAX_M:
+                self.unsupported(f"gemv fp8_decode=wgmma: m={c.m} tokens (at most {WGMMA_MAX_M}; from "
+                                 f"{MMA_MIN_M} the mma.sync path)")
+            # the wgmma's N = nw x rows_per_tile <= 2 x 128 (rows_per_tile divides the scale block)
         if c.mma and c.weight_dtype == "fp32":
             self.unsupported("gemv: the MMA path takes bf16 or fp8 weights, not fp32")
         if self.use_mma and not self._mma_chunk_ok(kc):
@@ -318,13 +347,17 @@ class GemvBlock(Block):
 
     @property
     def pitch_units(self) -> int:
-        return self.chunk_k // self.elems_per_load + 1
+        # one pad unit per row (rows start on different banks); wgmma: none (core matrices)
+        return self.chunk_k // self.elems_per_load + (0 if self.wgmma else 1)
 
     def chunk_bytes(self) -> int:
         return 16 * (self.nw * self.config.rows_per_tile * self.pitch_units + self.nw * self.scale_units)
 
     def x_smem_bytes(self) -> int:
-        # hfma2: the staged block's per-token scales (fp32) follow it
+        # hfma2: the staged block's per-token scales (fp32) follow it; wgmma: 16 bytes of them,
+        # then the two warpgroups' sums [warpgroup][8 piece rows][nw * R] fp32
+        if self.wgmma:
+            return self._x_row_bytes(self.x_block) + 16 + 2 * 8 * self.nw * self.config.rows_per_tile * 4
         return self.config.m * self.x_block * 2 + self.red_smem_bytes() + (4 * self.config.m if self.hfma2 else 0)
 
     @property
@@ -421,8 +454,11 @@ class GemvBlock(Block):
         from cutlass import BFloat16, Float32, Int32
         from cutlass.cute.nvgpu import cpasync
 
-        from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, e4m3x4_to_f16x2x2, gmem_tensor, mma_m16n8k16,
-                            mul_f16x2, producer_slot, smem_tensor, swiglu_act, tree_sum)
+        from cutlass import Int64
+
+        from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, e4m3_piece, e4m3x4_to_f16x2x2,
+                            fence_proxy_async_smem, gmem_tensor, mma_m16n8k16, mul_f16x2, producer_slot,
+                            smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
 
         c = self.config
         NT, NWARP = NUM_THREADS, NUM_THREADS // 32
@@ -458,15 +494,16 @@ class GemvBlock(Block):
         XE = min(E, 8)                          # x elements per smem load in consume
         PD = max(1, E // 4)                     # partial sums per 16-byte unit (a power of 2)
         whole_x = CPX == self.stream_chunks()   # x staged once per tile (at chunk 0): reusable
-        merged_norm = norm and whole_x and M <= MERGED_NORM_MAX_M
+        wg = self.wgmma
+        merged_norm = norm and whole_x and M <= MERGED_NORM_MAX_M and not wg
         pre_res = c.residual is not None and RW * M <= 16   # residual prefetched in registers
         # the MMA path (see _mma_faces' comments in consume_mma / end_mma)
         mma = self.use_mma
         MT, NTN = self.mma_tiles
         KBW = KC // 128                         # k16 blocks per warp per chunk
-        XBYTES = M * KX * 2                     # staged x, then the cross-warp sums
+        XBYTES = self._x_row_bytes(KX)          # staged x, then the cross-warp sums
         RED_WORDS = self.red_smem_bytes() // 4
-        EPI = -(-(R * M) // NT) if mma else 0   # epilogue outputs per thread
+        EPI = -(-(R * M) // NT) if (mma or wg) else 0   # epilogue outputs per thread
         # fp8_decode="hfma2" (CUDA cores): e4m3x2 -> f16x2 (one conversion per 2 weights), products
         # as packed f16 FMAs (fma.rn.f16x2) in 2 chains of 4 per 16-byte unit, each chain's f16x2
         # then widened to fp32 and summed there: ~1.5 instructions per weight instead of the "cvt"
@@ -487,21 +524,61 @@ class GemvBlock(Block):
         X_PRESCALE = 2.0 ** 64 if int_fp8 else 1.0
         INT_FP8_UNSCALE = 2.0 ** 56
         mma_kind = "f16" if fp8 else "bf16"
+        # fp8_decode="wgmma" (Hopper): per 128-wide K block, a warpgroup wgmma m64nNk32 x 4 with
+        # the tile's nw x R weight rows as N (B, K-major, read from the ring stage, which the
+        # producer lays out as 8-row x 16-byte core matrices: [row / 8][16-byte unit][row % 8])
+        # and the staged x as A: the e4m3 pieces of every token (row m P + p: x * 2^s = sum_p
+        # piece_p 16^-p) in ONE 8-row core-matrix block whose descriptor repeats it over the
+        # 64 rows (stride 0). The block's fp32 sums are then scaled (weight block scale x the
+        # piece's 16^-p x the token's 2^-s) into registers: the FP8 tensor core's own
+        # accumulation is kept to 128 products, the DeepSeek-V3 promotion interval. Warpgroup 0
+        # runs every wgmma (its warp 0 holds the useful rows: D row g = lane / 4 < M P) and
+        # issues none of these tiles' ring copies - warpgroup 1 does (see issue) - so the
+        # wgmma.fence has no cp.async of its own thread in flight to wait for; end_wgmma adds
+        # the two warpgroups' rows (warpgroup 1's are zero) in shared memory.
+        PX = self.x_pieces if wg else 1
+        NC = nw * R                             # the wgmma's N
+        KB = KC // 128                          # 128-wide K blocks per chunk
+        GB = max(1, min(KB, WGMMA_REGS // (NC // 2))) if wg else 1   # blocks per asm statement
+        while KB % GB:
+            GB -= 1
+        DESC_A_HI = (128 >> 4) << 16            # LBO 128 B (next 16 K bytes), SBO 0: rows repeat
+        DESC_B_HI = ((128 >> 4) << 16) | (((KCU * 128) >> 4) << 32)   # SBO: the next 8 weight rows
+        RED_OFF = XBYTES + 16                   # wgmma: the warpgroups' sums, after the x scales
 
         @cute.jit
         def issue(ptrs, t: Int32, ch: Int32, stage_addr):
             p = producer_slot()
+            NPI = NP
+            if cutlass.const_expr(wg):
+                # only warpgroup 1 copies (see consume_wgmma): warpgroup 0's wgmma.fence then has
+                # no cp.async of its own in flight to wait for
+                tid_, _, _ = cute.arch.thread_idx()
+                p = tid_ - 128
+                NPI = NT - 128
             atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                        wdt, num_bits_per_copy=128)
             sW = smem_tensor(stage_addr, wdt, (nw, R, PITCH, E))
+            sW8 = smem_tensor(stage_addr, wdt, (nw * R // 8, KCU, 8, E))     # wgmma: core matrices
             for i in cutlass.range_constexpr(nw):
                 mW = gmem_tensor(ptrs[i_w[i]], wdt, (N, K // E, E), 16)
-                for j in cutlass.range_constexpr(-(-(R * KCU) // NP)):
-                    u = p + NP * j
+                for j in cutlass.range_constexpr(-(-(R * KCU) // NPI)):
+                    u = p + NPI * j
                     if (p >= 0) & (u < R * KCU):
-                        r = u // KCU
-                        cu = u - r * KCU
-                        cute.copy(atom, mW[t * R + r, ch * KCU + cu, None], sW[i, r, cu, None])
+                        if cutlass.const_expr(wg):
+                            # 8 consecutive lanes take rows 0..7 of one unit: their 16-byte
+                            # writes fill one 128-byte core-matrix row of banks (no conflict);
+                            # 4 units per row per warp: 64 contiguous bytes of each row read
+                            rl = u % 8
+                            q4 = u // 32
+                            cu = 4 * (q4 % (KCU // 4)) + (u // 8) % 4
+                            rg = q4 // (KCU // 4)
+                            cute.copy(atom, mW[t * R + 8 * rg + rl, ch * KCU + cu, None],
+                                      sW8[i * (R // 8) + rg, cu, rl, None])
+                        else:
+                            r = u // KCU
+                            cu = u - r * KCU
+                            cute.copy(atom, mW[t * R + r, ch * KCU + cu, None], sW[i, r, cu, None])
             if cutlass.const_expr(fp8):
                 satom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                             Float32, num_bits_per_copy=128)
@@ -524,11 +601,13 @@ class GemvBlock(Block):
                 for j in cutlass.range_constexpr(-(-RED_WORDS // NT)):
                     if tid + NT * j < RED_WORDS:
                         sRed[tid + NT * j] = Float32(0.0)
+            elif cutlass.const_expr(wg):
+                acc = cute.make_rmem_tensor((NC // 4,), Float32)    # D rows g: columns 8j + 2q + v
             else:
                 acc = cute.make_rmem_tensor((RW, nw, M), Float32)
             acc.fill(0.0)
             # the residual rows of this tile, loaded now so the epilogue does not wait for them
-            if cutlass.const_expr(mma):
+            if cutlass.const_expr(mma or wg):
                 # the residual of the epilogue's outputs of this thread: o = tid + NT * e,
                 # token-major (see end_mma)
                 resv = cute.make_rmem_tensor((max(EPI, 1),), Float32)
@@ -540,7 +619,7 @@ class GemvBlock(Block):
                             resv[e] = mR[o // R, t * R + o % R].to(Float32)
             else:
                 resv = cute.make_rmem_tensor((RW, M), Float32)
-            if cutlass.const_expr(pre_res and not mma):
+            if cutlass.const_expr(pre_res and not (mma or wg)):
                 mR = gmem_tensor(ptrs[i_res], rdt, (M, N), 2 if c.residual == "bf16" else 4)
                 if lane == 0:
                     for rr in cutlass.range_constexpr(RW):
@@ -611,7 +690,7 @@ class GemvBlock(Block):
                                 scratch[STATS_OFFSET + m] = cute.math.rsqrt(tot[m] / Float32(K) + Float32(eps),
                                                                             fastmath=False)
                         cute.arch.sync_threads()
-            if cutlass.const_expr(mma):
+            if cutlass.const_expr(mma or wg):
                 return acc, resv, sx
             return acc, resv
 
@@ -630,12 +709,14 @@ class GemvBlock(Block):
                                   (-v).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
 
         @cute.jit
-        def token_scales(amax, scratch, sx):
+        def token_scales(amax, scratch, sx, boost: cutlass.Constexpr = 1.0):
             """hfma2: every token's scale from the per-thread maxima `amax` [M] of the block being
             staged (block-wide max, all threads get them: a tuple of M scales); thread 0 writes the
             inverses after the staged block (sx + XBYTES), where consume_hfma2 reads them."""
             tot = block_sum_multi(amax, scratch, "max")
             scales = [x_scale(tot[mm]) for mm in range(M)]
+            if cutlass.const_expr(boost != 1.0):      # wgmma: max |x| * scale in [128, 256)
+                scales = [(sc_[0] * Float32(boost), sc_[1] * Float32(1.0 / boost)) for sc_ in scales]
             tid, _, _ = cute.arch.thread_idx()
             if tid == 0:
                 sInv = smem_tensor(sx + XBYTES, Float32, (M,))
@@ -667,6 +748,8 @@ class GemvBlock(Block):
             # stage the next x block (bf16) when chunk ch starts one - unless the whole x is
             # already in sx (staged by the previous tile of this op, or by the merged norm);
             # the previous block's readers finished before the last chunk's closing barrier
+            if cutlass.const_expr(wg):
+                rv = cute.make_rmem_tensor((8,), Float32)
             if cutlass.const_expr(not merged_norm):
                 stage = ch % CPX == 0
                 if cutlass.const_expr(whole_x):
@@ -693,6 +776,38 @@ class GemvBlock(Block):
                         for j in cutlass.range_constexpr(NJX):
                             m, ku, v = x_unit(mX, mNWh, scratch, xb, j, tid)
                             sX[m, ku, None].store((v * scale_of(scales, m)).to(SXT))
+                    elif cutlass.const_expr(wg):
+                        # the same per-token scales (max |x| * 2^s in [128, 256)), then each unit
+                        # of 8 scaled values as PX e4m3 pieces (each the remainder of the last, x 16)
+                        # into rows m PX + p of the [16-byte unit][row][4 words] core matrices
+                        mNWh = mNW if cutlass.const_expr(norm) else None
+                        NJX = -(-(M * XU) // NT)
+                        amax = [Float32(0.0) for _ in range(M)]
+                        for j in cutlass.range_constexpr(NJX):
+                            m, _, v = x_unit(mX, mNWh, scratch, xb, j, tid)
+                            a = abs_max(v)
+                            for mm in cutlass.range_constexpr(M):
+                                amax[mm] = cute.arch.fmax(amax[mm], Float32(cutlass.select_(m == mm, a, Float32(0.0))))
+                        scales = token_scales(amax, scratch, sx, 16.0)
+                        sXp = smem_tensor(sx, Int32, (KX // 16, 8, 4))
+                        for j in cutlass.range_constexpr(NJX):
+                            m, ku, v = x_unit(mX, mNWh, scratch, xb, j, tid)
+                            rv.store(v * scale_of(scales, m))
+                            vals = [rv[e] for e in range(8)]
+                            for pc in cutlass.range_constexpr(PX):
+                                outs = e4m3_piece(vals)
+                                row = m * PX + pc
+                                sXp[ku // 2, row, (ku % 2) * 2] = outs[0]
+                                sXp[ku // 2, row, (ku % 2) * 2 + 1] = outs[1]
+                                vals = [outs[2 + e] * Float32(16.0) for e in range(8)]
+                        if cutlass.const_expr(M * PX < 8):      # the core matrix's other rows: 0
+                            for j in cutlass.range_constexpr(-(-XU // NT)):
+                                ku = tid + NT * j
+                                if ku < XU:
+                                    for row in cutlass.range_constexpr(M * PX, 8):
+                                        sXp[ku // 2, row, (ku % 2) * 2] = Int32(0)
+                                        sXp[ku // 2, row, (ku % 2) * 2 + 1] = Int32(0)
+                        fence_proxy_async_smem()    # the pieces are read by wgmma (async proxy)
                     else:
                         for j in cutlass.range_constexpr(-(-(M * XU) // NT)):
                             u = tid + NT * j
@@ -936,6 +1051,78 @@ class GemvBlock(Block):
             # the sums are zeroed by the next tile's begin: no thread may still be reading them
             cute.arch.sync_threads()
 
+        @cute.jit
+        def consume_wgmma(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):
+            acc = state[0]
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            g = lane // 4
+            wgi = tid // 128                     # warpgroup 0 multiplies, warpgroup 1 copies (issue)
+            xo = (ch % CPX) * KC                 # the chunk's first column in the staged x block
+            sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, KB))
+            sInv = smem_tensor(sx + XBYTES, Float32, (4,))
+            # this thread's D rows g (and g + 8: the same piece, the descriptor repeats the 8
+            # rows) weigh piece g % PX of token g // PX by 16^-p x the token's inverse x scale
+            tok = Int32(cutlass.select_(g < M * PX, g // PX, 0))
+            pw = Float32(1.0)
+            for pc in cutlass.range_constexpr(1, PX):
+                pw = Float32(cutlass.select_(g % PX == pc, Float32(16.0 ** -pc), pw))
+            pw = Float32(cutlass.select_(g < M * PX, pw * sInv[tok], Float32(0.0)))
+            a0 = Int64(((sx + (xo // 16) * 128) >> 4) & 0x3FFF) | Int64(DESC_A_HI)
+            b0 = Int64((stage_addr >> 4) & 0x3FFF) | Int64(DESC_B_HI)
+            if wgi == 0:
+                for gb in cutlass.range_constexpr(KB // GB):
+                    # k32 step s of block b: 2 units (16 bytes each) of K past the block's start
+                    steps = [(gb * GB + b) * 8 + 2 * st for b in range(GB) for st in range(4)]
+                    da = [a0 + Int64(((o * 128) >> 4)) for o in steps]
+                    db = [b0 + Int64(((o * 128) >> 4)) for o in steps]
+                    d = wgmma_fp8_sync(NC, GB, da, db, Int32(0))
+                    for b in cutlass.range_constexpr(GB):
+                        scl = [sS[i, gb * GB + b] * pw for i in range(nw)]
+                        for j in cutlass.range_constexpr(NC // 8):
+                            i = (8 * j) // R
+                            for v in cutlass.range_constexpr(2):
+                                acc[2 * j + v] = acc[2 * j + v] + d[b * (NC // 2) + 4 * j + v] * scl[i]
+
+        @cute.jit
+        def end_wgmma(ptrs, t: Int32, state, scratch):
+            acc, resv, sx = state
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            warp = tid // 32
+            g = lane // 4
+            q = lane % 4
+            sRed = smem_tensor(sx + RED_OFF, Float32, (2, 8, NC))
+            # warp 0 of each warpgroup holds D rows 0..7 (the weighted pieces): its sums to smem
+            if warp % 4 == 0:
+                for j in cutlass.range_constexpr(NC // 8):
+                    for v in cutlass.range_constexpr(2):
+                        sRed[warp // 4, g, 8 * j + 2 * q + v] = acc[2 * j + v]
+            cute.arch.sync_threads()
+            mY = gmem_tensor(ptrs[i_y], odt, (M, N), 2 if c.out_dtype == "bf16" else 4)
+            for e in cutlass.range_constexpr(EPI):
+                o = tid + NT * e
+                if o < R * M:
+                    tk = o // R
+                    row = o - tk * R
+                    part = []
+                    for i in cutlass.range_constexpr(nw):
+                        a = Float32(0.0)
+                        for w2 in cutlass.range_constexpr(2):
+                            for pc in cutlass.range_constexpr(PX):
+                                a = a + sRed[w2, tk * PX + pc, i * R + row]
+                        part.append(a)
+                    a = part[0]
+                    if cutlass.const_expr(swiglu):
+                        a = swiglu_act(a, part[1], limit, act, betas)
+                    if cutlass.const_expr(c.residual is not None):
+                        a = a + resv[e]
+                    mY[tk, t * R + row] = a.to(odt)
+            # the sums are rewritten by the next tile's end: no thread may still be reading them
+            cute.arch.sync_threads()
+
+        if wg:
+            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_wgmma, end=end_wgmma)
         if mma:
             return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma, end=end_mma)
         return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_hfma2 if hfma2 else consume, end=end)

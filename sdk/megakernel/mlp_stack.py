@@ -74,7 +74,10 @@ def fit_chunks(configs: list[GemvConfig], chunk_k: list[int]) -> list[GemvBlock]
     """The blocks of `configs`, each with its given chunk_k, or (0) the widest chunk that fits the
     ring stage their default chunks make (`fill_stage`)."""
     import dataclasses
+    # rounded up to 1 KB: a chunk twice as wide as another's whose block scales overrun the
+    # stage by a few bytes (fp8_decode="wgmma": unpadded rows) still fills it
     stage = max(GemvBlock(dataclasses.replace(c, chunk_k=k)).chunk_bytes() for c, k in zip(configs, chunk_k))
+    stage = -(-stage // 1024) * 1024
     return [GemvBlock(dataclasses.replace(c, chunk_k=k) if k else fill_stage(c, stage))
             for c, k in zip(configs, chunk_k)]
 

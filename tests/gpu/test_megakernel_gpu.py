@@ -66,6 +66,43 @@ def test_gemv_fp8_alternative_decodes(m, norm, decode):
     assert rel_err(t["y"], block.reference(**t)["y"]) <= BF16_TOL
 
 
+@pytest.mark.parametrize("m,n,k,rows,swiglu,norm,residual", [
+    (1, 2048, 2048, 8, False, False, "bf16"),     # 256 tiles: CTAs walk several, the ring crosses them
+    (1, 1024, 7168, 8, True, True, None),         # the gate/up shape, fused norm (two-pass)
+    (2, 7168, 2048, 64, False, False, None),      # the down shape, 3 pieces x 2 tokens
+    (4, 1024, 7168, 16, True, True, None),        # 2 pieces x 4 tokens
+    (1, 1024, 18432, 16, False, False, None),     # x staged in 3 blocks, each with its own scale
+])
+def test_gemv_fp8_wgmma(m, n, k, rows, swiglu, norm, residual):
+    """fp8_decode="wgmma": the weights from the ring stage (core-matrix layout) straight into
+    warpgroup MMAs against x as e4m3 pieces; equal to the fp32 reference within the bf16 bound."""
+    need_gpu()
+    from sdk.blocks.gemv import GemvBlock, GemvConfig
+    block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype="fp8_e4m3", swiglu=swiglu, norm=norm,
+                                 residual=residual, fp8_decode="wgmma", rows_per_tile=rows))
+    assert block.wgmma
+    t = gemv_inputs(block, 400 + m)
+    run_standalone(block, t)
+    assert rel_err(t["y"], block.reference(**t)["y"]) <= BF16_TOL
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_mlp_stack_fp8_wgmma(batch):
+    """The one-launch fp8 stack with every GEMV on warpgroup MMAs (fp8_decode="wgmma")."""
+    need_gpu()
+    from sdk.megakernel.mlp_stack import MLPStackConfig, reference
+    cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype="fp8_e4m3",
+                         fp8_decode="wgmma")
+    rt, weights = _stack_runtime(cfg, seed=11)
+    for step in range(2):
+        x = torch.randn(batch, cfg.hidden, device="cuda").to(torch.bfloat16)
+        rt.tensors["x"].copy_(x)
+        rt.tensors["out"].fill_(float("nan"))
+        rt.run()
+        err = rel_err(rt.tensors["out"], reference(cfg, weights, x))
+        assert err <= BF16_TOL, f"step {step}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("m", [1, 2, 8])
 @pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("xdt,residual", [("fp32", "fp32"), ("bf16", "bf16")])

@@ -27,6 +27,30 @@ def test_pyvm_sublayer_equals_model_reference(mode):
     check_launches(vm.tensors, lambda call: vm.step(seed=call),
                    lambda call: make_inputs(cfg, [s + call * cfg.tokens for s in starts], seed=10 + call),
                    lambda inp: reference(cfg, w, inp), ["window"] + list(cfg.cache_shapes()), rel)
+    if mode == "csa":       # and over the program's own index list, checked against the scores
+        check_launches(vm.tensors, lambda call: vm.step(seed=call),
+                       lambda call: make_inputs(cfg, [s + call * cfg.tokens for s in starts], seed=10 + call),
+                       lambda inp: reference(cfg, w, inp, index=vm.tensors["index"]),
+                       ["window"] + list(cfg.cache_shapes()), rel, reference_after_run=True)
+
+
+def test_csa_selection_check_tells_a_wrong_list_from_a_near_tie():
+    """dsv4_layer.check_selection: a swap within the tie tolerance passes; a list that leaves out a
+    clear winner, or selects a not-ready entry, raises."""
+    import torch
+    from sdk.megakernel.dsv4_layer import check_selection
+    scores = torch.tensor([[[5.0, 4.0, 3.0, 2.999, 1.0, 0.0]]])
+    ready = torch.tensor([[[True, True, True, True, True, False]]])
+    def mask(*sel):
+        m = torch.zeros_like(ready)
+        m[0, 0, list(sel)] = True
+        return m
+    check_selection(scores, ready, mask(0, 1, 2), 3)
+    check_selection(scores, ready, mask(0, 1, 3), 3)                  # 2.999 ties 3.0 within 1e-2 x 5
+    with pytest.raises(AssertionError, match="not a top-3"):
+        check_selection(scores, ready, mask(0, 1, 4), 3)              # 1.0 instead of 3.0
+    with pytest.raises(AssertionError, match="not ready"):
+        check_selection(scores, ready, mask(0, 1, 5), 3)
 
 
 def test_capturable_reference_is_the_same():

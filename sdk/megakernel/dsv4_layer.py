@@ -335,10 +335,21 @@ def make_inputs(cfg: DSV4LayerConfig, starts, seed: int = 0, device="cpu") -> di
     return t
 
 
-def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: bool = False) -> dict[str, torch.Tensor]:
+SELECT_TIE_TOL = 1e-2     # a selected entry may miss the reference's top-k by this x max |score|
+
+
+def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: bool = False,
+              index: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """{resid, window, the caches of cache_shapes()}: x + DSV4AttentionReference.forward(bf16(
     rmsnorm(x) * input_norm)) with the bf16 weights, over the given caches (updated as the model
-    updates them). `capturable`: the compressor without host syncs (CUDA graphs)."""
+    updates them). `capturable`: the compressor without host syncs (CUDA graphs).
+
+    `index` (CSA): the program's index list [B, T, topk] (-1 padded) - the attention then reads
+    exactly those entries, after checking they ARE a top-k of the reference's own scores up to
+    near-ties (check_selection). The indexer's scores are bf16 products on the device and fp32
+    here, so an entry within ~1e-3 of the k-th score may swap with another; on random caches
+    attention can peak on one such entry (a swap measured 5e-2 of the output, H200 and PyVM,
+    2026-12-04) - which says nothing about the attention. Without `index` the reference selects."""
     from ..reference.common import StepInfo, rms_norm
     from ..reference.dsv4_attention import DSV4AttentionReference
     w = weights
@@ -355,6 +366,16 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
                    "indexer.q_b_proj.weight": w["w_iq"], "indexer.weights_proj.weight": w["w_iw"]})
     cache.update({CACHE_NAMES[n]: inputs[n].clone() for n in cfg.cache_shapes()})
     ref = DSV4AttentionReference(None, SimpleNamespace(attention=cfg.spec), hf)
+    if index is not None and cfg.mode == "csa":
+        def forced(x_, q_res, index_keys, ready, step_):
+            scores = ref.index_scores(x_, q_res, index_keys, ready, step_)
+            mask = torch.zeros_like(ready)
+            idx = index.to(ready.device).long()
+            b_, t_, j_ = torch.nonzero(idx >= 0, as_tuple=True)
+            mask[b_, t_, idx[b_, t_, j_]] = True
+            check_selection(scores, ready, mask, cfg.topk)
+            return mask
+        ref.select = forced
     for comp in (ref.compressor, ref.indexer):
         if comp is not None:
             comp.capturable = capturable
@@ -367,6 +388,30 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
     res = {"resid": x + out.float().reshape(cfg.tokens_total, cfg.hidden), "window": cache["window"]}
     res.update({n: cache[CACHE_NAMES[n]] for n in cfg.cache_shapes()})
     return res
+
+
+def check_selection(scores: torch.Tensor, ready: torch.Tensor, mask: torch.Tensor, k: int,
+                    tol: float = SELECT_TIE_TOL) -> None:
+    """Raise AssertionError unless `mask` selects, per query row, min(k, ready) ready entries that
+    form a top-k of `scores` up to ties within tol x max |score| of the row's k-th score."""
+    for b in range(scores.shape[0]):
+        for t in range(scores.shape[1]):
+            r = ready[b, t]
+            want = min(k, int(r.sum()))
+            sel = mask[b, t]
+            if int(sel.sum()) != want or bool((sel & ~r).any()):
+                raise AssertionError(f"index list (b={b}, t={t}): {int(sel.sum())} entries selected, "
+                                     f"{int((sel & ~r).sum())} of them not ready; want {want} ready ones")
+            if want == 0 or want == int(r.sum()):
+                continue
+            s = scores[b, t].float()
+            kth = s[r].topk(want).values[-1]
+            eps = tol * s[r].abs().max()
+            low = s[sel].min()
+            high = s[r & ~sel].max()
+            if low < kth - eps or high > kth + eps:
+                raise AssertionError(f"index list (b={b}, t={t}) is not a top-{want}: its lowest score {low:.6g}, "
+                                     f"the highest left out {high:.6g}, k-th {kth:.6g} (tie tolerance {eps:.3g})")
 
 
 # the program's cache buffers -> the reference's cache keys

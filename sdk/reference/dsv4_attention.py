@@ -273,6 +273,13 @@ class DSV4AttentionReference:
 
     def select(self, x, q_res, index_keys, ready, step: StepInfo) -> torch.Tensor:
         """The lightning indexer: mask [B, T, S/r] of the top-k ready entries per query."""
+        scores = self.index_scores(x, q_res, index_keys, ready, step)
+        k = min(self.s.indexer.topk, scores.shape[-1])
+        top = scores.topk(k, dim=-1).indices
+        return torch.zeros_like(ready).scatter_(-1, top, True) & ready
+
+    def index_scores(self, x, q_res, index_keys, ready, step: StepInfo) -> torch.Tensor:
+        """The lightning indexer's scores [B, T, S/r] (fp32; -inf where not ready)."""
         s, w = self.s, self.w
         b, t_len, _ = x.shape
         ih, ihd = s.indexer.num_heads, s.indexer.head_dim
@@ -281,7 +288,4 @@ class DSV4AttentionReference:
         q = Rope.apply(q, cos[:, :, None], sin[:, :, None])
         scores = F.relu(torch.einsum("bthd,bed->bthe", q.float(), index_keys.float())) * ihd ** -0.5
         head_w = F.linear(x, w["indexer.weights_proj.weight"].to(x.dtype)).float() * ih ** -0.5
-        scores = (scores * head_w[..., None]).sum(dim=2).masked_fill(~ready, float("-inf"))   # [B, T, E]
-        k = min(s.indexer.topk, scores.shape[-1])
-        top = scores.topk(k, dim=-1).indices
-        return torch.zeros_like(ready).scatter_(-1, top, True) & ready
+        return (scores * head_w[..., None]).sum(dim=2).masked_fill(~ready, float("-inf"))   # [B, T, E]

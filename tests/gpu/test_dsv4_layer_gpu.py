@@ -31,5 +31,8 @@ def test_dsv4_sublayer_one_launch(mode, batch, T):
     check_launches(rt.tensors, lambda launch: rt.run(),
                    lambda launch: make_inputs(cfg, [s + launch * T for s in starts], seed=seed + 1 + launch,
                                               device="cuda"),
-                   lambda inp: reference(cfg, w, inp), ["window"] + list(cfg.cache_shapes()), rel_err,
-                   what=f"seed {seed}, ")
+                   # CSA: the attention over the program's own selection, which must be a top-k of the
+                   # reference's scores up to near-ties (dsv4_layer.reference's `index`)
+                   lambda inp: reference(cfg, w, inp, index=rt.tensors["index"] if mode == "csa" else None),
+                   ["window"] + list(cfg.cache_shapes()), rel_err, what=f"seed {seed}, ",
+                   reference_after_run=mode == "csa")

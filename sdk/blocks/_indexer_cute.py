@@ -207,6 +207,7 @@ def build_topk_tile(block):
     # H200). Warp-aggregated histogram atomics (match.any, one add per distinct bin) measured
     # slower still (30.8 us): not kept.
     U = 8
+    CACHE = block.cache_row               # the ordered keys in shared memory after the first read
 
     @cute.jit
     def ordered(u: Uint32) -> Uint32:
@@ -257,6 +258,8 @@ def build_topk_tile(block):
         smem = TileSmem(scratch, OWN)
         sH = smem.allocate_tensor(Int32, cute.make_layout((NB,)), byte_alignment=16)
         sX = smem.allocate_tensor(Int32, cute.make_layout((2 + 2 * NUM_WARPS,)), byte_alignment=16)
+        if cutlass.const_expr(CACHE):
+            sK = smem.allocate_tensor(Uint32, cute.make_layout((E,)), byte_alignment=16)
 
         pos = mStart[b] + tq
         n = (pos + 1) // RATIO
@@ -266,6 +269,17 @@ def build_topk_tile(block):
         prefix = Uint32(0)
         krem = Int32(K)
 
+        if cutlass.const_expr(CACHE):
+            # one read of the row from L2 (the only one), as ordered keys into shared memory
+            if not take_all:
+                for base in cutlass.range(tid, n, NUM_THREADS * U, unroll=1):
+                    raw = [mU[b, tq, Int32(cutlass.select_(base + NUM_THREADS * j < n, base + NUM_THREADS * j, 0))]
+                           for j in range(U)]
+                    for j in cutlass.range_constexpr(U):
+                        if base + NUM_THREADS * j < n:
+                            sK[base + NUM_THREADS * j] = ordered(raw[j])
+                cute.arch.sync_threads()
+
         # ---- radix select: the k-th largest key (prefix) and how many of its ties to take ------
         if not take_all:
             mask = Uint32(0)
@@ -274,10 +288,15 @@ def build_topk_tile(block):
                 sH[tid] = Int32(0)
                 cute.arch.sync_threads()
                 for base in cutlass.range(tid, n, NUM_THREADS * U, unroll=1):
-                    raw = [mU[b, tq, Int32(cutlass.select_(base + NUM_THREADS * j < n, base + NUM_THREADS * j, 0))]
+                    idx = [Int32(cutlass.select_(base + NUM_THREADS * j < n, base + NUM_THREADS * j, 0))
                            for j in range(U)]
+                    # the keys of idx: all U loads issued before any use
+                    if cutlass.const_expr(CACHE):
+                        keys = [sK[i] for i in idx]
+                    else:
+                        keys = [ordered(r) for r in [mU[b, tq, i] for i in idx]]
                     for j in cutlass.range_constexpr(U):
-                        key = ordered(raw[j])
+                        key = keys[j]
                         if (base + NUM_THREADS * j < n) & ((key & mask) == prefix):
                             bin_ = Int32((key >> Uint32(shift)) & Uint32(NB - 1))
                             cute.arch.atomic_add(sH.iterator + bin_, Int32(1), sem="relaxed", scope="cta")
@@ -318,9 +337,13 @@ def build_topk_tile(block):
                 n_gt = hi - lo
         else:
             for e0 in cutlass.range(lo, hi, U, unroll=1):
-                raw = [mU[b, tq, Int32(cutlass.select_(e0 + j < hi, e0 + j, lo))] for j in range(U)]
+                idx = [Int32(cutlass.select_(e0 + j < hi, e0 + j, lo)) for j in range(U)]
+                if cutlass.const_expr(CACHE):
+                    keys = [sK[i] for i in idx]
+                else:
+                    keys = [ordered(r) for r in [mU[b, tq, i] for i in idx]]
                 for j in cutlass.range_constexpr(U):
-                    key = ordered(raw[j])
+                    key = keys[j]
                     if e0 + j < hi:
                         if key > prefix:
                             n_gt = n_gt + 1
@@ -333,12 +356,16 @@ def build_topk_tile(block):
         o = gt_before + taken_before
         eb = eq_before
         for e0 in cutlass.range(lo, hi, U, unroll=1):
-            raw = [mU[b, tq, Int32(cutlass.select_(e0 + j < hi, e0 + j, lo))] for j in range(U)]
+            idx = [Int32(cutlass.select_(e0 + j < hi, e0 + j, lo)) for j in range(U)]
+            if cutlass.const_expr(CACHE):
+                keys = [sK[i] for i in idx]
+            else:
+                keys = [ordered(r) for r in [mU[b, tq, i] for i in idx]]
             for j in cutlass.range_constexpr(U):
                 e = e0 + j
                 take = take_all
                 if not take_all:
-                    key = ordered(raw[j])
+                    key = keys[j]
                     if key > prefix:
                         take = True
                     elif key == prefix:

@@ -61,6 +61,7 @@ import torch
 from .base import NUM_THREADS, Block, Cost, OperandSpec
 
 CHUNK = 64                     # entries per pipeline stage: 8 warps x one n8 MMA block each
+TOPK_CACHE_MAX = 32 * 1024     # TopKBlock keeps the score row in shared memory up to this size
 RADIX_BITS = 8
 RADIX_PASSES = 32 // RADIX_BITS
 
@@ -212,6 +213,9 @@ class TopKConfig:
     ratio: int = 1                  # as IndexScoreConfig: n(t) = (start + t + 1) // ratio
     expand: int = 1                 # tokens per selected entry written (GLM: kpool)
     tail: bool = False              # GLM select_tail: append the incomplete pool's tokens
+    cache_row: bool | None = None   # the row's ordered keys in shared memory after one read from
+                                    # L2 (the other 5 passes read them there); None: when
+                                    # max_entries x 4 B <= TOPK_CACHE_MAX
 
 
 class TopKBlock(Block):
@@ -238,9 +242,15 @@ class TopKBlock(Block):
                 OperandSpec("start", (c.batch,), "int32"),
                 OperandSpec("index", (c.batch, c.q_tokens, self.width), "int32", output=True)]
 
+    @property
+    def cache_row(self) -> bool:
+        c = self.config
+        return c.max_entries * 4 <= TOPK_CACHE_MAX if c.cache_row is None else c.cache_row
+
     def own_smem_bytes(self) -> int:
-        # the radix histogram (one Int32 per thread = bin) and 2 + 2 x 8 exchange words, 16-B aligned
-        return NUM_THREADS * 4 + 128
+        # the radix histogram (one Int32 per thread = bin) and 2 + 2 x 8 exchange words, 16-B
+        # aligned; the cached row's keys
+        return NUM_THREADS * 4 + 128 + (self.config.max_entries * 4 if self.cache_row else 0)
 
     def num_tiles(self) -> int:
         return self.config.batch * self.config.q_tokens

@@ -393,25 +393,18 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
 def check_selection(scores: torch.Tensor, ready: torch.Tensor, mask: torch.Tensor, k: int,
                     tol: float = SELECT_TIE_TOL) -> None:
     """Raise AssertionError unless `mask` selects, per query row, min(k, ready) ready entries that
-    form a top-k of `scores` up to ties within tol x max |score| of the row's k-th score."""
+    are a top-k of `scores` up to near-ties (reference.common.near_tie_swaps). The ready entries
+    of a row are a prefix (the entries compressed so far)."""
+    from ..reference.common import near_tie_swaps
     for b in range(scores.shape[0]):
         for t in range(scores.shape[1]):
-            r = ready[b, t]
-            want = min(k, int(r.sum()))
-            sel = mask[b, t]
-            if int(sel.sum()) != want or bool((sel & ~r).any()):
-                raise AssertionError(f"index list (b={b}, t={t}): {int(sel.sum())} entries selected, "
-                                     f"{int((sel & ~r).sum())} of them not ready; want {want} ready ones")
-            if want == 0 or want == int(r.sum()):
-                continue
-            s = scores[b, t].float()
-            kth = s[r].topk(want).values[-1]
-            eps = tol * s[r].abs().max()
-            low = s[sel].min()
-            high = s[r & ~sel].max()
-            if low < kth - eps or high > kth + eps:
-                raise AssertionError(f"index list (b={b}, t={t}) is not a top-{want}: its lowest score {low:.6g}, "
-                                     f"the highest left out {high:.6g}, k-th {kth:.6g} (tie tolerance {eps:.3g})")
+            n = int(ready[b, t].sum())
+            got = set(torch.nonzero(mask[b, t]).flatten().tolist())
+            if len(got) != min(k, n) or any(e >= n for e in got):
+                raise AssertionError(f"index list (b={b}, t={t}): {len(got)} entries selected, "
+                                     f"{sum(e >= n for e in got)} of them not ready; want {min(k, n)} of {n}")
+            if 0 < k < n:
+                near_tie_swaps(scores[b, t, :n].float(), got, k, tol, f"index list (b={b}, t={t}): ")
 
 
 # the program's cache buffers -> the reference's cache keys

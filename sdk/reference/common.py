@@ -92,6 +92,23 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", limit: float
     return activation(act)(gate) * up
 
 
+def near_tie_swaps(row: torch.Tensor, got: set, k: int, rtol: float, what: str = "") -> int:
+    """How many entries of `got` (a selection of k indices of the score row) are not in the
+    row's own top-k, after checking every entry only one of the two selected scores within
+    rtol x max |row| of the k-th score - a near-tie that another arithmetic may order the other
+    way (the indexers' bf16 products on the device vs an fp32 reference). AssertionError if not."""
+    want = set(row.topk(k).indices.tolist())
+    if got == want:
+        return 0
+    kth = row.topk(k).values[-1]
+    tol = rtol * row.abs().max()
+    for m in got ^ want:
+        if abs(float(row[m] - kth)) > tol:
+            raise AssertionError(f"{what}entry {m} (score {float(row[m]):.6g}) is no near-tie of the "
+                                 f"top-{k} (k-th score {float(kth):.6g}, tolerance {float(tol):.3g})")
+    return len(got - want)
+
+
 def rope_inv_freq(rope, device=None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [dim/2] fp32, attention factor) of a `RopeSpec`, as transformers'
     `_compute_default_rope_parameters` / `_compute_yarn_parameters` compute them (the same code in

@@ -105,11 +105,17 @@ class DSV4DecodeBlock(Block):
 
     @property
     def stages(self) -> int:
+        """The pipeline's stages: as many as fit 200 KB (at most 8), but no more than a split's
+        chunks + 1 - a tile never has more chunks in flight than its split holds, and at small
+        batch a split is one chunk (choose_splits): V4.1-Flash TP8 HCA 32K batch 1 took 4
+        stages (150 KB) for one chunk, which left the sublayer's weight ring 3 stages of 21 KB."""
         c = self.config
         if c.stages:
             return c.stages
         fixed = self._smem(0)
-        return max(2, min(8, (200 * 1024 - fixed) // (self._smem(1) - fixed)))
+        keys = c.window + c.q_tokens + self.n_comp_max          # a (sequence, group)'s most keys
+        per_split = -(-(-(-keys // c.chunk)) // c.num_splits)
+        return max(2, min(8, (200 * 1024 - fixed) // (self._smem(1) - fixed), per_split + 1))
 
     def own_smem_bytes(self) -> int:
         return self._smem(self.stages)

@@ -46,7 +46,7 @@ from ..blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4De
                                      DSV4RingWriteBlock, DSV4RingWriteConfig, choose_splits)
 from ..blocks.dsv4_compress import DSV4CompressConfig, compressor_blocks
 from ..blocks.dsv4_prologue import DSV4IndexQBlock, DSV4IndexQConfig, DSV4PrologueBlock, DSV4PrologueConfig
-from ..blocks.gemv import GemvConfig, balanced_configs
+from ..blocks.gemv import GemvBlock, GemvConfig, balanced_configs, fill_stage
 from .mlp_stack import gemv_block
 from .program import Program
 
@@ -197,7 +197,11 @@ def build_program(cfg: DSV4LayerConfig) -> Program:
     err = None
     for st in ((cfg.decode_stages,) if cfg.decode_stages else (0, 4, 3, 2)):
         try:
-            prog = _build(replace(cfg, decode_stages=st))
+            c = replace(cfg, decode_stages=st)
+            # every GEMV's chunk widened to fill the ring's stage (its widest chunk: the indexer's
+            # q GEMV's 64 rows make 33 KB stages that the other GEMVs' 17 KB chunks half fill)
+            stage = max(b.chunk_bytes() for b in _build(c).opcodes.blocks if b.stream_chunks() > 0)
+            prog = _build(c, stage)
             ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)
             return prog
         except UnsupportedConfigError as exc:
@@ -205,7 +209,7 @@ def build_program(cfg: DSV4LayerConfig) -> Program:
     raise err
 
 
-def _build(cfg: DSV4LayerConfig) -> Program:
+def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
     B, T, M, D, H, hd = cfg.batch, cfg.tokens, cfg.tokens_total, cfg.hidden, cfg.heads, cfg.head_dim
     blk = cfg.blocks()
     dec = blk["decode"]
@@ -232,7 +236,8 @@ def _build(cfg: DSV4LayerConfig) -> Program:
     prog.buffer("resid", (M, D), "fp32", "output")
 
     def gemv(n, k, rows=0, **kw):
-        return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), rows, cfg.num_sms)
+        block = gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), rows, cfg.num_sms)
+        return GemvBlock(fill_stage(block.config, stage_bytes)) if stage_bytes else block
 
     # the GEMVs of x run side by side: cut alike
     c_width = 2 * hd if csa else hd

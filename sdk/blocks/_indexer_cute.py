@@ -221,6 +221,18 @@ def build_topk_tile(block):
         return r
 
     @cute.jit
+    def keys_of(src, b, tq, first: Int32, step: cutlass.Constexpr, end: Int32, spare: Int32,
+                cached: cutlass.Constexpr):
+        """The ordered keys of the U entries first + step j (entries past `end` read `spare`
+        instead), all U loads issued before any use: src is the cached row (`cached`) or the
+        scores."""
+        idx = [Int32(cutlass.select_(first + step * j < end, first + step * j, spare)) for j in range(U)]
+        if cutlass.const_expr(cached):
+            return tuple(src[i] for i in idx)
+        raw = [src[b, tq, i] for i in idx]
+        return tuple(ordered(r) for r in raw)
+
+    @cute.jit
     def scan2(a: Int32, e: Int32, sX, lane, wid):
         """Block-wide exclusive prefix sums of (a, e) in thread order. Uses sX[2 : 2 + 2 * NUM_WARPS]."""
         ia = a
@@ -258,8 +270,10 @@ def build_topk_tile(block):
         smem = TileSmem(scratch, OWN)
         sH = smem.allocate_tensor(Int32, cute.make_layout((NB,)), byte_alignment=16)
         sX = smem.allocate_tensor(Int32, cute.make_layout((2 + 2 * NUM_WARPS,)), byte_alignment=16)
+        src = mU                          # where the passes read the keys
         if cutlass.const_expr(CACHE):
             sK = smem.allocate_tensor(Uint32, cute.make_layout((E,)), byte_alignment=16)
+            src = sK
 
         pos = mStart[b] + tq
         n = (pos + 1) // RATIO
@@ -273,11 +287,10 @@ def build_topk_tile(block):
             # one read of the row from L2 (the only one), as ordered keys into shared memory
             if not take_all:
                 for base in cutlass.range(tid, n, NUM_THREADS * U, unroll=1):
-                    raw = [mU[b, tq, Int32(cutlass.select_(base + NUM_THREADS * j < n, base + NUM_THREADS * j, 0))]
-                           for j in range(U)]
+                    keys = keys_of(mU, b, tq, base, NUM_THREADS, n, Int32(0), False)
                     for j in cutlass.range_constexpr(U):
                         if base + NUM_THREADS * j < n:
-                            sK[base + NUM_THREADS * j] = ordered(raw[j])
+                            sK[base + NUM_THREADS * j] = keys[j]
                 cute.arch.sync_threads()
 
         # ---- radix select: the k-th largest key (prefix) and how many of its ties to take ------
@@ -288,13 +301,7 @@ def build_topk_tile(block):
                 sH[tid] = Int32(0)
                 cute.arch.sync_threads()
                 for base in cutlass.range(tid, n, NUM_THREADS * U, unroll=1):
-                    idx = [Int32(cutlass.select_(base + NUM_THREADS * j < n, base + NUM_THREADS * j, 0))
-                           for j in range(U)]
-                    # the keys of idx: all U loads issued before any use
-                    if cutlass.const_expr(CACHE):
-                        keys = [sK[i] for i in idx]
-                    else:
-                        keys = [ordered(r) for r in [mU[b, tq, i] for i in idx]]
+                    keys = keys_of(src, b, tq, base, NUM_THREADS, n, Int32(0), CACHE)
                     for j in cutlass.range_constexpr(U):
                         key = keys[j]
                         if (base + NUM_THREADS * j < n) & ((key & mask) == prefix):
@@ -337,11 +344,7 @@ def build_topk_tile(block):
                 n_gt = hi - lo
         else:
             for e0 in cutlass.range(lo, hi, U, unroll=1):
-                idx = [Int32(cutlass.select_(e0 + j < hi, e0 + j, lo)) for j in range(U)]
-                if cutlass.const_expr(CACHE):
-                    keys = [sK[i] for i in idx]
-                else:
-                    keys = [ordered(r) for r in [mU[b, tq, i] for i in idx]]
+                keys = keys_of(src, b, tq, e0, 1, hi, lo, CACHE)
                 for j in cutlass.range_constexpr(U):
                     key = keys[j]
                     if e0 + j < hi:
@@ -356,11 +359,7 @@ def build_topk_tile(block):
         o = gt_before + taken_before
         eb = eq_before
         for e0 in cutlass.range(lo, hi, U, unroll=1):
-            idx = [Int32(cutlass.select_(e0 + j < hi, e0 + j, lo)) for j in range(U)]
-            if cutlass.const_expr(CACHE):
-                keys = [sK[i] for i in idx]
-            else:
-                keys = [ordered(r) for r in [mU[b, tq, i] for i in idx]]
+            keys = keys_of(src, b, tq, e0, 1, hi, lo, CACHE)
             for j in cutlass.range_constexpr(U):
                 e = e0 + j
                 take = take_all

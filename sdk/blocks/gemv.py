@@ -743,6 +743,20 @@ class GemvBlock(Block):
                 v = v * scratch[STATS_OFFSET + m] * mNW[xb * XU + ku, None].load().to(Float32)
             return m, ku, v
 
+        NJX = -(-(M * XU) // NT)                # 8-element x units per thread per staged block
+
+        @cute.jit
+        def block_scales(mX, mNW, scratch, sx, xb, tid, boost: cutlass.Constexpr):
+            """The per-token scales of x block xb (hfma2 / wgmma staging): every token's max |x|
+            over the block (block-wide), then token_scales (which also stores the inverses)."""
+            amax = [Float32(0.0) for _ in range(M)]
+            for j in cutlass.range_constexpr(NJX):
+                m, _, v = x_unit(mX, mNW, scratch, xb, j, tid)
+                a = abs_max(v)
+                for mm in cutlass.range_constexpr(M):
+                    amax[mm] = cute.arch.fmax(amax[mm], Float32(cutlass.select_(m == mm, a, Float32(0.0))))
+            return token_scales(amax, scratch, sx, boost)
+
         @cute.jit
         def prep(ptrs, t: Int32, ch: Int32, state, sx, scratch, fresh: Int32):
             # stage the next x block (bf16) when chunk ch starts one - unless the whole x is
@@ -763,32 +777,18 @@ class GemvBlock(Block):
                         mNW = gmem_tensor(ptrs[i_nw], BFloat16, (K // 8, 8), 16)
                     if cutlass.const_expr(hfma2):
                         # two passes over the block (x is small, the second read hits L1): the
-                        # per-token max |x| (block-wide), then x * its token's scale
+                        # per-token scales (block_scales), then x * its token's scale
                         mNWh = mNW if cutlass.const_expr(norm) else None
-                        NJX = -(-(M * XU) // NT)
-                        amax = [Float32(0.0) for _ in range(M)]
-                        for j in cutlass.range_constexpr(NJX):
-                            m, _, v = x_unit(mX, mNWh, scratch, xb, j, tid)
-                            a = abs_max(v)
-                            for mm in cutlass.range_constexpr(M):
-                                amax[mm] = cute.arch.fmax(amax[mm], Float32(cutlass.select_(m == mm, a, Float32(0.0))))
-                        scales = token_scales(amax, scratch, sx)
+                        scales = block_scales(mX, mNWh, scratch, sx, xb, tid, 1.0)
                         for j in cutlass.range_constexpr(NJX):
                             m, ku, v = x_unit(mX, mNWh, scratch, xb, j, tid)
                             sX[m, ku, None].store((v * scale_of(scales, m)).to(SXT))
                     elif cutlass.const_expr(wg):
-                        # the same per-token scales (max |x| * 2^s in [128, 256)), then each unit
-                        # of 8 scaled values as PX e4m3 pieces (each the remainder of the last, x 16)
+                        # the per-token scales (max |x| * 2^s in [128, 256)), then each unit of 8
+                        # scaled values as PX e4m3 pieces (each the remainder of the last, x 16)
                         # into rows m PX + p of the [16-byte unit][row][4 words] core matrices
                         mNWh = mNW if cutlass.const_expr(norm) else None
-                        NJX = -(-(M * XU) // NT)
-                        amax = [Float32(0.0) for _ in range(M)]
-                        for j in cutlass.range_constexpr(NJX):
-                            m, _, v = x_unit(mX, mNWh, scratch, xb, j, tid)
-                            a = abs_max(v)
-                            for mm in cutlass.range_constexpr(M):
-                                amax[mm] = cute.arch.fmax(amax[mm], Float32(cutlass.select_(m == mm, a, Float32(0.0))))
-                        scales = token_scales(amax, scratch, sx, 16.0)
+                        scales = block_scales(mX, mNWh, scratch, sx, xb, tid, 16.0)
                         sXp = smem_tensor(sx, Int32, (KX // 16, 8, 4))
                         for j in cutlass.range_constexpr(NJX):
                             m, ku, v = x_unit(mX, mNWh, scratch, xb, j, tid)

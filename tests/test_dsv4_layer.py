@@ -65,6 +65,22 @@ def test_capturable_reference_is_the_same():
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.parametrize("mode,ratio", [("hca", 128), ("swa", 128), ("csa", 4)])
+def test_v41_tp8_batch1_weight_ring_is_not_starved(mode, ratio):
+    """At batch 1 a KV split is one chunk: the decode takes 2 pipeline stages, not 4 (150 KB),
+    and the projections' weight ring keeps 4+ stages (it had 2 x 21 KB at HCA / SWA: the x GEMVs
+    streamed at 16-20 GB/s per SM on the H200); every GEMV's chunk fills at least half a stage."""
+    from sdk.blocks.base import ring_geometry
+    from sdk.megakernel.dsv4_layer import RECORDS_MARGIN
+    v41 = dict(heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, max_seq_len=32768)
+    prog = build_program(DSV4LayerConfig(mode=mode, ratio=ratio, batch=1, **v41))
+    blocks = prog.opcodes.blocks
+    assert [b.stages for b in blocks if b.name == "dsv4_decode"] == [2]
+    stage, stages, _ = ring_geometry(blocks, reserved=RECORDS_MARGIN)
+    assert stages >= 4
+    assert all(2 * b.chunk_bytes() >= stage for b in blocks if b.stream_chunks() > 0)
+
+
 def test_csa_past_the_shared_memory_is_refused_clearly():
     """CSA at batch 8 x 2 tokens: the indexer's 128-row score tile and the staged x leave the
     weight ring one stage - a clear error at build time, not a failed launch; T = 1 builds at

@@ -114,7 +114,7 @@ class DSV4DecodeBlock(Block):
             return c.stages
         fixed = self._smem(0)
         keys = c.window + c.q_tokens + self.n_comp_max          # a (sequence, group)'s most keys
-        per_split = -(-(-(-keys // c.chunk)) // c.num_splits)
+        per_split = math.ceil(math.ceil(keys / c.chunk) / c.num_splits)
         return max(2, min(8, (200 * 1024 - fixed) // (self._smem(1) - fixed), per_split + 1))
 
     def own_smem_bytes(self) -> int:

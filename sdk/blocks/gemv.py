@@ -531,16 +531,17 @@ class GemvBlock(Block):
         # piece_p 16^-p) in ONE 8-row core-matrix block whose descriptor repeats it over the
         # 64 rows (stride 0). The block's fp32 sums are then scaled (weight block scale x the
         # piece's 16^-p x the token's 2^-s) into registers: the FP8 tensor core's own
-        # accumulation is kept to 128 products, the DeepSeek-V3 promotion interval. Warpgroup 0
-        # runs every wgmma (its warp 0 holds the useful rows: D row g = lane / 4 < M P) and
-        # issues none of these tiles' ring copies - warpgroup 1 does (see issue) - so the
-        # wgmma.fence has no cp.async of its own thread in flight to wait for; end_wgmma adds
-        # the two warpgroups' rows (warpgroup 1's are zero) in shared memory.
+        # accumulation is kept to 128 products, the DeepSeek-V3 promotion interval. The two
+        # warpgroups take alternate halves of each chunk's K blocks; warp 0 of each holds the
+        # useful rows (D row g = lane / 4 < M P), and end_wgmma adds the two in shared memory.
+        # (Warpgroup 0 running every wgmma with warpgroup 1 alone issuing the copies measured
+        # the same on the H200: not kept.)
         PX = self.x_pieces if wg else 1
         NC = nw * R                             # the wgmma's N
         KB = KC // 128                          # 128-wide K blocks per chunk
-        GB = max(1, min(KB, WGMMA_REGS // (NC // 2))) if wg else 1   # blocks per asm statement
-        while KB % GB:
+        KBG = KB // 2                           # ... per warpgroup
+        GB = max(1, min(KBG, WGMMA_REGS // (NC // 2))) if wg else 1   # blocks per asm statement
+        while KBG % GB:
             GB -= 1
         DESC_A_HI = (128 >> 4) << 16            # LBO 128 B (next 16 K bytes), SBO 0: rows repeat
         DESC_B_HI = ((128 >> 4) << 16) | (((KCU * 128) >> 4) << 32)   # SBO: the next 8 weight rows
@@ -549,21 +550,14 @@ class GemvBlock(Block):
         @cute.jit
         def issue(ptrs, t: Int32, ch: Int32, stage_addr):
             p = producer_slot()
-            NPI = NP
-            if cutlass.const_expr(wg):
-                # only warpgroup 1 copies (see consume_wgmma): warpgroup 0's wgmma.fence then has
-                # no cp.async of its own in flight to wait for
-                tid_, _, _ = cute.arch.thread_idx()
-                p = tid_ - 128
-                NPI = NT - 128
             atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                        wdt, num_bits_per_copy=128)
             sW = smem_tensor(stage_addr, wdt, (nw, R, PITCH, E))
             sW8 = smem_tensor(stage_addr, wdt, (nw * R // 8, KCU, 8, E))     # wgmma: core matrices
             for i in cutlass.range_constexpr(nw):
                 mW = gmem_tensor(ptrs[i_w[i]], wdt, (N, K // E, E), 16)
-                for j in cutlass.range_constexpr(-(-(R * KCU) // NPI)):
-                    u = p + NPI * j
+                for j in cutlass.range_constexpr(-(-(R * KCU) // NP)):
+                    u = p + NP * j
                     if (p >= 0) & (u < R * KCU):
                         if cutlass.const_expr(wg):
                             # 8 consecutive lanes take rows 0..7 of one unit: their 16-byte
@@ -1057,10 +1051,10 @@ class GemvBlock(Block):
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
             g = lane // 4
-            wgi = tid // 128                     # warpgroup 0 multiplies, warpgroup 1 copies (issue)
+            wgi = tid // 128                     # warpgroup: K blocks [wgi KBG, (wgi + 1) KBG)
             xo = (ch % CPX) * KC                 # the chunk's first column in the staged x block
             sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, KB))
-            sInv = smem_tensor(sx + XBYTES, Float32, (4,))
+            sInv = smem_tensor(sx + XBYTES, Float32, (M,))
             # this thread's D rows g (and g + 8: the same piece, the descriptor repeats the 8
             # rows) weigh piece g % PX of token g // PX by 16^-p x the token's inverse x scale
             tok = Int32(cutlass.select_(g < M * PX, g // PX, 0))
@@ -1068,21 +1062,20 @@ class GemvBlock(Block):
             for pc in cutlass.range_constexpr(1, PX):
                 pw = Float32(cutlass.select_(g % PX == pc, Float32(16.0 ** -pc), pw))
             pw = Float32(cutlass.select_(g < M * PX, pw * sInv[tok], Float32(0.0)))
-            a0 = Int64(((sx + (xo // 16) * 128) >> 4) & 0x3FFF) | Int64(DESC_A_HI)
-            b0 = Int64((stage_addr >> 4) & 0x3FFF) | Int64(DESC_B_HI)
-            if wgi == 0:
-                for gb in cutlass.range_constexpr(KB // GB):
-                    # k32 step s of block b: 2 units (16 bytes each) of K past the block's start
-                    steps = [(gb * GB + b) * 8 + 2 * st for b in range(GB) for st in range(4)]
-                    da = [a0 + Int64(((o * 128) >> 4)) for o in steps]
-                    db = [b0 + Int64(((o * 128) >> 4)) for o in steps]
-                    d = wgmma_fp8_sync(NC, GB, da, db, Int32(0))
-                    for b in cutlass.range_constexpr(GB):
-                        scl = [sS[i, gb * GB + b] * pw for i in range(nw)]
-                        for j in cutlass.range_constexpr(NC // 8):
-                            i = (8 * j) // R
-                            for v in cutlass.range_constexpr(2):
-                                acc[2 * j + v] = acc[2 * j + v] + d[b * (NC // 2) + 4 * j + v] * scl[i]
+            a0 = Int64(((sx + (xo // 16) * 128 + wgi * (KBG * 8 * 128)) >> 4) & 0x3FFF) | Int64(DESC_A_HI)
+            b0 = Int64(((stage_addr + wgi * (KBG * 8 * 128)) >> 4) & 0x3FFF) | Int64(DESC_B_HI)
+            for gb in cutlass.range_constexpr(KBG // GB):
+                # k32 step s of block b: 2 units (16 bytes each) of K past the block's start
+                steps = [(gb * GB + b) * 8 + 2 * st for b in range(GB) for st in range(4)]
+                da = [a0 + Int64(((o * 128) >> 4)) for o in steps]
+                db = [b0 + Int64(((o * 128) >> 4)) for o in steps]
+                d = wgmma_fp8_sync(NC, GB, da, db, Int32(0))
+                for b in cutlass.range_constexpr(GB):
+                    scl = [sS[i, wgi * KBG + gb * GB + b] * pw for i in range(nw)]
+                    for j in cutlass.range_constexpr(NC // 8):
+                        i = (8 * j) // R
+                        for v in cutlass.range_constexpr(2):
+                            acc[2 * j + v] = acc[2 * j + v] + d[b * (NC // 2) + 4 * j + v] * scl[i]
 
         @cute.jit
         def end_wgmma(ptrs, t: Int32, state, scratch):

@@ -85,6 +85,16 @@ def arg_parser(description: str | None = None, out_from_env: bool = True) -> arg
     return ap
 
 
+def parse_overrides(text: str | None) -> dict:
+    """A --set value "key=value,..." -> {key: int where it parses (expert_mma=0), else the string
+    (activation=silu)}: config overrides for a benchmark's cases."""
+    out = {}
+    for kv in filter(None, (text or "").split(",")):
+        k, v = kv.split("=", 1)
+        out[k] = int(v) if v.lstrip("-").isdigit() else v
+    return out
+
+
 def run_record(props, copy_bw: float, results: list, **extra) -> dict:
     """The head of a benchmark's JSON: commit, command, GPU (`props`: torch device properties), SM
     count, copy bandwidth (GB/s), `extra`, torch version, time; then the per-case `results`."""

@@ -6,6 +6,7 @@ softmax with the sink) and the floor: bytes of window + new + compressed KV rows
 not included) / the copy bandwidth measured in this run (bench/common.copy_bandwidth).
 
     python -m bench.dsv4_bench --out bench/results/h200 [--quick] [--match "sublayer csa" ...]
+        [--set fill_stage=0,x_gemv_rows=16]      (DSV4LayerConfig fields for the sublayer cases)
 
 Also the whole SWA / HCA attention sublayer in one launch ("sublayer:" cases, bench_sublayer:
 projections and the output projection included; floor = weights + KV rows read; a timeline at
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, run_cases, timed
+from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, parse_overrides, run_cases, timed
 
 HEADS, HD, W = 8, 512, 128
 
@@ -128,7 +129,9 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     floor: weights + the KV rows the attention reads. `overrides`: DSV4LayerConfig fields. Launches alternate over
     weight copies (rotated_launches: the weights dominate the bytes)."""
     from bench.common import record_timeline, rotated_launches
-    from sdk.megakernel.dsv4_layer import DSV4LayerConfig, build_program, make_inputs, make_weights, reference
+    from sdk.blocks.base import ring_geometry
+    from sdk.megakernel.dsv4_layer import (RECORDS_MARGIN, DSV4LayerConfig, build_program, make_inputs, make_weights,
+                                           reference)
     from sdk.megakernel.runtime import program_runtime
     cfg = DSV4LayerConfig(mode=mode, batch=batch, heads=HEADS, hidden=5120, q_rank=1024, o_rank=1024, window=W,
                           ratio=4 if mode == "csa" else 128, max_seq_len=ctx + 256, num_splits=splits or 0, **overrides)
@@ -142,9 +145,12 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     w = make_weights(cfg, seed=0, device="cuda")
     inp = make_inputs(cfg, starts, seed=1, device="cuda")
     rt = program_runtime(prog, w, inputs={k: v.clone() for k, v in inp.items()})
-    want = reference(cfg, w, inp)
     rt.tensors["resid"].fill_(float("nan"))
     rt.run()
+    # CSA: the attention over the program's own index list, after checking it is a top-k of the
+    # reference's scores up to near-ties (a near-tie swap moves the output by up to ~5e-2 on
+    # random caches and says nothing about the attention; dsv4_layer.reference)
+    want = reference(cfg, w, inp, index=rt.tensors["index"] if mode == "csa" else None)
     x = inp["x"].float()
     d = rt.tensors["resid"] - x
     err = ((d - (want["resid"] - x)).norm() / (want["resid"] - x).norm()).item()
@@ -158,6 +164,7 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     floor_us = (wb + kvb) / (copy_bw * 1e3)
     return {"case": case, "mode": mode, "batch": batch, "context": ctx, "heads": HEADS, "weight_bytes": wb,
             "kv_bytes": kvb, "program_ops": [op.label for op in prog.ops], "decode_stages": dec.stages,
+            "ring_stage_bytes_stages": ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)[:2],
             "num_splits": dec.config.num_splits, "us": us, "gbs": (wb + kvb) / (us * 1e3), "floor_us": floor_us,
             "fraction_of_floor": floor_us / us, "torch_us": torch_us, "torch_timing_mode": torch_mode,
             "torch_graph_us": torch_us if torch_mode == "cuda_graph" else None,
@@ -200,18 +207,27 @@ def bench_one(c, bw, quick, out_dir):
     return bench_case(mode, ctx, batch, bw, quick, splits)
 
 
-def run(out_dir=None, quick=False, match=None):
-    """match: run only the cases whose name contains one of these strings."""
-    todo = [c for c in cases(quick) if not match or any(m in case_name(c) for m in match)]
+def run(out_dir=None, quick=False, match=None, overrides=None):
+    """match: run only the cases whose name contains one of these strings (one ending in "$": whose
+    name ends with it); overrides (DSV4LayerConfig fields): given to every sublayer case."""
+    def matches(name, m):
+        return name.endswith(m[:-1]) if m.endswith("$") else m in name
+    todo = [c for c in cases(quick) if not match or any(matches(case_name(c), m) for m in match)]
+    if overrides:
+        todo = [(*c[:3], c[3] if len(c) > 3 else None, {**(c[4] if len(c) > 4 else {}), **overrides})
+                if c[0].startswith("sublayer:") else c for c in todo]
     return run_cases("dsv4_bench.json", todo, lambda c, bw: bench_one(c, bw, quick, out_dir),
                      case_name, out_dir, case_width=44)
 
 
 def main(argv=None):
     ap = arg_parser(out_from_env=False)
-    ap.add_argument("--match", action="append", help="run only the cases whose name contains this (repeatable)")
+    ap.add_argument("--match", action="append", help="run only the cases whose name contains this "
+                    "(repeatable; a trailing $: whose name ends with it)")
+    ap.add_argument("--set", default="", help="key=value,... : DSV4LayerConfig fields for the sublayer cases "
+                    "(e.g. fill_stage=0,x_gemv_rows=16,decode_stages=2)")
     a = ap.parse_args(argv)
-    run(a.out, a.quick, a.match)
+    run(a.out, a.quick, a.match, parse_overrides(a.set))
 
 
 if __name__ == "__main__":

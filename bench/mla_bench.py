@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, record_timeline, rotated_launches, run_cases, timed
+from bench.common import (L2_FLUSH_BYTES, arg_parser, cu_stream, parse_overrides, record_timeline, rotated_launches,
+                          run_cases, timed)
 
 SHARDS = {   # name: heads, rope, softmax scale
     "kimi_k3_tp8": (12, 64, 192 ** -0.5),
@@ -238,19 +239,23 @@ def run_sublayer_once(build_program, make_weights, make_inputs, cfg, batch: int,
     return prog, w, inp, rt, time.time() - t0
 
 
-def bench_layer_case(shard, ctx, batch, copy_bw):
+def bench_layer_case(shard, ctx, batch, copy_bw, overrides=None):
     """The whole MLA sublayer in one launch (sdk/megakernel/mla_layer.py: norms, q / kv
     projections, RoPE + cache append, attention, o_proj + residual) at a Kimi K3 head shard;
     floor = cache rows + all the sublayer's weights. PyTorch: MLAReference.forward's math on the
     dense cache is not a fair graph (it expands keys); reported without a torch ratio."""
     from sdk.megakernel.mla_attention import MLAAttentionConfig
-    from sdk.megakernel.mla_layer import MLALayerConfig, build_program, make_inputs, make_weights, reference
+    from sdk.blocks.base import ring_geometry
+    from sdk.megakernel.mla_layer import RECORDS_MARGIN, MLALayerConfig, build_program, make_inputs, make_weights, reference
     heads, rope, scale = SHARDS[shard]
     if rope != 64:
         raise ValueError(f"{shard}: the layer case takes the Kimi K3 shards")
     npg = -(-ctx // 64) + 1
+    # overrides: MLALayerConfig fields (gemv_rows) and MLAAttentionConfig fields (decode_stages)
+    ov = dict(overrides or {})
+    layer_ov = {k: ov.pop(k) for k in list(ov) if k in MLALayerConfig.__dataclass_fields__}
     cfg = MLALayerConfig(MLAAttentionConfig(heads=heads, softmax_scale=scale, batch=batch, num_pages=batch * npg,
-                                            max_seq_len=ctx))
+                                            max_seq_len=ctx, **ov), **layer_ov)
     prog, w, inp, rt, compile_s = run_sublayer_once(build_program, make_weights, make_inputs, cfg, batch, ctx)
     err = None
     if batch * ctx <= 8 * 32768:
@@ -265,7 +270,8 @@ def bench_layer_case(shard, ctx, batch, copy_bw):
     floor_us = (kvb + wb) / (copy_bw * 1e3)
     rec = {"case": f"{shard} B={batch} ctx={ctx} sublayer", "shard": shard, "heads": heads, "batch": batch,
            "context": ctx, "program_ops": [op.label for op in prog.ops], "decode_stages": dec.stages,
-           "kv_bytes": kvb, "weight_bytes": wb, "us": us, "gbs": (kvb + wb) / (us * 1e3), "floor_us": floor_us,
+           "ring_stage_bytes_stages": ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)[:2],
+           "config_overrides": overrides or {}, "kv_bytes": kvb, "weight_bytes": wb, "us": us, "gbs": (kvb + wb) / (us * 1e3), "floor_us": floor_us,
            "fraction_of_floor": floor_us / us, "torch_graph_us": None, "speedup_vs_torch_graph": None,
            "timing_mode": mode, "rel_err": err, "compile_s": round(compile_s, 2), "weight_copies": copies,
            "note": "one launch; the new tokens' rows are rewritten each replay (same positions)"}
@@ -326,7 +332,7 @@ def bench_one(c, bw, quick=False, overrides=None, timeline_dir=None):
     if c[3] == "program":
         return bench_program_case(c[0], c[1], c[2], bw)
     if c[3] == "sublayer":
-        return bench_layer_case(c[0], c[1], c[2], bw)
+        return bench_layer_case(c[0], c[1], c[2], bw, overrides)
     if c[3] == "dsa_sublayer":
         tl = os.path.join(timeline_dir, f"timeline_dsa_{c[0]}_b{c[2]}_{c[1]}.json") if timeline_dir else None
         return bench_dsa_layer_case(c[0], c[1], c[2], bw, tl)
@@ -356,8 +362,7 @@ def main(argv=None):
     ap.add_argument("--timeline", action="store_true", help="dsa_sublayer cases: the per-instruction record "
                     "(timeline_dsa_*.json in --out)")
     a = ap.parse_args(argv)
-    overrides = {k: int(v) if v.lstrip("-").isdigit() else v
-                 for k, v in (kv.split("=", 1) for kv in a.set.split(",") if kv)}
+    overrides = parse_overrides(a.set)
     run(a.out, a.quick, parse_cases(a.cases) or None, overrides, timeline=a.timeline and bool(a.out))
 
 

@@ -25,7 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import arg_parser, copy_bandwidth, flush_l2, run_record, summary_lines, timed, write_json
+from bench.common import (arg_parser, copy_bandwidth, flush_l2, parse_overrides, run_record, summary_lines, timed,
+                          write_json)
 
 
 WORKING_SET = 256 << 20        # bytes touched between two uses of one weight copy (>> L2)
@@ -202,14 +203,6 @@ def summary(report) -> str:
     return summary_lines(report, _line)
 
 
-def _override_value(text: str):
-    """--set values: ints where they parse (expert_mma=0, latent=0), else strings (activation=silu)."""
-    try:
-        return int(text)
-    except ValueError:
-        return text
-
-
 def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--cases", default="", help="model:batch:format,... (overrides the default list)")
@@ -224,7 +217,7 @@ def main(argv=None):
         cases = [(c.split(":")[0], int(c.split(":")[1]), c.split(":")[2]) for c in a.cases.split(",")]
     else:
         cases = QUICK_CASES if a.quick else DEFAULT_CASES
-    overrides = {k: _override_value(v) for k, v in (kv.split("=") for kv in a.set.split(",") if kv)}
+    overrides = parse_overrides(a.set)
     # OP_rows=N (OP in moe_layer.ROWS_OPS, e.g. shared_down_rows=32) goes into MoELayerConfig.op_rows
     from sdk.megakernel.moe_layer import ROWS_OPS
     op_rows = tuple((k[:-len("_rows")], overrides.pop(k)) for k in list(overrides)

@@ -16,14 +16,6 @@ import sys
 import torch
 
 
-def _overrides(arg: str | None) -> dict:
-    out = {}
-    for kv in (arg.split(",") if arg else []):
-        k, v = kv.split("=")
-        out[k] = int(v) if v.lstrip("-").isdigit() else v
-    return out
-
-
 def gemv_table(n: int, k: int, m: int, wd: str, ov: dict):
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     from sdk.megakernel.mlp_stack import quantize_fp8
@@ -49,13 +41,13 @@ def kda_table(heads: int, batch: int, ov: dict):
 
 
 def main(argv=None):
-    from bench.common import cu_stream
+    from bench.common import cu_stream, parse_overrides
     from sdk.blocks._cute import standalone
     a = argv if argv is not None else sys.argv[1:]
     if a[0] == "gemv":
-        blk, optab, keep = gemv_table(int(a[1]), int(a[2]), int(a[3]), a[4], _overrides(a[5] if len(a) > 5 else None))
+        blk, optab, keep = gemv_table(int(a[1]), int(a[2]), int(a[3]), a[4], parse_overrides(a[5] if len(a) > 5 else None))
     elif a[0] == "kda":
-        blk, optab, keep = kda_table(int(a[1]), int(a[2]), _overrides(a[3] if len(a) > 3 else None))
+        blk, optab, keep = kda_table(int(a[1]), int(a[2]), parse_overrides(a[3] if len(a) > 3 else None))
     else:
         raise SystemExit(f"unknown block {a[0]!r}: gemv | kda")
     fn = standalone(blk)

@@ -14,13 +14,13 @@ import torch
 
 
 def main(argv=None):
-    from bench.common import cu_stream
+    from bench.common import cu_stream, parse_overrides
     from bench.mla_bench import SHARDS
     from sdk.blocks._cute import standalone
     from sdk.blocks.mla_decode import MLADecodeBlock, MLADecodeConfig, choose_splits, quantize_kv_fp8
     a = argv if argv is not None else sys.argv[1:]
     shard, ctx, batch = a[0], int(a[1]), int(a[2])
-    ov = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in (a[3].split(",") if len(a) > 3 else []) if kv}
+    ov = parse_overrides(a[3] if len(a) > 3 else "")
     heads, rope, scale = SHARDS[shard]
     kv_dtype = "fp8_e4m3" if ov.pop("fp8", 0) else "bf16"
     splits = ov.pop("splits", 0) or choose_splits(batch, ctx)

@@ -163,3 +163,20 @@ def test_batch8_k3_shard_builds_with_balanced_projection_tiles():
     assert {b.config.rows_per_tile for b in gemvs} != {FALLBACK_GEMV_ROWS}
     assert 56 in {b.config.rows_per_tile for b in gemvs}
     assert ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)[1] >= 2
+
+def test_batch1_k3_shard_trades_a_decode_stage_for_a_deeper_weight_ring():
+    """Kimi K3 TP8 at batch 1: 3 decode stages (137 KB) left the projections' ring 2 x 29.6 KB;
+    build_program takes 2 decode stages for a 3-stage ring (RING_STAGES_WANTED; measured faster on
+    the H200), keeping the balanced projection tiles."""
+    from sdk.blocks.base import ring_geometry
+    from sdk.megakernel.mla_attention import MLAAttentionConfig
+    from sdk.megakernel.mla_layer import FALLBACK_GEMV_ROWS, RECORDS_MARGIN, RING_STAGES_WANTED, MLALayerConfig, build_program
+    attn = MLAAttentionConfig(heads=12, batch=1, q_tokens=1, num_pages=513, max_seq_len=32768)
+    prog = build_program(MLALayerConfig(attn))
+    assert [b.stages for b in prog.opcodes.blocks if b.name == "mla_decode"] == [2]
+    assert ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)[1] >= RING_STAGES_WANTED
+    assert 56 in {b.config.rows_per_tile for b in prog.opcodes.blocks if b.stream_chunks()} - {FALLBACK_GEMV_ROWS}
+    # a fixed decode depth that leaves the ring fewer stages is still built when nothing deeper fits
+    shallow = build_program(MLALayerConfig(MLAAttentionConfig(heads=12, batch=8, q_tokens=1, num_pages=8 * 512 + 8,
+                                                              max_seq_len=32768)))
+    assert ring_geometry(shallow.opcodes.blocks, reserved=RECORDS_MARGIN)[1] == 2

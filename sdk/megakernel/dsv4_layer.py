@@ -81,6 +81,10 @@ class DSV4LayerConfig:
     num_sms: int = 132
     x_gemv_rows: int = 0                 # rows per tile of the GEMVs that read x (they run side by
                                          # side); 0: balanced_configs cuts them alike
+    fill_stage: bool = False             # every GEMV's chunk widened to fill the ring's stage (gemv.fill_stage):
+                                         # measured slower on the H200 (2026-12-04, CSA B=1 32K: the
+                                         # x GEMVs' 17 -> 33 KB chunks 97.8 -> 101.6 us; HCA B=1 41.1
+                                         # vs 40.4, noise) - opt-in
 
     @property
     def tokens_total(self) -> int:
@@ -198,10 +202,12 @@ def build_program(cfg: DSV4LayerConfig) -> Program:
     for st in ((cfg.decode_stages,) if cfg.decode_stages else (0, 4, 3, 2)):
         try:
             c = replace(cfg, decode_stages=st)
-            # every GEMV's chunk widened to fill the ring's stage (its widest chunk: the indexer's
-            # q GEMV's 64 rows make 33 KB stages that the other GEMVs' 17 KB chunks half fill)
-            stage = max(b.chunk_bytes() for b in _build(c).opcodes.blocks if b.stream_chunks() > 0)
-            prog = _build(c, stage)
+            # fill_stage: every GEMV's chunk widened to fill the ring's stage (its widest chunk:
+            # the indexer's q GEMV's 64 rows make 33 KB stages that the other GEMVs' 17 KB chunks
+            # half fill)
+            prog = _build(c)
+            if cfg.fill_stage:
+                prog = _build(c, max(b.chunk_bytes() for b in prog.opcodes.blocks if b.stream_chunks() > 0))
             ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)
             return prog
         except UnsupportedConfigError as exc:

@@ -47,6 +47,7 @@ class MLALayerConfig:
     rope_mode: str = "interleaved"      # MLARopeAppendConfig.rope_mode
     eps: float = 1e-6
     rope_scaling: tuple = ()            # RopeSpec.scaling: sorted (key, value) pairs of the HF rope_parameters
+    gemv_rows: int = 0                  # rows per tile of every projection (0: build_program's choice)
 
     def __post_init__(self):
         from ..errors import UnsupportedConfigError
@@ -94,25 +95,31 @@ RECORDS_MARGIN = 4096     # smem the kernel's instruction records take beside th
 # TP8 cut o_proj into 56-row tiles (29.6 KB ring stages) beside 57 KB of staged activations and the
 # decode's 98 KB (measured: the B=8 sublayer bench refused to build)
 FALLBACK_GEMV_ROWS = 16
+# weight-ring stages worth a shallower decode pipeline: Kimi K3 TP8 at batch 1 (32K) took 3 decode
+# stages (137 KB) and left the ring 2 x 29.6 KB - 2 x 16.6 KB of q_a / kv_a in flight; 2 decode
+# stages and a 3-stage ring: 59.4 -> 56.9 us on the H200 (2026-12-04). (16-row projection tiles
+# for a 4-6 stage ring instead measured 63.7 us: more, smaller tiles.)
+RING_STAGES_WANTED = 3
 
 
 def build_program(cfg: MLALayerConfig, builder=None) -> Program:
-    """The sublayer's program, with as many decode pipeline stages (attn.decode_stages down to
-    2) as leave the projections' weight ring 2 stages of shared memory - with the projections'
-    balanced tiles, else with FALLBACK_GEMV_ROWS-row tiles (smaller ring stages); else the ring's
-    error. builder(cfg, gemv_rows) -> Program: `_build` unless given (sdk/megakernel/dsa_layer.py
-    passes one that adds the DSA indexer)."""
+    """The sublayer's program with the projections' balanced tiles, else (no room) with
+    FALLBACK_GEMV_ROWS-row tiles (smaller ring stages); with the deepest decode pipeline
+    (attn.decode_stages down to 2) that leaves their weight ring RING_STAGES_WANTED stages of
+    shared memory, else the deepest that leaves it 2; else the ring's error. builder(cfg, gemv_rows) -> Program:
+    `_build` unless given (sdk/megakernel/dsa_layer.py passes one that adds the DSA indexer)."""
     from ..blocks.base import ring_geometry
     from ..errors import UnsupportedConfigError
     err = None
-    for rows in (0, FALLBACK_GEMV_ROWS):
-        for st in range(cfg.attn.decode_stages, 1, -1):
-            prog = (builder or _build)(replace(cfg, attn=replace(cfg.attn, decode_stages=st)), rows)
-            try:
-                ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)
-                return prog
-            except UnsupportedConfigError as exc:
-                err = exc
+    for rows in ((cfg.gemv_rows,) if cfg.gemv_rows else (0, FALLBACK_GEMV_ROWS)):
+        for want in (RING_STAGES_WANTED, 2):
+            for st in range(cfg.attn.decode_stages, 1, -1):
+                prog = (builder or _build)(replace(cfg, attn=replace(cfg.attn, decode_stages=st)), rows)
+                try:
+                    if ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)[1] >= want:
+                        return prog
+                except UnsupportedConfigError as exc:
+                    err = exc
     raise err
 
 

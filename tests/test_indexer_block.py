@@ -197,11 +197,8 @@ def test_index_list_feeds_dsv4_csa_decode():
 
 
 # ------------------------------------------------------------------ top-k: radix select, ties
-@pytest.mark.parametrize("n,k,mode", [(131072, 2048, "rand"), (40000, 512, "ints"), (300, 512, "rand"),
-                                      (5000, 100, "const"), (4096, 128, "signed_zero"), (1000, 1000, "ints"),
-                                      (1001, 1000, "ints"), (7000, 300, "neg")])
-def test_topk_radix_select_equals_stable_topk(n, k, mode):
-    g = torch.Generator().manual_seed(n + k)
+def topk_scores(n: int, mode: str, g: torch.Generator) -> torch.Tensor:
+    """A score row of n entries for the top-k tests (CPU and GPU)."""
     if mode == "rand":
         s = torch.randn(n, generator=g)
     elif mode == "ints":                    # heavy ties: 16 distinct values
@@ -210,9 +207,28 @@ def test_topk_radix_select_equals_stable_topk(n, k, mode):
         s = torch.full((n,), 3.5)
     elif mode == "neg":
         s = -torch.rand(n, generator=g) - 1e-3
+    elif mode == "index":                   # indexer-like: sums of weighted ReLUs, both signs
+        s = (torch.relu(torch.randn(64, n, generator=g)) * torch.randn(64, 1, generator=g)).sum(0)
+    elif mode == "outlier":                 # one value far above a narrow bulk: one value interval
+        s = 1.0 + 1e-3 * torch.rand(n, generator=g)     # holds nearly every entry
+        s[n // 3] = 1e30
+    elif mode == "huge_range":              # max - min overflows fp32
+        s = torch.randn(n, generator=g)
+        s[1], s[2] = 3e38, -3e38
     else:                                   # +0.0 and -0.0 are ties, some positives above
         s = torch.where(torch.rand(n, generator=g) < 0.5, 0.0, -0.0)
-        s[torch.randperm(n, generator=g)[:k // 2]] = torch.rand(k // 2, generator=g)
+        s[torch.randperm(n, generator=g)[:n // 8]] = torch.rand(n // 8, generator=g)
+    return s
+
+
+@pytest.mark.parametrize("n,k,mode", [(131072, 2048, "rand"), (40000, 512, "ints"), (300, 512, "rand"),
+                                      (5000, 100, "const"), (4096, 128, "signed_zero"), (1000, 1000, "ints"),
+                                      (1001, 1000, "ints"), (7000, 300, "neg"), (8256, 512, "index"),
+                                      (8256, 512, "outlier"), (3000, 64, "huge_range")])
+def test_topk_radix_select_equals_stable_topk(n, k, mode):
+    """The PyVM's device algorithm (value-interval histogram, then radix passes inside the
+    interval) = the definition, on rows where the first interval histogram is skewed or degenerate."""
+    s = topk_scores(n, mode, torch.Generator().manual_seed(n + k))
     blk = TopKBlock(TopKConfig(k=k, batch=1, q_tokens=1, max_entries=n))
     t = {"scores": s.view(1, 1, n), "start": torch.tensor([n - 1], dtype=torch.int32)}
     want = blk.reference(**t)["index"][0, 0]

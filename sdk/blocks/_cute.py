@@ -77,6 +77,13 @@ def bits_to_f32(bits: Int32) -> Float32:
     return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[bits])
 
 
+def redux_u32(x, op: str, dtype=Int32):
+    """Warp-wide unsigned `op` ("max" / "min") of the 32-bit x (redux.sync, sm_80+), as `dtype`
+    (Int32 or Uint32); every lane gets it. A plain helper: the PTX string depends on op."""
+    return cute.arch.inline_ptx(f"redux.sync.{op}.u32 {{$w0}}, {{$r0}}, 0xffffffff;",
+                                write_only_types=[dtype], read_only_args=[x])
+
+
 @cute.jit
 def e4m3x4_to_f16x2x2(word: Int32):
     """Four e4m3 bytes (one 32-bit word) -> two f16x2 words (bytes 0, 1 and 2, 3): two

@@ -213,7 +213,7 @@ class RouterSelectBlock(Block):
         import cutlass.cute as cute
         from cutlass import Float32, Int32
 
-        from ._cute import bits_to_f32, gmem_tensor, write_hit_list
+        from ._cute import bits_to_f32, gmem_tensor, redux_u32, write_hit_list
 
         c = self.config
         E, M, K = c.num_experts, c.m, c.top_k
@@ -264,12 +264,6 @@ class RouterSelectBlock(Block):
                 v = sel_f(take, ov, v)
                 e = sel_i(take, oe, e)
             return v, e
-
-        @cute.jit
-        def redux_u32(x: Int32, op: cutlass.Constexpr) -> Int32:
-            """Warp-wide unsigned max / min of x (redux.sync, sm_80+); every lane gets it."""
-            return cute.arch.inline_ptx(f"redux.sync.{op}.u32 {{$w0}}, {{$r0}}, 0xffffffff;",
-                                        write_only_types=[Int32], read_only_args=[x])
 
         @cute.jit
         def argmax_redux(v: Float32, e: Int32):

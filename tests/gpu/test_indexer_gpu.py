@@ -103,6 +103,26 @@ def test_topk_ties_131072():
     assert torch.equal(t["index"].cpu(), want), f"seed {seed}"
 
 
+@pytest.mark.parametrize("mode", ["index", "outlier", "huge_range", "const", "signed_zero"])
+def test_topk_score_distributions(mode):
+    """V4.1 CSA's row at 32K (8256 entries: the row cached in shared memory) and past the cache
+    (40000), for rows whose value-interval histogram is skewed or degenerate: the definition's
+    exact list."""
+    need_gpu()
+    from sdk.blocks.indexer import TopKBlock, TopKConfig
+    from test_indexer_block import topk_scores
+    seed = clock_seed()
+    for n in (8256, 40000):
+        g = torch.Generator().manual_seed(seed + n)
+        blk = TopKBlock(TopKConfig(k=512, batch=1, max_entries=n))
+        t = {"scores": topk_scores(n, mode, g).view(1, 1, n).cuda(),
+             "start": torch.tensor([n - 1], dtype=torch.int32, device="cuda"),
+             "index": torch.full((1, 1, 512), -7, dtype=torch.int32, device="cuda")}
+        run_standalone(blk, t)
+        want = blk.reference(**{k: v.cpu() for k, v in t.items()})["index"]
+        assert torch.equal(t["index"].cpu(), want), f"n {n}, seed {seed}, cached {blk.cache_row}"
+
+
 def sparse_mla_case(lens, T, seed, splits, heads=8, L=512, width=2048 + 15, page=64, device="cuda"):
     from sdk.blocks.mla_decode import MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig
     g = torch.Generator(device=device).manual_seed(seed)

@@ -226,8 +226,9 @@ def topk_scores(n: int, mode: str, g: torch.Generator) -> torch.Tensor:
                                       (1001, 1000, "ints"), (7000, 300, "neg"), (8256, 512, "index"),
                                       (8256, 512, "outlier"), (3000, 64, "huge_range")])
 def test_topk_radix_select_equals_stable_topk(n, k, mode):
-    """The PyVM's device algorithm (value-interval histogram, then radix passes inside the
-    interval) = the definition, on rows where the first interval histogram is skewed or degenerate."""
+    """The PyVM's device algorithm (radix passes, compaction) = the definition, incl. rows whose
+    histograms are skewed (indexer-like sums, one outlier over a narrow bulk) or whose range
+    overflows fp32."""
     s = topk_scores(n, mode, torch.Generator().manual_seed(n + k))
     blk = TopKBlock(TopKConfig(k=k, batch=1, q_tokens=1, max_entries=n))
     t = {"scores": s.view(1, 1, n), "start": torch.tensor([n - 1], dtype=torch.int32)}

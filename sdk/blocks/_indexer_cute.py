@@ -8,16 +8,11 @@ applies ReLU(. * scale) * w[row] in registers (coordinates from an identity tens
 like the accumulator) and parks the products in shared memory; after one barrier the head sums
 are taken by 1-4 adjacent lanes per (token, entry) (butterfly shuffles) and stored coalesced.
 
-TopK: 256 threads per (sequence, token), on the uint32 image of the scores (u ^ 0xFFFFFFFF for
-negative floats, u | 0x80000000 otherwise: unsigned order = float order). A first pass takes the
-row's largest and smallest key (redux.sync per warp; rows up to TOPK_CACHE_MAX keep their keys in
-shared memory from this pass on); a histogram over 256 equal value intervals of [min, max] finds
-the interval that holds the k-th largest; then 4 passes of 8-bit radix histograms (shared-memory
-atomics) restricted to that interval's entries matching the prefix found so far. (Radix digits
-from the top put most scores in the few bins of their sign and exponent: one bin took 2895 of
-8192 indexer-like scores - same-address atomics in series - where the largest value interval
-holds ~120.) Warp 0 finds each histogram's bin that holds the k-th largest (lane l owns bins
-8l..8l+7, a shuffle suffix sum over lanes). Then the threshold key is exact and `krem` of its ties are
+TopK: 256 threads per (sequence, token). Radix select on the uint32 image of the scores
+(u ^ 0xFFFFFFFF for negative floats, u | 0x80000000 otherwise: unsigned order = float order):
+4 passes of 8-bit histograms (shared-memory atomics) restricted to the entries that match the
+prefix found so far; warp 0 finds the bin that holds the k-th largest (lane l owns bins 8l..8l+7,
+a shuffle suffix sum over lanes). Then the threshold key is exact and `krem` of its ties are
 taken, lowest index first. Compaction: thread i owns a contiguous range of entries, counts
 (> threshold, == threshold), one block-wide exclusive scan (warp shuffles + 8 warp totals) gives
 its output offset; selected entries are written ascending, expanded to `expand` tokens each.
@@ -32,7 +27,7 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 
-from ._cute import TileSmem, bits_to_f32, gmem_tensor, redux_u32, stage_rows_async
+from ._cute import TileSmem, gmem_tensor, stage_rows_async
 from .base import NUM_THREADS
 from .indexer import CHUNK, RADIX_BITS, RADIX_PASSES
 
@@ -226,45 +221,6 @@ def build_topk_tile(block):
         return r
 
     @cute.jit
-    def value_of(key: Uint32) -> Float32:
-        """The fp32 of an ordered key (ordered's inverse; -0.0 comes back as +0.0)."""
-        u = key ^ Uint32(0x80000000)
-        if (key >> Uint32(31)) == Uint32(0):
-            u = key ^ Uint32(0xFFFFFFFF)
-        return bits_to_f32(Int32(u))
-
-    @cute.jit
-    def linear_bin(key: Uint32, vmin: Float32, scale: Float32) -> Int32:
-        """The key's bin of NB equal value intervals over [vmin, vmax] (scale = NB / (vmax - vmin),
-        0 when they are equal): monotone in the key, so a bin is a contiguous key range."""
-        f = (value_of(key) - vmin) * scale
-        return Int32(cutlass.select_(f < Float32(NB - 1), f, Float32(NB - 1)))
-
-    @cute.jit
-    def find_bin(sH, sX, krem: Int32, lane, wid):
-        """Warp 0: the bin holding the krem-th largest counted entry (bin index in sX[0], its rank
-        among that bin's entries in sX[1]) from the histogram sH; then a barrier."""
-        if wid == 0:
-            mine = Int32(0)
-            for i in cutlass.range_constexpr(BPL):
-                mine = mine + sH[lane * BPL + i]
-            incl = mine                  # entries in the bins of lanes >= lane
-            for sh in cutlass.range_constexpr(5):
-                off = 1 << sh
-                v = cute.arch.shuffle_sync_down(incl, offset=off, mask=-1, mask_and_clamp=31)
-                if lane + off < 32:
-                    incl = incl + v
-            above = incl - mine          # entries in higher bins than this lane's
-            for i in cutlass.range_constexpr(BPL):
-                bi = lane * BPL + (BPL - 1 - i)
-                h = sH[bi]
-                if above < krem and above + h >= krem:
-                    sX[0] = bi
-                    sX[1] = krem - above
-                above = above + h
-        cute.arch.sync_threads()
-
-    @cute.jit
     def keys_of(src, b, tq, first: Int32, step: cutlass.Constexpr, end: Int32, spare: Int32,
                 cached: cutlass.Constexpr):
         """The ordered keys of the U entries first + step j (entries past `end` read `spare`
@@ -314,7 +270,6 @@ def build_topk_tile(block):
         smem = TileSmem(scratch, OWN)
         sH = smem.allocate_tensor(Int32, cute.make_layout((NB,)), byte_alignment=16)
         sX = smem.allocate_tensor(Int32, cute.make_layout((2 + 2 * NUM_WARPS,)), byte_alignment=16)
-        sM = smem.allocate_tensor(Uint32, cute.make_layout((2 * NUM_WARPS,)), byte_alignment=16)
         src = mU                          # where the passes read the keys
         if cutlass.const_expr(CACHE):
             sK = smem.allocate_tensor(Uint32, cute.make_layout((E,)), byte_alignment=16)
@@ -328,51 +283,18 @@ def build_topk_tile(block):
         prefix = Uint32(0)
         krem = Int32(K)
 
-        # ---- the row's value range: one read from L2 (the only one with CACHE: the ordered keys
-        # go to shared memory), the largest and smallest key by warp reductions
-        if not take_all:
-            kmax = Uint32(0)
-            kmin = Uint32(0xFFFFFFFF)
-            for base in cutlass.range(tid, n, NUM_THREADS * U, unroll=1):
-                keys = keys_of(mU, b, tq, base, NUM_THREADS, n, Int32(0), False)
-                for j in cutlass.range_constexpr(U):
-                    if base + NUM_THREADS * j < n:
-                        if cutlass.const_expr(CACHE):
+        if cutlass.const_expr(CACHE):
+            # one read of the row from L2 (the only one), as ordered keys into shared memory
+            if not take_all:
+                for base in cutlass.range(tid, n, NUM_THREADS * U, unroll=1):
+                    keys = keys_of(mU, b, tq, base, NUM_THREADS, n, Int32(0), False)
+                    for j in cutlass.range_constexpr(U):
+                        if base + NUM_THREADS * j < n:
                             sK[base + NUM_THREADS * j] = keys[j]
-                        kmax = Uint32(cutlass.select_(keys[j] > kmax, keys[j], kmax))
-                        kmin = Uint32(cutlass.select_(keys[j] < kmin, keys[j], kmin))
-            kmax = redux_u32(kmax, "max", Uint32)
-            kmin = redux_u32(kmin, "min", Uint32)
-            if lane == 0:
-                sM[wid] = kmax
-                sM[NUM_WARPS + wid] = kmin
-            cute.arch.sync_threads()
-            for w in cutlass.range_constexpr(NUM_WARPS):
-                kmax = Uint32(cutlass.select_(sM[w] > kmax, sM[w], kmax))
-                kmin = Uint32(cutlass.select_(sM[NUM_WARPS + w] < kmin, sM[NUM_WARPS + w], kmin))
-            vmin = value_of(kmin)
-            span = value_of(kmax) - vmin
-            scale = Float32(cutlass.select_(span > Float32(0.0), Float32(NB) / span, Float32(0.0)))
+                cute.arch.sync_threads()
 
-            # ---- a first histogram over NB equal value intervals: the exponent and sign bits,
-            # the radix's first digit, put most scores in a few bins (thousands of same-address
-            # shared atomics); value intervals spread them. The bin holding the k-th largest
-            # keeps its rank (krem); the radix passes then count only that bin's entries.
-            sH[tid] = Int32(0)
-            cute.arch.sync_threads()
-            for base in cutlass.range(tid, n, NUM_THREADS * U, unroll=1):
-                keys = keys_of(src, b, tq, base, NUM_THREADS, n, Int32(0), CACHE)
-                for j in cutlass.range_constexpr(U):
-                    if base + NUM_THREADS * j < n:
-                        cute.arch.atomic_add(sH.iterator + linear_bin(keys[j], vmin, scale), Int32(1),
-                                             sem="relaxed", scope="cta")
-            cute.arch.sync_threads()
-            find_bin(sH, sX, krem, lane, wid)
-            lbin = sX[0]
-            krem = sX[1]
-
-            # ---- radix select within that bin: the k-th largest key (prefix) and how many of its
-            # ties to take
+        # ---- radix select: the k-th largest key (prefix) and how many of its ties to take ------
+        if not take_all:
             mask = Uint32(0)
             for p in cutlass.range_constexpr(RADIX_PASSES):
                 shift = 32 - RADIX_BITS * (p + 1)
@@ -383,11 +305,28 @@ def build_topk_tile(block):
                     for j in cutlass.range_constexpr(U):
                         key = keys[j]
                         if (base + NUM_THREADS * j < n) & ((key & mask) == prefix):
-                            if linear_bin(key, vmin, scale) == lbin:
-                                bin_ = Int32((key >> Uint32(shift)) & Uint32(NB - 1))
-                                cute.arch.atomic_add(sH.iterator + bin_, Int32(1), sem="relaxed", scope="cta")
+                            bin_ = Int32((key >> Uint32(shift)) & Uint32(NB - 1))
+                            cute.arch.atomic_add(sH.iterator + bin_, Int32(1), sem="relaxed", scope="cta")
                 cute.arch.sync_threads()
-                find_bin(sH, sX, krem, lane, wid)
+                if wid == 0:
+                    mine = Int32(0)
+                    for i in cutlass.range_constexpr(BPL):
+                        mine = mine + sH[lane * BPL + i]
+                    incl = mine                  # entries in the bins of lanes >= lane
+                    for sh in cutlass.range_constexpr(5):
+                        off = 1 << sh
+                        v = cute.arch.shuffle_sync_down(incl, offset=off, mask=-1, mask_and_clamp=31)
+                        if lane + off < 32:
+                            incl = incl + v
+                    above = incl - mine          # entries in higher bins than this lane's
+                    for i in cutlass.range_constexpr(BPL):
+                        bi = lane * BPL + (BPL - 1 - i)
+                        h = sH[bi]
+                        if above < krem and above + h >= krem:
+                            sX[0] = bi
+                            sX[1] = krem - above
+                        above = above + h
+                cute.arch.sync_threads()
                 krem = sX[1]
                 prefix = prefix | (Uint32(sX[0]) << Uint32(shift))
                 mask = mask | Uint32((NB - 1) << shift)

@@ -29,9 +29,8 @@ Blocks:
   memory; the head sum per (token, entry) by 1-4 lanes each; fp32 scores to global. Entries
   >= n(T-1) of the sequence are not written; entries in [n(t), n(T-1)) get -inf for query t.
 - `TopKBlock`: tile = (sequence b, query token t): the k largest of score[b, t, :n(t)] (ties ->
-  lower index): a histogram over 256 equal value intervals of the row's range, then a 4-pass
-  radix select inside the interval holding the k-th (8-bit histograms in shared memory over the
-  order-preserving uint32 image of the fp32 scores), then one compaction pass over per-thread
+  lower index) by a 4-pass radix select (8-bit histograms in shared memory over the order-
+  preserving uint32 image of the fp32 scores), then one compaction pass over per-thread
   contiguous ranges: the selected entries are written in ascending order, -1 padded. Up to
   2^31 entries per row in principle; tested to 131072.
 
@@ -62,9 +61,7 @@ import torch
 from .base import NUM_THREADS, Block, Cost, OperandSpec
 
 CHUNK = 64                     # entries per pipeline stage: 8 warps x one n8 MMA block each
-TOPK_CACHE_MAX = 64 * 1024     # TopKBlock keeps the score row in shared memory up to this size
-                               # (V4.1 CSA at 32K: 8256 entries, 33 KB - inside the 71 KB arena
-                               # the indexer's score tile takes anyway)
+TOPK_CACHE_MAX = 32 * 1024     # TopKBlock keeps the score row in shared memory up to this size
 RADIX_BITS = 8
 RADIX_PASSES = 32 // RADIX_BITS
 
@@ -251,20 +248,18 @@ class TopKBlock(Block):
         return c.max_entries * 4 <= TOPK_CACHE_MAX if c.cache_row is None else c.cache_row
 
     def own_smem_bytes(self) -> int:
-        # the histogram (one Int32 per thread = bin), 2 + 2 x 8 exchange words and 2 x 8 warp
-        # min / max keys, each 16-B aligned; the cached row's keys
-        return NUM_THREADS * 4 + 256 + (self.config.max_entries * 4 if self.cache_row else 0)
+        # the radix histogram (one Int32 per thread = bin) and 2 + 2 x 8 exchange words, 16-B
+        # aligned; the cached row's keys
+        return NUM_THREADS * 4 + 128 + (self.config.max_entries * 4 if self.cache_row else 0)
 
     def num_tiles(self) -> int:
         return self.config.batch * self.config.q_tokens
 
     def cost(self, entries: int | None = None) -> Cost:
         """Per tile at `entries` visible entries (default max_entries): the score row is read
-        once into shared memory (cache_row) or RADIX_PASSES + 4 times from L2 (resident right after
-        IndexScore wrote it), the list written."""
+        RADIX_PASSES + 1 times (L2-resident right after IndexScore wrote it), the list written."""
         n = entries or self.config.max_entries
-        reads = 1 if self.cache_row else RADIX_PASSES + 4
-        return Cost(bytes=reads * n * 4 + self.width * 4, flops=(RADIX_PASSES + 4) * n)
+        return Cost(bytes=(RADIX_PASSES + 1) * n * 4 + self.width * 4, flops=(RADIX_PASSES + 1) * n)
 
     # -- torch faces ---------------------------------------------------------------------------
     def _expand(self, chosen: torch.Tensor, start: int, tq: int) -> torch.Tensor:
@@ -301,37 +296,10 @@ class TopKBlock(Block):
         u = torch.where(u == 0x80000000, torch.zeros_like(u), u)
         return torch.where(u >= 0x80000000, u ^ 0xFFFFFFFF, u | 0x80000000)
 
-    @staticmethod
-    def value_of(key: torch.Tensor) -> torch.Tensor:
-        """ordered_key's inverse: int64 keys -> fp32 (-0.0 comes back as +0.0)."""
-        u = torch.where(key >= 0x80000000, key ^ 0x80000000, key ^ 0xFFFFFFFF)
-        return torch.where(u >= 2 ** 31, u - 2 ** 32, u).to(torch.int32).view(torch.float32)
-
-    @staticmethod
-    def linear_bins(key: torch.Tensor) -> torch.Tensor:
-        """The first histogram's bins: RADIX_BITS-bit indices of equal value intervals over the
-        row's [min, max] (fp32 as the device computes them); monotone in the key (a range past
-        fp32 puts the values whose distance to the min overflows in the top bin: still monotone)."""
-        nb = 1 << RADIX_BITS
-        v = TopKBlock.value_of(key)
-        vmin = TopKBlock.value_of(key.min().view(1))
-        span = TopKBlock.value_of(key.max().view(1)) - vmin
-        scale = torch.where(span > 0, torch.tensor(float(nb)) / span, torch.zeros(1))
-        f = (v - vmin) * scale                  # NaN where max - min overflowed: the top bin
-        return torch.where(f < nb - 1, f, torch.full_like(f, nb - 1)).long()
-
-    @staticmethod
-    def _find_bin(hist: torch.Tensor, krem: int) -> tuple[int, int]:
-        """(the bin holding the krem-th largest counted entry, its rank in that bin)."""
-        above = hist.flip(0).cumsum(0).flip(0) - hist                 # entries in higher bins
-        j = int(torch.nonzero((above < krem) & (above + hist >= krem)).flatten()[0])
-        return j, krem - int(above[j])
-
     def emulate_tile(self, t, tile):
-        """The device algorithm step by step: one histogram over equal value intervals of the
-        row's range, then RADIX_PASSES radix histograms of the entries in the interval that holds
-        it find the k-th key and how many of its ties to take; per-thread contiguous ranges and one
-        exclusive scan place the selected entries in ascending order."""
+        """The device algorithm step by step: RADIX_PASSES histogram passes find the k-th key and
+        how many of its ties to take; per-thread contiguous ranges and one exclusive scan place
+        the selected entries in ascending order."""
         c = self.config
         b, tq = divmod(tile, c.q_tokens)
         start = int(t["start"][b])
@@ -340,13 +308,13 @@ class TopKBlock(Block):
         take_all = n <= c.k
         prefix, mask, krem = 0, 0, c.k
         if not take_all:
-            bins = self.linear_bins(key)
-            lbin, krem = self._find_bin(torch.bincount(bins, minlength=256), krem)
-            in_bin = key[bins == lbin]
             for p in range(RADIX_PASSES):
                 shift = 32 - RADIX_BITS * (p + 1)
-                cand = in_bin[(in_bin & mask) == prefix]
-                j, krem = self._find_bin(torch.bincount((cand >> shift) & 255, minlength=256), krem)
+                cand = key[(key & mask) == prefix]
+                hist = torch.bincount((cand >> shift) & 255, minlength=256)
+                above = hist.flip(0).cumsum(0).flip(0) - hist                 # entries in higher bins
+                j = int(torch.nonzero((above < krem) & (above + hist >= krem)).flatten()[0])
+                krem -= int(above[j])
                 prefix |= j << shift
                 mask |= 255 << shift
         # compaction (the device: thread i owns a contiguous range; an exclusive scan of the

@@ -105,14 +105,14 @@ def test_topk_ties_131072():
 
 @pytest.mark.parametrize("mode", ["index", "outlier", "huge_range", "const", "signed_zero"])
 def test_topk_score_distributions(mode):
-    """V4.1 CSA's row at 32K (8256 entries: the row cached in shared memory) and past the cache
-    (40000), for rows whose value-interval histogram is skewed or degenerate: the definition's
-    exact list."""
+    """Rows in shared memory (8192 entries, cache_row) and read from L2 (40000), whose histograms
+    are skewed (indexer-like sums, an outlier over a narrow bulk) or degenerate (one value, signed
+    zeros, a range past fp32): the definition's exact list."""
     need_gpu()
     from sdk.blocks.indexer import TopKBlock, TopKConfig
     from test_indexer_block import topk_scores
     seed = clock_seed()
-    for n in (8256, 40000):
+    for n in (8192, 40000):
         g = torch.Generator().manual_seed(seed + n)
         blk = TopKBlock(TopKConfig(k=512, batch=1, max_entries=n))
         t = {"scores": topk_scores(n, mode, g).view(1, 1, n).cuda(),

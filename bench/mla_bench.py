@@ -239,7 +239,7 @@ def run_sublayer_once(build_program, make_weights, make_inputs, cfg, batch: int,
     return prog, w, inp, rt, time.time() - t0
 
 
-def bench_layer_case(shard, ctx, batch, copy_bw, overrides=None):
+def bench_layer_case(shard, ctx, batch, copy_bw, overrides=None, timeline_path=None):
     """The whole MLA sublayer in one launch (sdk/megakernel/mla_layer.py: norms, q / kv
     projections, RoPE + cache append, attention, o_proj + residual) at a Kimi K3 head shard;
     floor = cache rows + all the sublayer's weights. PyTorch: MLAReference.forward's math on the
@@ -267,6 +267,8 @@ def bench_layer_case(shard, ctx, batch, copy_bw, overrides=None):
     launches, copies = rotated_launches(prog, rt, make_weights, cfg, kvb + wb)
     us, mode = timed(launches)
     rt.check()
+    if timeline_path:
+        record_timeline(prog, rt.tensors, timeline_path, f"{shard} B={batch} ctx={ctx} sublayer", us)
     floor_us = (kvb + wb) / (copy_bw * 1e3)
     rec = {"case": f"{shard} B={batch} ctx={ctx} sublayer", "shard": shard, "heads": heads, "batch": batch,
            "context": ctx, "program_ops": [op.label for op in prog.ops], "decode_stages": dec.stages,
@@ -332,7 +334,8 @@ def bench_one(c, bw, quick=False, overrides=None, timeline_dir=None):
     if c[3] == "program":
         return bench_program_case(c[0], c[1], c[2], bw)
     if c[3] == "sublayer":
-        return bench_layer_case(c[0], c[1], c[2], bw, overrides)
+        tl = os.path.join(timeline_dir, f"timeline_mla_{c[0]}_b{c[2]}_{c[1]}.json") if timeline_dir else None
+        return bench_layer_case(c[0], c[1], c[2], bw, overrides, tl)
     if c[3] == "dsa_sublayer":
         tl = os.path.join(timeline_dir, f"timeline_dsa_{c[0]}_b{c[2]}_{c[1]}.json") if timeline_dir else None
         return bench_dsa_layer_case(c[0], c[1], c[2], bw, tl)
@@ -359,8 +362,8 @@ def main(argv=None):
     ap = arg_parser(out_from_env=False)
     ap.add_argument("--cases", default="", help="shard:ctx:batch[:kv|program|sublayer|dsa_sublayer[:T]],... (overrides the default list)")
     ap.add_argument("--set", default="", help="key=value,... : chunk, stages, q_in_regs, splits, min_chunks, cols")
-    ap.add_argument("--timeline", action="store_true", help="dsa_sublayer cases: the per-instruction record "
-                    "(timeline_dsa_*.json in --out)")
+    ap.add_argument("--timeline", action="store_true", help="sublayer / dsa_sublayer cases: the per-instruction "
+                    "record (timeline_mla_*.json / timeline_dsa_*.json in --out)")
     a = ap.parse_args(argv)
     overrides = parse_overrides(a.set)
     run(a.out, a.quick, parse_cases(a.cases) or None, overrides, timeline=a.timeline and bool(a.out))

@@ -4,8 +4,10 @@
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
         --section WarpStateStats python -m bench.profile_block gemv 18432 7168 1 fp8_e4m3 [key=value,...]
     ... python -m bench.profile_block kda 12 64 [v_split=2,...]        (heads, batch)
+    ... python -m bench.profile_block topk 8256 512 [cache_row=0,...]   (entries, k)
 
 gemv: N K M weight-dtype, GemvConfig overrides (e.g. fp8_decode=int); kda: heads batch, KDAConfig
+overrides; topk: one row of `entries` indexer-like scores (sums of weighted ReLUs), TopKConfig
 overrides. Random inputs, no timing, no reference (bench/megakernel_bench.py and bench/kda_bench.py
 check and time the same configurations). MLA decode: bench/profile_mla.py.
 """
@@ -40,6 +42,17 @@ def kda_table(heads: int, batch: int, ov: dict):
     return blk, torch.tensor([t[n].data_ptr() for n in blk.operands()], dtype=torch.int64, device="cuda"), t
 
 
+def topk_table(entries: int, k: int, ov: dict):
+    from sdk.blocks.indexer import TopKBlock, TopKConfig
+    blk = TopKBlock(TopKConfig(k=k, batch=1, max_entries=entries, **ov))
+    g = torch.Generator(device="cuda").manual_seed(entries)
+    w = torch.randn(64, 1, device="cuda", generator=g)
+    scores = (torch.relu(torch.randn(64, entries, device="cuda", generator=g)) * w).sum(0).view(1, 1, entries)
+    t = {"scores": scores, "start": torch.tensor([entries - 1], dtype=torch.int32, device="cuda"),
+         "index": torch.empty(1, 1, blk.width, dtype=torch.int32, device="cuda")}
+    return blk, torch.tensor([t[n].data_ptr() for n in blk.operands()], dtype=torch.int64, device="cuda"), t
+
+
 def main(argv=None):
     from bench.common import cu_stream, parse_overrides
     from sdk.blocks._cute import standalone
@@ -48,8 +61,10 @@ def main(argv=None):
         blk, optab, keep = gemv_table(int(a[1]), int(a[2]), int(a[3]), a[4], parse_overrides(a[5] if len(a) > 5 else None))
     elif a[0] == "kda":
         blk, optab, keep = kda_table(int(a[1]), int(a[2]), parse_overrides(a[3] if len(a) > 3 else None))
+    elif a[0] == "topk":
+        blk, optab, keep = topk_table(int(a[1]), int(a[2]), parse_overrides(a[3] if len(a) > 3 else None))
     else:
-        raise SystemExit(f"unknown block {a[0]!r}: gemv | kda")
+        raise SystemExit(f"unknown block {a[0]!r}: gemv | kda | topk")
     fn = standalone(blk)
     for _ in range(4):
         fn(optab.data_ptr(), cu_stream())

@@ -40,17 +40,18 @@ def test_mla_sublayer_one_launch(T, heads, mode, kvd, scaling):
             rt.tensors[name].fill_(float("nan"))
         rt.run()
         x = inp["x"].float()
-        assert rel_err(rt.tensors["resid"], want) <= 1e-2, f"seed {seed}, launch {launch}"
         if kvd == "fp8_e4m3":
             # An e4m3 element of a new row moves by a whole step (1/16 .. 1/8 of it) wherever the
             # device's bf16 projections land on the other side of a rounding tie than the fp32
             # reference (and a group's scale with its amax): ~1e-2 over the rows, ~2e-2 through a
-            # length-1 sequence's attention (measured 2.03e-2 once). So the new rows are checked
-            # against the reference's own at 3e-2 (PyVM: 1.2e-2), and the attention core over the
-            # rows the kernel wrote.
+            # length-1 sequence's attention (measured 2.03e-2 once; the whole output 1.045e-2 once,
+            # H200 2026-12-04, the length-1 sequence's row alone off). So the new rows are checked
+            # against the reference's own at 3e-2 (PyVM: 1.2e-2), and everything else against the
+            # reference over the rows the kernel wrote.
             err_rows = rel_err(stored_rows(cfg, rt.tensors), ref_rows)
             assert err_rows <= 3e-2, f"seed {seed}, launch {launch}: new fp8 rows rel err {err_rows:.3e}"
             want = reference(cfg, w, inp, stored=rt.tensors)
+        assert rel_err(rt.tensors["resid"], want) <= 1e-2, f"seed {seed}, launch {launch}"
         err = rel_err(rt.tensors["resid"] - x, want - x)
         assert err <= 2e-2, f"seed {seed}, launch {launch}: attention output rel err {err:.3e}"
 

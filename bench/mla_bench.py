@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -282,7 +283,7 @@ def bench_layer_case(shard, ctx, batch, copy_bw, overrides=None, timeline_path=N
     return rec
 
 
-def bench_dsa_layer_case(shard, ctx, batch, copy_bw, timeline_path=None):
+def bench_dsa_layer_case(shard, ctx, batch, copy_bw, timeline_path=None, overrides=None):
     """GLM-5.3's whole DSA sublayer in one launch (sdk/megakernel/dsa_layer.py: the MLA sublayer
     with the lightning indexer - its projections, key-cache append, scores over every pooled key,
     top-k - and the sparse decode over each token's list) at the GLM-5.3 TP8 head shard. Floor =
@@ -295,6 +296,8 @@ def bench_dsa_layer_case(shard, ctx, batch, copy_bw, timeline_path=None):
         raise ValueError(f"{shard}: the DSA sublayer case takes the GLM-5.3 TP8 shard")
     cfg = shard_config(spec_from_config(full()), batch=batch, max_seq_len=ctx,
                        num_pages=batch * -(-ctx // 64) + 4)
+    if overrides:                           # DSALayerConfig fields (e.g. topk_branchless=1)
+        cfg = replace(cfg, **overrides)
     prog, w, inp, rt, compile_s = run_sublayer_once(build_program, make_weights, make_inputs, cfg, batch, ctx)
     err, flips = None, None
     if batch * ctx <= 2 * 32768:            # the reference expands keys and values: small cases only
@@ -338,7 +341,7 @@ def bench_one(c, bw, quick=False, overrides=None, timeline_dir=None):
         return bench_layer_case(c[0], c[1], c[2], bw, overrides, tl)
     if c[3] == "dsa_sublayer":
         tl = os.path.join(timeline_dir, f"timeline_dsa_{c[0]}_b{c[2]}_{c[1]}.json") if timeline_dir else None
-        return bench_dsa_layer_case(c[0], c[1], c[2], bw, tl)
+        return bench_dsa_layer_case(c[0], c[1], c[2], bw, tl, overrides)
     return bench_case(c[0], c[1], c[2], c[3], bw, T=c[4], quick=quick, overrides=overrides)
 
 
@@ -361,7 +364,9 @@ def parse_cases(text: str):
 def main(argv=None):
     ap = arg_parser(out_from_env=False)
     ap.add_argument("--cases", default="", help="shard:ctx:batch[:kv|program|sublayer|dsa_sublayer[:T]],... (overrides the default list)")
-    ap.add_argument("--set", default="", help="key=value,... : chunk, stages, q_in_regs, splits, min_chunks, cols")
+    ap.add_argument("--set", default="", help="key=value,... : decode cases chunk, stages, q_in_regs, splits, "
+                    "min_chunks, cols; sublayer cases MLALayerConfig / MLAAttentionConfig fields (gemv_rows, "
+                    "decode_stages); dsa_sublayer cases DSALayerConfig fields (topk_branchless)")
     ap.add_argument("--timeline", action="store_true", help="sublayer / dsa_sublayer cases: the per-instruction "
                     "record (timeline_mla_*.json / timeline_dsa_*.json in --out)")
     a = ap.parse_args(argv)

@@ -216,6 +216,10 @@ class TopKConfig:
     cache_row: bool | None = None   # the row's ordered keys in shared memory after one read from
                                     # L2 (the other 5 passes read them there); None: when
                                     # max_entries x 4 B <= TOPK_CACHE_MAX
+    branchless: bool = False        # histogram updates as predicated red.shared and the compaction
+                                    # counts as selects: no branch per key (Nsight Compute of the
+                                    # tile: latency-bound, "wait" stalls on per-key chains; not
+                                    # yet measured - opt-in)
 
 
 class TopKBlock(Block):
@@ -371,4 +375,6 @@ def indexer_compile_cases() -> list:
         IndexScoreBlock(IndexScoreConfig(heads=64, batch=8, q_tokens=2, max_entries=32768, ratio=4,
                                          keys_per_tile=1024, stages=3)),
         TopKBlock(TopKConfig(k=512, batch=8, q_tokens=2, max_entries=32768, ratio=4)),
+        # V4.1-Flash CSA at 32K, the row cached, predicated histogram updates (opt-in)
+        TopKBlock(TopKConfig(k=512, batch=1, max_entries=8192, ratio=4, branchless=True)),
     ]

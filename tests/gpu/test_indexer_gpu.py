@@ -103,8 +103,9 @@ def test_topk_ties_131072():
     assert torch.equal(t["index"].cpu(), want), f"seed {seed}"
 
 
+@pytest.mark.parametrize("branchless", [False, True])
 @pytest.mark.parametrize("mode", ["index", "outlier", "huge_range", "const", "signed_zero"])
-def test_topk_score_distributions(mode):
+def test_topk_score_distributions(mode, branchless):
     """Rows in shared memory (8192 entries, cache_row) and read from L2 (40000), whose histograms
     are skewed (indexer-like sums, an outlier over a narrow bulk) or degenerate (one value, signed
     zeros, a range past fp32): the definition's exact list."""
@@ -114,7 +115,7 @@ def test_topk_score_distributions(mode):
     seed = clock_seed()
     for n in (8192, 40000):
         g = torch.Generator().manual_seed(seed + n)
-        blk = TopKBlock(TopKConfig(k=512, batch=1, max_entries=n))
+        blk = TopKBlock(TopKConfig(k=512, batch=1, max_entries=n, branchless=branchless))
         t = {"scores": topk_scores(n, mode, g).view(1, 1, n).cuda(),
              "start": torch.tensor([n - 1], dtype=torch.int32, device="cuda"),
              "index": torch.full((1, 1, 512), -7, dtype=torch.int32, device="cuda")}

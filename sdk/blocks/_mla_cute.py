@@ -624,4 +624,44 @@ def build_head_proj_tile(block):
                     if lane == 0 and m < M:
                         mY[m, h, n] = v.to(BFloat16)
 
-    return tile
+    RIF = c.rows_in_flight
+    RPW = RPT // NUM_WARPS               # rows of a warp: wid, wid + NUM_WARPS, ...
+
+    @cute.jit
+    def tile_in_flight(ptrs, t: Int32, scratch):
+        """rows_in_flight: the lane's x pieces of a token group loaded once for all the tile's
+        rows, then RIF rows' weights issued before any is used (one row at a time made every row
+        a dependent DRAM round trip: the W_UK tiles took 5.7 us on Kimi K3's batch-1 critical
+        path). Pieces past k and tokens past m read clamped addresses and are masked out."""
+        tid, _, _ = cute.arch.thread_idx()
+        lane = tid % 32
+        wid = tid // 32
+        h = t // per
+        j = t % per
+        mX = gmem_tensor(ptrs[0], BFloat16, (M, H, XS // 8, 8), 16)
+        mW = gmem_tensor(ptrs[1], BFloat16, (H, N, KP, 8), 16)
+        mY = gmem_tensor(ptrs[2], BFloat16, (M, H, YS), 2)
+        pcs = [Int32(cutlass.select_(lane + 32 * u < KP, lane + 32 * u, KP - 1)) for u in range(PPL)]
+        oks = [Float32(cutlass.select_(lane + 32 * u < KP, 1.0, 0.0)) for u in range(PPL)]
+        for g in cutlass.range(NGRP, unroll=1):
+            ms = [Int32(cutlass.select_(g * MG + mm < M, g * MG + mm, M - 1)) for mm in range(MG)]
+            xv = [[mX[ms[mm], h, pcs[u], None].load() for u in range(PPL)] for mm in range(MG)]
+            for r0 in cutlass.range(0, RPW, RIF, unroll=1):
+                ns = [j * RPT + wid + NUM_WARPS * (r0 + i) for i in range(RIF)]
+                wv = [[mW[h, ns[i], pcs[u], None].load() for u in range(PPL)] for i in range(RIF)]
+                # every (row, token) sum before any store: the RIF x MG warp reductions interleave
+                sums = []
+                for i in cutlass.range_constexpr(RIF):
+                    for mm in cutlass.range_constexpr(MG):
+                        a = Float32(0.0)
+                        for u in cutlass.range_constexpr(PPL):
+                            d = (wv[i][u].to(Float32) * xv[mm][u].to(Float32)).reduce(cute.ReductionOp.ADD,
+                                                                                    Float32(0.0), 0)
+                            a = a + d * oks[u]
+                        sums.append(cute.arch.warp_reduction_sum(a))
+                for i in cutlass.range_constexpr(RIF):
+                    for mm in cutlass.range_constexpr(MG):
+                        if lane == 0 and g * MG + mm < M:
+                            mY[g * MG + mm, h, ns[i]] = sums[i * MG + mm].to(BFloat16)
+
+    return tile_in_flight if RIF else tile

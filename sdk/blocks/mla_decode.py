@@ -562,6 +562,9 @@ class MLAHeadProjConfig:
     x_stride: int = 0                   # elements between heads' x rows (0 = k)
     y_stride: int = 0                   # elements between heads' y rows (0 = n)
     rows_per_tile: int = 64
+    rows_in_flight: int = 0             # rows a warp loads before using any, x loaded once per tile
+                                        # (0: one row at a time, the measured form - each row a
+                                        # dependent weight load; opt-in until measured)
 
 
 class MLAHeadProjBlock(Block):
@@ -588,6 +591,9 @@ class MLAHeadProjBlock(Block):
             self.unsupported(f"mla_head_proj: n={c.n}, rows_per_tile={c.rows_per_tile}")
         if not 1 <= c.m <= 64:
             self.unsupported(f"mla_head_proj: m={c.m} (supported 1..64)")
+        if c.rows_in_flight and (c.rows_per_tile // NUM_WARPS) % c.rows_in_flight:
+            self.unsupported(f"mla_head_proj: rows_in_flight={c.rows_in_flight} must divide a warp's "
+                             f"{c.rows_per_tile // NUM_WARPS} rows")
         if self.xs < c.k or self.ys < c.n or self.xs % 8 or self.ys % 2:
             self.unsupported("mla_head_proj: strides must be >= the row widths, x 8-aligned")
 
@@ -680,6 +686,8 @@ def mla_compile_cases() -> list:
         MLACombineBlock(MLACombineConfig(heads=12, batch=1, num_splits=132)),
         MLAHeadProjBlock(MLAHeadProjConfig(heads=12, n=512, k=128, m=8, y_stride=576)),   # W_UK
         MLAHeadProjBlock(MLAHeadProjConfig(heads=12, n=128, k=512, m=8, rows_per_tile=32)),  # W_UV
+        MLAHeadProjBlock(MLAHeadProjConfig(heads=12, n=512, k=128, m=1, y_stride=576, rows_in_flight=8)),
+        MLAHeadProjBlock(MLAHeadProjConfig(heads=12, n=128, k=512, m=8, rows_per_tile=32, rows_in_flight=4)),
         # GLM-5.3 DSA TP8: NoPE, 8 heads over the 2048 + 15 tokens of each query's index list
         MLADecodeBlock(MLADecodeConfig(heads=8, softmax_scale=256 ** -0.5, rope=0, batch=8, q_tokens=2,
                                        num_splits=4, num_pages=16384, max_seq_len=131072, chunk=64,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..blocks.base import NUM_THREADS
 from ..blocks.mla_decode import (MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig,
                                  MLAHeadProjBlock, MLAHeadProjConfig, absorb_weights, choose_splits)
 from .program import Program
@@ -44,10 +45,18 @@ class MLAAttentionConfig:
     # the decode tile's KV pipeline: in the persistent CTA its shared memory sits beside the
     # instruction records and the other tiles' allocations, so fewer stages than standalone
     decode_stages: int = 3
+    head_proj_in_flight: bool = False   # W_UK / W_UV tiles load all their rows' weights at once
+                                        # (MLAHeadProjConfig.rows_in_flight; opt-in until measured)
 
     @property
     def tokens(self) -> int:
         return self.batch * self.q_tokens
+
+    def head_proj(self, n: int, k: int, rows_per_tile: int = 64, **kw) -> MLAHeadProjBlock:
+        """The W_UK / W_UV per-head GEMV block: `n` output features per head over `k`, for every token."""
+        rif = rows_per_tile // (NUM_THREADS // 32) if self.head_proj_in_flight else 0
+        return MLAHeadProjBlock(MLAHeadProjConfig(heads=self.heads, n=n, k=k, m=self.tokens,
+                                                  rows_per_tile=rows_per_tile, rows_in_flight=rif, **kw))
 
     @property
     def d_qk(self) -> int:
@@ -99,7 +108,7 @@ def add_attention_core(prog: Program, cfg: MLAAttentionConfig, dec: MLADecodeBlo
                                             num_splits=cfg.splits))
     comb_op = prog.op(comb, {"o_part": "o_part", "lse_part": "lse_part", "out": "o_lat", "lse": "lse"},
                       waits=[dec_op], label="attn.combine")
-    uv = MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=cfg.v, k=L, m=M, rows_per_tile=32))
+    uv = cfg.head_proj(cfg.v, L, rows_per_tile=32)
     return prog.op(uv, {"x": "o_lat", "w": "w_uv", "y": "o"}, waits=[comb_op], label="attn.w_uv")
 
 
@@ -110,7 +119,7 @@ def build_program(cfg: MLAAttentionConfig) -> Program:
     prog.buffer("q", (cfg.batch, cfg.q_tokens, H, cfg.d_qk), "bf16", "input")      # rope columns given
     dec = add_cache_inputs(prog, cfg)
     prog.buffer("w_uk_t", (H, L, cfg.nope), "bf16", "weight")
-    uk = MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=L, k=cfg.nope, m=M, y_stride=cfg.d_qk))
+    uk = cfg.head_proj(L, cfg.nope, y_stride=cfg.d_qk)
     uk_op = prog.op(uk, {"x": "q_nope", "w": "w_uk_t", "y": "q"}, label="attn.w_uk")
     add_attention_core(prog, cfg, dec, [uk_op])
     return prog

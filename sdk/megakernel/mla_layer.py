@@ -29,7 +29,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..blocks.gemv import GemvConfig
-from ..blocks.mla_decode import MLAHeadProjBlock, MLAHeadProjConfig
 from ..blocks.mla_prologue import MLARopeAppendBlock, MLARopeAppendConfig
 from . import mla_attention as mla
 from .mlp_stack import gemv_block
@@ -165,7 +164,7 @@ def _build(cfg: MLALayerConfig, gemv_rows: int = 0, extend=None) -> Program:
     if dec.fp8:
         rb["kv_scale"] = "kv_scale"
     ra = prog.op(rope, rb, waits=[kva, qb], label="attn.rope_append")
-    uk = prog.op(MLAHeadProjBlock(MLAHeadProjConfig(heads=H, n=L, k=a.nope, m=M, x_stride=cfg.q_width, y_stride=a.d_qk)),
+    uk = prog.op(a.head_proj(L, a.nope, x_stride=cfg.q_width, y_stride=a.d_qk),
                  {"x": "q_raw", "w": "w_uk_t", "y": "q"}, waits=[qb], label="attn.w_uk")
     waits = [ra, uk]
     if extend is not None:

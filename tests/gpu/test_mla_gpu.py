@@ -161,14 +161,21 @@ def test_pool_past_two_to_the_31_elements(cols):
     torch.cuda.empty_cache()
 
 
-def test_head_proj_blocks():
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_head_proj_blocks(in_flight):
     """W_UK absorption writes the first kv_lora columns of the query rows; W_UV maps the latent
-    output to v per head."""
+    output to v per head. in_flight: every row of a warp loaded at once (rows_in_flight)."""
     need_gpu()
+    from dataclasses import replace
+
     from sdk.blocks.mla_decode import MLAHeadProjBlock, MLAHeadProjConfig
     for cfg in (MLAHeadProjConfig(heads=12, n=512, k=128, m=8, y_stride=576),
                 MLAHeadProjConfig(heads=8, n=256, k=512, m=3, rows_per_tile=32),
-                MLAHeadProjConfig(heads=6, n=512, k=128, m=64, y_stride=576)):
+                MLAHeadProjConfig(heads=6, n=512, k=128, m=64, y_stride=576),
+                MLAHeadProjConfig(heads=12, n=512, k=128, m=1, x_stride=192, y_stride=576),
+                MLAHeadProjConfig(heads=12, n=128, k=512, m=9, rows_per_tile=32)):
+        if in_flight:
+            cfg = replace(cfg, rows_in_flight=cfg.rows_per_tile // 8)
         blk = MLAHeadProjBlock(cfg)
         t = {"x": torch.randn(cfg.m, cfg.heads, blk.xs, device="cuda").to(torch.bfloat16),
              "w": (torch.randn(cfg.heads, cfg.n, cfg.k, device="cuda") * cfg.k ** -0.5).to(torch.bfloat16),

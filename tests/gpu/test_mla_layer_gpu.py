@@ -15,10 +15,11 @@ YARN = (("factor", 4.0), ("mscale", 1.0), ("mscale_all_dim", 1.0), ("original_ma
         ("rope_type", "yarn"))
 
 
-@pytest.mark.parametrize("T,heads,mode,kvd,scaling", [(1, 12, "interleaved", "bf16", ()), (2, 6, "halves", "bf16", ()),
-                                                      (1, 12, "interleaved", "fp8_e4m3", ()),
-                                                      (1, 12, "interleaved", "bf16", YARN)])
-def test_mla_sublayer_one_launch(T, heads, mode, kvd, scaling):
+@pytest.mark.parametrize("T,heads,mode,kvd,scaling,in_flight", [
+    (1, 12, "interleaved", "bf16", (), False), (2, 6, "halves", "bf16", (), False),
+    (1, 12, "interleaved", "fp8_e4m3", (), False), (1, 12, "interleaved", "bf16", YARN, False),
+    (2, 6, "halves", "bf16", (), True)])
+def test_mla_sublayer_one_launch(T, heads, mode, kvd, scaling, in_flight):
     need_gpu()
     from sdk.megakernel.mla_attention import MLAAttentionConfig
     from sdk.megakernel.mla_layer import (MLALayerConfig, build_program, make_inputs, make_weights, reference,
@@ -26,7 +27,7 @@ def test_mla_sublayer_one_launch(T, heads, mode, kvd, scaling):
     seed = clock_seed()
     lens = [T, 3001, 9000]
     attn = MLAAttentionConfig(heads=heads, batch=3, q_tokens=T, num_pages=sum(-(-x // 64) for x in lens) + 4,
-                              max_seq_len=9000, kv_dtype=kvd)
+                              max_seq_len=9000, kv_dtype=kvd, head_proj_in_flight=in_flight)
     cfg = MLALayerConfig(attn, rope_mode=mode, rope_scaling=scaling)      # YaRN: host tables + scale
     prog = build_program(cfg)
     w = make_weights(cfg, seed=seed, device="cuda")

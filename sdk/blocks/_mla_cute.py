@@ -586,15 +586,17 @@ def build_head_proj_tile(block):
     per = N // RPT
 
     @cute.jit
-    def tile(ptrs, t: Int32, scratch):
+    def views(ptrs, t: Int32):
+        """(lane, warp, head, row block of the head, x, w, y views) of tile t."""
         tid, _, _ = cute.arch.thread_idx()
-        lane = tid % 32
-        wid = tid // 32
-        h = t // per
-        j = t % per
-        mX = gmem_tensor(ptrs[0], BFloat16, (M, H, XS // 8, 8), 16)
-        mW = gmem_tensor(ptrs[1], BFloat16, (H, N, KP, 8), 16)
-        mY = gmem_tensor(ptrs[2], BFloat16, (M, H, YS), 2)
+        return (tid % 32, tid // 32, t // per, t % per,
+                gmem_tensor(ptrs[0], BFloat16, (M, H, XS // 8, 8), 16),
+                gmem_tensor(ptrs[1], BFloat16, (H, N, KP, 8), 16),
+                gmem_tensor(ptrs[2], BFloat16, (M, H, YS), 2))
+
+    @cute.jit
+    def tile(ptrs, t: Int32, scratch):
+        lane, wid, h, j, mX, mW, mY = views(ptrs, t)
         acc = cute.make_rmem_tensor((MG,), Float32)
         for r in cutlass.range(wid, RPT, NUM_WARPS, unroll=1):
             n = j * RPT + r
@@ -633,14 +635,7 @@ def build_head_proj_tile(block):
         rows, then RIF rows' weights issued before any is used (one row at a time made every row
         a dependent DRAM round trip: the W_UK tiles took 5.7 us on Kimi K3's batch-1 critical
         path). Pieces past k and tokens past m read clamped addresses and are masked out."""
-        tid, _, _ = cute.arch.thread_idx()
-        lane = tid % 32
-        wid = tid // 32
-        h = t // per
-        j = t % per
-        mX = gmem_tensor(ptrs[0], BFloat16, (M, H, XS // 8, 8), 16)
-        mW = gmem_tensor(ptrs[1], BFloat16, (H, N, KP, 8), 16)
-        mY = gmem_tensor(ptrs[2], BFloat16, (M, H, YS), 2)
+        lane, wid, h, j, mX, mW, mY = views(ptrs, t)
         pcs = [Int32(cutlass.select_(lane + 32 * u < KP, lane + 32 * u, KP - 1)) for u in range(PPL)]
         oks = [Float32(cutlass.select_(lane + 32 * u < KP, 1.0, 0.0)) for u in range(PPL)]
         for g in cutlass.range(NGRP, unroll=1):

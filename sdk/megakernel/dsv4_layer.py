@@ -82,6 +82,8 @@ class DSV4LayerConfig:
     num_sms: int = 132
     x_gemv_rows: int = 0                 # rows per tile of the GEMVs that read x (they run side by
                                          # side); 0: balanced_configs cuts them alike
+    index_q_rows: int = 0                # rows per tile of the indexer's q GEMV (0: balanced - 64 rows at
+                                         # V4.1 TP8, whose 33 KB chunks set the ring's stage size)
     fill_stage: bool = False             # every GEMV's chunk widened to fill the ring's stage (gemv.fill_stage):
                                          # measured slower on the H200 (2026-12-04, CSA B=1 32K: the
                                          # x GEMVs' 17 -> 33 KB chunks 97.8 -> 101.6 us; HCA B=1 41.1
@@ -292,7 +294,7 @@ def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
             prog.buffer(name, shape, dtype)
         ikeys = compressor("i_", 2 * ihd, blk["i_compress"], blk["i_compress_norm"], "i_", "index_keys", "i_")
         iw = from_x(ih, "w_iw", "iw", "v4.i_weights", out_dtype="fp32")
-        iqg = prog.op(gemv(ih * ihd, cfg.q_rank, norm=True),
+        iqg = prog.op(gemv(ih * ihd, cfg.q_rank, cfg.index_q_rows, norm=True),
                       {"w": "w_iq", "x": "q_a", "norm_weight": "q_a_norm", "y": "iq_raw"}, waits=[qa], label="v4.i_q")
         iq = prog.op(blk["index_q"], {"q_raw": "iq_raw", "cos": "i_cos", "sin": "i_sin", "q": "iq"}, waits=[iqg],
                      label="v4.i_rope")

@@ -206,7 +206,7 @@ def build_topk_tile(block):
     # CSA top-k of 8192 entries at batch 1, one tile in the sublayer: 41.6 -> 27.1 us on the
     # H200). Warp-aggregated histogram atomics (match.any, one add per distinct bin) measured
     # slower still (30.8 us): not kept.
-    U = 8
+    U = c.loads                          # TopKConfig.loads (default 8)
     CACHE = block.cache_row               # the ordered keys in shared memory after the first read
     BRANCHLESS = c.branchless             # predicated histogram updates and counts (no branch per key)
 

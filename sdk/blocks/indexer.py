@@ -216,6 +216,10 @@ class TopKConfig:
     cache_row: bool | None = None   # the row's ordered keys in shared memory after one read from
                                     # L2 (the other 5 passes read them there); None: when
                                     # max_entries x 4 B <= TOPK_CACHE_MAX
+    loads: int = 8                  # score loads a thread issues before using any, per loop trip
+                                    # (8 measured: 41.6 -> 27.1 us at 8256 entries; each trip of a
+                                    # pass is an L2 round trip, ~n / (256 x loads) trips per pass:
+                                    # 32 makes one at 8192 entries - not yet measured)
     branchless: bool = False        # histogram updates as predicated red.shared and the compaction
                                     # counts as selects: no branch per key (Nsight Compute of the
                                     # tile: latency-bound, "wait" stalls on per-key chains; not
@@ -237,6 +241,8 @@ class TopKBlock(Block):
             self.unsupported(f"index_topk: k={c.k} (supported 1..4096)")
         if c.ratio < 1 or c.expand < 1 or c.max_entries < 1 or c.batch < 1 or c.q_tokens < 1:
             self.unsupported("index_topk: ratio, expand, max_entries, batch, q_tokens >= 1")
+        if not 1 <= c.loads <= 64:
+            self.unsupported(f"index_topk: loads={c.loads} (supported 1..64)")
         if c.tail and c.expand != c.ratio:
             self.unsupported("index_topk: the tail is the incomplete pool: needs expand == ratio (kpool)")
 
@@ -375,6 +381,6 @@ def indexer_compile_cases() -> list:
         IndexScoreBlock(IndexScoreConfig(heads=64, batch=8, q_tokens=2, max_entries=32768, ratio=4,
                                          keys_per_tile=1024, stages=3)),
         TopKBlock(TopKConfig(k=512, batch=8, q_tokens=2, max_entries=32768, ratio=4)),
-        # V4.1-Flash CSA at 32K, the row cached, predicated histogram updates (opt-in)
-        TopKBlock(TopKConfig(k=512, batch=1, max_entries=8192, ratio=4, branchless=True)),
+        # V4.1-Flash CSA at 32K, the row cached, predicated histogram updates, 32 loads a trip (opt-in)
+        TopKBlock(TopKConfig(k=512, batch=1, max_entries=8192, ratio=4, branchless=True, loads=32)),
     ]

@@ -77,6 +77,7 @@ class DSV4LayerConfig:
                                          # with chunk 32 the decode's 87 KB leaves batch 8 no ring stages)
     index_stages: int = 2                # the indexer score tile's pipeline stages
     topk_branchless: bool = False        # TopKConfig.branchless (opt-in until measured)
+    topk_loads: int = 8                  # TopKConfig.loads (opt-in above 8 until measured)
     decode_stages: int = 0               # the decode core's pipeline stages (0: its auto; build_program
                                          # lowers them until the projections' weight ring fits beside)
     num_sms: int = 132
@@ -158,7 +159,7 @@ class DSV4LayerConfig:
                 scale=(ihd * ih) ** -0.5, keys_per_tile=choose_keys_per_tile(B, E, self.num_sms),
                 stages=self.index_stages))
             out["topk"] = TopKBlock(TopKConfig(k=self.topk, batch=B, q_tokens=T, max_entries=E, ratio=self.ratio,
-                                               branchless=self.topk_branchless))
+                                               branchless=self.topk_branchless, loads=self.topk_loads))
         return out
 
     def weight_shapes(self) -> dict:

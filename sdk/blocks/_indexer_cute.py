@@ -201,12 +201,12 @@ def build_topk_tile(block):
     NB = 1 << RADIX_BITS
     BPL = NB // 32                       # histogram bins per lane of warp 0
     assert NB == NUM_THREADS             # one bin per thread when clearing
-    # entries a thread loads back to back before using them: every pass reads the score row from
-    # L2, and one load per loop trip made each pass a chain of ~n / 256 round trips (the V4.1
-    # CSA top-k of 8192 entries at batch 1, one tile in the sublayer: 41.6 -> 27.1 us on the
-    # H200). Warp-aggregated histogram atomics (match.any, one add per distinct bin) measured
-    # slower still (30.8 us): not kept.
-    U = c.loads                          # TopKConfig.loads (default 8)
+    # entries a thread loads back to back before using them (TopKConfig.loads): every pass reads
+    # the score row from L2, and one load per loop trip made each pass a chain of ~n / 256 round
+    # trips (the V4.1 CSA top-k of 8192 entries at batch 1, one tile in the sublayer: 41.6 ->
+    # 27.1 us on the H200 with 8). Warp-aggregated histogram atomics (match.any, one add per
+    # distinct bin) measured slower still (30.8 us): not kept.
+    U = c.loads
     CACHE = block.cache_row               # the ordered keys in shared memory after the first read
     BRANCHLESS = c.branchless             # predicated histogram updates and counts (no branch per key)
 

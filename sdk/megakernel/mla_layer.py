@@ -111,14 +111,17 @@ def build_program(cfg: MLALayerConfig, builder=None) -> Program:
     from ..errors import UnsupportedConfigError
     err = None
     for rows in ((cfg.gemv_rows,) if cfg.gemv_rows else (0, FALLBACK_GEMV_ROWS)):
+        fitting = []                    # (program, its ring's stages), deepest decode first
+        for st in range(cfg.attn.decode_stages, 1, -1):
+            prog = (builder or _build)(replace(cfg, attn=replace(cfg.attn, decode_stages=st)), rows)
+            try:
+                fitting.append((prog, ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)[1]))
+            except UnsupportedConfigError as exc:
+                err = exc
         for want in (RING_STAGES_WANTED, 2):
-            for st in range(cfg.attn.decode_stages, 1, -1):
-                prog = (builder or _build)(replace(cfg, attn=replace(cfg.attn, decode_stages=st)), rows)
-                try:
-                    if ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)[1] >= want:
-                        return prog
-                except UnsupportedConfigError as exc:
-                    err = exc
+            for prog, stages in fitting:
+                if stages >= want:
+                    return prog
     raise err
 
 

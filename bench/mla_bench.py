@@ -296,7 +296,7 @@ def bench_dsa_layer_case(shard, ctx, batch, copy_bw, timeline_path=None, overrid
         raise ValueError(f"{shard}: the DSA sublayer case takes the GLM-5.3 TP8 shard")
     cfg = shard_config(spec_from_config(full()), batch=batch, max_seq_len=ctx,
                        num_pages=batch * -(-ctx // 64) + 4)
-    if overrides:       # DSALayerConfig fields (topk_branchless=1) or its attention's (head_proj_in_flight=1)
+    if overrides:       # DSALayerConfig fields or its attention's (head_proj_in_flight=1)
         ov = dict(overrides)
         attn_ov = {k: ov.pop(k) for k in list(ov) if k in type(cfg.mla.attn).__dataclass_fields__}
         cfg = replace(cfg, mla=replace(cfg.mla, attn=replace(cfg.mla.attn, **attn_ov)), **ov)
@@ -369,7 +369,7 @@ def main(argv=None):
     ap.add_argument("--set", default="", help="key=value,... : decode cases chunk, stages, q_in_regs, splits, "
                     "min_chunks, cols; sublayer cases MLALayerConfig / MLAAttentionConfig fields (gemv_rows, "
                     "decode_stages, head_proj_in_flight); dsa_sublayer cases DSALayerConfig / MLAAttentionConfig "
-                    "fields (topk_branchless, head_proj_in_flight)")
+                    "fields (index_stages, decode_chunk, head_proj_in_flight)")
     ap.add_argument("--timeline", action="store_true", help="sublayer / dsa_sublayer cases: the per-instruction "
                     "record (timeline_mla_*.json / timeline_dsa_*.json in --out)")
     a = ap.parse_args(argv)

@@ -52,8 +52,6 @@ def hopper_block_cases():
         GemvBlock(GemvConfig(n=7168, k=2048, m=1, rows_per_tile=64, weight_dtype="fp8_e4m3", fp8_decode="wgmma")),
         GemvBlock(GemvConfig(n=2048, k=7168, m=2, rows_per_tile=16, weight_dtype="fp8_e4m3", fp8_decode="wgmma",
                              swiglu=True, norm=True, residual="bf16")),
-        GemvBlock(GemvConfig(n=18432, k=7168, m=1, rows_per_tile=32, weight_dtype="fp8_e4m3", fp8_decode="wgmma",
-                             x_smem_max=16 * 1024)),     # x staged per 1024 columns: a deeper ring
     ]
 
 

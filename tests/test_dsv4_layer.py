@@ -114,18 +114,3 @@ def test_v41_tp8_megakernel_compiles(mode, ratio):
                           max_seq_len=16384)
     prog = build_program(cfg)
     compile_megakernel(prog.opcodes.blocks, 132, schedule(prog, 132).max_len, timing=False, arch="sm_90a")
-
-
-def test_csa_index_q_rows_deepen_the_weight_ring():
-    """CSA at batch 1: the indexer's q GEMV's balanced 64-row tiles make 33 KB chunks, so every
-    ring stage is 33 KB and the x GEMVs' 17 KB chunks half fill 4 of them; index_q_rows=32 (opt-in,
-    not yet measured) gives 21 KB stages (o_b's) and 6 of them."""
-    from sdk.blocks.base import ring_geometry
-    from sdk.megakernel.dsv4_layer import RECORDS_MARGIN
-    v41 = dict(heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, max_seq_len=32768, mode="csa", ratio=4)
-    base = ring_geometry(build_program(DSV4LayerConfig(batch=1, **v41)).opcodes.blocks, reserved=RECORDS_MARGIN)
-    prog = build_program(DSV4LayerConfig(batch=1, index_q_rows=32, **v41))
-    stage, stages, _ = ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)
-    assert base[0] > 33000 and base[1] == 4
-    assert stage < 22000 and stages >= 6
-    assert next(op.block for op in prog.ops if op.label == "v4.i_q").config.rows_per_tile == 32

@@ -172,18 +172,3 @@ def test_wgmma_fp8_config():
     assert not GemvBlock(GemvConfig(n=7168, k=2048, m=1, fp8_decode="wgmma")).wgmma
     with pytest.raises(UnsupportedConfigError, match="wgmma: m=5"):
         GemvBlock(GemvConfig(n=7168, k=2048, m=5, rows_per_tile=64, weight_dtype="fp8_e4m3", fp8_decode="wgmma"))
-
-
-def test_x_smem_max_trades_x_staging_for_ring_stages():
-    """GemvConfig.x_smem_max: wgmma's x pieces take 8 x K bytes (56 KB at K = 7168) and leave the
-    standalone ring 3 stages (two CTAs per SM); staged per 1024 columns they take 8 KB and the
-    ring gets 6; in the one-launch fp8 stack 6 stages instead of 4."""
-    from sdk.blocks.base import coresident_stages, ring_geometry
-    from sdk.megakernel.mlp_stack import MLPStackConfig, build_program
-    kw = dict(n=18432, k=7168, m=1, rows_per_tile=32, weight_dtype="fp8_e4m3", fp8_decode="wgmma")
-    whole, blocks = GemvBlock(GemvConfig(**kw)), GemvBlock(GemvConfig(**kw, x_smem_max=16 * 1024))
-    assert whole.x_block == 7168 and blocks.x_block == 1024
-    assert coresident_stages([whole]) == 3 and coresident_stages([blocks]) == 6
-    stack = dict(intermediate=2048, layers=2, batch=1, weight_dtype="fp8_e4m3", fp8_decode="wgmma")
-    assert ring_geometry(build_program(MLPStackConfig(**stack)).opcodes.blocks)[1] == 4
-    assert ring_geometry(build_program(MLPStackConfig(**stack, x_smem_max=16 * 1024)).opcodes.blocks)[1] == 6

@@ -85,15 +85,6 @@ def redux_u32(x, op: str, dtype=Int32):
 
 
 @cute.jit
-def red_shared_add_if(cond: Int32, addr: Int32):
-    """+1 to the shared-memory Int32 at `addr` (a shared-window address) where cond != 0: one
-    predicated red.shared - no branch around it, so a thread's independent updates issue back to
-    back (a DSL `if` around an atomic compiles to a branch per update)."""
-    cute.arch.inline_ptx("{ .reg .pred p; setp.ne.b32 p, {$r0}, 0; @p red.shared.add.u32 [{$r1}], 1; }",
-                         read_only_args=[cond, addr])
-
-
-@cute.jit
 def e4m3x4_to_f16x2x2(word: Int32):
     """Four e4m3 bytes (one 32-bit word) -> two f16x2 words (bytes 0, 1 and 2, 3): two
     cvt.rn.f16x2.e4m3x2, exact (every e4m3 value is an f16)."""

@@ -27,7 +27,7 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 
-from ._cute import TileSmem, gmem_tensor, red_shared_add_if, stage_rows_async
+from ._cute import TileSmem, gmem_tensor, stage_rows_async
 from .base import NUM_THREADS
 from .indexer import CHUNK, RADIX_BITS, RADIX_PASSES
 
@@ -208,7 +208,6 @@ def build_topk_tile(block):
     # distinct bin) measured slower still (30.8 us): not kept.
     U = c.loads
     CACHE = block.cache_row               # the ordered keys in shared memory after the first read
-    BRANCHLESS = c.branchless             # predicated histogram updates and counts (no branch per key)
 
     @cute.jit
     def ordered(u: Uint32) -> Uint32:
@@ -270,7 +269,6 @@ def build_topk_tile(block):
 
         smem = TileSmem(scratch, OWN)
         sH = smem.allocate_tensor(Int32, cute.make_layout((NB,)), byte_alignment=16)
-        sH_addr = Int32(sH.iterator.toint())
         sX = smem.allocate_tensor(Int32, cute.make_layout((2 + 2 * NUM_WARPS,)), byte_alignment=16)
         src = mU                          # where the passes read the keys
         if cutlass.const_expr(CACHE):
@@ -306,14 +304,9 @@ def build_topk_tile(block):
                     keys = keys_of(src, b, tq, base, NUM_THREADS, n, Int32(0), CACHE)
                     for j in cutlass.range_constexpr(U):
                         key = keys[j]
-                        if cutlass.const_expr(BRANCHLESS):
-                            hit = (base + NUM_THREADS * j < n) & ((key & mask) == prefix)
+                        if (base + NUM_THREADS * j < n) & ((key & mask) == prefix):
                             bin_ = Int32((key >> Uint32(shift)) & Uint32(NB - 1))
-                            red_shared_add_if(Int32(cutlass.select_(hit, 1, 0)), sH_addr + bin_ * 4)
-                        else:
-                            if (base + NUM_THREADS * j < n) & ((key & mask) == prefix):
-                                bin_ = Int32((key >> Uint32(shift)) & Uint32(NB - 1))
-                                cute.arch.atomic_add(sH.iterator + bin_, Int32(1), sem="relaxed", scope="cta")
+                            cute.arch.atomic_add(sH.iterator + bin_, Int32(1), sem="relaxed", scope="cta")
                 cute.arch.sync_threads()
                 if wid == 0:
                     mine = Int32(0)
@@ -354,15 +347,11 @@ def build_topk_tile(block):
                 keys = keys_of(src, b, tq, e0, 1, hi, lo, CACHE)
                 for j in cutlass.range_constexpr(U):
                     key = keys[j]
-                    if cutlass.const_expr(BRANCHLESS):
-                        n_gt = n_gt + Int32(cutlass.select_((e0 + j < hi) & (key > prefix), 1, 0))
-                        n_eq = n_eq + Int32(cutlass.select_((e0 + j < hi) & (key == prefix), 1, 0))
-                    else:
-                        if e0 + j < hi:
-                            if key > prefix:
-                                n_gt = n_gt + 1
-                            elif key == prefix:
-                                n_eq = n_eq + 1
+                    if e0 + j < hi:
+                        if key > prefix:
+                            n_gt = n_gt + 1
+                        elif key == prefix:
+                            n_eq = n_eq + 1
         gt_before, eq_before = scan2(n_gt, n_eq, sX, lane, wid)
         taken_before = eq_before
         if taken_before > krem:

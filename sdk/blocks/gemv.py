@@ -85,9 +85,6 @@ class GemvConfig:
                                          # "wgmma" (Hopper only, up to WGMMA_MAX_M tokens): the
                                          # weights straight from the ring into warpgroup MMAs, x as
                                          # a sum of e4m3 pieces - no per-weight instruction
-    x_smem_max: int = 0                  # staged x bytes at a time (0: X_SMEM_MAX); smaller blocks of x
-                                         # leave the ring more stages (wgmma's pieces take 8 x K bytes:
-                                         # 56 KB at K = 7168) for a re-staging every few chunks
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
@@ -232,7 +229,7 @@ class GemvBlock(Block):
         best = 0
         for mult in range(1, c.k // kc + 1):
             kx = mult * kc
-            if c.k % kx == 0 and self._x_row_bytes(kx) <= (c.x_smem_max or X_SMEM_MAX):
+            if c.k % kx == 0 and self._x_row_bytes(kx) <= X_SMEM_MAX:
                 best = kx
         return best
 

@@ -217,13 +217,9 @@ class TopKConfig:
                                     # L2 (the other 5 passes read them there); None: when
                                     # max_entries x 4 B <= TOPK_CACHE_MAX
     loads: int = 8                  # score loads a thread issues before using any, per loop trip
-                                    # (8 measured: 41.6 -> 27.1 us at 8256 entries; each trip of a
-                                    # pass is an L2 round trip, ~n / (256 x loads) trips per pass:
-                                    # 32 makes one at 8192 entries - not yet measured)
-    branchless: bool = False        # histogram updates as predicated red.shared and the compaction
-                                    # counts as selects: no branch per key (Nsight Compute of the
-                                    # tile: latency-bound, "wait" stalls on per-key chains; not
-                                    # yet measured - opt-in)
+                                    # (8 measured: 41.6 -> 27.1 us at 8256 entries; 32 with
+                                    # branch-free histogram updates measured slower: 24.6 -> 37.3
+                                    # us in V4.1's CSA sublayer - bench/NOTES.md)
 
 
 class TopKBlock(Block):
@@ -381,6 +377,4 @@ def indexer_compile_cases() -> list:
         IndexScoreBlock(IndexScoreConfig(heads=64, batch=8, q_tokens=2, max_entries=32768, ratio=4,
                                          keys_per_tile=1024, stages=3)),
         TopKBlock(TopKConfig(k=512, batch=8, q_tokens=2, max_entries=32768, ratio=4)),
-        # V4.1-Flash CSA at 32K, the row cached, predicated histogram updates, 32 loads a trip (opt-in)
-        TopKBlock(TopKConfig(k=512, batch=1, max_entries=8192, ratio=4, branchless=True, loads=32)),
     ]

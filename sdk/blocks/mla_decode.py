@@ -563,8 +563,8 @@ class MLAHeadProjConfig:
     y_stride: int = 0                   # elements between heads' y rows (0 = n)
     rows_per_tile: int = 64
     rows_in_flight: int = 0             # rows a warp loads before using any, x loaded once per tile
-                                        # (0: one row at a time, the measured form - each row a
-                                        # dependent weight load; opt-in until measured)
+                                        # (0: one row at a time, each row a dependent weight
+                                        # load; MLAAttentionConfig sets a warp's rows: measured faster)
 
 
 class MLAHeadProjBlock(Block):

@@ -210,8 +210,6 @@ class DSALayerConfig:
     keys_per_tile: int = 0              # IndexScore entries per tile; 0 = choose_keys_per_tile
     index_stages: int = 4               # IndexScore cp.async depth (stepped down to fit the ring)
     decode_chunk: int = 0               # sparse decode tokens per pipeline stage; 0 = the block's (32)
-    topk_branchless: bool = False       # TopKConfig.branchless (opt-in until measured)
-    topk_loads: int = 8                 # TopKConfig.loads (opt-in above 8 until measured)
 
     def __post_init__(self):
         from ..errors import UnsupportedConfigError
@@ -250,7 +248,7 @@ class DSALayerConfig:
         score, topk = glm53_indexer_blocks(self.indexer, a.batch, a.q_tokens, a.max_seq_len, keys_per_tile=kpt)
         d, h = self.index_head_dim, self.index_heads
         score = type(score)(replace(score.config, scale=d ** -0.5 * h ** -0.5, stages=self.index_stages))
-        return score, type(topk)(replace(topk.config, branchless=self.topk_branchless, loads=self.topk_loads))
+        return score, topk
 
 
 def shard_config(spec, batch: int = 1, max_seq_len: int = 8192, num_pages: int = 0, q_tokens: int = 1, tp: int = 8,

@@ -76,15 +76,11 @@ class DSV4LayerConfig:
                                          # sizes the shared arena (the indexer's scores, 70 KB at T = 1):
                                          # with chunk 32 the decode's 87 KB leaves batch 8 no ring stages)
     index_stages: int = 2                # the indexer score tile's pipeline stages
-    topk_branchless: bool = False        # TopKConfig.branchless (opt-in until measured)
-    topk_loads: int = 8                  # TopKConfig.loads (opt-in above 8 until measured)
     decode_stages: int = 0               # the decode core's pipeline stages (0: its auto; build_program
                                          # lowers them until the projections' weight ring fits beside)
     num_sms: int = 132
     x_gemv_rows: int = 0                 # rows per tile of the GEMVs that read x (they run side by
                                          # side); 0: balanced_configs cuts them alike
-    index_q_rows: int = 0                # rows per tile of the indexer's q GEMV (0: balanced - 64 rows at
-                                         # V4.1 TP8, whose 33 KB chunks set the ring's stage size)
     fill_stage: bool = False             # every GEMV's chunk widened to fill the ring's stage (gemv.fill_stage):
                                          # measured slower on the H200 (2026-12-04, CSA B=1 32K: the
                                          # x GEMVs' 17 -> 33 KB chunks 97.8 -> 101.6 us; HCA B=1 41.1
@@ -158,8 +154,7 @@ class DSV4LayerConfig:
                 heads=ih, head_dim=ihd, batch=B, q_tokens=T, max_entries=E, ratio=self.ratio,
                 scale=(ihd * ih) ** -0.5, keys_per_tile=choose_keys_per_tile(B, E, self.num_sms),
                 stages=self.index_stages))
-            out["topk"] = TopKBlock(TopKConfig(k=self.topk, batch=B, q_tokens=T, max_entries=E, ratio=self.ratio,
-                                               branchless=self.topk_branchless, loads=self.topk_loads))
+            out["topk"] = TopKBlock(TopKConfig(k=self.topk, batch=B, q_tokens=T, max_entries=E, ratio=self.ratio))
         return out
 
     def weight_shapes(self) -> dict:
@@ -295,7 +290,7 @@ def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
             prog.buffer(name, shape, dtype)
         ikeys = compressor("i_", 2 * ihd, blk["i_compress"], blk["i_compress_norm"], "i_", "index_keys", "i_")
         iw = from_x(ih, "w_iw", "iw", "v4.i_weights", out_dtype="fp32")
-        iqg = prog.op(gemv(ih * ihd, cfg.q_rank, cfg.index_q_rows, norm=True),
+        iqg = prog.op(gemv(ih * ihd, cfg.q_rank, norm=True),
                       {"w": "w_iq", "x": "q_a", "norm_weight": "q_a_norm", "y": "iq_raw"}, waits=[qa], label="v4.i_q")
         iq = prog.op(blk["index_q"], {"q_raw": "iq_raw", "cos": "i_cos", "sin": "i_sin", "q": "iq"}, waits=[iqg],
                      label="v4.i_rope")

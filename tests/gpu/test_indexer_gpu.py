@@ -103,9 +103,8 @@ def test_topk_ties_131072():
     assert torch.equal(t["index"].cpu(), want), f"seed {seed}"
 
 
-@pytest.mark.parametrize("branchless,loads", [(False, 8), (True, 8), (False, 32), (True, 32)])
 @pytest.mark.parametrize("mode", ["index", "outlier", "huge_range", "const", "signed_zero"])
-def test_topk_score_distributions(mode, branchless, loads):
+def test_topk_score_distributions(mode):
     """Rows in shared memory (8192 entries, cache_row) and read from L2 (40000), whose histograms
     are skewed (indexer-like sums, an outlier over a narrow bulk) or degenerate (one value, signed
     zeros, a range past fp32): the definition's exact list."""
@@ -115,7 +114,7 @@ def test_topk_score_distributions(mode, branchless, loads):
     seed = clock_seed()
     for n in (8192, 40000):
         g = torch.Generator().manual_seed(seed + n)
-        blk = TopKBlock(TopKConfig(k=512, batch=1, max_entries=n, branchless=branchless, loads=loads))
+        blk = TopKBlock(TopKConfig(k=512, batch=1, max_entries=n))
         t = {"scores": topk_scores(n, mode, g).view(1, 1, n).cuda(),
              "start": torch.tensor([n - 1], dtype=torch.int32, device="cuda"),
              "index": torch.full((1, 1, 512), -7, dtype=torch.int32, device="cuda")}

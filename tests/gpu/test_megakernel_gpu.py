@@ -66,35 +66,33 @@ def test_gemv_fp8_alternative_decodes(m, norm, decode):
     assert rel_err(t["y"], block.reference(**t)["y"]) <= BF16_TOL
 
 
-@pytest.mark.parametrize("m,n,k,rows,swiglu,norm,residual,xs", [
-    (1, 2048, 2048, 8, False, False, "bf16", 0),     # 256 tiles: CTAs walk several, the ring crosses them
-    (1, 1024, 7168, 8, True, True, None, 0),         # the gate/up shape, fused norm (two-pass)
-    (2, 7168, 2048, 64, False, False, None, 0),      # the down shape, 3 pieces x 2 tokens
-    (4, 1024, 7168, 16, True, True, None, 0),        # 2 pieces x 4 tokens
-    (1, 1024, 18432, 16, False, False, None, 0),     # x staged in 3 blocks, each with its own scale
-    (1, 1024, 7168, 8, True, True, None, 16384),     # x_smem_max: 1024-column blocks, a deeper ring
+@pytest.mark.parametrize("m,n,k,rows,swiglu,norm,residual", [
+    (1, 2048, 2048, 8, False, False, "bf16"),     # 256 tiles: CTAs walk several, the ring crosses them
+    (1, 1024, 7168, 8, True, True, None),         # the gate/up shape, fused norm (two-pass)
+    (2, 7168, 2048, 64, False, False, None),      # the down shape, 3 pieces x 2 tokens
+    (4, 1024, 7168, 16, True, True, None),        # 2 pieces x 4 tokens
+    (1, 1024, 18432, 16, False, False, None),     # x staged in 3 blocks, each with its own scale
 ])
-def test_gemv_fp8_wgmma(m, n, k, rows, swiglu, norm, residual, xs):
+def test_gemv_fp8_wgmma(m, n, k, rows, swiglu, norm, residual):
     """fp8_decode="wgmma": the weights from the ring stage (core-matrix layout) straight into
     warpgroup MMAs against x as e4m3 pieces; equal to the fp32 reference within the bf16 bound."""
     need_gpu()
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype="fp8_e4m3", swiglu=swiglu, norm=norm,
-                                 residual=residual, fp8_decode="wgmma", rows_per_tile=rows, x_smem_max=xs))
+                                 residual=residual, fp8_decode="wgmma", rows_per_tile=rows))
     assert block.wgmma
     t = gemv_inputs(block, 400 + m)
     run_standalone(block, t)
     assert rel_err(t["y"], block.reference(**t)["y"]) <= BF16_TOL
 
 
-@pytest.mark.parametrize("batch,xs", [(1, 0), (2, 0), (4, 0), (1, 16384)])
-def test_mlp_stack_fp8_wgmma(batch, xs):
-    """The one-launch fp8 stack with every GEMV on warpgroup MMAs (fp8_decode="wgmma"); xs: x
-    staged 16 KB at a time (x_smem_max: 6 ring stages instead of 4)."""
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_mlp_stack_fp8_wgmma(batch):
+    """The one-launch fp8 stack with every GEMV on warpgroup MMAs (fp8_decode="wgmma")."""
     need_gpu()
     from sdk.megakernel.mlp_stack import MLPStackConfig
     cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype="fp8_e4m3",
-                         fp8_decode="wgmma", x_smem_max=xs)
+                         fp8_decode="wgmma")
     _check_stack_steps(cfg, seed=11, steps=2)
 
 

@@ -50,11 +50,13 @@ for part in $PARTS; do
         grep -E "rc=|ERROR SUMMARY" "$WORK/tests/sanitizer.log"; } > "$WORK/tests/summary.txt" ;;
     bench:*)
       # BENCH_S_<name> bounds it (default 200 s); BENCH_ARGS_<name> adds arguments (e.g. --quick)
-      # bench:NAME@TAG runs NAME again with its own BENCH_S_NAME_TAG / BENCH_ARGS_NAME_TAG
+      # bench:NAME@TAG runs NAME again with its own BENCH_S_NAME_TAG / BENCH_ARGS_NAME_TAG; BENCH_ENV_NAME[_TAG]
+      # sets environment variables for it alone (e.g. MEGAKERNEL_WIDE_PREFIX=0)
       tagged=${part#bench:}; name=${tagged%@*}; dir="$WORK/$part"
-      limit_var=BENCH_S_${tagged/@/_}; args_var=BENCH_ARGS_${tagged/@/_}
+      limit_var=BENCH_S_${tagged/@/_}; args_var=BENCH_ARGS_${tagged/@/_}; env_var=BENCH_ENV_${tagged/@/_}
       eval "args=(${!args_var:-})"    # shell words: quoted arguments (Python literals) stay whole
-      timeout $(left ${!limit_var:-200}) python -m bench.${name}_bench --out "$dir" "${args[@]}" > "$dir/bench.log" 2>&1
+      env ${!env_var:-} timeout $(left ${!limit_var:-200}) python -m bench.${name}_bench --out "$dir" "${args[@]}" \
+        > "$dir/bench.log" 2>&1
       echo "rc=$?" >> "$dir/bench.log"
       for tl in "$dir"/timeline_*.json; do [ -f "$tl" ] && python -m bench.timeline "$tl" -o "${tl%.json}.png" --ops >> "$dir/bench.log" 2>&1; done
       { sed -n '/^copy bandwidth/,$p' "$dir/bench.log" | grep -q . && sed -n '/^copy bandwidth/,$p' "$dir/bench.log" || tail -n 25 "$dir/bench.log"; } > "$dir/summary.txt" ;;

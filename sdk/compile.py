@@ -96,6 +96,16 @@ def hopper_megakernel_cases():
                            fp8_decode="wgmma")]
 
 
+def sublayer_megakernel_cases():
+    """(name, program) of attention sublayers whose megakernel runs plain tiles beside the ring:
+    the wide prefix (the ring spilling into the plain-tile arena) is compiled only where there is
+    an arena."""
+    from .megakernel.dsv4_layer import DSV4LayerConfig, build_program
+    cfg = DSV4LayerConfig(mode="hca", heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=128,
+                          max_seq_len=16384)
+    return [("megakernel dsv4 hca sublayer (V4.1 TP8, 16K)", build_program(cfg))]
+
+
 def time_case(res: dict, name: str, build) -> None:
     """res[name] = the seconds `build()` took, or "error: ..." if it raised (a compile check
     reports every case, never stops at the first failure)."""
@@ -126,6 +136,9 @@ def compile_check(archs=ARCHS, num_sms: int = 132) -> dict:
                 sched = schedule(prog, num_sms)
                 compile_megakernel(prog.opcodes.blocks, num_sms, sched.max_len, timing=True, arch=arch)
             time_case(res, f"megakernel mlp_stack {cfg}", build)
+        for name, prog in sublayer_megakernel_cases():
+            time_case(res, name, lambda prog=prog: compile_megakernel(
+                prog.opcodes.blocks, num_sms, schedule(prog, num_sms).max_len, timing=True, arch=arch))
     return report
 
 

@@ -51,7 +51,7 @@ for part in $PARTS; do
     bench:*)
       # BENCH_S_<name> bounds it (default 200 s); BENCH_ARGS_<name> adds arguments (e.g. --quick)
       # bench:NAME@TAG runs NAME again with its own BENCH_S_NAME_TAG / BENCH_ARGS_NAME_TAG; BENCH_ENV_NAME[_TAG]
-      # sets environment variables for it alone (e.g. MEGAKERNEL_WIDE_PREFIX=0)
+      # sets environment variables for it alone (VAR=value ...)
       tagged=${part#bench:}; name=${tagged%@*}; dir="$WORK/$part"
       limit_var=BENCH_S_${tagged/@/_}; args_var=BENCH_ARGS_${tagged/@/_}; env_var=BENCH_ENV_${tagged/@/_}
       eval "args=(${!args_var:-})"    # shell words: quoted arguments (Python literals) stay whole

@@ -129,8 +129,7 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     floor: weights + the KV rows the attention reads. `overrides`: DSV4LayerConfig fields. Launches alternate over
     weight copies (rotated_launches: the weights dominate the bytes)."""
     from bench.common import record_timeline, rotated_launches
-    from sdk.blocks.base import arena_stages, ring_geometry
-    from sdk.megakernel.kernel import WIDE_PREFIX
+    from sdk.blocks.base import ring_geometry
     from sdk.megakernel.dsv4_layer import (RECORDS_MARGIN, DSV4LayerConfig, build_program, make_inputs, make_weights,
                                            reference)
     from sdk.megakernel.runtime import program_runtime
@@ -166,8 +165,6 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     return {"case": case, "mode": mode, "batch": batch, "context": ctx, "heads": HEADS, "weight_bytes": wb,
             "kv_bytes": kvb, "program_ops": [op.label for op in prog.ops], "decode_stages": dec.stages,
             "ring_stage_bytes_stages": ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)[:2],
-            "wide_prefix_arena_stages": (arena_stages(prog.opcodes.blocks, ring_geometry(
-                prog.opcodes.blocks, reserved=RECORDS_MARGIN)[0]) if WIDE_PREFIX else 0),
             "num_splits": dec.config.num_splits, "us": us, "gbs": (wb + kvb) / (us * 1e3), "floor_us": floor_us,
             "fraction_of_floor": floor_us / us, "torch_us": torch_us, "torch_timing_mode": torch_mode,
             "torch_graph_us": torch_us if torch_mode == "cuda_graph" else None,

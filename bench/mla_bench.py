@@ -246,8 +246,7 @@ def bench_layer_case(shard, ctx, batch, copy_bw, overrides=None, timeline_path=N
     floor = cache rows + all the sublayer's weights. PyTorch: MLAReference.forward's math on the
     dense cache is not a fair graph (it expands keys); reported without a torch ratio."""
     from sdk.megakernel.mla_attention import MLAAttentionConfig
-    from sdk.blocks.base import arena_stages, ring_geometry
-    from sdk.megakernel.kernel import WIDE_PREFIX
+    from sdk.blocks.base import ring_geometry
     from sdk.megakernel.mla_layer import RECORDS_MARGIN, MLALayerConfig, build_program, make_inputs, make_weights, reference
     heads, rope, scale = SHARDS[shard]
     if rope != 64:
@@ -275,8 +274,6 @@ def bench_layer_case(shard, ctx, batch, copy_bw, overrides=None, timeline_path=N
     rec = {"case": f"{shard} B={batch} ctx={ctx} sublayer", "shard": shard, "heads": heads, "batch": batch,
            "context": ctx, "program_ops": [op.label for op in prog.ops], "decode_stages": dec.stages,
            "ring_stage_bytes_stages": ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)[:2],
-           "wide_prefix_arena_stages": (arena_stages(prog.opcodes.blocks, ring_geometry(
-               prog.opcodes.blocks, reserved=RECORDS_MARGIN)[0]) if WIDE_PREFIX else 0),
            "config_overrides": overrides or {}, "kv_bytes": kvb, "weight_bytes": wb, "us": us, "gbs": (kvb + wb) / (us * 1e3), "floor_us": floor_us,
            "fraction_of_floor": floor_us / us, "torch_graph_us": None, "speedup_vs_torch_graph": None,
            "timing_mode": mode, "rel_err": err, "compile_s": round(compile_s, 2), "weight_copies": copies,

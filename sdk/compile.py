@@ -97,9 +97,8 @@ def hopper_megakernel_cases():
 
 
 def sublayer_megakernel_cases():
-    """(name, program) of attention sublayers whose megakernel runs plain tiles beside the ring:
-    the wide prefix (the ring spilling into the plain-tile arena) is compiled only where there is
-    an arena."""
+    """(name, program) of attention sublayers: a megakernel whose plain tiles (decode, compressor,
+    prologue) allocate the arena beside the weight ring, compiled for every arch."""
     from .megakernel.dsv4_layer import DSV4LayerConfig, build_program
     cfg = DSV4LayerConfig(mode="hca", heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=128,
                           max_seq_len=16384)

@@ -114,19 +114,3 @@ def test_v41_tp8_megakernel_compiles(mode, ratio):
                           max_seq_len=16384)
     prog = build_program(cfg)
     compile_megakernel(prog.opcodes.blocks, 132, schedule(prog, 132).max_len, timing=False, arch="sm_90a")
-
-
-def test_wide_prefix_stages_from_the_arena():
-    """The megakernel's wide prefix: the V4.1 TP8 HCA sublayer at batch 1 streams its first
-    instructions' chunks through its 5 ring stages of 21 KB plus the 4 that its 87 KB plain-tile
-    arena (the decode's) holds; a program without plain-tile smem gets none."""
-    from sdk.blocks.base import arena_stages, ring_geometry
-    from sdk.megakernel.dsv4_layer import RECORDS_MARGIN
-    cfg = DSV4LayerConfig(mode="hca", heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=128,
-                          max_seq_len=32768 + 256)
-    blocks = build_program(cfg).opcodes.blocks
-    stage, stages, _ = ring_geometry(blocks, reserved=RECORDS_MARGIN)
-    assert (stage, stages) == (21120, 5)
-    assert arena_stages(blocks, stage) == 87296 // 21120 == 4
-    streaming = [b for b in blocks if b.stream_chunks()]
-    assert arena_stages(streaming, stage) == 0

@@ -249,24 +249,8 @@ def block_sum_multi(values, scratch: cute.Tensor, op: cutlass.Constexpr = "sum")
 
 
 @cute.jit
-def ring_slot(seq, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, ring_base, wide=None):
-    """Shared address of the stage that holds chunk `seq` of the CTA's stream: seq % stages of the
-    ring; with `wide` = (wide stages, wide chunks, arena base), the first `wide chunks` chunks cycle
-    over the ring's stages then the plain-tile arena's (`wide stages` in all), the rest over the
-    ring's stages alone, counted from the first of them."""
-    if cutlass.const_expr(wide is None):
-        return ring_base + (seq % stages) * stage_bytes
-    ws, cw, arena = wide
-    slot = seq % ws
-    in_arena = arena + (slot - stages) * stage_bytes
-    wide_addr = Int32(cutlass.select_(slot < stages, ring_base + slot * stage_bytes, in_arena))
-    narrow = ring_base + ((seq - cw) % stages) * stage_bytes
-    return Int32(cutlass.select_(seq < cw, wide_addr, narrow))
-
-
-@cute.jit
 def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
-                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce, wide=None):
+                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce):
     """Run one tile of a streaming block. Consumer chunk number cseq (over the CTA's whole
     stream) sits in stage cseq % stages; after a chunk is consumed its stage is refilled with
     chunk cseq + stages of the stream (`produce`, which may belong to a later instruction).
@@ -274,32 +258,15 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     chunk has landed" for this thread; the barrier after it makes every thread's copies visible.
     `fresh` = 0: the previous streaming tile of this CTA was of the same op (its staged
     activations are still in sx; see sdk/blocks/base.py). Returns the advanced (cseq, producer
-    state p0, p1, p2).
-    wide = (wide stages, wide chunks, arena base) (the megakernel, see kernel.py): the first
-    `wide chunks` chunks run `wide stages` deep (`ring_slot`), and produce(p0, p1, p2, done)
-    holds back the chunks after them until all of them are consumed (done: chunks consumed);
-    consuming the last of them refills the whole ring (`stages` chunks)."""
+    state p0, p1, p2)."""
     st = faces.begin(ptrs, t, sx, scratch, fresh)
     for ch in cutlass.range(nch, unroll=1):
         faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
-        if cutlass.const_expr(wide is None):
-            cute.arch.cp_async_wait_group(stages - 1)
-        else:
-            if cseq < wide[1]:
-                cute.arch.cp_async_wait_group(wide[0] - 1)
-            else:
-                cute.arch.cp_async_wait_group(stages - 1)
+        cute.arch.cp_async_wait_group(stages - 1)
         cute.arch.sync_threads()
-        faces.consume(ptrs, t, ch, ring_slot(cseq, stages, stage_bytes, ring_base, wide), st, sx)
+        faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
         cute.arch.sync_threads()
-        if cutlass.const_expr(wide is None):
-            p0, p1, p2 = produce(p0, p1, p2)
-        else:
-            if cseq + 1 == wide[1]:          # the arena is free again: the ring's stages refill
-                for _ in cutlass.range_constexpr(stages):
-                    p0, p1, p2 = produce(p0, p1, p2, cseq + 1)
-            else:
-                p0, p1, p2 = produce(p0, p1, p2, cseq + 1)
+        p0, p1, p2 = produce(p0, p1, p2)
         cseq = cseq + 1
     faces.end(ptrs, t, st, scratch)
     return cseq, p0, p1, p2

@@ -101,13 +101,6 @@ def ring_geometry(blocks, max_stages: int | None = None, reserved: int = 0) -> t
                                      f"{beside}; need 2 (fewer pipeline stages in those blocks)")
     return stage, stages, xbytes
 
-def arena_stages(blocks, stage_bytes: int) -> int:
-    """Ring stages of `stage_bytes` that the plain-tile arena holds: the megakernel's wide prefix
-    (sdk/megakernel/kernel.py) streams the chunks before a CTA's first plain tile through the
-    ring's stages and these."""
-    return plain_smem_bytes(blocks) // stage_bytes if stage_bytes else 0
-
-
 def plain_smem_bytes(blocks) -> int:
     """Shared memory of the plain-tile arena that follows `scratch` (_cute.TileSmem): the largest
     own_smem_bytes() of the blocks - a CTA runs one tile at a time, so every plain tile's

@@ -21,15 +21,7 @@ walking its own instruction list (see `isa.py`):
 The weight stream of a CTA is the concatenation of the chunks of its streaming instructions, in
 list order. The producer position runs `stages` chunks ahead of the consumer, so the ring holds
 the NEXT instructions' weights while the CTA waits on a dependency or runs a plain tile: weights
-never depend on activations, only the activations (read after the wait) do.
-
-The wide prefix: until a CTA's first plain tile runs, the plain-tile arena (the shared memory
-the plain tiles allocate, `TileSmem`) is idle, so the chunks of the streaming instructions before
-that tile cycle over the ring's stages AND as many more stages as fit in the arena - the weight
-bytes in flight, which bound a CTA's streaming rate, grow by the arena (the x-reading projections
-of an attention sublayer run there, beside a decode tile's large arena). The chunks after them
-wait until the last of them is consumed, then fill the ring's own stages while the plain tile
-runs (`_cute.ring_slot`, `stream_tile`'s `wide`). cp.async copies
+never depend on activations, only the activations (read after the wait) do. cp.async copies
 complete on their own, so an early exit (error word) only waits for them; it never hangs.
 
 Instruction records live in shared memory for the whole launch (`records_geometry`): the words
@@ -45,15 +37,13 @@ Supported: any list of blocks following the contract in `sdk/blocks/base.py`.
 """
 from __future__ import annotations
 
-import os
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..blocks._cute import bounded_wait, gmem_tensor, ring_slot, scratch_region, smem_tensor, stream_tile
-from ..blocks.base import NUM_THREADS, SCRATCH_WORDS, arena_stages, ring_geometry
+from ..blocks._cute import bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile
+from ..blocks.base import NUM_THREADS, ring_geometry
 from ..errors import UnsupportedConfigError
 from . import isa
 
@@ -75,11 +65,9 @@ def records_geometry(blocks, max_len: int) -> tuple[int, int]:
     return nops, nbytes
 
 
-def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, wide_prefix: bool = True):
+def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
     """The `@cute.jit` host function launching the megakernel for these opcode variants. pdl:
-    launched as a programmatic dependent launch (see the kernel's griddepcontrol.wait).
-    wide_prefix: the streaming instructions before a CTA's first plain tile stream through the
-    ring and the plain-tile arena (see the module docstring)."""
+    launched as a programmatic dependent launch (see the kernel's griddepcontrol.wait)."""
     nops = [len(b.operands()) for b in blocks]
     nch = [b.stream_chunks() for b in blocks]
     tiles = [None if nch[k] else b.device_tile() for k, b in enumerate(blocks)]
@@ -87,9 +75,6 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, w
     S, L, W = num_sms, max_len, isa.WORDS
     NOPS, rec_bytes = records_geometry(blocks, max_len)
     stage_bytes, P, xbytes = ring_geometry(blocks, reserved=rec_bytes)
-    # the wide prefix's extra stages: as many as the plain-tile arena holds
-    PA = arena_stages(blocks, stage_bytes) if P > 0 and wide_prefix else 0
-    PW = P + PA
     NT = NUM_THREADS
     mutable = pdl and any(b.stream_data_mutable() for b in blocks if b.stream_chunks())
 
@@ -117,27 +102,13 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, w
         return i
 
     @cute.jit
-    def wide_chunks(sW, n: Int32) -> Int32:
-        """The chunks of this CTA's streaming instructions before its first plain tile (all of
-        them when it runs none): the wide prefix."""
-        total = Int32(0)
-        i = Int32(0)
-        while i < n:
-            k = chunks_of(sW[i, isa.OPCODE])
-            if k == 0:
-                i = n
-            else:
-                total = total + k
-                i = i + 1
-        return total
-
-    @cute.jit
-    def issue(sW, sP, n: Int32, ring_base, wide, pi: Int32, pc: Int32, ps: Int32):
-        """Issue chunk pc of instruction pi (the producer position) as stream chunk ps, advance."""
+    def produce(sW, sP, n: Int32, ring_base, pi: Int32, pc: Int32, ps: Int32):
+        """Issue chunk pc of instruction pi (the producer position) into stage ps % P, advance.
+        Always commits one cp.async group (empty once the stream is exhausted)."""
         if pi < n:
             op = sW[pi, isa.OPCODE]
             t = sW[pi, isa.TILE]
-            addr = ring_slot(ps, P, stage_bytes, ring_base, wide)
+            addr = ring_base + (ps % P) * stage_bytes
             for k in cutlass.range_constexpr(len(blocks)):
                 if cutlass.const_expr(nch[k] > 0):
                     if op == k:
@@ -146,24 +117,8 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, w
             if pc >= chunks_of(op):
                 pc = Int32(0)
                 pi = next_streaming(sW, n, pi + 1)
+        cute.arch.cp_async_commit_group()
         return pi, pc, ps + 1
-
-    @cute.jit
-    def produce(sW, sP, n: Int32, ring_base, pi: Int32, pc: Int32, ps: Int32):
-        """Issue the producer position's chunk, advance. Always commits one cp.async group
-        (empty once the stream is exhausted)."""
-        pi, pc, ps = issue(sW, sP, n, ring_base, None, pi, pc, ps)
-        cute.arch.cp_async_commit_group()
-        return pi, pc, ps
-
-    @cute.jit
-    def produce_wide(sW, sP, n: Int32, ring_base, wide, pi: Int32, pc: Int32, ps: Int32, done: Int32):
-        """`produce` with the wide prefix: a chunk after it is held back (an empty group) until
-        the consumer has consumed every chunk of it (`done` chunks consumed)."""
-        if (ps < wide[1]) | (done >= wide[1]):
-            pi, pc, ps = issue(sW, sP, n, ring_base, wide, pi, pc, ps)
-        cute.arch.cp_async_commit_group()
-        return pi, pc, ps
 
     @cute.jit
     def load_records(pI: Int64, mOps, sm: Int32, n: Int32, sW, sP):
@@ -216,7 +171,6 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, w
         load_records(pI, mOps, sm, n, sW, sP)
         ring_base = Int32(0)
         sx = Int32(0)
-        wide = None
         pi, pc, ps, cseq = Int32(0), Int32(0), Int32(0), Int32(0)
         if cutlass.const_expr(P > 0):
             ring = smem.allocate_tensor(cutlass.Int8, cute.make_layout(P * stage_bytes), byte_alignment=128)
@@ -228,18 +182,8 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, w
             if cutlass.const_expr(mutable):
                 cute.arch.griddepcontrol_wait()
             pi = next_streaming(sW, n, Int32(0))
-            if cutlass.const_expr(PA > 0):
-                # the arena follows scratch's words (TileSmem), 128-byte aligned like the ring
-                wide = (PW, wide_chunks(sW, n), scratch.iterator.toint() + 4 * SCRATCH_WORDS)
-                if wide[1] > 0:
-                    for _ in cutlass.range_constexpr(PW):
-                        pi, pc, ps = produce_wide(sW, sP, n, ring_base, wide, pi, pc, ps, Int32(0))
-                else:
-                    for _ in cutlass.range_constexpr(P):
-                        pi, pc, ps = produce_wide(sW, sP, n, ring_base, wide, pi, pc, ps, Int32(0))
-            else:
-                for _ in cutlass.range_constexpr(P):
-                    pi, pc, ps = produce(sW, sP, n, ring_base, pi, pc, ps)
+            for _ in cutlass.range_constexpr(P):
+                pi, pc, ps = produce(sW, sP, n, ring_base, pi, pc, ps)
 
         # Everything above reads only what the host wrote before the launch (records, operand
         # table) and weights; from here on counters, the error word and activations, which the
@@ -282,16 +226,10 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, w
                             tiles[k](ptrs, t, scratch)
                         else:
                             fresh = Int32(cutlass.select_(base == staged, 0, 1))
-                            if cutlass.const_expr(PA > 0):
-                                cseq, pi, pc, ps = stream_tile(
-                                    faces[k], nch[k], P, stage_bytes, ptrs, t, ring_base, sx, scratch, fresh,
-                                    cseq, pi, pc, ps,
-                                    lambda a, b, c, d: produce_wide(sW, sP, n, ring_base, wide, a, b, c, d), wide)
-                            else:
-                                cseq, pi, pc, ps = stream_tile(
-                                    faces[k], nch[k], P, stage_bytes, ptrs, t, ring_base, sx, scratch, fresh,
-                                    cseq, pi, pc, ps,
-                                    lambda a, b, c: produce(sW, sP, n, ring_base, a, b, c))
+                            cseq, pi, pc, ps = stream_tile(
+                                faces[k], nch[k], P, stage_bytes, ptrs, t, ring_base, sx, scratch, fresh,
+                                cseq, pi, pc, ps,
+                                lambda a, b, c: produce(sW, sP, n, ring_base, a, b, c))
                             staged = base
                 cute.arch.sync_threads()
                 if tid == 0:
@@ -320,19 +258,15 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, w
 
 _cache: dict = {}
 
-# The wide prefix is on unless MEGAKERNEL_WIDE_PREFIX=0 (the benches' A/B switch: one process
-# builds one form).
-WIDE_PREFIX = os.environ.get("MEGAKERNEL_WIDE_PREFIX", "1") != "0"
-
 
 def compile_megakernel(blocks, num_sms: int, max_len: int, timing: bool = False, arch: str | None = None,
                        pdl: bool = False):
     """Compiled megakernel `fn(pI, pN, pC, pE, pT, pTim, timeout_ns, stream)`, cached in-process on
-    (block static configs, num_sms, max_len, timing, arch, pdl, WIDE_PREFIX)."""
-    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, WIDE_PREFIX)
+    (block static configs, num_sms, max_len, timing, arch, pdl)."""
+    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl)
     if key not in _cache:
         import cuda.bindings.driver as cuda
-        host = build(blocks, num_sms, max_len, timing, pdl, WIDE_PREFIX)
+        host = build(blocks, num_sms, max_len, timing, pdl)
         args = (Int64(0),) * 6 + (Int64(1), cuda.CUstream(0))
         if arch:
             _cache[key] = cute.compile(host, *args, options=f"--gpu-arch {arch}")

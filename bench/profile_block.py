@@ -5,9 +5,11 @@
         --section WarpStateStats python -m bench.profile_block gemv 18432 7168 1 fp8_e4m3 [key=value,...]
     ... python -m bench.profile_block kda 12 64 [v_split=2,...]        (heads, batch)
     ... python -m bench.profile_block topk 8256 512 [cache_row=0,...]   (entries, k)
+    ... python -m bench.profile_block compress 128 1 [channels_per_tile=32]  (ratio, batch)
 
 gemv: N K M weight-dtype, GemvConfig overrides (e.g. fp8_decode=int); kda: heads batch, KDAConfig
 overrides; topk: one row of `entries` indexer-like scores (sums of weighted ReLUs), TopKConfig
+overrides; compress: V4.1's 512-channel compressor with every window closing, DSV4CompressConfig
 overrides. Random inputs, no timing, no reference (bench/megakernel_bench.py and bench/kda_bench.py
 check and time the same configurations). MLA decode: bench/profile_mla.py.
 """
@@ -53,6 +55,22 @@ def topk_table(entries: int, k: int, ov: dict):
     return blk, torch.tensor([t[n].data_ptr() for n in blk.operands()], dtype=torch.int64, device="cuda"), t
 
 
+def compress_table(ratio: int, batch: int, ov: dict):
+    """V4.1's main compressor (512 channels; CSA's overlapping windows at ratio 4), every sequence's
+    window closing at this token (the pooling runs)."""
+    from sdk.blocks.dsv4_compress import DSV4CompressBlock, DSV4CompressConfig
+    blk = DSV4CompressBlock(DSV4CompressConfig(dim=512, ratio=ratio, overlap=ratio == 4, batch=batch, tokens=1,
+                                               max_entries=64, **ov))
+    C, L = blk.width, blk.slots
+    g = torch.Generator(device="cuda").manual_seed(ratio)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    t = {"kv": r(batch, 1, C).to(torch.bfloat16), "gate": r(batch, 1, C).to(torch.bfloat16),
+         "position_bias": r(ratio, C), "start": torch.full((batch,), ratio - 1, dtype=torch.int32, device="cuda"),
+         "state_kv": r(batch, L, C).to(torch.bfloat16), "state_gate": r(batch, L, C),
+         "entries": torch.empty(batch, 64, 512, dtype=torch.bfloat16, device="cuda")}
+    return blk, torch.tensor([t[n].data_ptr() for n in blk.operands()], dtype=torch.int64, device="cuda"), t
+
+
 def main(argv=None):
     from bench.common import cu_stream, parse_overrides
     from sdk.blocks._cute import standalone
@@ -63,8 +81,10 @@ def main(argv=None):
         blk, optab, keep = kda_table(int(a[1]), int(a[2]), parse_overrides(a[3] if len(a) > 3 else None))
     elif a[0] == "topk":
         blk, optab, keep = topk_table(int(a[1]), int(a[2]), parse_overrides(a[3] if len(a) > 3 else None))
+    elif a[0] == "compress":
+        blk, optab, keep = compress_table(int(a[1]), int(a[2]), parse_overrides(a[3] if len(a) > 3 else None))
     else:
-        raise SystemExit(f"unknown block {a[0]!r}: gemv | kda | topk")
+        raise SystemExit(f"unknown block {a[0]!r}: gemv | kda | topk | compress")
     fn = standalone(blk)
     for _ in range(4):
         fn(optab.data_ptr(), cu_stream())

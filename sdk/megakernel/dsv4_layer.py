@@ -78,8 +78,6 @@ class DSV4LayerConfig:
     index_stages: int = 2                # the indexer score tile's pipeline stages
     decode_stages: int = 0               # the decode core's pipeline stages (0: its auto; build_program
                                          # lowers them until the projections' weight ring fits beside)
-    compress_channels: int = 64          # output channels per tile of the main compressor's pooling
-                                         # (DSV4CompressConfig.channels_per_tile: 8 tiles at 512)
     num_sms: int = 132
     x_gemv_rows: int = 0                 # rows per tile of the GEMVs that read x (they run side by
                                          # side); 0: balanced_configs cuts them alike
@@ -145,7 +143,7 @@ class DSV4LayerConfig:
         if self.compressed:
             out["compress"], out["compress_norm"] = compressor_blocks(DSV4CompressConfig(
                 dim=hd, ratio=self.ratio, overlap=self.mode == "csa", rope=self.rope, batch=B, tokens=T,
-                max_entries=self.max_entries, eps=self.eps, channels_per_tile=self.compress_channels))
+                max_entries=self.max_entries, eps=self.eps))
         if self.mode == "csa":
             ih, ihd, E = self.index_heads, self.index_head_dim, self.max_entries
             out["i_compress"], out["i_compress_norm"] = compressor_blocks(DSV4CompressConfig(

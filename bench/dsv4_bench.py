@@ -130,8 +130,8 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     weight copies (rotated_launches: the weights dominate the bytes)."""
     from bench.common import record_timeline, rotated_launches
     from sdk.blocks.base import ring_geometry
-    from sdk.megakernel.dsv4_layer import (RECORDS_MARGIN, DSV4LayerConfig, build_program, make_inputs, make_weights,
-                                           reference)
+    from sdk.megakernel.dsv4_layer import DSV4LayerConfig, build_program, make_inputs, make_weights, reference
+    from sdk.megakernel.program import RECORDS_MARGIN
     from sdk.megakernel.runtime import program_runtime
     cfg = DSV4LayerConfig(mode=mode, batch=batch, heads=HEADS, hidden=5120, q_rank=1024, o_rank=1024, window=W,
                           ratio=4 if mode == "csa" else 128, max_seq_len=ctx + 256, num_splits=splits or 0, **overrides)

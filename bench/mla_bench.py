@@ -247,7 +247,8 @@ def bench_layer_case(shard, ctx, batch, copy_bw, overrides=None, timeline_path=N
     dense cache is not a fair graph (it expands keys); reported without a torch ratio."""
     from sdk.megakernel.mla_attention import MLAAttentionConfig
     from sdk.blocks.base import ring_geometry
-    from sdk.megakernel.mla_layer import RECORDS_MARGIN, MLALayerConfig, build_program, make_inputs, make_weights, reference
+    from sdk.megakernel.mla_layer import MLALayerConfig, build_program, make_inputs, make_weights, reference
+    from sdk.megakernel.program import RECORDS_MARGIN
     heads, rope, scale = SHARDS[shard]
     if rope != 64:
         raise ValueError(f"{shard}: the layer case takes the Kimi K3 shards")

@@ -193,7 +193,7 @@ def test_glm53_tp8_shard_schedules(batch):
     """GLM-5.3's TP8 shard (8 MLA heads, the 32 x 128 indexer, top 2048, kpool 16) builds, fits
     the shared memory, schedules and validates on 132 SMs at 32K context."""
     from sdk.blocks.base import ring_geometry
-    from sdk.megakernel.mla_layer import RECORDS_MARGIN
+    from sdk.megakernel.program import RECORDS_MARGIN
     from sdk.schedule import schedule, validate
     cfg = glm53_shard(batch=batch, max_seq_len=32768)
     a = cfg.mla.attn

@@ -72,7 +72,7 @@ def test_v41_tp8_batch1_weight_ring_is_not_starved(mode, ratio):
     streamed at 16-20 GB/s per SM on the H200); with fill_stage every GEMV's chunk fills at least
     half a stage."""
     from sdk.blocks.base import ring_geometry
-    from sdk.megakernel.dsv4_layer import RECORDS_MARGIN
+    from sdk.megakernel.program import RECORDS_MARGIN
     v41 = dict(heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, max_seq_len=32768)
     prog = build_program(DSV4LayerConfig(mode=mode, ratio=ratio, batch=1, **v41))
     blocks = prog.opcodes.blocks

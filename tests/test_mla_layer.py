@@ -156,7 +156,8 @@ def test_batch8_k3_shard_builds_with_balanced_projection_tiles():
     tiles share one arena (base.plain_smem_bytes)."""
     from sdk.blocks.base import ring_geometry
     from sdk.megakernel.mla_attention import MLAAttentionConfig
-    from sdk.megakernel.mla_layer import FALLBACK_GEMV_ROWS, RECORDS_MARGIN, MLALayerConfig, build_program
+    from sdk.megakernel.mla_layer import FALLBACK_GEMV_ROWS, MLALayerConfig, build_program
+    from sdk.megakernel.program import RECORDS_MARGIN
     attn = MLAAttentionConfig(heads=12, batch=8, q_tokens=1, num_pages=8 * 512 + 8, max_seq_len=32768)
     prog = build_program(MLALayerConfig(attn))
     gemvs = [b for b in prog.opcodes.blocks if b.stream_chunks()]
@@ -170,7 +171,8 @@ def test_batch1_k3_shard_trades_a_decode_stage_for_a_deeper_weight_ring():
     the H200), keeping the balanced projection tiles."""
     from sdk.blocks.base import ring_geometry
     from sdk.megakernel.mla_attention import MLAAttentionConfig
-    from sdk.megakernel.mla_layer import FALLBACK_GEMV_ROWS, RECORDS_MARGIN, RING_STAGES_WANTED, MLALayerConfig, build_program
+    from sdk.megakernel.mla_layer import FALLBACK_GEMV_ROWS, RING_STAGES_WANTED, MLALayerConfig, build_program
+    from sdk.megakernel.program import RECORDS_MARGIN
     attn = MLAAttentionConfig(heads=12, batch=1, q_tokens=1, num_pages=513, max_seq_len=32768)
     prog = build_program(MLALayerConfig(attn))
     assert [b.stages for b in prog.opcodes.blocks if b.name == "mla_decode"] == [2]

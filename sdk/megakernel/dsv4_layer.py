@@ -48,7 +48,7 @@ from ..blocks.dsv4_compress import DSV4CompressConfig, compressor_blocks
 from ..blocks.dsv4_prologue import DSV4IndexQBlock, DSV4IndexQConfig, DSV4PrologueBlock, DSV4PrologueConfig
 from ..blocks.gemv import GemvBlock, GemvConfig, balanced_configs, fill_stage
 from .mlp_stack import gemv_block
-from .program import Program
+from .program import Program, first_fitting
 
 
 @dataclass(frozen=True)
@@ -187,32 +187,21 @@ class DSV4LayerConfig:
         return out
 
 
-RECORDS_MARGIN = 4096     # smem the kernel's instruction records take beside the ring
-
-
 def build_program(cfg: DSV4LayerConfig) -> Program:
     """The sublayer's program with the deepest decode pipeline (its auto, then 4 .. 2 stages) that
     leaves the projections' weight ring 2 stages of shared memory (the decode tile of 8 heads x 512
     takes ~187 KB at its auto depth); else the ring's error."""
     from dataclasses import replace
 
-    from ..blocks.base import ring_geometry
-    from ..errors import UnsupportedConfigError
-    err = None
-    for st in ((cfg.decode_stages,) if cfg.decode_stages else (0, 4, 3, 2)):
-        try:
-            c = replace(cfg, decode_stages=st)
-            # fill_stage: every GEMV's chunk widened to fill the ring's stage (its widest chunk:
-            # the indexer's q GEMV's 64 rows make 33 KB stages that the other GEMVs' 17 KB chunks
-            # half fill)
-            prog = _build(c)
-            if cfg.fill_stage:
-                prog = _build(c, max(b.chunk_bytes() for b in prog.opcodes.blocks if b.stream_chunks() > 0))
-            ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)
-            return prog
-        except UnsupportedConfigError as exc:
-            err = exc
-    raise err
+    def build(st):
+        c = replace(cfg, decode_stages=st)
+        prog = _build(c)
+        if cfg.fill_stage:
+            # every GEMV's chunk widened to fill the ring's stage (its widest chunk: the indexer's q
+            # GEMV's 64 rows make 33 KB stages that the other GEMVs' 17 KB chunks half fill)
+            prog = _build(c, max(b.chunk_bytes() for b in prog.opcodes.blocks if b.stream_chunks() > 0))
+        return prog
+    return first_fitting(lambda st=st: build(st) for st in ((cfg.decode_stages,) if cfg.decode_stages else (0, 4, 3, 2)))
 
 
 def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:

@@ -32,7 +32,7 @@ from ..blocks.gemv import GemvConfig
 from ..blocks.mla_prologue import MLARopeAppendBlock, MLARopeAppendConfig
 from . import mla_attention as mla
 from .mlp_stack import gemv_block
-from .program import Program
+from .program import Program, first_fitting
 
 
 @dataclass(frozen=True)
@@ -87,9 +87,6 @@ class MLALayerConfig:
         return replace(self.attn, softmax_scale=mla_softmax_scale(self.spec), scale_factor=1.0)
 
 
-RECORDS_MARGIN = 4096     # smem the kernel's instruction records take beside the ring (a few KB here)
-
-
 # rows per tile of the projections when their balanced tiles leave no room: batch 8 at Kimi K3
 # TP8 cut o_proj into 56-row tiles (29.6 KB ring stages) beside 57 KB of staged activations and the
 # decode's 98 KB (measured: the B=8 sublayer bench refused to build)
@@ -107,21 +104,15 @@ def build_program(cfg: MLALayerConfig, builder=None) -> Program:
     (attn.decode_stages down to 2) that leaves their weight ring RING_STAGES_WANTED stages of
     shared memory, else the deepest that leaves it 2; else the ring's error. builder(cfg, gemv_rows) -> Program:
     `_build` unless given (sdk/megakernel/dsa_layer.py passes one that adds the DSA indexer)."""
-    from ..blocks.base import ring_geometry
     from ..errors import UnsupportedConfigError
+    build = builder or _build
     err = None
     for rows in ((cfg.gemv_rows,) if cfg.gemv_rows else (0, FALLBACK_GEMV_ROWS)):
-        fitting = []                    # (program, its ring's stages), deepest decode first
-        for st in range(cfg.attn.decode_stages, 1, -1):
-            prog = (builder or _build)(replace(cfg, attn=replace(cfg.attn, decode_stages=st)), rows)
-            try:
-                fitting.append((prog, ring_geometry(prog.opcodes.blocks, reserved=RECORDS_MARGIN)[1]))
-            except UnsupportedConfigError as exc:
-                err = exc
-        for want in (RING_STAGES_WANTED, 2):
-            for prog, stages in fitting:
-                if stages >= want:
-                    return prog
+        try:
+            return first_fitting((lambda st=st: build(replace(cfg, attn=replace(cfg.attn, decode_stages=st)), rows)
+                                  for st in range(cfg.attn.decode_stages, 1, -1)), (RING_STAGES_WANTED, 2))
+        except UnsupportedConfigError as exc:
+            err = exc
     raise err
 
 

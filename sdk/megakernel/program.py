@@ -170,6 +170,29 @@ class Program:
         return total
 
 
+RECORDS_MARGIN = 4096     # smem the kernel's instruction records take beside the ring (a sublayer: a few KB)
+
+
+def first_fitting(builds, ring_stages_wanted=(2,), reserved: int = RECORDS_MARGIN) -> Program:
+    """The plain-tile depth vs weight-ring trade of the attention sublayers, decided in one place:
+    `builds` are zero-argument program builders, deepest plain-tile pipelines (most arena) first;
+    the first program whose weight ring gets ring_stages_wanted[0] stages, else [1], ...; else the
+    last builder's UnsupportedConfigError (the ring's, naming what took the shared memory)."""
+    from ..blocks.base import ring_geometry
+    err, fitting = None, []                 # (program, its ring's stages), in the builders' order
+    for build in builds:
+        try:
+            prog = build()
+            fitting.append((prog, ring_geometry(prog.opcodes.blocks, reserved=reserved)[1]))
+        except UnsupportedConfigError as exc:
+            err = exc
+    for want in ring_stages_wanted:
+        for prog, stages in fitting:
+            if stages >= want:
+                return prog
+    raise err
+
+
 def encode(program: Program, per_sm: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Instruction words [num_sms, max_len, WORDS] (int32) and list lengths [num_sms]."""
     num_sms = len(per_sm)

@@ -231,8 +231,9 @@ def test_blocks_are_registered():
 
 
 def test_choose_chunk_long_splits_take_64():
-    """chunk 64 only when every split walks >= 1024 tokens (B=8 / B=64 at 32K+), else 32."""
+    """chunk 64 only when every split walks >= 15 chunks of 64 (B=1 at 128K: 993 tokens a split;
+    B=8 / B=64 at 32K+), else 32."""
     from sdk.blocks.mla_decode import choose_chunk
-    assert choose_chunk(1, 32768) == 32 and choose_chunk(1, 131072) == 32
+    assert choose_chunk(1, 32768) == 32 and choose_chunk(1, 65536) == 32 and choose_chunk(1, 131072) == 64
     assert choose_chunk(8, 32768) == 64 and choose_chunk(64, 131072) == 64
     assert choose_chunk(64, 1000) == 32

@@ -91,12 +91,14 @@ def choose_splits(batch: int, context: int, num_sms: int = 132, chunk: int = 32,
 
 
 def choose_chunk(batch: int, context: int, num_sms: int = 132) -> int:
-    """Tokens per pipeline stage: 64 when every split walks at least 1024 tokens (half the
+    """Tokens per pipeline stage: 64 when every split walks at least 15 chunks of 64 (half the
     barriers and score exchanges per token; measured at Kimi K3 TP8 B=64 32K: 71% of copy vs 57%
-    with 32, 2026-12-03), else 32 (at 64 only 2 stages fit, and a short split is mostly its
-    pipeline fill: B=1 32K 24% vs 29%)."""
+    with 32, 2026-12-03; at batch 1 x 128K - 993 tokens a split - GLM-5.3 TP8 50.3 -> 46.9 us, its
+    fp8 cache 58.3 -> 48.6, Kimi K3 TP8 fp8 59.0 -> 55.0, K3 TP8 / TP16 bf16 the same, H200
+    2026-12-04), else 32 (at 64 only 2 stages fit, and a short split is mostly its pipeline
+    fill: B=1 32K 24% vs 29%)."""
     splits = choose_splits(batch, context, num_sms, chunk=32)
-    return 64 if context // splits >= 1024 else 32
+    return 64 if context // splits >= 15 * 64 else 32
 
 
 @dataclass(frozen=True)

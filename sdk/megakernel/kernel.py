@@ -42,7 +42,9 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..blocks._cute import bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile
+from ..blocks import _cute
+from ..blocks._cute import (bounded_wait, bulk_ring, gmem_tensor, ring_bars_init, ring_drain_bulk,
+                             scratch_region, smem_tensor, stream_tile)
 from ..blocks.base import NUM_THREADS, ring_geometry
 from ..errors import UnsupportedConfigError
 from . import isa
@@ -75,6 +77,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
     S, L, W = num_sms, max_len, isa.WORDS
     NOPS, rec_bytes = records_geometry(blocks, max_len)
     stage_bytes, P, xbytes = ring_geometry(blocks, reserved=rec_bytes)
+    BULK = P > 0 and bulk_ring([f for f in faces if f is not None])   # the ring's bulk form (_cute)
     NT = NUM_THREADS
     mutable = pdl and any(b.stream_data_mutable() for b in blocks if b.stream_chunks())
 
@@ -102,9 +105,10 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
         return i
 
     @cute.jit
-    def produce(sW, sP, n: Int32, ring_base, pi: Int32, pc: Int32, ps: Int32):
+    def produce(sW, sP, n: Int32, ring_base, bars, pi: Int32, pc: Int32, ps: Int32):
         """Issue chunk pc of instruction pi (the producer position) into stage ps % P, advance.
-        Always commits one cp.async group (empty once the stream is exhausted)."""
+        cp.async: always commits one group (empty once the stream is exhausted); bulk: onto the
+        stage's mbarrier, ps counting the chunks issued (the exit drains the unconsumed ones)."""
         if pi < n:
             op = sW[pi, isa.OPCODE]
             t = sW[pi, isa.TILE]
@@ -112,13 +116,20 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
             for k in cutlass.range_constexpr(len(blocks)):
                 if cutlass.const_expr(nch[k] > 0):
                     if op == k:
-                        faces[k].issue([sP[pi, j] for j in range(nops[k])], t, pc, addr)
+                        if cutlass.const_expr(BULK):
+                            faces[k].issue_bulk([sP[pi, j] for j in range(nops[k])], t, pc, addr, bars + (ps % P) * 8)
+                        else:
+                            faces[k].issue([sP[pi, j] for j in range(nops[k])], t, pc, addr)
             pc = pc + 1
             if pc >= chunks_of(op):
                 pc = Int32(0)
                 pi = next_streaming(sW, n, pi + 1)
-        cute.arch.cp_async_commit_group()
-        return pi, pc, ps + 1
+            if cutlass.const_expr(BULK):
+                ps = ps + 1                 # the bulk form's drain counts the chunks issued
+        if cutlass.const_expr(not BULK):
+            cute.arch.cp_async_commit_group()
+            ps = ps + 1
+        return pi, pc, ps
 
     @cute.jit
     def load_records(pI: Int64, mOps, sm: Int32, n: Int32, sW, sP):
@@ -171,19 +182,23 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
         load_records(pI, mOps, sm, n, sW, sP)
         ring_base = Int32(0)
         sx = Int32(0)
+        bars = None
         pi, pc, ps, cseq = Int32(0), Int32(0), Int32(0), Int32(0)
         if cutlass.const_expr(P > 0):
             ring = smem.allocate_tensor(cutlass.Int8, cute.make_layout(P * stage_bytes), byte_alignment=128)
             xs = smem.allocate_tensor(cutlass.Int8, cute.make_layout(xbytes), byte_alignment=128)
             ring_base = ring.iterator.toint()
             sx = xs.iterator.toint()
+            if cutlass.const_expr(BULK):
+                bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout(P), byte_alignment=8).iterator.toint()
+                ring_bars_init(bars, P)
             # fill the ring before anything waits: these are the first instructions' weights - but
             # after the PDL wait when a block streams data the previous launch writes (a state)
             if cutlass.const_expr(mutable):
                 cute.arch.griddepcontrol_wait()
             pi = next_streaming(sW, n, Int32(0))
             for _ in cutlass.range_constexpr(P):
-                pi, pc, ps = produce(sW, sP, n, ring_base, pi, pc, ps)
+                pi, pc, ps = produce(sW, sP, n, ring_base, bars, pi, pc, ps)
 
         # Everything above reads only what the host wrote before the launch (records, operand
         # table) and weights; from here on counters, the error word and activations, which the
@@ -229,7 +244,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
                             cseq, pi, pc, ps = stream_tile(
                                 faces[k], nch[k], P, stage_bytes, ptrs, t, ring_base, sx, scratch, fresh,
                                 cseq, pi, pc, ps,
-                                lambda a, b, c: produce(sW, sP, n, ring_base, a, b, c))
+                                lambda a, b, c: produce(sW, sP, n, ring_base, bars, a, b, c), bars)
                             staged = base
                 cute.arch.sync_threads()
                 if tid == 0:
@@ -239,7 +254,9 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
                     if cutlass.const_expr(timing):
                         mTim[sm, i, 1] = cute.arch.globaltimer()
             i = i + 1
-        if cutlass.const_expr(P > 0):
+        if cutlass.const_expr(BULK):
+            ring_drain_bulk(bars, P, cseq, ps)     # an early exit leaves issued chunks unconsumed
+        elif cutlass.const_expr(P > 0):
             cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         if tid == 0:
@@ -262,8 +279,8 @@ _cache: dict = {}
 def compile_megakernel(blocks, num_sms: int, max_len: int, timing: bool = False, arch: str | None = None,
                        pdl: bool = False):
     """Compiled megakernel `fn(pI, pN, pC, pE, pT, pTim, timeout_ns, stream)`, cached in-process on
-    (block static configs, num_sms, max_len, timing, arch, pdl)."""
-    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl)
+    (block static configs, num_sms, max_len, timing, arch, pdl, the ring's copy form)."""
+    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, _cute.RING_COPIES)
     if key not in _cache:
         import cuda.bindings.driver as cuda
         host = build(blocks, num_sms, max_len, timing, pdl)

@@ -160,17 +160,19 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     return rec
 
 
-def bench_program_case(shard, ctx, batch, copy_bw):
+def bench_program_case(shard, ctx, batch, copy_bw, overrides=None):
     """The one-launch attention program (sdk/megakernel/mla_attention.py: W_UK -> decode ->
     combine -> W_UV as megakernel instructions) at a Kimi K3 head shard; floor = cache rows +
-    absorbed weights; PyTorch: the same chain (einsum projections + the attention above)."""
+    absorbed weights; PyTorch: the same chain (einsum projections + the attention above).
+    overrides: MLAAttentionConfig fields (decode_chunk=64,decode_stages=0)."""
     from sdk.megakernel.mla_attention import MLAAttentionConfig, build_program, make_inputs, make_weights, reference
     from sdk.megakernel.runtime import program_runtime
     heads, rope, scale = SHARDS[shard]
     if rope != 64:
         raise ValueError(f"{shard}: the program case takes the Kimi K3 shards (nope 128, rope 64, v 128)")
     npg = -(-ctx // 64)
-    cfg = MLAAttentionConfig(heads=heads, softmax_scale=scale, batch=batch, num_pages=batch * npg, max_seq_len=ctx)
+    cfg = MLAAttentionConfig(heads=heads, softmax_scale=scale, batch=batch, num_pages=batch * npg, max_seq_len=ctx,
+                             **(overrides or {}))
     prog = build_program(cfg)
     weights = make_weights(cfg, seed=0, device="cuda")
     inputs = make_inputs(cfg, [ctx] * batch, seed=1, device="cuda")
@@ -201,7 +203,9 @@ def bench_program_case(shard, ctx, batch, copy_bw):
         att()
         torch.einsum("mhk,hnk->mhn", out.view(batch, heads, 512), w_uv)
     torch_us, _ = timed([torch_step] * 4)
-    rec = {"case": f"{shard} B={batch} ctx={ctx} program", "shard": shard, "heads": heads, "batch": batch,
+    rec = {"case": f"{shard} B={batch} ctx={ctx} program" + "".join(f" {k}={v}" for k, v in (overrides or {}).items()),
+           "config_overrides": overrides or {}, "decode_chunk": dec.config.chunk, "decode_stages": dec.stages,
+           "shard": shard, "heads": heads, "batch": batch,
            "context": ctx, "program_ops": [op.label for op in prog.ops], "instructions": len(prog.instructions),
            "num_splits": cfg.splits, "kv_bytes": kvb, "weight_bytes": wb, "us": us, "gbs": (kvb + wb) / (us * 1e3),
            "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
@@ -297,10 +301,10 @@ def bench_dsa_layer_case(shard, ctx, batch, copy_bw, timeline_path=None, overrid
         raise ValueError(f"{shard}: the DSA sublayer case takes the GLM-5.3 TP8 shard")
     cfg = shard_config(spec_from_config(full()), batch=batch, max_seq_len=ctx,
                        num_pages=batch * -(-ctx // 64) + 4)
-    if overrides:       # DSALayerConfig fields or its attention's (head_proj_in_flight=1)
+    if overrides:       # DSALayerConfig fields first (its decode_chunk: the sparse decode's), then its attention's
         ov = dict(overrides)
-        attn_ov = {k: ov.pop(k) for k in list(ov) if k in type(cfg.mla.attn).__dataclass_fields__}
-        cfg = replace(cfg, mla=replace(cfg.mla, attn=replace(cfg.mla.attn, **attn_ov)), **ov)
+        layer_ov = {k: ov.pop(k) for k in list(ov) if k in type(cfg).__dataclass_fields__}
+        cfg = replace(cfg, mla=replace(cfg.mla, attn=replace(cfg.mla.attn, **ov)), **layer_ov)
     prog, w, inp, rt, compile_s = run_sublayer_once(build_program, make_weights, make_inputs, cfg, batch, ctx)
     err, flips = None, None
     if batch * ctx <= 2 * 32768:            # the reference expands keys and values: small cases only
@@ -338,7 +342,7 @@ PROGRAM_CASES = [("kimi_k3_tp8", 32768, 8, "program", 1), ("kimi_k3_tp8", 32768,
 
 def bench_one(c, bw, quick=False, overrides=None, timeline_dir=None):
     if c[3] == "program":
-        return bench_program_case(c[0], c[1], c[2], bw)
+        return bench_program_case(c[0], c[1], c[2], bw, overrides)
     if c[3] == "sublayer":
         tl = os.path.join(timeline_dir, f"timeline_mla_{c[0]}_b{c[2]}_{c[1]}.json") if timeline_dir else None
         return bench_layer_case(c[0], c[1], c[2], bw, overrides, tl)
@@ -368,7 +372,8 @@ def main(argv=None):
     ap = arg_parser(out_from_env=False)
     ap.add_argument("--cases", default="", help="shard:ctx:batch[:kv|program|sublayer|dsa_sublayer[:T]],... (overrides the default list)")
     ap.add_argument("--set", default="", help="key=value,... : decode cases chunk, stages, q_in_regs, splits, "
-                    "min_chunks, cols; sublayer cases MLALayerConfig / MLAAttentionConfig fields (gemv_rows, "
+                    "min_chunks, cols; program cases MLAAttentionConfig fields (decode_chunk, decode_stages); "
+                    "sublayer cases MLALayerConfig / MLAAttentionConfig fields (gemv_rows, "
                     "decode_stages, head_proj_in_flight); dsa_sublayer cases DSALayerConfig / MLAAttentionConfig "
                     "fields (index_stages, decode_chunk, head_proj_in_flight)")
     ap.add_argument("--timeline", action="store_true", help="sublayer / dsa_sublayer cases: the per-instruction "

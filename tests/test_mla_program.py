@@ -12,11 +12,13 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("T,kvd,lens", [(1, "bf16", [300, 1, 97]), (2, "fp8_e4m3", [130, 2, 64])])
-def test_program_equals_expanded_reference(T, kvd, lens):
+@pytest.mark.parametrize("T,kvd,lens,chunk", [(1, "bf16", [300, 1, 97], 32), (2, "fp8_e4m3", [130, 2, 64], 32),
+                                               (1, "bf16", [300, 1, 97], 64)])
+def test_program_equals_expanded_reference(T, kvd, lens, chunk):
     cfg = MLAAttentionConfig(heads=4, batch=3, q_tokens=T, num_pages=16, max_seq_len=512, num_splits=3,
-                             kv_dtype=kvd, scale_factor=1.1)
+                             kv_dtype=kvd, scale_factor=1.1, decode_chunk=chunk, decode_stages=3 if chunk == 32 else 0)
     prog = build_program(cfg)
+    assert prog.ops[1].block.config.chunk == chunk
     assert [op.label for op in prog.ops] == ["attn.w_uk", "attn.decode", "attn.combine", "attn.w_uv"]
     weights = make_weights(cfg, seed=1)
     inputs = make_inputs(cfg, lens, seed=2)

@@ -45,6 +45,9 @@ class MLAAttentionConfig:
     # the decode tile's KV pipeline: in the persistent CTA its shared memory sits beside the
     # instruction records and the other tiles' allocations, so fewer stages than standalone
     decode_stages: int = 3
+    decode_chunk: int = 32              # cache tokens per decode pipeline stage (64: half the chunk
+                                        # barriers per token, 74 KB stages - standalone, choose_chunk
+                                        # takes 64 for long splits; in the programs not yet measured)
     head_proj_in_flight: bool = True    # W_UK / W_UV tiles load all their rows' weights at once
                                         # (MLAHeadProjConfig.rows_in_flight; Kimi K3 TP8 B=1 32K
                                         # sublayer 57.6 -> 53.5 us: W_UK 4.9 -> 2.0 us)
@@ -73,7 +76,7 @@ def decode_block(cfg: MLAAttentionConfig) -> MLADecodeBlock:
         heads=cfg.heads, softmax_scale=cfg.softmax_scale, batch=cfg.batch, q_tokens=cfg.q_tokens,
         kv_lora=cfg.kv_lora, rope=cfg.rope, scale_factor=cfg.scale_factor, page_size=cfg.page_size,
         num_pages=cfg.num_pages, max_seq_len=cfg.max_seq_len, num_splits=cfg.splits, kv_dtype=cfg.kv_dtype,
-        stages=cfg.decode_stages))
+        chunk=cfg.decode_chunk, stages=cfg.decode_stages))
 
 
 def add_cache_inputs(prog: Program, cfg: MLAAttentionConfig) -> MLADecodeBlock:

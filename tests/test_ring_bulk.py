@@ -30,6 +30,21 @@ def test_only_row_major_stages_take_bulk_copies(bulk):
     assert kda.stream_chunks() and not bulk_ring(faces + [kda.device_stream()])
 
 
+def test_which_programs_take_the_bulk_form(bulk):
+    """The attention sublayers and Kimi K3's MoE layer stream GEMVs only: their kernels take the
+    bulk form (what the A/B in bench/optin_gpu_session.sh measures)."""
+    from sdk.blocks._cute import bulk_ring
+    from sdk.compile import sublayer_megakernel_cases
+    from sdk.megakernel.moe_layer import build_program, preset
+
+    def streams(prog):
+        return [b.device_stream() for b in prog.opcodes.blocks if b.stream_chunks()]
+    for _, prog in sublayer_megakernel_cases():
+        assert streams(prog) and bulk_ring(streams(prog))
+    moe = streams(build_program(preset("kimi_k3", batch=1)))
+    assert moe and bulk_ring(moe)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_bulk_ring_compiles(bulk, arch):
     """Standalone GEMVs (bf16 and fp8 at batch 1, bf16 at batch 8 on the MMA path) and the V4.1

@@ -119,6 +119,14 @@ def bench_case(mode, ctx, batch, copy_bw, quick=False, splits=None):
     return rec
 
 
+def sublayer_config(mode, ctx, batch, splits=None, **overrides):
+    """The V4.1-Flash TP8 sublayer configuration the bench runs (bench.schedule_sim rebuilds it)."""
+    from sdk.megakernel.dsv4_layer import DSV4LayerConfig
+    return DSV4LayerConfig(mode=mode, batch=batch, heads=HEADS, hidden=5120, q_rank=1024, o_rank=1024, window=W,
+                           ratio=4 if mode == "csa" else 128, max_seq_len=ctx + 256, num_splits=splits or 0,
+                           **overrides)
+
+
 def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, **overrides):
     """The SWA / HCA / CSA attention sublayer (sdk/megakernel/dsv4_layer.py: projections, norms +
     RoPE, compressors, the CSA indexer, split-KV decode, combine, ring write, o_a / o_b + residual)
@@ -130,11 +138,10 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     weight copies (rotated_launches: the weights dominate the bytes)."""
     from bench.common import record_timeline, rotated_launches
     from sdk.blocks.base import ring_geometry
-    from sdk.megakernel.dsv4_layer import DSV4LayerConfig, build_program, make_inputs, make_weights, reference
+    from sdk.megakernel.dsv4_layer import build_program, make_inputs, make_weights, reference
     from sdk.megakernel.program import RECORDS_MARGIN
     from sdk.megakernel.runtime import program_runtime
-    cfg = DSV4LayerConfig(mode=mode, batch=batch, heads=HEADS, hidden=5120, q_rank=1024, o_rank=1024, window=W,
-                          ratio=4 if mode == "csa" else 128, max_seq_len=ctx + 256, num_splits=splits or 0, **overrides)
+    cfg = sublayer_config(mode, ctx, batch, splits, **overrides)
     prog = build_program(cfg)
     starts = [ctx - 1] * batch
     wb = prog.bytes_by_role("weight")

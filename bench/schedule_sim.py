@@ -2,6 +2,7 @@
 would have been faster, and would costs calibrated to the measurement change the placement?
 
     python -m bench.schedule_sim TIMELINE.json moe:kimi_k3:1:mxfp4
+    python -m bench.schedule_sim timeline_dsv4_sublayer_hca_b1.json dsv4:hca:1:32768
 
 TIMELINE.json is a per-instruction record of that program (bench/moe_bench.py writes one per
 run, `timeline_moe_*.json`). Each tile's duration becomes its op's median tile time in the record;
@@ -58,12 +59,17 @@ def op_medians(record: dict) -> dict[str, float]:
 
 
 def build(spec: str):
-    """'moe:MODEL:BATCH:FORMAT' -> the MoE layer program (bench/moe_bench.py's)."""
+    """'moe:MODEL:BATCH:FORMAT' -> the MoE layer program (bench/moe_bench.py's); 'dsv4:MODE:BATCH:CTX'
+    -> the V4.1-Flash TP8 attention sublayer's (bench/dsv4_bench.py's bench_sublayer)."""
     kind, *rest = spec.split(":")
-    if kind != "moe" or len(rest) != 3:
-        raise ValueError(f"program {spec!r}: expected moe:MODEL:BATCH:FORMAT")
-    from sdk.megakernel.moe_layer import build_program, preset
-    return build_program(preset(rest[0], int(rest[1]), expert_dtype=rest[2]))
+    if kind == "moe" and len(rest) == 3:
+        from sdk.megakernel.moe_layer import build_program, preset
+        return build_program(preset(rest[0], int(rest[1]), expert_dtype=rest[2]))
+    if kind == "dsv4" and len(rest) == 3:
+        from bench.dsv4_bench import sublayer_config
+        from sdk.megakernel.dsv4_layer import build_program
+        return build_program(sublayer_config(rest[0], int(rest[2]), int(rest[1])))
+    raise ValueError(f"program {spec!r}: expected moe:MODEL:BATCH:FORMAT or dsv4:MODE:BATCH:CTX")
 
 
 def report(program, record: dict, num_sms: int = 132) -> list[str]:
@@ -84,7 +90,7 @@ def report(program, record: dict, num_sms: int = 132) -> list[str]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("record", help="timeline JSON of the program")
-    ap.add_argument("program", help="moe:MODEL:BATCH:FORMAT")
+    ap.add_argument("program", help="moe:MODEL:BATCH:FORMAT or dsv4:MODE:BATCH:CTX")
     a = ap.parse_args(argv)
     with open(a.record) as f:
         rec = json.load(f)

@@ -254,6 +254,22 @@ def test_schedule_estimate_is_a_simulation_of_its_costs(order):
     assert simulate(prog, sch.per_sm, lambda ins: given[ins.block.key()]) == pytest.approx(sch.est_ns)
 
 
+def test_schedule_sim_replays_the_dsv4_sublayer():
+    """schedule_sim rebuilds the V4.1 TP8 sublayer the bench ran ('dsv4:MODE:BATCH:CTX') and
+    replays a record of it: with every tile 1 us, the span is at least the program's longest
+    dependency chain (HCA: q_a -> q_b -> prologue -> decode -> combine -> o_a -> o_b, 7 tiles)."""
+    from bench.schedule_sim import build, report
+    prog = build("dsv4:hca:1:32768")
+    labels = [op.label for op in prog.ops]
+    assert {"v4.q_a", "v4.c_compress", "v4.decode", "v4.o_b"} <= set(labels)
+    rec = {"start_ns": [0] * len(prog.instructions), "end_ns": [1000] * len(prog.instructions),
+           "label": [ins.label for ins in prog.instructions]}
+    spans = [float(x) for line in report(prog, rec)[1:] for x in line.split()[1:]]
+    assert len(spans) == 6 and all(7.0 <= x < 40.0 for x in spans)
+    with pytest.raises(ValueError, match="dsv4:MODE:BATCH:CTX"):
+        build("dsv4:hca:1")
+
+
 def _hfma2_dot(wq: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """GemvBlock's fp8_decode="hfma2" arithmetic in torch: x scaled by the power of two 2^s that
     puts max |x| in [8, 16) (the device's per-token scale) and rounded to f16; per 16-weight unit,

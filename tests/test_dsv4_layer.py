@@ -114,3 +114,27 @@ def test_v41_tp8_megakernel_compiles(mode, ratio):
                           max_seq_len=16384)
     prog = build_program(cfg)
     compile_megakernel(prog.opcodes.blocks, 132, schedule(prog, 132).max_len, timing=False, arch="sm_90a")
+
+
+def test_first_fitting_takes_the_first_program_with_the_wanted_ring():
+    """program.first_fitting: the first builder whose program leaves the ring ring_stages_wanted[0]
+    stages, else [1]; builders that raise are skipped; none fitting re-raises the last error."""
+    from dataclasses import replace
+
+    from sdk.blocks.base import ring_geometry
+    from sdk.errors import UnsupportedConfigError
+    from sdk.megakernel.program import RECORDS_MARGIN, first_fitting
+    cfg = DSV4LayerConfig(mode="hca", heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=128,
+                          max_seq_len=32768 + 256)
+    progs = {st: build_program(replace(cfg, decode_stages=st)) for st in (4, 2)}
+    ring = {st: ring_geometry(p.opcodes.blocks, reserved=RECORDS_MARGIN)[1] for st, p in progs.items()}
+    assert ring[4] < ring[2]
+
+    def refuse():
+        raise UnsupportedConfigError("no room")
+    pick = lambda wanted: first_fitting([refuse, lambda: progs[4], lambda: progs[2]], wanted)  # noqa: E731
+    assert pick((ring[4],)) is progs[4]                 # the deeper decode already leaves enough
+    assert pick((ring[4] + 1, 2)) is progs[2]           # more ring wanted: the shallower decode
+    assert pick((ring[2] + 1, ring[4])) is progs[4]     # nobody has it: the fallback, deepest first
+    with pytest.raises(UnsupportedConfigError, match="no room"):
+        first_fitting([refuse, refuse])

@@ -313,6 +313,27 @@ def ring_bars_init(bar_base: Int32, stages: cutlass.Constexpr):
 
 
 @cute.jit
+def ring_issue(faces, ptrs, t, c, addr, bars, ps, stages: cutlass.Constexpr):
+    """The producer's copy of chunk c of tile t into the stage at `addr` (stage ps % stages):
+    cp.async (bars None), or the bulk form onto the stage's mbarrier."""
+    if cutlass.const_expr(bars is None):
+        faces.issue(ptrs, t, c, addr)
+    else:
+        faces.issue_bulk(ptrs, t, c, addr, bars + (ps % stages) * 8)
+
+
+@cute.jit
+def ring_advance(ps, issued, bars):
+    """The producer's count after one produce call (`issued`: 1 if it issued a chunk). cp.async
+    commits one group per call, empty ones too, and counts calls (its waits count groups); the
+    bulk form counts the chunks issued (what its exit drain waits for)."""
+    if cutlass.const_expr(bars is None):
+        cute.arch.cp_async_commit_group()
+        return ps + 1
+    return ps + issued
+
+
+@cute.jit
 def ring_drain_bulk(bar_base: Int32, stages: cutlass.Constexpr, cseq: Int32, issued: Int32):
     """Wait for the chunks issued and never consumed (an early exit): no bulk copy may still be
     writing into this CTA's shared memory when it leaves."""
@@ -557,23 +578,16 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
 
     @cute.jit
     def produce(ptrs, bid, mine, ring_base, bars, pi, pc, ps):
-        """Issue the producer position's chunk into stage ps % P, advance. cp.async: one commit
-        group per call (empty once the tiles are exhausted); bulk: ps counts the chunks issued."""
+        """Issue the producer position's chunk into stage ps % P (`ring_issue`), advance."""
+        issued = Int32(0)
         if pi < mine:
-            if cutlass.const_expr(BULK):
-                faces.issue_bulk(ptrs, bid + G * pi, pc, ring_base + (ps % P) * stage_bytes, bars + (ps % P) * 8)
-            else:
-                faces.issue(ptrs, bid + G * pi, pc, ring_base + (ps % P) * stage_bytes)
+            ring_issue(faces, ptrs, bid + G * pi, pc, ring_base + (ps % P) * stage_bytes, bars, ps, P)
             pc = pc + 1
             if pc == nch:
                 pc = Int32(0)
                 pi = pi + 1
-            if cutlass.const_expr(BULK):
-                ps = ps + 1                 # the bulk form's drain counts the chunks issued
-        if cutlass.const_expr(not BULK):
-            cute.arch.cp_async_commit_group()
-            ps = ps + 1
-        return pi, pc, ps
+            issued = Int32(1)
+        return pi, pc, ring_advance(ps, issued, bars)
 
     @cute.kernel
     def kernel(optab: Int64):

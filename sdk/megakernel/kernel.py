@@ -43,8 +43,8 @@ from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..blocks import _cute
-from ..blocks._cute import (bounded_wait, bulk_ring, gmem_tensor, ring_bars_init, ring_drain_bulk,
-                             scratch_region, smem_tensor, stream_tile)
+from ..blocks._cute import (bounded_wait, bulk_ring, gmem_tensor, ring_advance, ring_bars_init, ring_drain_bulk,
+                             ring_issue, scratch_region, smem_tensor, stream_tile)
 from ..blocks.base import NUM_THREADS, ring_geometry
 from ..errors import UnsupportedConfigError
 from . import isa
@@ -106,9 +106,9 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
 
     @cute.jit
     def produce(sW, sP, n: Int32, ring_base, bars, pi: Int32, pc: Int32, ps: Int32):
-        """Issue chunk pc of instruction pi (the producer position) into stage ps % P, advance.
-        cp.async: always commits one group (empty once the stream is exhausted); bulk: onto the
-        stage's mbarrier, ps counting the chunks issued (the exit drains the unconsumed ones)."""
+        """Issue chunk pc of instruction pi (the producer position) into stage ps % P
+        (`ring_issue`), advance (`ring_advance`)."""
+        issued = Int32(0)
         if pi < n:
             op = sW[pi, isa.OPCODE]
             t = sW[pi, isa.TILE]
@@ -116,20 +116,13 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
             for k in cutlass.range_constexpr(len(blocks)):
                 if cutlass.const_expr(nch[k] > 0):
                     if op == k:
-                        if cutlass.const_expr(BULK):
-                            faces[k].issue_bulk([sP[pi, j] for j in range(nops[k])], t, pc, addr, bars + (ps % P) * 8)
-                        else:
-                            faces[k].issue([sP[pi, j] for j in range(nops[k])], t, pc, addr)
+                        ring_issue(faces[k], [sP[pi, j] for j in range(nops[k])], t, pc, addr, bars, ps, P)
             pc = pc + 1
             if pc >= chunks_of(op):
                 pc = Int32(0)
                 pi = next_streaming(sW, n, pi + 1)
-            if cutlass.const_expr(BULK):
-                ps = ps + 1                 # the bulk form's drain counts the chunks issued
-        if cutlass.const_expr(not BULK):
-            cute.arch.cp_async_commit_group()
-            ps = ps + 1
-        return pi, pc, ps
+            issued = Int32(1)
+        return pi, pc, ring_advance(ps, issued, bars)
 
     @cute.jit
     def load_records(pI: Int64, mOps, sm: Int32, n: Int32, sW, sP):

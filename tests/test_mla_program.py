@@ -32,6 +32,21 @@ def test_program_equals_expanded_reference(T, kvd, lens, chunk):
         assert rel_err(vm.tensors["o"], want) < 1e-2, f"interleaving {seed}"
 
 
+@pytest.mark.parametrize("batch,ctx,kvd,chunk,stages", [(64, 32768, "bf16", 64, 2), (8, 131072, "bf16", 64, 2),
+                                                       (1, 131072, "fp8_e4m3", 64, 2), (1, 32768, "bf16", 32, 3),
+                                                       (4, 20000, "bf16", 32, 3)])
+def test_program_takes_64_token_chunks_for_long_splits(batch, ctx, kvd, chunk, stages):
+    """decode_chunk 0 (the default): the attention program's decode takes 64-token chunks in its 2
+    stages where choose_chunk does (every split >= 15 chunks of 64: measured on the H200, Kimi K3
+    TP8 B=64 32K 675 -> 639 us), else 32 in decode_stages; the MLA sublayer keeps 32 (its ring)."""
+    from sdk.blocks.mla_decode import choose_chunk
+    from sdk.megakernel.mla_attention import decode_block
+    cfg = MLAAttentionConfig(batch=batch, max_seq_len=ctx, num_pages=batch * -(-ctx // 64), kv_dtype=kvd)
+    dec = build_program(cfg).ops[1].block
+    assert (dec.config.chunk, dec.stages) == (chunk, stages) and chunk == choose_chunk(batch, ctx)
+    assert decode_block(cfg).config.chunk == 32          # what the sublayers' add_attention_core builds
+
+
 def test_program_rejects_lengths_over_the_built_limit():
     cfg = MLAAttentionConfig(heads=4, batch=1, num_pages=4, max_seq_len=128)
     with pytest.raises(ValueError, match="lens"):

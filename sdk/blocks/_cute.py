@@ -18,8 +18,6 @@ only inside functions that build device code (never at `import sdk`).
 """
 from __future__ import annotations
 
-import os
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -250,100 +248,9 @@ def block_sum_multi(values, scratch: cute.Tensor, op: cutlass.Constexpr = "sum")
     return out
 
 
-# ---- the ring's bulk-copy form (SDK_RING_COPIES=bulk, opt-in) -----------------------------------
-# One thread per chunk row segment of ONE producer warp issues cp.async.bulk copies onto the
-# stage's mbarrier (expect-tx = the chunk's bytes): the consumer threads issue no copies and wait
-# on the mbarrier's phase instead of their own cp.async groups. Taken only where every streaming
-# block of the kernel offers `StreamFaces.issue_bulk`.
-RING_COPIES = os.environ.get("SDK_RING_COPIES", "cp.async")
-if RING_COPIES not in ("cp.async", "bulk"):
-    raise ValueError(f"SDK_RING_COPIES={RING_COPIES!r}: 'cp.async' or 'bulk'")
-MBAR_MAX_TRIES = 1 << 22              # bounded mbarrier waits (each try_wait blocks up to a HW window)
-
-
-def bulk_ring(faces_list) -> bool:
-    """The ring copies in bulk: asked for (SDK_RING_COPIES=bulk) and every streaming block can."""
-    return RING_COPIES == "bulk" and all(f.issue_bulk is not None for f in faces_list)
-
-
-@cute.jit
-def mbar_init(addr: Int32):
-    cute.arch.inline_ptx("mbarrier.init.shared::cta.b64 [{$r0}], 1;", read_only_args=[addr])
-
-
-@cute.jit
-def mbar_arrive_expect_tx(addr: Int32, nbytes: Int32):
-    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
-                         read_only_args=[addr, nbytes])
-
-
-@cute.jit
-def bulk_copy_g2s(dst: Int32, src: Int64, nbytes: Int32, bar: Int32):
-    """cp.async.bulk of nbytes (a multiple of 16, both addresses 16-byte aligned) from global to
-    shared memory, completing its bytes on the mbarrier at `bar`."""
-    cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                         "[{$r0}], [{$r1}], {$r2}, [{$r3}];", read_only_args=[dst, src, nbytes, bar])
-
-
-@cute.jit
-def mbar_wait(addr: Int32, phase: Int32):
-    """Wait for the mbarrier's phase `phase` (parity) to complete; bounded: traps (a launch error
-    the host sees) instead of hanging if the bytes never arrive."""
-    done = Int32(0)
-    tries = Int32(0)
-    while done == 0:
-        done = cute.arch.inline_ptx(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; selp.u32 {$w0}, 1, 0, p; }",
-            write_only_types=[Int32], read_only_args=[addr, phase])
-        tries = tries + 1
-        if tries > MBAR_MAX_TRIES:
-            cute.arch.inline_ptx("trap;")
-
-
-@cute.jit
-def ring_bars_init(bar_base: Int32, stages: cutlass.Constexpr):
-    """All threads: thread 0 initialises the ring's mbarriers (one per stage, arrival count 1: the
-    issuing lane's expect-tx); visible to the async proxy and every thread after the barrier."""
-    tid, _, _ = cute.arch.thread_idx()
-    if tid == 0:
-        for s_ in cutlass.range_constexpr(stages):
-            mbar_init(bar_base + s_ * 8)
-        cute.arch.mbarrier_init_fence()
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def ring_issue(faces, ptrs, t, c, addr, bars, ps, stages: cutlass.Constexpr):
-    """The producer's copy of chunk c of tile t into the stage at `addr` (stage ps % stages):
-    cp.async (bars None), or the bulk form onto the stage's mbarrier."""
-    if cutlass.const_expr(bars is None):
-        faces.issue(ptrs, t, c, addr)
-    else:
-        faces.issue_bulk(ptrs, t, c, addr, bars + (ps % stages) * 8)
-
-
-@cute.jit
-def ring_advance(ps, issued, bars):
-    """The producer's count after one produce call (`issued`: 1 if it issued a chunk). cp.async
-    commits one group per call, empty ones too, and counts calls (its waits count groups); the
-    bulk form counts the chunks issued (what its exit drain waits for)."""
-    if cutlass.const_expr(bars is None):
-        cute.arch.cp_async_commit_group()
-        return ps + 1
-    return ps + issued
-
-
-@cute.jit
-def ring_drain_bulk(bar_base: Int32, stages: cutlass.Constexpr, cseq: Int32, issued: Int32):
-    """Wait for the chunks issued and never consumed (an early exit): no bulk copy may still be
-    writing into this CTA's shared memory when it leaves."""
-    for q in cutlass.range(cseq, issued, unroll=1):
-        mbar_wait(bar_base + (q % stages) * 8, (q // stages) % 2)
-
-
 @cute.jit
 def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
-                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce, bars=None):
+                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce):
     """Run one tile of a streaming block. Consumer chunk number cseq (over the CTA's whole
     stream) sits in stage cseq % stages; after a chunk is consumed its stage is refilled with
     chunk cseq + stages of the stream (`produce`, which may belong to a later instruction).
@@ -351,15 +258,11 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     chunk has landed" for this thread; the barrier after it makes every thread's copies visible.
     `fresh` = 0: the previous streaming tile of this CTA was of the same op (its staged
     activations are still in sx; see sdk/blocks/base.py). Returns the advanced (cseq, producer
-    state p0, p1, p2). bars: the stages' mbarriers (the bulk form): chunk cseq is the
-    (cseq // stages)-th fill of its stage, waited for on that stage's mbarrier parity."""
+    state p0, p1, p2)."""
     st = faces.begin(ptrs, t, sx, scratch, fresh)
     for ch in cutlass.range(nch, unroll=1):
         faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
-        if cutlass.const_expr(bars is None):
-            cute.arch.cp_async_wait_group(stages - 1)
-        else:
-            mbar_wait(bars + (cseq % stages) * 8, (cseq // stages) % 2)
+        cute.arch.cp_async_wait_group(stages - 1)
         cute.arch.sync_threads()
         faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
         cute.arch.sync_threads()
@@ -574,20 +477,17 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
         max_stages = coresident_stages([block])
     stage_bytes, P, xbytes = ring_geometry([block], max_stages)
     mutable = block.stream_data_mutable()     # e.g. a state the previous launch updates in place
-    BULK = bulk_ring([faces])
 
     @cute.jit
-    def produce(ptrs, bid, mine, ring_base, bars, pi, pc, ps):
-        """Issue the producer position's chunk into stage ps % P (`ring_issue`), advance."""
-        issued = Int32(0)
+    def produce(ptrs, bid, mine, ring_base, pi, pc, ps):
         if pi < mine:
-            ring_issue(faces, ptrs, bid + G * pi, pc, ring_base + (ps % P) * stage_bytes, bars, ps, P)
+            faces.issue(ptrs, bid + G * pi, pc, ring_base + (ps % P) * stage_bytes)
             pc = pc + 1
             if pc == nch:
                 pc = Int32(0)
                 pi = pi + 1
-            issued = Int32(1)
-        return pi, pc, ring_advance(ps, issued, bars)
+        cute.arch.cp_async_commit_group()
+        return pi, pc, ps + 1
 
     @cute.kernel
     def kernel(optab: Int64):
@@ -595,10 +495,6 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
         scratch = scratch_region(smem, [block])
         ring = smem.allocate_tensor(cutlass.Int8, cute.make_layout(P * stage_bytes), byte_alignment=128)
         xs = smem.allocate_tensor(cutlass.Int8, cute.make_layout(xbytes), byte_alignment=128)
-        bars = None
-        if cutlass.const_expr(BULK):
-            bars = smem.allocate_tensor(Int64, cute.make_layout(P), byte_alignment=8).iterator.toint()
-            ring_bars_init(bars, P)
         cute.arch.griddepcontrol_launch_dependents()
         mOps = gmem_tensor(optab, Int64, (nops,), 8)
         bid, _, _ = cute.arch.block_idx()
@@ -610,7 +506,7 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
         if cutlass.const_expr(mutable):
             cute.arch.griddepcontrol_wait()
         for _ in cutlass.range_constexpr(P):
-            pi, pc, ps = produce(ptrs, bid, mine, ring_base, bars, pi, pc, ps)
+            pi, pc, ps = produce(ptrs, bid, mine, ring_base, pi, pc, ps)
         # weights only above (or, `mutable`, data the previous launch may write, after the wait);
         # activations and outputs (the previous launch's) below: with PDL this launch may have
         # started early - wait for the previous grid (no-op without PDL)
@@ -621,9 +517,8 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
             cseq, pi, pc, ps = stream_tile(
                 faces, nch, P, stage_bytes, ptrs, bid + G * j, ring_base, sx, scratch,
                 Int32(cutlass.select_(j == 0, 1, 0)), cseq, pi, pc, ps,
-                lambda a, b, c: produce(ptrs, bid, mine, ring_base, bars, a, b, c), bars)
-        if cutlass.const_expr(not BULK):
-            cute.arch.cp_async_wait_group(0)
+                lambda a, b, c: produce(ptrs, bid, mine, ring_base, a, b, c))
+        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def host(optab: Int64, stream: "cuda.CUstream"):

@@ -146,16 +146,12 @@ class Cost:
 
 @dataclass(frozen=True)
 class StreamFaces:
-    """The device functions of a streaming block (see the module docstring). issue_bulk(ptrs,
-    tile, c, stage_addr, bar), optional: chunk c as cp.async.bulk copies issued by ONE producer
-    warp onto the stage's mbarrier `bar`, whose expect-tx it posts (the ring's bulk form,
-    `_cute.RING_COPIES`)."""
+    """The device functions of a streaming block (see the module docstring)."""
     issue: Any
     begin: Any
     prep: Any
     consume: Any
     end: Any
-    issue_bulk: Any = None
 
 
 @dataclass(frozen=True)

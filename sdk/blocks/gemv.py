@@ -456,9 +456,9 @@ class GemvBlock(Block):
 
         from cutlass import Int64
 
-        from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, bulk_copy_g2s, e4m3_piece, e4m3x4_to_f16x2x2,
-                            fence_proxy_async_smem, gmem_tensor, mbar_arrive_expect_tx, mma_m16n8k16, mul_f16x2,
-                            producer_slot, smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
+        from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, e4m3_piece, e4m3x4_to_f16x2x2,
+                            fence_proxy_async_smem, gmem_tensor, mma_m16n8k16, mul_f16x2, producer_slot,
+                            smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
 
         c = self.config
         NT, NWARP = NUM_THREADS, NUM_THREADS // 32
@@ -581,30 +581,6 @@ class GemvBlock(Block):
                     mS = gmem_tensor(ptrs[i_s[i]], Float32, (N // SB, K // 512, 4), 16)
                     if (p >= 0) & (p < SU):
                         cute.copy(satom, mS[(t * R) // SB, ch * SU + p, None], sS[i, p, None])
-
-        CHUNK_BYTES = 16 * (nw * R * KCU + (nw * SU if fp8 else 0))   # what one chunk's copies bring
-
-        @cute.jit
-        def issue_bulk(ptrs, t: Int32, ch: Int32, stage_addr, bar):
-            """The bulk form of `issue` (row-major stages only): lane l of the first producer warp
-            copies rows l, l + 32, .. of each weight (KCU contiguous 16-byte units in global and
-            in the stage) and, fp8, lane 0 each weight's scale units; lane 0 posts the bytes."""
-            lane = producer_slot()
-            if (lane >= 0) & (lane < 32):
-                if lane == 0:
-                    mbar_arrive_expect_tx(bar, Int32(CHUNK_BYTES))
-                cute.arch.sync_warp()
-                for i in cutlass.range_constexpr(nw):
-                    w_row0 = ptrs[i_w[i]] + (Int64(t * R) * Int64(K // E) + Int64(ch * KCU)) * Int64(16)
-                    for j in cutlass.range_constexpr(-(-R // 32)):
-                        r = lane + 32 * j
-                        if r < R:
-                            bulk_copy_g2s(stage_addr + ((i * R + r) * PITCH) * 16,
-                                          w_row0 + Int64(r) * Int64((K // E) * 16), Int32(KCU * 16), bar)
-                    if cutlass.const_expr(fp8):
-                        if lane == 0:
-                            s_src = ptrs[i_s[i]] + (Int64((t * R) // SB) * Int64(K // 512) + Int64(ch * SU)) * Int64(16)
-                            bulk_copy_g2s(stage_addr + 16 * WU + i * SU * 16, s_src, Int32(SU * 16), bar)
 
         @cute.jit
         def begin(ptrs, t: Int32, sx, scratch, fresh: Int32):
@@ -1141,7 +1117,5 @@ class GemvBlock(Block):
         if wg:
             return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_wgmma, end=end_wgmma)
         if mma:
-            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma, end=end_mma,
-                               issue_bulk=issue_bulk)
-        return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_hfma2 if hfma2 else consume, end=end,
-                           issue_bulk=issue_bulk)
+            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma, end=end_mma)
+        return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_hfma2 if hfma2 else consume, end=end)

@@ -42,9 +42,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..blocks import _cute
-from ..blocks._cute import (bounded_wait, bulk_ring, gmem_tensor, ring_advance, ring_bars_init, ring_drain_bulk,
-                             ring_issue, scratch_region, smem_tensor, stream_tile)
+from ..blocks._cute import bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile
 from ..blocks.base import NUM_THREADS, ring_geometry
 from ..errors import UnsupportedConfigError
 from . import isa
@@ -77,7 +75,6 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
     S, L, W = num_sms, max_len, isa.WORDS
     NOPS, rec_bytes = records_geometry(blocks, max_len)
     stage_bytes, P, xbytes = ring_geometry(blocks, reserved=rec_bytes)
-    BULK = P > 0 and bulk_ring([f for f in faces if f is not None])   # the ring's bulk form (_cute)
     NT = NUM_THREADS
     mutable = pdl and any(b.stream_data_mutable() for b in blocks if b.stream_chunks())
 
@@ -105,10 +102,9 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
         return i
 
     @cute.jit
-    def produce(sW, sP, n: Int32, ring_base, bars, pi: Int32, pc: Int32, ps: Int32):
-        """Issue chunk pc of instruction pi (the producer position) into stage ps % P
-        (`ring_issue`), advance (`ring_advance`)."""
-        issued = Int32(0)
+    def produce(sW, sP, n: Int32, ring_base, pi: Int32, pc: Int32, ps: Int32):
+        """Issue chunk pc of instruction pi (the producer position) into stage ps % P, advance.
+        Always commits one cp.async group (empty once the stream is exhausted)."""
         if pi < n:
             op = sW[pi, isa.OPCODE]
             t = sW[pi, isa.TILE]
@@ -116,13 +112,13 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
             for k in cutlass.range_constexpr(len(blocks)):
                 if cutlass.const_expr(nch[k] > 0):
                     if op == k:
-                        ring_issue(faces[k], [sP[pi, j] for j in range(nops[k])], t, pc, addr, bars, ps, P)
+                        faces[k].issue([sP[pi, j] for j in range(nops[k])], t, pc, addr)
             pc = pc + 1
             if pc >= chunks_of(op):
                 pc = Int32(0)
                 pi = next_streaming(sW, n, pi + 1)
-            issued = Int32(1)
-        return pi, pc, ring_advance(ps, issued, bars)
+        cute.arch.cp_async_commit_group()
+        return pi, pc, ps + 1
 
     @cute.jit
     def load_records(pI: Int64, mOps, sm: Int32, n: Int32, sW, sP):
@@ -175,23 +171,19 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
         load_records(pI, mOps, sm, n, sW, sP)
         ring_base = Int32(0)
         sx = Int32(0)
-        bars = None
         pi, pc, ps, cseq = Int32(0), Int32(0), Int32(0), Int32(0)
         if cutlass.const_expr(P > 0):
             ring = smem.allocate_tensor(cutlass.Int8, cute.make_layout(P * stage_bytes), byte_alignment=128)
             xs = smem.allocate_tensor(cutlass.Int8, cute.make_layout(xbytes), byte_alignment=128)
             ring_base = ring.iterator.toint()
             sx = xs.iterator.toint()
-            if cutlass.const_expr(BULK):
-                bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout(P), byte_alignment=8).iterator.toint()
-                ring_bars_init(bars, P)
             # fill the ring before anything waits: these are the first instructions' weights - but
             # after the PDL wait when a block streams data the previous launch writes (a state)
             if cutlass.const_expr(mutable):
                 cute.arch.griddepcontrol_wait()
             pi = next_streaming(sW, n, Int32(0))
             for _ in cutlass.range_constexpr(P):
-                pi, pc, ps = produce(sW, sP, n, ring_base, bars, pi, pc, ps)
+                pi, pc, ps = produce(sW, sP, n, ring_base, pi, pc, ps)
 
         # Everything above reads only what the host wrote before the launch (records, operand
         # table) and weights; from here on counters, the error word and activations, which the
@@ -237,7 +229,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
                             cseq, pi, pc, ps = stream_tile(
                                 faces[k], nch[k], P, stage_bytes, ptrs, t, ring_base, sx, scratch, fresh,
                                 cseq, pi, pc, ps,
-                                lambda a, b, c: produce(sW, sP, n, ring_base, bars, a, b, c), bars)
+                                lambda a, b, c: produce(sW, sP, n, ring_base, a, b, c))
                             staged = base
                 cute.arch.sync_threads()
                 if tid == 0:
@@ -247,9 +239,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
                     if cutlass.const_expr(timing):
                         mTim[sm, i, 1] = cute.arch.globaltimer()
             i = i + 1
-        if cutlass.const_expr(BULK):
-            ring_drain_bulk(bars, P, cseq, ps)     # an early exit leaves issued chunks unconsumed
-        elif cutlass.const_expr(P > 0):
+        if cutlass.const_expr(P > 0):
             cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         if tid == 0:
@@ -272,8 +262,8 @@ _cache: dict = {}
 def compile_megakernel(blocks, num_sms: int, max_len: int, timing: bool = False, arch: str | None = None,
                        pdl: bool = False):
     """Compiled megakernel `fn(pI, pN, pC, pE, pT, pTim, timeout_ns, stream)`, cached in-process on
-    (block static configs, num_sms, max_len, timing, arch, pdl, the ring's copy form)."""
-    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, _cute.RING_COPIES)
+    (block static configs, num_sms, max_len, timing, arch, pdl)."""
+    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl)
     if key not in _cache:
         import cuda.bindings.driver as cuda
         host = build(blocks, num_sms, max_len, timing, pdl)

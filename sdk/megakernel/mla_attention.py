@@ -15,13 +15,15 @@ on whatever SMs the schedule gave them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..blocks.base import NUM_THREADS
 from ..blocks.mla_decode import (MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig,
-                                 MLAHeadProjBlock, MLAHeadProjConfig, absorb_weights, choose_splits)
+                                 MLAHeadProjBlock, MLAHeadProjConfig, absorb_weights, choose_chunk,
+                                 choose_splits)
+from ..errors import UnsupportedConfigError
 from .program import Program
 
 
@@ -45,9 +47,10 @@ class MLAAttentionConfig:
     # the decode tile's KV pipeline: in the persistent CTA its shared memory sits beside the
     # instruction records and the other tiles' allocations, so fewer stages than standalone
     decode_stages: int = 3
-    decode_chunk: int = 32              # cache tokens per decode pipeline stage (64: half the chunk
-                                        # barriers per token, 74 KB stages - standalone, choose_chunk
-                                        # takes 64 for long splits; in the programs not yet measured)
+    decode_chunk: int = 0               # cache tokens per decode pipeline stage; 0 = auto: the attention
+                                        # program takes 64 where choose_chunk does (its 2 stages of 74 KB;
+                                        # Kimi K3 TP8 program B=64 32K 675 -> 639 us, B=8 128K 331 -> 315,
+                                        # H200 2026-12-04), else 32; the sublayers 32 (no room beside their ring)
     head_proj_in_flight: bool = True    # W_UK / W_UV tiles load all their rows' weights at once
                                         # (MLAHeadProjConfig.rows_in_flight; Kimi K3 TP8 B=1 32K
                                         # sublayer 57.6 -> 53.5 us: W_UK 4.9 -> 2.0 us)
@@ -76,7 +79,7 @@ def decode_block(cfg: MLAAttentionConfig) -> MLADecodeBlock:
         heads=cfg.heads, softmax_scale=cfg.softmax_scale, batch=cfg.batch, q_tokens=cfg.q_tokens,
         kv_lora=cfg.kv_lora, rope=cfg.rope, scale_factor=cfg.scale_factor, page_size=cfg.page_size,
         num_pages=cfg.num_pages, max_seq_len=cfg.max_seq_len, num_splits=cfg.splits, kv_dtype=cfg.kv_dtype,
-        chunk=cfg.decode_chunk, stages=cfg.decode_stages))
+        chunk=cfg.decode_chunk or 32, stages=cfg.decode_stages))
 
 
 def add_cache_inputs(prog: Program, cfg: MLAAttentionConfig) -> MLADecodeBlock:
@@ -117,6 +120,19 @@ def add_attention_core(prog: Program, cfg: MLAAttentionConfig, dec: MLADecodeBlo
 
 
 def build_program(cfg: MLAAttentionConfig) -> Program:
+    """The attention program; decode_chunk 0 takes 64-token chunks (auto stages: the 2 that fit)
+    where choose_chunk does - long splits - and falls back to 32 if they do not fit."""
+    if cfg.decode_chunk:
+        return _build(cfg)
+    if choose_chunk(cfg.batch, cfg.max_seq_len, cfg.num_sms) == 64:
+        try:
+            return _build(replace(cfg, decode_chunk=64, decode_stages=0))
+        except UnsupportedConfigError:
+            pass
+    return _build(replace(cfg, decode_chunk=32))
+
+
+def _build(cfg: MLAAttentionConfig) -> Program:
     H, L, M = cfg.heads, cfg.kv_lora, cfg.tokens
     prog = Program()
     prog.buffer("q_nope", (M, H, cfg.nope), "bf16", "input")

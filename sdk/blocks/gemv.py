@@ -456,7 +456,7 @@ class GemvBlock(Block):
 
         from cutlass import Int64
 
-        from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, e4m3_piece, e4m3x4_to_f16x2x2,
+        from ._cute import (DTYPE_MAP, RING_REFILL, bits_to_f32, block_sum_multi, e4m3_piece, e4m3x4_to_f16x2x2,
                             fence_proxy_async_smem, gmem_tensor, mma_m16n8k16, mul_f16x2, producer_slot,
                             smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
 
@@ -763,6 +763,9 @@ class GemvBlock(Block):
                 if cutlass.const_expr(whole_x):
                     stage = (ch == 0) & (fresh != 0)
                 if stage:
+                    if cutlass.const_expr(RING_REFILL == "lagged" and not whole_x):
+                        if ch > 0:
+                            cute.arch.sync_threads()    # chunk ch - 1 may still be read (stream_tile)
                     tid, _, _ = cute.arch.thread_idx()
                     xb = ch // CPX
                     sX = smem_tensor(sx, SXT, (M, XU, 8))

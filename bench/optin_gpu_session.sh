@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The fourteenth session's second device call (~580 s; carry [".device", ".whl"]):
+#   source .device/prelude.sh && GIT_COMMIT=<sha> bash bench/optin_gpu_session.sh > $OUT/all.log 2>&1
+# 1. the ring's lagged refill (SDK_RING_REFILL=lagged: one barrier a chunk): the GEMV / stack /
+#    sublayer GPU tests under it (and the sanitizers), then lagged vs the default on the GEMVs, the
+#    stack, the V4.1 HCA sublayer and Kimi K3's MoE layer at batch 1;
+# 2. a sweep of the CUDA-core fp8 GEMV's rows / chunk_k and the fp8 stack's tile rows (existing
+#    knobs, default form).
+# The tests' parts are packed into $OUT/lag_tests/results.tgz, the benches' into $OUT/results.tgz.
+# A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-580} TESTS_S=${TESTS_S:-190}
+
+SDK_RING_REFILL=lagged GPU_TESTS="tests/gpu/test_megakernel_gpu.py tests/gpu/test_dsv4_layer_gpu.py
+  tests/gpu/test_mla_layer_gpu.py tests/gpu/test_kda_layer_gpu.py tests/gpu/test_mla_gpu.py::test_attention_program_one_launch" \
+  OUT="$OUT/lag_tests" DEVICE_ALL_S=$TESTS_S bash bench/device_all.sh tests
+L="SDK_RING_REFILL=lagged"
+G="[(18432, 7168, 1, 'bf16', None, True), (7168, 2048, 1, 'bf16', None, True), (18432, 7168, 1, 'fp8_e4m3', None, True)]"
+S="[{'intermediate': 2048, 'layers': 8}, {'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'}]"
+export BENCH_ARGS_megakernel="--parts gemv,stack --no-timeline --gemv-cases \"$G\" --stack-cases \"$S\"" BENCH_S_megakernel=50
+export BENCH_ARGS_megakernel_lag="$BENCH_ARGS_megakernel" BENCH_S_megakernel_lag=50 BENCH_ENV_megakernel_lag="$L"
+GS="[(18432, 7168, 1, 'fp8_e4m3', None, True, {'rows_per_tile': 16}), (18432, 7168, 1, 'fp8_e4m3', None, True, {'rows_per_tile': 32}),
+ (18432, 7168, 1, 'fp8_e4m3', None, True, {'rows_per_tile': 32, 'chunk_k': 1024}), (18432, 7168, 1, 'fp8_e4m3', None, True, {'rows_per_tile': 32, 'mma': True})]"
+SS="[{'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3', 'gateup_rows': 32}, {'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3', 'down_rows': 32}]"
+export BENCH_ARGS_megakernel_sweep="--parts gemv,stack --no-timeline --gemv-cases \"$GS\" --stack-cases \"$SS\"" BENCH_S_megakernel_sweep=70
+D='--quick --match "sublayer hca B=1 ctx=32768$"'
+export BENCH_ARGS_dsv4="$D" BENCH_S_dsv4=45 BENCH_ARGS_dsv4_lag="$D" BENCH_S_dsv4_lag=45 BENCH_ENV_dsv4_lag="$L"
+export BENCH_ARGS_moe="--cases kimi_k3:1:mxfp4 --no-timeline" BENCH_S_moe=40 \
+  BENCH_ARGS_moe_lag="--cases kimi_k3:1:mxfp4 --no-timeline" BENCH_S_moe_lag=40 BENCH_ENV_moe_lag="$L"
+DEVICE_ALL_S=$(( DEVICE_ALL_S - TESTS_S )) bash bench/device_all.sh bench:megakernel bench:megakernel@lag bench:megakernel@sweep \
+  bench:dsv4 bench:dsv4@lag bench:moe bench:moe@lag

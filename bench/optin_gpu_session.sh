@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The fourteenth session's second device call (~580 s; carry [".device", ".whl"]):
+# Written in the fourteenth session for the next device call (~580 s; carry [".device", ".whl"]):
 #   source .device/prelude.sh && GIT_COMMIT=<sha> bash bench/optin_gpu_session.sh > $OUT/all.log 2>&1
 # 1. the ring's lagged refill (SDK_RING_REFILL=lagged: one barrier a chunk): the GEMV / stack /
 #    sublayer GPU tests under it (and the sanitizers), then lagged vs the default on the GEMVs, the
 #    stack, the V4.1 HCA sublayer and Kimi K3's MoE layer at batch 1;
-# 2. a sweep of the CUDA-core fp8 GEMV's rows / chunk_k and the fp8 stack's tile rows (existing
-#    knobs, default form).
+# 2. fp8_decode="hfma2_alu" (the fp8 tiles' e4m3 -> f16 in integer ops) beside "hfma2" (GEMV 18432x7168
+#    and the L=8 I=2048 stack; its GPU tests are in test_megakernel_gpu.py), and a sweep of the
+#    CUDA-core fp8 GEMV's rows / chunk_k and the fp8 stack's tile rows (existing knobs, default form);
+# 3. the attention program's decode chunk (64 by default since call 1 where choose_chunk takes it)
+#    at B=1 128K and B=8 32K, beside --set decode_chunk=32.
 # The tests' parts are packed into $OUT/lag_tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -22,13 +25,14 @@ G="[(18432, 7168, 1, 'bf16', None, True), (7168, 2048, 1, 'bf16', None, True), (
 S="[{'intermediate': 2048, 'layers': 8}, {'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'}]"
 export BENCH_ARGS_megakernel="--parts gemv,stack --no-timeline --gemv-cases \"$G\" --stack-cases \"$S\"" BENCH_S_megakernel=50
 export BENCH_ARGS_megakernel_lag="$BENCH_ARGS_megakernel" BENCH_S_megakernel_lag=50 BENCH_ENV_megakernel_lag="$L"
-GS="[(18432, 7168, 1, 'fp8_e4m3', None, True, {'rows_per_tile': 16}), (18432, 7168, 1, 'fp8_e4m3', None, True, {'rows_per_tile': 32}),
+GS="[(18432, 7168, 1, 'fp8_e4m3', None, True, {'fp8_decode': 'hfma2_alu'}), (18432, 7168, 1, 'fp8_e4m3', None, True, {'rows_per_tile': 16}), (18432, 7168, 1, 'fp8_e4m3', None, True, {'rows_per_tile': 32}),
  (18432, 7168, 1, 'fp8_e4m3', None, True, {'rows_per_tile': 32, 'chunk_k': 1024}), (18432, 7168, 1, 'fp8_e4m3', None, True, {'rows_per_tile': 32, 'mma': True})]"
-SS="[{'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3', 'gateup_rows': 32}, {'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3', 'down_rows': 32}]"
-export BENCH_ARGS_megakernel_sweep="--parts gemv,stack --no-timeline --gemv-cases \"$GS\" --stack-cases \"$SS\"" BENCH_S_megakernel_sweep=70
+SS="[{'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3', 'fp8_decode': 'hfma2_alu'},
+ {'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3', 'gateup_rows': 32}, {'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3', 'down_rows': 32}]"
+export BENCH_ARGS_megakernel_sweep="--parts gemv,stack --no-timeline --gemv-cases \"$GS\" --stack-cases \"$SS\"" BENCH_S_megakernel_sweep=90
 D='--quick --match "sublayer hca B=1 ctx=32768$"'
 export BENCH_ARGS_dsv4="$D" BENCH_S_dsv4=45 BENCH_ARGS_dsv4_lag="$D" BENCH_S_dsv4_lag=45 BENCH_ENV_dsv4_lag="$L"
-export BENCH_ARGS_moe="--cases kimi_k3:1:mxfp4 --no-timeline" BENCH_S_moe=40 \
-  BENCH_ARGS_moe_lag="--cases kimi_k3:1:mxfp4 --no-timeline" BENCH_S_moe_lag=40 BENCH_ENV_moe_lag="$L"
+P="kimi_k3_tp8:131072:1:program,kimi_k3_tp8:32768:8:program"
+export BENCH_ARGS_mla="--cases $P" BENCH_S_mla=50 BENCH_ARGS_mla_c32="--cases $P --set decode_chunk=32" BENCH_S_mla_c32=50
 DEVICE_ALL_S=$(( DEVICE_ALL_S - TESTS_S )) bash bench/device_all.sh bench:megakernel bench:megakernel@lag bench:megakernel@sweep \
-  bench:dsv4 bench:dsv4@lag bench:moe bench:moe@lag
+  bench:dsv4 bench:dsv4@lag bench:mla bench:mla@c32

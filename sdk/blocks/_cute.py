@@ -106,6 +106,21 @@ def e4m3x4_to_f16x2x2(word: Int32):
 
 
 @cute.jit
+def e4m3x4_to_f16x2x2_shifted(word: Int32):
+    """Four e4m3 bytes -> two f16x2 words holding bytes (0, 2) and (1, 3), each the e4m3 value
+    times 2^-8 exactly (subnormals too), in integer ops only (no F2FP): an e4m3 byte s|eeee|mmm
+    placed as f16 bits s|0eeee|mmm0000000 - the sign to bit 15, the other 7 bits to 7..13 - is
+    its value times 2^(7 - 15). Bytes 1, 3 sit in bits 8..15 / 24..31 already; bytes 0, 2 first
+    move there (word << 8)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 t, s, v; "
+        "and.b32 t, {$r0}, 0x7F007F00; shr.b32 t, t, 1; and.b32 s, {$r0}, 0x80008000; or.b32 {$w1}, t, s; "
+        "shl.b32 v, {$r0}, 8; "
+        "and.b32 t, v, 0x7F007F00; shr.b32 t, t, 1; and.b32 s, v, 0x80008000; or.b32 {$w0}, t, s; }",
+        write_only_types=[Int32, Int32], read_only_args=[word])
+
+
+@cute.jit
 def mul_f16x2(a: Int32, b: Int32) -> Int32:
     return cute.arch.inline_ptx("mul.rn.f16x2 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
                                 read_only_args=[a, b])
@@ -281,15 +296,17 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     if cutlass.const_expr(lagged_refill(stages)):
         # chunk ch's barrier also says every thread has consumed chunk ch - 1: refill its stage
         # then (the ring holds stages - 1 chunks ahead of the one waited for, ch > 0)
-        for ch in cutlass.range(nch, unroll=1):
+        # chunk 0 (the ring full: wait for its oldest chunk), peeled so the loop has no branch
+        faces.prep(ptrs, t, Int32(0), st, sx, scratch, fresh)
+        cute.arch.cp_async_wait_group(stages - 1)
+        cute.arch.sync_threads()
+        faces.consume(ptrs, t, Int32(0), ring_base + (cseq % stages) * stage_bytes, st, sx)
+        cseq = cseq + 1
+        for ch in cutlass.range(1, nch, unroll=1):
             faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
-            if ch == 0:
-                cute.arch.cp_async_wait_group(stages - 1)
-            else:
-                cute.arch.cp_async_wait_group(stages - 2)
+            cute.arch.cp_async_wait_group(stages - 2)
             cute.arch.sync_threads()
-            if ch > 0:
-                p0, p1, p2 = produce(p0, p1, p2)
+            p0, p1, p2 = produce(p0, p1, p2)
             faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
             cseq = cseq + 1
         cute.arch.sync_threads()

@@ -54,6 +54,7 @@ MERGED_NORM_MAX_M = 2               # fused norm in one pass (x held in register
 MMA_MIN_M = 8                       # tensor cores from this batch (below, CUDA cores stream bf16
                                     # at ~90% of the bandwidth and need no cross-warp sum)
 MMA_ACCUMULATORS = 64               # fp32 accumulator registers per thread on the MMA path
+FP8_DECODES = ("cvt", "int", "hfma2", "hfma2_alu", "wgmma")
 WGMMA_MAX_M = 4                     # fp8_decode="wgmma": tokens x x pieces fill one 8-row core matrix
 WGMMA_REGS = 64                     # ... fp32 wgmma accumulators per thread per asm statement
 
@@ -84,7 +85,9 @@ class GemvConfig:
                                          # one-launch stack L=4 I=18432: 75.9 / 71.1 / 63.5% of copy;
                                          # "wgmma" (Hopper only, up to WGMMA_MAX_M tokens): the
                                          # weights straight from the ring into warpgroup MMAs, x as
-                                         # a sum of e4m3 pieces - no per-weight instruction
+                                         # a sum of e4m3 pieces - no per-weight instruction;
+                                         # "hfma2_alu" (opt-in, not yet measured): hfma2 with the
+                                         # e4m3 -> f16 step in integer ops, no F2FP
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
@@ -293,8 +296,8 @@ class GemvBlock(Block):
             self.unsupported("gemv: swiglu_limit without swiglu")
         if c.activation not in ("silu", "situ") or (c.activation != "silu" and not c.swiglu):
             self.unsupported(f"gemv: activation {c.activation!r} (supported: silu, situ; the swiglu epilogue's)")
-        if c.fp8_decode not in ("cvt", "int", "hfma2", "wgmma"):
-            self.unsupported(f"gemv: fp8_decode {c.fp8_decode!r} (supported: cvt, int, hfma2, wgmma)")
+        if c.fp8_decode not in FP8_DECODES:
+            self.unsupported(f"gemv: fp8_decode {c.fp8_decode!r} (supported: {', '.join(FP8_DECODES)})")
         if self.wgmma:
             if c.m > WGMMA_MAX_M:
                 self.unsupported(f"gemv fp8_decode=wgmma: m={c.m} tokens (at most {WGMMA_MAX_M}; from "
@@ -362,9 +365,9 @@ class GemvBlock(Block):
 
     @property
     def hfma2(self) -> bool:
-        """fp8 on the CUDA cores with packed f16 FMAs (fp8_decode="hfma2")."""
+        """fp8 on the CUDA cores with packed f16 FMAs (fp8_decode "hfma2" or "hfma2_alu")."""
         c = self.config
-        return c.weight_dtype == "fp8_e4m3" and not self.use_mma and c.fp8_decode == "hfma2"
+        return c.weight_dtype == "fp8_e4m3" and not self.use_mma and c.fp8_decode in ("hfma2", "hfma2_alu")
 
     def red_smem_bytes(self) -> int:
         """MMA path: the cross-warp sums [weight][token n8-padded][row m16-padded] fp32, after x."""
@@ -457,6 +460,7 @@ class GemvBlock(Block):
         from cutlass import Int64
 
         from ._cute import (DTYPE_MAP, RING_REFILL, bits_to_f32, block_sum_multi, e4m3_piece, e4m3x4_to_f16x2x2,
+                            e4m3x4_to_f16x2x2_shifted,
                             fence_proxy_async_smem, gmem_tensor, mma_m16n8k16, mul_f16x2, producer_slot,
                             smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
 
@@ -514,6 +518,15 @@ class GemvBlock(Block):
         # scales follow it in smem and multiply each unit's fp32 sum. Each f16 product / partial
         # sum rounds at 2^-11 relative (bf16 outputs round at 2^-8).
         hfma2 = self.hfma2
+        # fp8_decode="hfma2_alu" (opt-in, not yet measured): hfma2 with the e4m3 -> f16 step in
+        # integer ops (e4m3x4_to_f16x2x2_shifted: 7 ALU ops per 4 weights, fixed latency) instead of
+        # F2FP, whose variable latency is a candidate for the fp8 tile's short-scoreboard stalls
+        # (Nsight Compute: 40% of its 5.2 cycles between issues, H200 2026-12-03). Its pairs are
+        # bytes (0, 2) and (1, 3), so x is staged with elements 1 and 2 of every 4 swapped
+        # (x_order), and its weights come out * 2^-8: x is staged * 2^8 more (X_BOOST), the same
+        # products as hfma2's, and the inverse scale stays 2^-s.
+        alu = hfma2 and c.fp8_decode == "hfma2_alu"
+        X_BOOST = 256.0 if alu else 1.0
         SXT = cutlass.Float16 if (fp8 and (mma or hfma2)) else BFloat16   # staged x: the MMA's B type
         # fp8_decode="int" (CUDA cores): e4m3 bits placed into bf16 bits - sign to bit 15, the
         # other 7 bits to 4..10 - read as bf16 that is the e4m3 value * 2^-120 exactly (subnormals
@@ -660,13 +673,13 @@ class GemvBlock(Block):
                                     a = abs_max(xr[m, j, None].load() * rstds[m] * wr[j, None].load())
                                     amax[m] = cute.arch.fmax(amax[m], Float32(cutlass.select_(
                                         tid + NT * j < NU, a, Float32(0.0))))
-                            tscale = list(token_scales(amax, scratch, sx))
+                            tscale = list(token_scales(amax, scratch, sx, X_BOOST))
                         for m in cutlass.range_constexpr(M):
                             for j in cutlass.range_constexpr(NJ):
                                 u = tid + NT * j
                                 if u < NU:
-                                    sXv[m, u, None].store((xr[m, j, None].load() * (rstds[m] * tscale[m])
-                                                           * wr[j, None].load()).to(SXT))
+                                    sXv[m, u, None].store(x_order(xr[m, j, None].load() * (rstds[m] * tscale[m])
+                                                                  * wr[j, None].load()).to(SXT))
                     else:
                         # rstd of every token over the whole row, kept in scratch[STATS_OFFSET + m]
                         sums = []
@@ -697,20 +710,33 @@ class GemvBlock(Block):
             se = Int32(cutlass.select_(se > 253, Int32(253), se))
             return bits_to_f32(se << 23), bits_to_f32((Int32(254) - se) << 23)
 
+        def x_order(v):
+            """A staged x vector (a multiple of 4 elements) in the order the weights' pairs come
+            in: hfma2_alu pairs bytes (0, 2) and (1, 3) of every 4, so elements 1 and 2 swap."""
+            if cutlass.const_expr(not alu):
+                return v
+            r = cute.make_rmem_tensor((cute.size(v.shape),), Float32)
+            r.store(v)
+            o = cute.make_rmem_tensor((cute.size(v.shape),), Float32)
+            for e in range(cute.size(v.shape)):              # unrolled at trace time
+                o[e] = r[e - e % 4 + (0, 2, 1, 3)[e % 4]]
+            return o.load()
+
         def abs_max(v):
             """max |v_i| of a register vector (fp32)."""
             return cute.arch.fmax(v.reduce(cute.ReductionOp.MAX, Float32(0.0), 0),
                                   (-v).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
 
         @cute.jit
-        def token_scales(amax, scratch, sx, boost: cutlass.Constexpr = 1.0):
+        def token_scales(amax, scratch, sx, boost: cutlass.Constexpr = 1.0, undo: cutlass.Constexpr = 1.0):
             """hfma2: every token's scale from the per-thread maxima `amax` [M] of the block being
-            staged (block-wide max, all threads get them: a tuple of M scales); thread 0 writes the
-            inverses after the staged block (sx + XBYTES), where consume_hfma2 reads them."""
+            staged (block-wide max, all threads get them: a tuple of M scales), times `boost`;
+            thread 0 writes the inverses (of the unboosted scale, times `undo`) after the staged
+            block (sx + XBYTES), where consume_hfma2 reads them."""
             tot = block_sum_multi(amax, scratch, "max")
             scales = [x_scale(tot[mm]) for mm in range(M)]
-            if cutlass.const_expr(boost != 1.0):      # wgmma: max |x| * scale in [128, 256)
-                scales = [(sc_[0] * Float32(boost), sc_[1] * Float32(1.0 / boost)) for sc_ in scales]
+            if cutlass.const_expr(boost != 1.0 or undo != 1.0):   # wgmma: max |x| * scale in [128, 256)
+                scales = [(sc_[0] * Float32(boost), sc_[1] * Float32(undo)) for sc_ in scales]
             tid, _, _ = cute.arch.thread_idx()
             if tid == 0:
                 sInv = smem_tensor(sx + XBYTES, Float32, (M,))
@@ -740,7 +766,7 @@ class GemvBlock(Block):
         NJX = -(-(M * XU) // NT)                # 8-element x units per thread per staged block
 
         @cute.jit
-        def block_scales(mX, mNW, scratch, sx, xb, tid, boost: cutlass.Constexpr):
+        def block_scales(mX, mNW, scratch, sx, xb, tid, boost: cutlass.Constexpr, undo: cutlass.Constexpr):
             """The per-token scales of x block xb (hfma2 / wgmma staging): every token's max |x|
             over the block (block-wide), then token_scales (which also stores the inverses)."""
             amax = [Float32(0.0) for _ in range(M)]
@@ -749,7 +775,7 @@ class GemvBlock(Block):
                 a = abs_max(v)
                 for mm in cutlass.range_constexpr(M):
                     amax[mm] = cute.arch.fmax(amax[mm], Float32(cutlass.select_(m == mm, a, Float32(0.0))))
-            return token_scales(amax, scratch, sx, boost)
+            return token_scales(amax, scratch, sx, boost, undo)
 
         @cute.jit
         def prep(ptrs, t: Int32, ch: Int32, state, sx, scratch, fresh: Int32):
@@ -776,16 +802,16 @@ class GemvBlock(Block):
                         # two passes over the block (x is small, the second read hits L1): the
                         # per-token scales (block_scales), then x * its token's scale
                         mNWh = mNW if cutlass.const_expr(norm) else None
-                        scales = block_scales(mX, mNWh, scratch, sx, xb, tid, 1.0)
+                        scales = block_scales(mX, mNWh, scratch, sx, xb, tid, X_BOOST, 1.0)
                         for j in cutlass.range_constexpr(NJX):
                             m, ku, v = x_unit(mX, mNWh, scratch, xb, j, tid)
-                            sX[m, ku, None].store((v * scale_of(scales, m)).to(SXT))
+                            sX[m, ku, None].store(x_order(v * scale_of(scales, m)).to(SXT))
                     elif cutlass.const_expr(wg):
                         # the per-token scales (max |x| * 2^s in [128, 256)), then each unit of 8
                         # scaled values as PX e4m3 pieces (each the remainder of the last, x 16)
                         # into rows m PX + p of the [16-byte unit][row][4 words] core matrices
                         mNWh = mNW if cutlass.const_expr(norm) else None
-                        scales = block_scales(mX, mNWh, scratch, sx, xb, tid, 16.0)
+                        scales = block_scales(mX, mNWh, scratch, sx, xb, tid, 16.0, 1.0 / 16.0)
                         sXp = smem_tensor(sx, Int32, (KX // 16, 8, 4))
                         for j in cutlass.range_constexpr(NJX):
                             m, ku, v = x_unit(mX, mNWh, scratch, xb, j, tid)
@@ -863,7 +889,10 @@ class GemvBlock(Block):
                     for rr in cutlass.range_constexpr(RW):
                         rw.store(sWw[i, warp + NWARP * rr, cu, None].load())
                         for wi in cutlass.range_constexpr(4):
-                            lo, hi = e4m3x4_to_f16x2x2(rw[wi])
+                            if cutlass.const_expr(alu):
+                                lo, hi = e4m3x4_to_f16x2x2_shifted(rw[wi])
+                            else:
+                                lo, hi = e4m3x4_to_f16x2x2(rw[wi])
                             wp[i][rr][2 * wi] = lo
                             wp[i][rr][2 * wi + 1] = hi
                 sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU * 4))

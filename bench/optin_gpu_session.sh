@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Written in the fourteenth session for the next device call (~580 s; carry [".device", ".whl"]):
-#   source .device/prelude.sh && GIT_COMMIT=<sha> bash bench/optin_gpu_session.sh > $OUT/all.log 2>&1
+# Written in the fourteenth session for the next device calls (~580 s each; carry [".device", ".whl"]):
+#   source .device/prelude.sh && GIT_COMMIT=<sha> bash bench/optin_gpu_session.sh 1 > $OUT/all.log 2>&1
+#   source .device/prelude.sh && GIT_COMMIT=<sha> bash bench/optin_gpu_session.sh 2 > $OUT/all.log 2>&1
+# Part 1:
 # 1. the ring's lagged refill (SDK_RING_REFILL=lagged: one barrier a chunk): the GEMV / stack /
 #    sublayer GPU tests under it (and the sanitizers), then lagged vs the default on the GEMVs, the
 #    stack, the V4.1 HCA sublayer and Kimi K3's MoE layer at batch 1;
@@ -9,13 +11,26 @@
 #    CUDA-core fp8 GEMV's rows / chunk_k and the fp8 stack's tile rows (existing knobs, default form);
 # 3. the attention program's decode chunk (64 by default since call 1 where choose_chunk takes it)
 #    at B=1 128K and B=8 32K, beside --set decode_chunk=32.
+# Part 2: V4.1's fp8 sliding-window records (window_dtype="fp8_e4m3"): their GPU tests (the decode
+# core, the ring write bit for bit, the HCA / SWA sublayer) and the sublayers with and without them
+# (HCA B=1 / B=64, SWA B=1).
 # The tests' parts are packed into $OUT/lag_tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+PART=${1:-1}
 export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-580} TESTS_S=${TESTS_S:-190}
+
+if [ "$PART" = 2 ]; then
+  GPU_TESTS="tests/gpu/test_dsv4_gpu.py tests/gpu/test_dsv4_layer_gpu.py" OUT="$OUT/fp8_tests" DEVICE_ALL_S=$TESTS_S \
+    bash bench/device_all.sh tests
+  D='--quick --match "sublayer hca B=1 ctx=32768$" --match "sublayer hca B=64 ctx=32768$" --match "sublayer swa B=1 ctx=4096$"'
+  export BENCH_ARGS_dsv4="$D" BENCH_S_dsv4=120 BENCH_ARGS_dsv4_fp8="$D --set window_dtype=fp8_e4m3" BENCH_S_dsv4_fp8=120
+  DEVICE_ALL_S=$(( DEVICE_ALL_S - TESTS_S )) bash bench/device_all.sh bench:dsv4 bench:dsv4@fp8
+  exit 0
+fi
 
 SDK_RING_REFILL=lagged GPU_TESTS="tests/gpu/test_megakernel_gpu.py tests/gpu/test_dsv4_layer_gpu.py
   tests/gpu/test_mla_layer_gpu.py tests/gpu/test_kda_layer_gpu.py tests/gpu/test_mla_gpu.py::test_attention_program_one_launch" \

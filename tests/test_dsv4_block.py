@@ -222,3 +222,85 @@ def test_unsupported_configs_fail_loudly(kw):
 def test_blocks_are_registered():
     from sdk.blocks import builtin_blocks
     assert {DSV4DecodeBlock, DSV4CombineBlock} <= set(builtin_blocks())
+
+
+# ---------------------------------------------------------------- V4.1's fp8 sliding-window records
+def test_fp8_window_record_format():
+    """quantize_window_fp8: 512 e4m3 values then 16 UE8M0 bytes a row (528 B, V4.1-Flash's SWA
+    cache); each group's scale the smallest power of two that keeps its max |x| <= 448 (the
+    exponent rule the device applies to the max's bits agrees with frexp's); zero groups give
+    E = 0 and zeros; dequantised values within e4m3's half-ulp of the input."""
+    from sdk.blocks.dsv4_attention import (dequantize_window_fp8, quantize_window_fp8, window_exponents,
+                                           window_record_words)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 7, 512, generator=g) * 10.0 ** torch.randn(4, 7, 16, 1, generator=g).repeat(1, 1, 1, 32)
+         .flatten(2)).to(torch.bfloat16)
+    x[0, 0, :32] = 0
+    rec = quantize_window_fp8(x)
+    assert rec.dtype == torch.int32 and rec.shape == (4, 7, window_record_words(512)) == (4, 7, 132)
+    e = window_exponents(x)
+    assert torch.equal(rec.view(torch.uint8)[..., 512:].int(), e)
+    amax = x.float().abs().unflatten(-1, (-1, 32)).amax(-1)
+    scaled = amax * torch.ldexp(torch.ones_like(amax), 127 - e)
+    nz = amax > 0
+    assert (scaled[nz] <= 448).all() and (scaled[nz] > 224).all() and (e[~nz] == 0).all()
+    bits = amax.view(torch.int32)                   # the device's rule on the max's bits
+    dev = ((bits >> 23) & 255) - 8 + ((bits & 0x7FFFFF) > 0x600000).int()
+    assert torch.equal(dev.clamp(0, 254), e)
+    d = dequantize_window_fp8(rec, 512)
+    assert d.dtype == torch.bfloat16 and (d[0, 0, :32] == 0).all()
+    err = (d.float() - x.float()).abs() / amax.repeat_interleave(32, -1).clamp_min(1e-30)
+    assert err.max() <= 2 ** -4 * 448 / 224 + 1e-6         # half an e4m3 ulp at the group's scale
+
+
+@pytest.mark.parametrize("mode,starts,T,splits", [CASES[1], CASES[3], CASES[5]])
+def test_fp8_window_decode_is_attention_over_the_dequantised_ring(mode, starts, T, splits):
+    """window_dtype="fp8_e4m3": the core reads records; its definition and its torch twin equal
+    the bf16 core's over the dequantised ring - exactly - and stay near the model's attention."""
+    from dataclasses import replace
+
+    from sdk.blocks.dsv4_attention import dequantize_window_fp8, quantize_window_fp8
+    spec, w, ref = build(mode)
+    t, want = run_reference(ref, spec, w, starts, T)
+    core, comb = blocks_for(spec, mode, len(starts), T, splits)
+    core8 = DSV4DecodeBlock(replace(core.config, window_dtype="fp8_e4m3"))
+    tb = {k: (v.to(torch.bfloat16) if k in ("q", "new_kv", "comp", "cos", "sin") else v) for k, v in t.items()}
+    t8 = {**tb, "window": quantize_window_fp8(t["window"])}
+    tdq = {**tb, "window": dequantize_window_fp8(t8["window"], spec.head_dim)}
+    for emulate in (False, True):
+        a = run_blocks(core8, comb, t8, emulate=emulate)
+        b = run_blocks(core, comb, tdq, emulate=emulate)
+        assert torch.equal(a["out"], b["out"]) and torch.equal(a["lse_part"], b["lse_part"])
+    assert rel(a["out"], want) < 5e-2
+    assert core8.operand_specs()[1].shape == (len(starts), spec.sliding_window, 132)
+    assert core8.kv_bytes(starts) < core.kv_bytes(starts)
+
+
+def test_fp8_ring_write_quantises_the_new_rows():
+    from sdk.blocks.dsv4_attention import DSV4RingWriteBlock, DSV4RingWriteConfig, quantize_window_fp8
+    g = torch.Generator().manual_seed(5)
+    rw = DSV4RingWriteBlock(DSV4RingWriteConfig(batch=2, q_tokens=3, window=8, window_dtype="fp8_e4m3"))
+    new = torch.randn(2, 3, 512, generator=g).to(torch.bfloat16)
+    old = quantize_window_fp8(torch.randn(2, 8, 512, generator=g))
+    start = torch.tensor([6, 0], dtype=torch.int32)
+    out = rw.reference(new_kv=new, start=start, window=old)["window"]
+    for b in range(2):
+        for s in range(8):
+            wrote = [tq for tq in range(3) if (int(start[b]) + tq) % 8 == s]
+            want = quantize_window_fp8(new[b, wrote[0]]) if wrote else old[b, s]
+            assert torch.equal(out[b, s], want), (b, s)
+    with pytest.raises(UnsupportedConfigError, match="window_dtype"):
+        DSV4RingWriteBlock(DSV4RingWriteConfig(window_dtype="fp4"))
+    with pytest.raises(UnsupportedConfigError, match="window_dtype"):
+        DSV4DecodeBlock(DSV4DecodeConfig(heads=8, window_dtype="e5m2"))
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_fp8_window_tiles_compile(arch):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from sdk.blocks._cute import standalone
+    from sdk.blocks.dsv4_attention import DSV4RingWriteBlock, DSV4RingWriteConfig
+    for mode, kw in (("swa", {}), ("hca", {}), ("csa", dict(ratio=4, max_entries=4096, topk=512))):
+        standalone(DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode=mode, batch=2, q_tokens=2, num_splits=4,
+                                                    window_dtype="fp8_e4m3", **kw)), arch)
+    standalone(DSV4RingWriteBlock(DSV4RingWriteConfig(batch=4, q_tokens=2, window_dtype="fp8_e4m3")), arch)

@@ -34,6 +34,30 @@ def test_pyvm_sublayer_equals_model_reference(mode):
                        ["window"] + list(cfg.cache_shapes()), rel, reference_after_run=True)
 
 
+@pytest.mark.parametrize("mode", ["swa", "hca"])
+def test_pyvm_sublayer_with_the_fp8_window(mode):
+    """window_dtype="fp8_e4m3": the ring as V4.1's SWA records - the decode reads them, the ring
+    write quantises this call's rows into them; two calls carrying the records, against the
+    model over the dequantised ring with its new rows quantised the same way (compared as values)."""
+    import torch
+    from sdk.megakernel.dsv4_layer import window_values
+    from sdk.megakernel.pyvm import PyVM
+    cfg = DSV4LayerConfig(mode=mode, window_dtype="fp8_e4m3", **TINY)
+    prog = build_program(cfg)
+    assert prog.buffers["window"].dtype == "int32" and prog.buffers["window"].shape[-1] == 132
+    w = make_weights(cfg, seed=1)
+    vm, _ = PyVM.from_program(prog, 8, w)
+    starts = [0, 5, 30]
+
+    def err(a, b):
+        if a.dtype == torch.int32:
+            a, b = window_values(cfg, a.cpu()), window_values(cfg, b.cpu())
+        return rel(a, b)
+    check_launches(vm.tensors, lambda call: vm.step(seed=call),
+                   lambda call: make_inputs(cfg, [s + call * cfg.tokens for s in starts], seed=10 + call),
+                   lambda inp: reference(cfg, w, inp), ["window"] + list(cfg.cache_shapes()), err)
+
+
 def test_csa_selection_check_tells_a_wrong_list_from_a_near_tie():
     """dsv4_layer.check_selection: a swap within the tie tolerance passes; a list that leaves out a
     clear winner, or selects a not-ready entry, raises."""

@@ -5,7 +5,8 @@ The core tile is MLADecodeBlock's tensor-core tile (`_mla_cute.py`: warp MMA m16
 online softmax, cp.async pipeline of KV chunks) with K = V = the whole 512-wide row and two
 changes: a chunk row comes from one of three sources (ring slot, this call's token, compressed
 entry - HCA in order, CSA through the index list) and the mask is the per-row visibility rule of
-the key (window position, causal among new tokens, compressed readiness). bf16 caches only.
+the key (window position, causal among new tokens, compressed readiness). bf16 caches, or the
+ring as fp8 records (window_dtype): staged raw beside the stage, dequantised into it per chunk.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 
-from ._cute import TileSmem, gmem_tensor, stage_rows_async
+from ._cute import TileSmem, bits_to_f32, gmem_tensor, smem_tensor, stage_rows_async
 from ._mla_cute import LOG2_E, a_view, mn_view, quad_max, quad_sum
+from .dsv4_attention import window_record_words
 from .base import NUM_THREADS
 
 NUM_WARPS = NUM_THREADS // 32
@@ -49,6 +51,10 @@ def build_dsv4_decode_tile(block):
     PIECES = D // 8
     NPIECE = CH * PIECES
     PPT = -(-NPIECE // NUM_THREADS)
+    FP8W = block.fp8_window              # the ring holds V4.1's fp8 records (window_dtype)
+    RAWW = block.raw_row_bytes // 4      # fp8: words of a staged record row
+    RP = window_record_words(D) // 4 if FP8W else 0     # fp8: 16-byte pieces of a record (33)
+    NDQ = CH * (D // 16)                 # fp8: dequant units of a chunk (16 values each)
     scale_log2 = block.scale * LOG2_E
     scale_nat = block.scale
     NEG_INF = -math.inf
@@ -75,9 +81,10 @@ def build_dsv4_decode_tile(block):
         return src, row, ent
 
     @cute.jit
-    def load_chunk(mRing, mNew, mComp, mIdx, b, g, start, nk, ci, st, sStage, tid, g2s):
+    def load_chunk(mRing, mNew, mComp, mIdx, b, g, start, nk, ci, st, sStage, tid, g2s, sRaw, g2s4):
         """cp.async keys ci*CH + i into stage st. Keys past nk re-read key nk - 1 (finite data;
-        the mask drops them)."""
+        the mask drops them). fp8 window: a ring row's record (RP pieces) goes to the stage's
+        raw rows instead (dequant_window makes it the stage row)."""
         for k in cutlass.range_constexpr(PPT):
             i = tid + k * NUM_THREADS
             if i < NPIECE:
@@ -88,7 +95,11 @@ def build_dsv4_decode_tile(block):
                     j = nk - 1
                 src, row, ent = key_row(mIdx, b, g, start, j)
                 if src == 0:
-                    cute.copy(g2s, mRing[b, row, p, None], sStage[st, jj, p, None])
+                    if cutlass.const_expr(FP8W):
+                        if p < RP:
+                            cute.copy(g2s4, mRing[b, row, p, None], sRaw[st, jj, p, None])
+                    else:
+                        cute.copy(g2s, mRing[b, row, p, None], sStage[st, jj, p, None])
                 elif src == 1:
                     cute.copy(g2s, mNew[b, row, p, None], sStage[st, jj, p, None])
                 else:
@@ -112,6 +123,41 @@ def build_dsv4_decode_tile(block):
         return ok
 
     @cute.jit
+    def e4m3x4_scaled_bf16(word: Int32, scale: Float32):
+        """Four e4m3 (bytes 0..3) times scale -> two bf16x2 words (values 0, 1 and 2, 3): e4m3 ->
+        f16 -> f32 exactly, one fp32 multiply, round to bf16 (dequantize_window_fp8's order)."""
+        return cute.arch.inline_ptx(
+            "{ .reg .b16 l, h, a, b, c, d; .reg .b32 p, q; .reg .f32 f0, f1, f2, f3; "
+            "mov.b32 {l, h}, {$r0}; cvt.rn.f16x2.e4m3x2 p, l; cvt.rn.f16x2.e4m3x2 q, h; "
+            "mov.b32 {a, b}, p; mov.b32 {c, d}, q; "
+            "cvt.f32.f16 f0, a; cvt.f32.f16 f1, b; cvt.f32.f16 f2, c; cvt.f32.f16 f3, d; "
+            "mul.f32 f0, f0, {$r1}; mul.f32 f1, f1, {$r1}; mul.f32 f2, f2, {$r1}; mul.f32 f3, f3, {$r1}; "
+            "cvt.rn.bf16x2.f32 {$w0}, f1, f0; cvt.rn.bf16x2.f32 {$w1}, f3, f2; }",
+            write_only_types=[Int32, Int32], read_only_args=[word, scale])
+
+    @cute.jit
+    def dequant_window(sRaw, sRawB, sStageW, st, ci, nk, tid):
+        """fp8: the stage's ring rows (the keys load_chunk staged raw: clamped key < W) from
+        their records into bf16 stage rows; unit = (row, 16 values): 4 words, one scale byte."""
+        for k in cutlass.range_constexpr(-(-NDQ // NUM_THREADS)):
+            i = tid + k * NUM_THREADS
+            if i < NDQ:
+                jj = i // (D // 16)
+                p = i % (D // 16)
+                j = ci * CH + jj
+                if j > nk - 1:
+                    j = nk - 1
+                if j < W:
+                    e = Int32(sRawB[st, jj, D + p // 2]) & 255
+                    sc = bits_to_f32(Int32(0x400000))                       # E = 0: 2^-127
+                    if e > 0:
+                        sc = bits_to_f32(e << 23)                           # 2^(E - 127)
+                    for q in cutlass.range_constexpr(4):
+                        w0, w1 = e4m3x4_scaled_bf16(sRaw[st, jj, p, q], sc)
+                        sStageW[st, jj, 8 * p + 2 * q] = w0
+                        sStageW[st, jj, 8 * p + 2 * q + 1] = w1
+
+    @cute.jit
     def tile(ptrs, t: Int32, scratch):
         tid, _, _ = cute.arch.thread_idx()
         lane = tid % 32
@@ -122,7 +168,10 @@ def build_dsv4_decode_tile(block):
         b = bg // G
 
         mQ = gmem_tensor(ptrs[0], BFloat16, (B, T * H, D // 8, 8), 16)
-        mRing = gmem_tensor(ptrs[1], BFloat16, (B, W, PIECES, 8), 16)
+        if cutlass.const_expr(FP8W):
+            mRing = gmem_tensor(ptrs[1], Int32, (B, W, RP, 4), 16)
+        else:
+            mRing = gmem_tensor(ptrs[1], BFloat16, (B, W, PIECES, 8), 16)
         mNew = gmem_tensor(ptrs[2], BFloat16, (B, T, PIECES, 8), 16)
         mComp = None
         if cutlass.const_expr(NCM > 0):
@@ -145,6 +194,15 @@ def build_dsv4_decode_tile(block):
         sKVt = cute.make_tensor(skv.iterator, cute.make_layout((ST, D, CH), stride=(CH * RS, 1, RS)))
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
                                   num_bits_per_copy=128)
+        sRaw, sRawB, sStageW, g2s4 = None, None, None, None
+        if cutlass.const_expr(FP8W):
+            raw = smem.allocate_tensor(Int32, cute.make_layout((ST, CH, RAWW), stride=(CH * RAWW, RAWW, 1)),
+                                       byte_alignment=16)
+            sRaw = smem_tensor(raw.iterator.toint(), Int32, (ST, CH, RAWW // 4, 4))
+            sRawB = smem_tensor(raw.iterator.toint(), cutlass.Int8, (ST, CH, RAWW * 4))
+            sStageW = smem_tensor(skv.iterator.toint(), Int32, (ST, CH, RS // 2))
+            g2s4 = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Int32,
+                                       num_bits_per_copy=128)
 
         # ---- the key count of this (sequence, group) and the split's chunk range --------------
         start = mStart[b]
@@ -168,7 +226,7 @@ def build_dsv4_decode_tile(block):
         stage_rows_async(g2s, mQ[b, None, None, None], g * TQ * H, sQv, R)
         for k in cutlass.range_constexpr(ST - 1):
             if c_lo + k < c_hi:
-                load_chunk(mRing, mNew, mComp, mIdx, b, g, start, nk, c_lo + k, k, sStage, tid, g2s)
+                load_chunk(mRing, mNew, mComp, mIdx, b, g, start, nk, c_lo + k, k, sStage, tid, g2s, sRaw, g2s4)
             cute.arch.cp_async_commit_group()
 
         mma_op = cwarp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
@@ -208,8 +266,13 @@ def build_dsv4_decode_tile(block):
             cute.arch.sync_threads()
             nxt = ci + ST - 1
             if nxt < c_hi:
-                load_chunk(mRing, mNew, mComp, mIdx, b, g, start, nk, nxt, (it + ST - 1) % ST, sStage, tid, g2s)
+                load_chunk(mRing, mNew, mComp, mIdx, b, g, start, nk, nxt, (it + ST - 1) % ST, sStage, tid, g2s,
+                           sRaw, g2s4)
             cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(FP8W):
+                if ci * CH < W:                  # the chunk holds ring rows: dequantise them first
+                    dequant_window(sRaw, sRawB, sStageW, st, ci, nk, tid)
+                    cute.arch.sync_threads()
 
             sKw = cute.local_tile(sKV[st, None, None], (8, KS), (nw, kp))
             tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKw))
@@ -385,5 +448,66 @@ def build_dsv4_combine_tile(block):
             mOut[b, tq, h, col] = x0.to(BFloat16)
             mOut[b, tq, h, col + 1] = x1.to(BFloat16)
         cute.arch.sync_threads()                # smem is reused by the next instruction
+
+    return tile
+
+
+def build_dsv4_ring_write_fp8_tile(block):
+    """The ring write into V4.1's SWA records (dsv4_attention.quantize_window_fp8, bit for bit):
+    thread i takes 8 values (a 16-byte unit) of a row; the 4 threads of a 32-value group (4
+    consecutive lanes) share its max |x| by two shuffles; E = the max's biased exponent - 8, + 1
+    when its mantissa exceeds 1.75, clamped to [0, 254]; the values * 2^(127 - E) to e4m3 (round
+    to nearest even; |v| <= 448 by the choice of E) as two words; the group's first lane writes
+    E into the record's scale bytes."""
+    from .dsv4_attention import SCALE_GROUP, window_record_words
+    c = block.config
+    B, T, HD, W = c.batch, c.q_tokens, c.head_dim, c.window
+    T0 = max(0, T - W)
+    U = HD // 8                              # 8-value units per row
+    UG = SCALE_GROUP // 8                    # units per scale group (4 lanes)
+    N = (T - T0) * U                         # a multiple of 32: whole warps per pass (shuffles)
+    RW = window_record_words(HD)
+
+    @cute.jit
+    def to_e4m3x2(a: Float32, b: Float32) -> Int32:
+        """(e4m3(b) << 8) | e4m3(a) in the low 16 bits (satfinite, round to nearest even)."""
+        return cute.arch.inline_ptx(
+            "{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, {$r1}, {$r0}; cvt.u32.u16 {$w0}, h; }",
+            write_only_types=[Int32], read_only_args=[a, b])
+
+    @cute.jit
+    def tile(ptrs, b: Int32, scratch):
+        tid, _, _ = cute.arch.thread_idx()
+        mNew = gmem_tensor(ptrs[0], BFloat16, (B, T, U, 8), 16)
+        mStart = gmem_tensor(ptrs[1], Int32, (B,), 4)
+        mRec = gmem_tensor(ptrs[2], Int32, (B, W, RW // 2, 2), 8)          # 8-byte value pairs
+        mRecB = gmem_tensor(ptrs[2], cutlass.Int8, (B, W, RW * 4), 1)      # the scale bytes
+        start = mStart[b]
+        v = cute.make_rmem_tensor((8,), Float32)
+        for i in cutlass.range(tid, N, NUM_THREADS, unroll=1):
+            tq = T0 + i // U
+            u = i % U
+            v.store(mNew[b, tq, u, None].load().to(Float32))
+            a = cute.arch.fmax(v.load().reduce(cute.ReductionOp.MAX, Float32(0.0), 0),
+                               (-v.load()).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
+            for sh in cutlass.range_constexpr(2):
+                a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << sh))
+            bits = cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[a])
+            e = ((bits >> 23) & 255) - 8
+            if (bits & 0x7FFFFF) > 0x600000:
+                e = e + 1
+            if e < 0:
+                e = Int32(0)
+            if e > 254:
+                e = Int32(254)
+            inv = bits_to_f32((Int32(254) - e) << 23)                      # 2^(127 - E)
+            w = [to_e4m3x2(v[2 * k] * inv, v[2 * k + 1] * inv) for k in range(4)]
+            row = (start + tq) % W
+            rec = cute.make_rmem_tensor((2,), Int32)
+            rec[0] = w[0] | (w[1] << 16)
+            rec[1] = w[2] | (w[3] << 16)
+            mRec[b, row, u, None].store(rec.load())
+            if u % UG == 0:
+                mRecB[b, row, HD + u // UG] = cutlass.Int8(e)
 
     return tile

@@ -34,8 +34,9 @@ sinks [H] fp32; cos / sin [B, T, rope / 2] bf16 (the rope at each query's positi
 tiles of other splits may still read it).
 
 Supported: rows = (T or 1) * H <= 32 (TP8: 8 heads, T <= 4), head_dim a multiple of 256, T <= W,
-bf16 caches, chunk 16/32/64. Not yet: fp8 / fp4 cache formats (V4.1 SWA E4M3 + UE8M0 and
-compressed E2M1), H > 32 rows (TP1's 64 heads), wgmma/tcgen05. The ring write is its own op
+bf16 caches or (window_dtype="fp8_e4m3") the ring as V4.1's SWA records (512 e4m3 + 16 UE8M0
+scale bytes a token: quantize_window_fp8), chunk 16/32/64. Not yet: the compressed entries' E2M1
+format, H > 32 rows (TP1's 64 heads), wgmma/tcgen05. The ring write is its own op
 after the core (`DSV4RingWriteBlock`).
 The indexer (scores, top-k) is `docs/dsv4_attention.md`'s design, not a block yet.
 """
@@ -49,6 +50,47 @@ import torch
 from .base import NUM_THREADS, Block, Cost, OperandSpec
 
 MODES = ("swa", "hca", "csa")
+WINDOW_DTYPES = ("bf16", "fp8_e4m3")
+SCALE_GROUP = 32             # the fp8 window record: one UE8M0 scale per 32 values
+
+
+def window_record_words(head_dim: int) -> int:
+    """int32 words of one fp8 window record: head_dim e4m3 values, then head_dim / 32 UE8M0
+    scales (V4.1-Flash's SWA cache: 512 + 16 = 528 bytes a token)."""
+    return (head_dim + head_dim // SCALE_GROUP) // 4
+
+
+def window_exponents(x: torch.Tensor) -> torch.Tensor:
+    """The UE8M0 scale byte E of every 32-value group of x [..., hd]: the smallest 2^(E - 127)
+    with max |x| <= 448 * 2^(E - 127), from max |x|'s exponent and mantissa (exact: max |x| =
+    m 2^e with m in [1, 2) needs 2^(e - 8), or 2^(e - 7) when m > 1.75), clamped to [0, 254]."""
+    amax = x.float().abs().unflatten(-1, (-1, SCALE_GROUP)).amax(-1)
+    f, ex = torch.frexp(amax)                          # amax = f 2^ex, f in [0.5, 1)
+    e = ex.to(torch.int32) + 118 + (f > 0.875).to(torch.int32)
+    return torch.where(amax > 0, e, torch.zeros_like(e)).clamp(0, 254)
+
+
+def quantize_window_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x [..., hd] -> int32 records [..., window_record_words(hd)] (bytes: the e4m3 values of x /
+    2^(E - 127), then the scale bytes E of its groups)."""
+    hd = x.shape[-1]
+    e = window_exponents(x)
+    scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), 127 - e)
+    q = (x.float().unflatten(-1, (-1, SCALE_GROUP)) * scale[..., None]).flatten(-2).to(torch.float8_e4m3fn)
+    rec = torch.cat([q.view(torch.uint8), e.to(torch.uint8)], dim=-1)
+    assert rec.shape[-1] == 4 * window_record_words(hd)
+    return rec.contiguous().view(torch.int32)
+
+
+def dequantize_window_fp8(rec: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int32 records [..., words] -> bf16 [..., head_dim]: each e4m3 value times its group's
+    2^(E - 127) in fp32, rounded to bf16 (exact for every finite record: 4-bit mantissas) - what
+    the decode tile dequantises into its chunk."""
+    by = rec.contiguous().view(torch.uint8)
+    q = by[..., :head_dim].contiguous().view(torch.float8_e4m3fn).float()
+    e = by[..., head_dim:head_dim + head_dim // SCALE_GROUP].to(torch.int32)
+    scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - 127)
+    return (q.unflatten(-1, (-1, SCALE_GROUP)) * scale[..., None]).flatten(-2).to(torch.bfloat16)
 
 
 def choose_splits(batch: int, keys: int, num_sms: int = 132, chunk: int = 32, min_chunks: int = 1) -> int:
@@ -75,6 +117,8 @@ class DSV4DecodeConfig:
     num_splits: int = 1
     chunk: int = 32
     stages: int = 0              # 0: auto
+    window_dtype: str = "bf16"   # "fp8_e4m3": the ring holds V4.1's SWA records (quantize_window_fp8;
+                                 # opt-in, written 2026-12-04, not yet run on a GPU)
 
 
 class DSV4DecodeBlock(Block):
@@ -120,17 +164,29 @@ class DSV4DecodeBlock(Block):
     def own_smem_bytes(self) -> int:
         return self._smem(self.stages)
 
+    @property
+    def fp8_window(self) -> bool:
+        return self.config.window_dtype == "fp8_e4m3"
+
+    @property
+    def raw_row_bytes(self) -> int:
+        """fp8 window: a staged record's row stride (528 bytes + 16 of padding: 16-byte aligned)."""
+        return 4 * window_record_words(self.config.head_dim) + 16 if self.fp8_window else 0
+
     def _smem(self, stages):
         c = self.config
         mp = 16 * math.ceil(self.rows / 16)
         nwk = NUM_THREADS // 32 // (c.chunk // 8)
         rs = c.head_dim + 8
-        return mp * rs * 2 + nwk * mp * c.chunk * 4 + stages * c.chunk * rs * 2
+        # fp8 window: each stage also holds its chunk's raw records, dequantised into the stage
+        return mp * rs * 2 + nwk * mp * c.chunk * 4 + stages * c.chunk * (rs * 2 + self.raw_row_bytes)
 
     def check(self):
         c = self.config
         if c.mode not in MODES:
             self.unsupported(f"dsv4_decode: mode {c.mode!r} (supported: {MODES})")
+        if c.window_dtype not in WINDOW_DTYPES:
+            self.unsupported(f"dsv4_decode: window_dtype {c.window_dtype!r} (supported: {WINDOW_DTYPES})")
         if c.chunk not in (16, 32, 64):
             self.unsupported(f"dsv4_decode: chunk={c.chunk} (16, 32, 64)")
         if not 1 <= self.rows <= 32:
@@ -151,7 +207,8 @@ class DSV4DecodeBlock(Block):
         c = self.config
         hd, G, S = c.head_dim, self.groups, c.num_splits
         return [OperandSpec("q", (c.batch, c.q_tokens, c.heads, hd), "bf16"),
-                OperandSpec("window", (c.batch, c.window, hd), "bf16"),
+                (OperandSpec("window", (c.batch, c.window, window_record_words(hd)), "int32") if self.fp8_window
+                 else OperandSpec("window", (c.batch, c.window, hd), "bf16")),
                 OperandSpec("new_kv", (c.batch, c.q_tokens, hd), "bf16"),
                 OperandSpec("comp", (c.batch, max(c.max_entries, 1), hd), "bf16", optional=c.mode == "swa"),
                 OperandSpec("index", (c.batch, c.q_tokens, max(c.topk, 1)), "int32", optional=c.mode != "csa"),
@@ -180,7 +237,11 @@ class DSV4DecodeBlock(Block):
 
     def kv_bytes(self, starts) -> int:
         """Bytes of KV rows the whole op must read (window + new + compressed; the floor)."""
-        return sum(self.groups * self.keys_of(int(s)) for s in starts) * self.config.head_dim * 2
+        c = self.config
+        rows = sum(self.groups * self.keys_of(int(s)) for s in starts) * c.head_dim * 2
+        if self.fp8_window:      # the window's records instead of bf16 rows
+            rows -= len(starts) * self.groups * c.window * (c.head_dim * 2 - 4 * window_record_words(c.head_dim))
+        return rows
 
     # -- torch faces ---------------------------------------------------------------------------
     def key_rows(self, t: dict, b: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +255,7 @@ class DSV4DecodeBlock(Block):
         j = torch.arange(W)
         ring_pos = last - torch.remainder(last - j, W)
         vis = [(ring_pos[None] >= 0) & (ring_pos[None] > qp[:, None] - W)]
-        rows = [t["window"][b].float().cpu()]
+        rows = [self.window_rows(t, b)]
         vis.append(torch.arange(T)[None] <= (qp - start)[:, None])
         rows.append(t["new_kv"][b].float().cpu())
         ready = (qp + 1) // c.ratio if c.mode != "swa" else None
@@ -208,6 +269,14 @@ class DSV4DecodeBlock(Block):
             vis.append(ok)
             rows.append(t["comp"][b].float().cpu()[e.clamp(0, c.max_entries - 1)])
         return torch.cat(rows), torch.cat(vis, dim=1)
+
+    def window_rows(self, t: dict, b: int) -> torch.Tensor:
+        """The ring of sequence b as the tile reads it: [W, hd] fp32 (fp8 records dequantised
+        to bf16 first)."""
+        w = t["window"][b].cpu()
+        if self.fp8_window:
+            w = dequantize_window_fp8(w, self.config.head_dim)
+        return w.float()
 
     def split_range(self, nk: int, split: int) -> tuple[int, int]:
         c = self.config
@@ -385,6 +454,7 @@ class DSV4RingWriteConfig:
     q_tokens: int = 1
     head_dim: int = 512
     window: int = 128
+    window_dtype: str = "bf16"   # "fp8_e4m3": each row quantised into V4.1's SWA record (quantize_window_fp8)
 
 
 class DSV4RingWriteBlock(Block):
@@ -395,17 +465,26 @@ class DSV4RingWriteBlock(Block):
     name = "dsv4_ring_write"
     Config = DSV4RingWriteConfig
 
+    @property
+    def fp8_window(self) -> bool:
+        return self.config.window_dtype == "fp8_e4m3"
+
     def check(self):
         c = self.config
         if c.head_dim % 8 or c.window < 1 or c.q_tokens < 1 or c.batch < 1:
             self.unsupported(f"dsv4_ring_write: head_dim={c.head_dim} (multiple of 8), window={c.window}, "
                              f"q_tokens={c.q_tokens}, batch={c.batch}")
+        if c.window_dtype not in WINDOW_DTYPES:
+            self.unsupported(f"dsv4_ring_write: window_dtype {c.window_dtype!r} (supported: {WINDOW_DTYPES})")
+        if self.fp8_window and c.head_dim % (8 * SCALE_GROUP):
+            self.unsupported(f"dsv4_ring_write fp8: head_dim={c.head_dim} must be a multiple of {8 * SCALE_GROUP}")
 
     def operand_specs(self):
         c = self.config
+        ring = (OperandSpec("window", (c.batch, c.window, window_record_words(c.head_dim)), "int32", output=True)
+                if self.fp8_window else OperandSpec("window", (c.batch, c.window, c.head_dim), "bf16", output=True))
         return [OperandSpec("new_kv", (c.batch, c.q_tokens, c.head_dim), "bf16"),
-                OperandSpec("start", (c.batch,), "int32"),
-                OperandSpec("window", (c.batch, c.window, c.head_dim), "bf16", output=True)]
+                OperandSpec("start", (c.batch,), "int32"), ring]
 
     def num_tiles(self) -> int:
         return self.config.batch
@@ -417,7 +496,9 @@ class DSV4RingWriteBlock(Block):
     def _sequence(self, t, b, ring):
         c = self.config
         for tq in range(max(0, c.q_tokens - c.window), c.q_tokens):
-            ring[b, (int(t["start"][b]) + tq) % c.window] = t["new_kv"][b, tq].to(ring.dtype)
+            row = t["new_kv"][b, tq]
+            ring[b, (int(t["start"][b]) + tq) % c.window] = (quantize_window_fp8(row.cpu()).to(ring.device)
+                                                             if self.fp8_window else row.to(ring.dtype))
 
     def reference(self, **t):
         ring = t["window"].clone()
@@ -435,6 +516,9 @@ class DSV4RingWriteBlock(Block):
 
         from ._cute import gmem_tensor
 
+        if self.fp8_window:
+            from ._dsv4_cute import build_dsv4_ring_write_fp8_tile
+            return build_dsv4_ring_write_fp8_tile(self)
         c = self.config
         B, T, HD, W = c.batch, c.q_tokens, c.head_dim, c.window
         T0 = max(0, T - W)
@@ -466,4 +550,8 @@ def dsv4_compile_cases() -> list:
         DSV4CombineBlock(DSV4CombineConfig(heads=8, batch=1, num_splits=16)),
         DSV4CombineBlock(DSV4CombineConfig(heads=8, batch=8, q_tokens=2, num_splits=4, per_token_groups=True)),
         DSV4RingWriteBlock(DSV4RingWriteConfig(batch=64, q_tokens=2)),
+        # V4.1's fp8 SWA records (window_dtype)
+        DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode="hca", batch=8, max_entries=256, num_splits=4,
+                                         window_dtype="fp8_e4m3")),
+        DSV4RingWriteBlock(DSV4RingWriteConfig(batch=64, q_tokens=2, window_dtype="fp8_e4m3")),
     ]

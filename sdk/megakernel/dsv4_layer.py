@@ -43,7 +43,8 @@ from types import SimpleNamespace
 import torch
 
 from ..blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock, DSV4DecodeConfig,
-                                     DSV4RingWriteBlock, DSV4RingWriteConfig, choose_splits)
+                                     DSV4RingWriteBlock, DSV4RingWriteConfig, choose_splits, dequantize_window_fp8,
+                                     quantize_window_fp8, window_record_words)
 from ..blocks.dsv4_compress import DSV4CompressConfig, compressor_blocks
 from ..blocks.dsv4_prologue import DSV4IndexQBlock, DSV4IndexQConfig, DSV4PrologueBlock, DSV4PrologueConfig
 from ..blocks.gemv import GemvBlock, GemvConfig, balanced_configs, fill_stage
@@ -81,6 +82,9 @@ class DSV4LayerConfig:
     num_sms: int = 132
     x_gemv_rows: int = 0                 # rows per tile of the GEMVs that read x (they run side by
                                          # side); 0: balanced_configs cuts them alike
+    window_dtype: str = "bf16"           # "fp8_e4m3": the sliding-window ring as V4.1's SWA records (e4m3 +
+                                         # a UE8M0 scale per 32 values, 528 B a token: quantize_window_fp8);
+                                         # opt-in, written 2026-12-04, not yet run on a GPU
     fill_stage: bool = False             # every GEMV's chunk widened to fill the ring's stage (gemv.fill_stage):
                                          # measured slower on the H200 (2026-12-04, CSA B=1 32K: the
                                          # x GEMVs' 17 -> 33 KB chunks 97.8 -> 101.6 us; HCA B=1 41.1
@@ -136,10 +140,12 @@ class DSV4LayerConfig:
                                                           window=self.window, ratio=self.ratio if self.compressed else 1,
                                                           max_entries=self.max_entries, topk=max(self.topk, 1),
                                                           num_splits=S, stages=self.decode_stages,
-                                                          chunk=self.decode_chunk or (16 if self.mode == "csa" else 32))),
+                                                          chunk=self.decode_chunk or (16 if self.mode == "csa" else 32),
+                                                          window_dtype=self.window_dtype)),
                "combine": DSV4CombineBlock(DSV4CombineConfig(heads=H, batch=B, q_tokens=T, head_dim=hd, num_splits=S,
                                                              per_token_groups=self.mode == "csa", rope_dim=self.rope)),
-               "ring": DSV4RingWriteBlock(DSV4RingWriteConfig(batch=B, q_tokens=T, head_dim=hd, window=self.window))}
+               "ring": DSV4RingWriteBlock(DSV4RingWriteConfig(batch=B, q_tokens=T, head_dim=hd, window=self.window,
+                                                              window_dtype=self.window_dtype))}
         if self.compressed:
             out["compress"], out["compress_norm"] = compressor_blocks(DSV4CompressConfig(
                 dim=hd, ratio=self.ratio, overlap=self.mode == "csa", rope=self.rope, batch=B, tokens=T,
@@ -219,7 +225,7 @@ def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
         prog.buffer(name, (B, T, r2), "bf16", "input")
     for name, (shape, dtype) in cfg.weight_shapes().items():
         prog.buffer(name, shape, dtype, "weight")
-    prog.buffer("window", (B, cfg.window, hd), "bf16", "input")            # read, then written in place
+    prog.buffer("window", *window_shape(cfg), "input")                     # read, then written in place
     for name, (shape, dtype) in cfg.cache_shapes().items():                # compressor windows, entries
         prog.buffer(name, shape, dtype, "input")                            # (updated in place)
     for name, shape, dtype in (("q_a", (M, cfg.q_rank), "bf16"), ("q_raw", (M, H, hd), "bf16"),
@@ -298,6 +304,18 @@ def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
     return prog
 
 
+def window_shape(cfg: DSV4LayerConfig) -> tuple:
+    """(shape, dtype) of the sliding-window ring buffer: bf16 rows, or fp8 records as int32 words."""
+    if cfg.window_dtype == "fp8_e4m3":
+        return (cfg.batch, cfg.window, window_record_words(cfg.head_dim)), "int32"
+    return (cfg.batch, cfg.window, cfg.head_dim), "bf16"
+
+
+def window_values(cfg: DSV4LayerConfig, window: torch.Tensor) -> torch.Tensor:
+    """The ring's rows as values (bf16): fp8 records dequantised (what the attention reads)."""
+    return dequantize_window_fp8(window, cfg.head_dim) if cfg.window_dtype == "fp8_e4m3" else window
+
+
 def make_weights(cfg: DSV4LayerConfig, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(seed)
     w = {}
@@ -327,6 +345,8 @@ def make_inputs(cfg: DSV4LayerConfig, starts, seed: int = 0, device="cpu") -> di
     t = {"x": torch.randn(cfg.tokens_total, cfg.hidden, generator=g, device=device).to(torch.bfloat16),
          "start": start, "cos": cos, "sin": sin, "c_cos": c_cos, "c_sin": c_sin,
          "window": torch.randn(B, cfg.window, hd, generator=g, device=device).to(torch.bfloat16)}
+    if cfg.window_dtype == "fp8_e4m3":
+        t["window"] = quantize_window_fp8(t["window"])
     if cfg.mode == "csa":
         t["i_cos"], t["i_sin"] = crope.cos_sin(pos, torch.bfloat16)
     for name, (shape, dtype) in cfg.cache_shapes().items():
@@ -356,7 +376,7 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
     hf = {"q_a_proj.weight": w["w_q_a"], "q_a_norm.weight": w["q_a_norm"], "q_b_proj.weight": w["w_q_b"],
           "kv_proj.weight": w["w_kv"], "kv_norm.weight": w["kv_norm"], "sinks": w["sinks"],
           "o_a_proj.weight": w["w_o_a"], "o_b_proj.weight": w["w_o_b"]}
-    cache = {"window": inputs["window"].clone()}
+    cache = {"window": window_values(cfg, inputs["window"]).clone()}
     if cfg.compressed:
         hf.update({"compressor.kv_proj.weight": w["w_c_kv"], "compressor.gate_proj.weight": w["w_c_gate"],
                    "compressor.position_bias": w["c_position_bias"], "compressor.kv_norm.weight": w["c_kv_norm"]})
@@ -385,7 +405,10 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
     step = StepInfo(start=start, positions=start[:, None] + torch.arange(cfg.tokens, device=start.device),
                     input_ids=torch.zeros(cfg.batch, cfg.tokens, dtype=torch.long, device=start.device))
     out = ref.forward(h.view(cfg.batch, cfg.tokens, cfg.hidden), cache, step)
-    res = {"resid": x + out.float().reshape(cfg.tokens_total, cfg.hidden), "window": cache["window"]}
+    window = cache["window"]
+    if cfg.window_dtype == "fp8_e4m3":       # the ring's rows as records again (the old rows' values unchanged)
+        window = quantize_window_fp8(window)
+    res = {"resid": x + out.float().reshape(cfg.tokens_total, cfg.hidden), "window": window}
     res.update({n: cache[CACHE_NAMES[n]] for n in cfg.cache_shapes()})
     return res
 

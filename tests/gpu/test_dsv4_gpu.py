@@ -11,17 +11,18 @@ from harness import clock_seed, need_gpu, run_as_program, run_standalone
 pytestmark = pytest.mark.gpu
 
 
-def make_case(mode, starts, T, seed, heads=8, ratio=None, topk=512):
+def make_case(mode, starts, T, seed, heads=8, ratio=None, topk=512, window_dtype="bf16"):
     """Random q / ring / new kv / compressed cache (cos/sin of real rope angles), CSA selections of
-    distinct ready entries (-1 padded), for sequences with `starts` tokens before the call."""
+    distinct ready entries (-1 padded), for sequences with `starts` tokens before the call; the
+    ring as V4.1's fp8 records with window_dtype="fp8_e4m3" (rows of varied scale)."""
     from sdk.blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock,
-                                           DSV4DecodeConfig, choose_splits)
+                                           DSV4DecodeConfig, choose_splits, quantize_window_fp8)
     g = torch.Generator(device="cuda").manual_seed(seed)
     ratio = ratio or {"swa": 1, "hca": 128, "csa": 4}[mode]
     B, hd, W = len(starts), 512, 128
     E = max(1, (max(starts) + T) // ratio + 1)
     probe = DSV4DecodeBlock(DSV4DecodeConfig(heads=heads, mode=mode, batch=B, q_tokens=T, ratio=ratio,
-                                             max_entries=E, topk=topk))
+                                             max_entries=E, topk=topk, window_dtype=window_dtype))
     splits = choose_splits(B * probe.groups, probe.keys_of(max(starts)))
     core = DSV4DecodeBlock(DSV4DecodeConfig(**{**probe.config.__dict__, "num_splits": splits}))
     comb = DSV4CombineBlock(DSV4CombineConfig(heads=heads, batch=B, q_tokens=T, num_splits=splits,
@@ -40,6 +41,8 @@ def make_case(mode, starts, T, seed, heads=8, ratio=None, topk=512):
                 k = min(topk, ready)
                 idx[b, tq, :k] = torch.randperm(ready)[:k].int()
         t["index"] = idx.cuda()
+    if window_dtype == "fp8_e4m3":
+        t["window"] = quantize_window_fp8((t["window"].float() * 4.0 ** r(B, W, 1)).cpu()).cuda()
     t["o_part"] = torch.full((B, core.groups, splits, core.rows, hd), float("nan"), device="cuda")
     t["lse_part"] = torch.full((B, core.groups, splits, core.rows), float("nan"), device="cuda")
     t["out"] = torch.full((B, T, heads, hd), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -78,6 +81,18 @@ def test_dsv4_decode(mode, starts, T):
     need_gpu()
     seed = clock_seed()
     core, comb, t = make_case(mode, starts, T, seed)
+    check(core, comb, t, seed)
+
+
+@pytest.mark.parametrize("mode,starts,T", [("swa", [1, 127, 128, 5000], 1), ("swa", [3, 200], 4),
+                                           ("hca", [127, 128, 255, 4000], 1), ("csa", [2047, 3, 100000], 1)])
+def test_dsv4_decode_fp8_window(mode, starts, T):
+    """The ring as V4.1's SWA records (e4m3 + a UE8M0 scale per 32 values): the tile stages the
+    records and dequantises them into its bf16 chunk; equal to the reference over the
+    dequantised ring (dequantize_window_fp8)."""
+    need_gpu()
+    seed = clock_seed()
+    core, comb, t = make_case(mode, starts, T, seed, window_dtype="fp8_e4m3")
     check(core, comb, t, seed)
 
 
@@ -128,18 +143,24 @@ def test_dsv4_prologue(heads, batch, T):
         assert err <= 1e-2, f"seed {seed}: {name} rel err {err:.3e}"
 
 
-@pytest.mark.parametrize("batch,T,W", [(64, 1, 128), (3, 4, 128), (2, 200, 128)])
-def test_dsv4_ring_write(batch, T, W):
+@pytest.mark.parametrize("batch,T,W,wd", [(64, 1, 128, "bf16"), (3, 4, 128, "bf16"), (2, 200, 128, "bf16"),
+                                          (64, 1, 128, "fp8_e4m3"), (3, 4, 128, "fp8_e4m3")])
+def test_dsv4_ring_write(batch, T, W, wd):
     """DSV4RingWriteBlock: the call's last min(T, W) tokens into the ring at (start + t) % W, every
-    other slot untouched (values moved: exact), ragged starts."""
+    other slot untouched (values moved: exact), ragged starts; fp8: each row quantised into its
+    record bit for bit as quantize_window_fp8 (rows of varied scale, some zero groups)."""
     need_gpu()
-    from sdk.blocks.dsv4_attention import DSV4RingWriteBlock, DSV4RingWriteConfig
+    from sdk.blocks.dsv4_attention import DSV4RingWriteBlock, DSV4RingWriteConfig, quantize_window_fp8
     seed = clock_seed()
     g = torch.Generator(device="cuda").manual_seed(seed)
-    blk = DSV4RingWriteBlock(DSV4RingWriteConfig(batch=batch, q_tokens=T, window=W))
-    t = {"new_kv": torch.randn(batch, T, 512, device="cuda", generator=g).to(torch.bfloat16),
+    blk = DSV4RingWriteBlock(DSV4RingWriteConfig(batch=batch, q_tokens=T, window=W, window_dtype=wd))
+    new = torch.randn(batch, T, 512, device="cuda", generator=g) * 8.0 ** torch.randn(batch, T, 16, 1, device="cuda",
+                                                                                        generator=g).repeat(1, 1, 1, 32).flatten(2)
+    new[:, :, :32] = 0.0
+    ring = torch.randn(batch, W, 512, device="cuda", generator=g).to(torch.bfloat16)
+    t = {"new_kv": new.to(torch.bfloat16),
          "start": torch.randint(0, 100000, (batch,), device="cuda", generator=g, dtype=torch.int32),
-         "window": torch.randn(batch, W, 512, device="cuda", generator=g).to(torch.bfloat16)}
+         "window": quantize_window_fp8(ring.cpu()).cuda() if wd == "fp8_e4m3" else ring}
     want = blk.reference(**{k: v.cpu() for k, v in t.items()})["window"]
     run_standalone(blk, t)
     assert torch.equal(t["window"].cpu(), want), f"seed {seed}: ring differs"

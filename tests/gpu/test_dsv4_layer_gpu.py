@@ -5,6 +5,7 @@ model runs), ragged sequences around window boundaries, the output NaN-poisoned,
 carrying the ring, the compressor state and the entries.
 Run: `pytest -m gpu tests/gpu/test_dsv4_layer_gpu.py`."""
 import pytest
+import torch
 
 from harness import clock_seed, need_gpu, program_runtime, rel_err
 from sublayer_launches import check_launches
@@ -36,3 +37,31 @@ def test_dsv4_sublayer_one_launch(mode, batch, T):
                    lambda inp: reference(cfg, w, inp, index=rt.tensors["index"] if mode == "csa" else None),
                    ["window"] + list(cfg.cache_shapes()), rel_err, what=f"seed {seed}, ",
                    reference_after_run=mode == "csa")
+
+
+@pytest.mark.parametrize("mode,batch,T", [("hca", 1, 1), ("hca", 8, 2), ("swa", 64, 1)])
+def test_dsv4_sublayer_fp8_window(mode, batch, T):
+    """window_dtype="fp8_e4m3": the ring as V4.1's SWA records (the decode stages and dequantises
+    them, the ring write quantises this call's rows); two launches carrying the records, compared
+    as values against the model over the dequantised ring."""
+    need_gpu()
+    import random
+
+    from sdk.megakernel.dsv4_layer import (DSV4LayerConfig, build_program, make_inputs, make_weights, reference,
+                                           window_values)
+    seed = clock_seed()
+    rnd = random.Random(seed)
+    cfg = DSV4LayerConfig(mode=mode, batch=batch, tokens=T, window_dtype="fp8_e4m3", **V41_TP8)
+    w = make_weights(cfg, seed=seed, device="cuda")
+    rt = program_runtime(build_program(cfg), w)
+    starts = [rnd.choice([127, 128, 255 - T, 5, 4000, 16000 - 2 * T]) for _ in range(batch)]
+
+    def err(a, b):
+        if a.dtype == torch.int32:
+            a, b = window_values(cfg, a.cpu()), window_values(cfg, b.cpu())
+        return rel_err(a, b)
+    check_launches(rt.tensors, lambda launch: rt.run(),
+                   lambda launch: make_inputs(cfg, [s + launch * T for s in starts], seed=seed + 1 + launch,
+                                              device="cuda"),
+                   lambda inp: reference(cfg, w, inp), ["window"] + list(cfg.cache_shapes()), err,
+                   what=f"seed {seed}, ")

@@ -5,7 +5,7 @@
 # Part 1:
 # 1. the ring's lagged refill (SDK_RING_REFILL=lagged: one barrier a chunk): the GEMV / stack /
 #    sublayer GPU tests under it (and the sanitizers), then lagged vs the default on the GEMVs, the
-#    stack, the V4.1 HCA sublayer and Kimi K3's MoE layer at batch 1;
+#    stack and the V4.1 HCA sublayer at batch 1;
 # 2. fp8_decode="hfma2_alu" (the fp8 tiles' e4m3 -> f16 in integer ops) beside "hfma2" (GEMV 18432x7168
 #    and the L=8 I=2048 stack; its GPU tests are in test_megakernel_gpu.py), and a sweep of the
 #    CUDA-core fp8 GEMV's rows / chunk_k and the fp8 stack's tile rows (existing knobs, default form);
@@ -13,7 +13,7 @@
 #    at B=1 128K and B=8 32K, beside --set decode_chunk=32.
 # Part 2: V4.1's fp8 sliding-window records (window_dtype="fp8_e4m3"): their GPU tests (the decode
 # core, the ring write bit for bit, the HCA / SWA sublayer) and the sublayers with and without them
-# (HCA B=1 / B=64, SWA B=1).
+# (HCA B=1 / B=64, SWA B=1); the KDA streaming form in the megakernel with and without the lagged refill.
 # The tests' parts are packed into $OUT/lag_tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -27,8 +27,12 @@ if [ "$PART" = 2 ]; then
   GPU_TESTS="tests/gpu/test_dsv4_gpu.py tests/gpu/test_dsv4_layer_gpu.py" OUT="$OUT/fp8_tests" DEVICE_ALL_S=$TESTS_S \
     bash bench/device_all.sh tests
   D='--quick --match "sublayer hca B=1 ctx=32768$" --match "sublayer hca B=64 ctx=32768$" --match "sublayer swa B=1 ctx=4096$"'
-  export BENCH_ARGS_dsv4="$D" BENCH_S_dsv4=120 BENCH_ARGS_dsv4_fp8="$D --set window_dtype=fp8_e4m3" BENCH_S_dsv4_fp8=120
-  DEVICE_ALL_S=$(( DEVICE_ALL_S - TESTS_S )) bash bench/device_all.sh bench:dsv4 bench:dsv4@fp8
+  export BENCH_ARGS_dsv4="$D" BENCH_S_dsv4=100 BENCH_ARGS_dsv4_fp8="$D --set window_dtype=fp8_e4m3" BENCH_S_dsv4_fp8=100
+  # the KDA streaming form in the megakernel (69-78% of copy; its chunks cross stream_tile too) under
+  # the lagged refill
+  K='--quick --match "megakernel layers stream v_split=4 hpt=4" --match "megakernel layers stream v_split=4 hpt=2"'
+  export BENCH_ARGS_kda="$K" BENCH_S_kda=60 BENCH_ARGS_kda_lag="$K" BENCH_S_kda_lag=60 BENCH_ENV_kda_lag="SDK_RING_REFILL=lagged"
+  DEVICE_ALL_S=$(( DEVICE_ALL_S - TESTS_S )) bash bench/device_all.sh bench:dsv4 bench:dsv4@fp8 bench:kda bench:kda@lag
   exit 0
 fi
 

@@ -276,6 +276,61 @@ def test_fp8_window_decode_is_attention_over_the_dequantised_ring(mode, starts, 
     assert core8.kv_bytes(starts) < core.kv_bytes(starts)
 
 
+def test_fp4_entry_record_format():
+    """quantize_comp_fp4: 512 E2M1 codes (two a byte) then 32 E4M3 scales (one per 16 values):
+    288 B, V4.1-Flash's compressed cache; ties round to the even code; zero groups stay zero."""
+    from sdk.blocks.dsv4_attention import E2M1_VALUES, comp_record_words, dequantize_comp_fp4, quantize_comp_fp4
+    assert comp_record_words(512) == 72
+    codes = torch.zeros(36, dtype=torch.uint8)                 # every code, scale 1.0 (e4m3 0x38)
+    codes[:8] = torch.arange(8, dtype=torch.uint8) * 17 + torch.tensor([0, 8] * 4, dtype=torch.uint8) * 16
+    codes[32:] = 0x38
+    vals = dequantize_comp_fp4(codes.view(torch.int32), 64)[:16].float()
+    assert torch.equal(vals[0::2], torch.tensor(E2M1_VALUES))                     # low nibbles: +code
+    assert torch.equal(vals[1::2], torch.tensor(E2M1_VALUES) * torch.tensor([1.0, -1.0] * 4))
+    y = torch.zeros(64)
+    y[:16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.01, -6, 0.1, 0.3, 2.9, 4.5, 5.5, -1.0])
+    got = dequantize_comp_fp4(quantize_comp_fp4(y[None]), 64)[0]
+    want = torch.tensor([0, 1, 1, 2, 2, 4, 4, 6, -0.0, -6, 0, 0.5, 3, 4, 6, -1])       # scale e4m3(6 / 6) = 1
+    assert torch.equal(got[:16].float(), want) and (got[16:] == 0).all()
+    g = torch.Generator().manual_seed(4)
+    # groups of varied scale in e4m3's normal range (the entries are RMS-normalised: O(1) values;
+    # a scale below 2^-6 is an e4m3 subnormal, coarser than this bound)
+    x = (torch.randn(3, 5, 512, generator=g) * 2.0 ** torch.randn(3, 5, 32, 1, generator=g).repeat(1, 1, 1, 16)
+         .flatten(2)).to(torch.bfloat16)
+    rec = quantize_comp_fp4(x)
+    assert rec.shape == (3, 5, 72) and rec.dtype == torch.int32
+    d = dequantize_comp_fp4(rec, 512).float()
+    amax = x.float().abs().unflatten(-1, (-1, 16)).amax(-1).repeat_interleave(16, -1)
+    assert ((d - x.float()).abs() <= amax / 6 * 1.0625 + 1e-30).all()    # half the widest step (4 -> 6) at s
+
+
+@pytest.mark.parametrize("mode,starts,T,splits", [CASES[3], CASES[5]])
+@pytest.mark.parametrize("window_dtype", ["bf16", "fp8_e4m3"])
+def test_fp4_entries_decode_is_attention_over_the_dequantised_entries(mode, starts, T, splits, window_dtype):
+    """comp_dtype="fp4_e2m1" (with a bf16 or an fp8 ring): the core reads entry records; equal
+    bit for bit to the bf16 core over the dequantised entries (and ring)."""
+    from dataclasses import replace
+
+    from sdk.blocks.dsv4_attention import (dequantize_comp_fp4, dequantize_window_fp8, quantize_comp_fp4,
+                                           quantize_window_fp8)
+    spec, w, ref = build(mode)
+    t, want = run_reference(ref, spec, w, starts, T)
+    core, comb = blocks_for(spec, mode, len(starts), T, splits)
+    core4 = DSV4DecodeBlock(replace(core.config, comp_dtype="fp4_e2m1", window_dtype=window_dtype))
+    tb = {k: (v.to(torch.bfloat16) if k in ("q", "new_kv", "window", "cos", "sin") else v) for k, v in t.items()}
+    t4 = {**tb, "comp": quantize_comp_fp4(t["comp"])}
+    tdq = {**tb, "comp": dequantize_comp_fp4(t4["comp"], spec.head_dim)}
+    if window_dtype == "fp8_e4m3":
+        t4["window"] = quantize_window_fp8(t["window"])
+        tdq["window"] = dequantize_window_fp8(t4["window"], spec.head_dim)
+    for emulate in (False, True):
+        a = run_blocks(core4, comb, t4, emulate=emulate)
+        b = run_blocks(core, comb, tdq, emulate=emulate)
+        assert torch.equal(a["out"], b["out"]) and torch.equal(a["lse_part"], b["lse_part"])
+    assert rel(a["out"], want) < 0.15
+    assert core4.operand_specs()[3].shape[-1] == 72 and core4.kv_bytes(starts) < core.kv_bytes(starts)
+
+
 def test_fp8_ring_write_quantises_the_new_rows():
     from sdk.blocks.dsv4_attention import DSV4RingWriteBlock, DSV4RingWriteConfig, quantize_window_fp8
     g = torch.Generator().manual_seed(5)
@@ -303,4 +358,7 @@ def test_fp8_window_tiles_compile(arch):
     for mode, kw in (("swa", {}), ("hca", {}), ("csa", dict(ratio=4, max_entries=4096, topk=512))):
         standalone(DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode=mode, batch=2, q_tokens=2, num_splits=4,
                                                     window_dtype="fp8_e4m3", **kw)), arch)
+        if mode != "swa":
+            standalone(DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode=mode, batch=2, q_tokens=2, num_splits=4,
+                                                        comp_dtype="fp4_e2m1", **kw)), arch)
     standalone(DSV4RingWriteBlock(DSV4RingWriteConfig(batch=4, q_tokens=2, window_dtype="fp8_e4m3")), arch)

@@ -34,28 +34,33 @@ def test_pyvm_sublayer_equals_model_reference(mode):
                        ["window"] + list(cfg.cache_shapes()), rel, reference_after_run=True)
 
 
-@pytest.mark.parametrize("mode", ["swa", "hca"])
-def test_pyvm_sublayer_with_the_fp8_window(mode):
-    """window_dtype="fp8_e4m3": the ring as V4.1's SWA records - the decode reads them, the ring
-    write quantises this call's rows into them; two calls carrying the records, against the
-    model over the dequantised ring with its new rows quantised the same way (compared as values)."""
-    import torch
-    from sdk.megakernel.dsv4_layer import window_values
+@pytest.mark.parametrize("mode,window_dtype,comp_dtype", [("swa", "fp8_e4m3", "bf16"), ("hca", "fp8_e4m3", "bf16"),
+                                                          ("hca", "bf16", "fp4_e2m1"), ("hca", "fp8_e4m3", "fp4_e2m1"),
+                                                          ("csa", "fp8_e4m3", "fp4_e2m1")])
+def test_pyvm_sublayer_with_quantised_caches(mode, window_dtype, comp_dtype):
+    """V4.1's serving formats: the ring as fp8 records (window_dtype) and / or the compressed
+    entries as fp4 records (comp_dtype) - the decode reads them, the ring write and the
+    compressor's norm write them; two calls carrying the records, against the model over the
+    dequantised caches with its new rows / entries through the same records (cache_values)."""
+    from sdk.megakernel.dsv4_layer import cache_values
     from sdk.megakernel.pyvm import PyVM
-    cfg = DSV4LayerConfig(mode=mode, window_dtype="fp8_e4m3", **TINY)
+    cfg = DSV4LayerConfig(mode=mode, window_dtype=window_dtype, comp_dtype=comp_dtype, **TINY)
     prog = build_program(cfg)
-    assert prog.buffers["window"].dtype == "int32" and prog.buffers["window"].shape[-1] == 132
+    if window_dtype == "fp8_e4m3":
+        assert prog.buffers["window"].dtype == "int32" and prog.buffers["window"].shape[-1] == 132
+    if comp_dtype == "fp4_e2m1":
+        assert prog.buffers["comp"].dtype == "int32" and prog.buffers["comp"].shape[-1] == 72
     w = make_weights(cfg, seed=1)
     vm, _ = PyVM.from_program(prog, 8, w)
     starts = [0, 5, 30]
 
     def err(a, b):
-        if a.dtype == torch.int32:
-            a, b = window_values(cfg, a.cpu()), window_values(cfg, b.cpu())
-        return rel(a, b)
+        return rel(cache_values(cfg, a.cpu()), cache_values(cfg, b.cpu()))
+    ref = (lambda inp: reference(cfg, w, inp, index=vm.tensors["index"])) if mode == "csa" else \
+        (lambda inp: reference(cfg, w, inp))
     check_launches(vm.tensors, lambda call: vm.step(seed=call),
                    lambda call: make_inputs(cfg, [s + call * cfg.tokens for s in starts], seed=10 + call),
-                   lambda inp: reference(cfg, w, inp), ["window"] + list(cfg.cache_shapes()), err)
+                   ref, ["window"] + list(cfg.cache_shapes()), err, reference_after_run=mode == "csa")
 
 
 def test_csa_selection_check_tells_a_wrong_list_from_a_near_tie():

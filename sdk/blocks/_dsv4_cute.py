@@ -6,7 +6,8 @@ online softmax, cp.async pipeline of KV chunks) with K = V = the whole 512-wide 
 changes: a chunk row comes from one of three sources (ring slot, this call's token, compressed
 entry - HCA in order, CSA through the index list) and the mask is the per-row visibility rule of
 the key (window position, causal among new tokens, compressed readiness). bf16 caches, or the
-ring as fp8 records (window_dtype): staged raw beside the stage, dequantised into it per chunk.
+ring as fp8 records (window_dtype) and / or the entries as fp4 records (comp_dtype): staged raw
+beside the stage, dequantised into it per chunk.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from cutlass.cute.nvgpu import warp as cwarp
 
 from ._cute import TileSmem, bits_to_f32, gmem_tensor, smem_tensor, stage_rows_async
 from ._mla_cute import LOG2_E, a_view, mn_view, quad_max, quad_sum
-from .dsv4_attention import window_record_words
+from .dsv4_attention import comp_record_words, window_record_words
 from .base import NUM_THREADS
 
 NUM_WARPS = NUM_THREADS // 32
@@ -52,8 +53,10 @@ def build_dsv4_decode_tile(block):
     NPIECE = CH * PIECES
     PPT = -(-NPIECE // NUM_THREADS)
     FP8W = block.fp8_window              # the ring holds V4.1's fp8 records (window_dtype)
-    RAWW = block.raw_row_bytes // 4      # fp8: words of a staged record row
+    FP4C = block.fp4_comp                # the entries are V4.1's fp4 records (comp_dtype)
+    RAWW = block.raw_row_bytes // 4      # quantised rows: words of a staged record row
     RP = window_record_words(D) // 4 if FP8W else 0     # fp8: 16-byte pieces of a record (33)
+    RPC = comp_record_words(D) // 4 if FP4C else 0      # fp4: 16-byte pieces of a record (18)
     NDQ = CH * (D // 16)                 # fp8: dequant units of a chunk (16 values each)
     scale_log2 = block.scale * LOG2_E
     scale_nat = block.scale
@@ -104,7 +107,11 @@ def build_dsv4_decode_tile(block):
                     cute.copy(g2s, mNew[b, row, p, None], sStage[st, jj, p, None])
                 else:
                     if cutlass.const_expr(NCM > 0):
-                        cute.copy(g2s, mComp[b, row, p, None], sStage[st, jj, p, None])
+                        if cutlass.const_expr(FP4C):
+                            if p < RPC:
+                                cute.copy(g2s4, mComp[b, row, p, None], sRaw[st, jj, p, None])
+                        else:
+                            cute.copy(g2s, mComp[b, row, p, None], sStage[st, jj, p, None])
 
     @cute.jit
     def visible(mIdx, b, g, start, nk, j, tq):
@@ -158,6 +165,49 @@ def build_dsv4_decode_tile(block):
                         sStageW[st, jj, 8 * p + 2 * q + 1] = w1
 
     @cute.jit
+    def e2m1x2_scaled_bf16(byte: Int32, scale2: Int32) -> Int32:
+        """One byte of two E2M1 codes (value 0 in the low nibble) times the f16x2 splat scale2 ->
+        bf16x2: each code's f16 magnitude picked by prmt from a table of the f16 values' high bytes
+        (0, .5, 1, 1.5, 2, 3, 4, 6), its sign to bit 15, one packed f16 multiply (exact: 2 + 4
+        significant bits), f16 -> f32 -> bf16 (exact) - dequantize_comp_fp4's values."""
+        return cute.arch.inline_ptx(
+            "{ .reg .b32 lo, hi, sel, m, sg, t, ta, tb; .reg .b16 h0, h1; .reg .f32 f0, f1; "
+            "mov.b32 ta, 0x3E3C3800; mov.b32 tb, 0x46444240; "
+            "and.b32 lo, {$r0}, 7; shl.b32 lo, lo, 4; and.b32 hi, {$r0}, 0x70; shl.b32 hi, hi, 8; "
+            "or.b32 sel, lo, hi; prmt.b32 m, ta, tb, sel; "
+            "and.b32 sg, {$r0}, 8; shl.b32 sg, sg, 12; and.b32 t, {$r0}, 0x80; shl.b32 t, t, 24; "
+            "or.b32 sg, sg, t; or.b32 m, m, sg; mul.rn.f16x2 m, m, {$r1}; "
+            "mov.b32 {h0, h1}, m; cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; cvt.rn.bf16x2.f32 {$w0}, f1, f0; }",
+            write_only_types=[Int32], read_only_args=[byte, scale2])
+
+    @cute.jit
+    def e4m3_splat_f16x2(byte: Int32) -> Int32:
+        """An E4M3 byte as an f16x2 splat (exact)."""
+        return cute.arch.inline_ptx(
+            "{ .reg .b16 x, l, h; .reg .b32 p; cvt.u16.u32 x, {$r0}; cvt.rn.f16x2.e4m3x2 p, x; "
+            "mov.b32 {l, h}, p; mov.b32 {$w0}, {l, l}; }",
+            write_only_types=[Int32], read_only_args=[byte])
+
+    @cute.jit
+    def dequant_comp(sRaw, sRawB, sStageW, st, ci, nk, tid):
+        """fp4: the stage's compressed-entry rows (clamped key >= W + T) from their records into
+        bf16 stage rows; unit = (row, 16 values): 8 bytes of codes, one E4M3 scale byte."""
+        for k in cutlass.range_constexpr(-(-NDQ // NUM_THREADS)):
+            i = tid + k * NUM_THREADS
+            if i < NDQ:
+                jj = i // (D // 16)
+                p = i % (D // 16)
+                j = ci * CH + jj
+                if j > nk - 1:
+                    j = nk - 1
+                if j >= W + T:
+                    sc2 = e4m3_splat_f16x2(Int32(sRawB[st, jj, D // 2 + p]) & 255)
+                    for q in cutlass.range_constexpr(2):
+                        word = sRaw[st, jj, p // 2, 2 * (p % 2) + q]
+                        for by in cutlass.range_constexpr(4):
+                            sStageW[st, jj, 8 * p + 4 * q + by] = e2m1x2_scaled_bf16((word >> (8 * by)) & 255, sc2)
+
+    @cute.jit
     def tile(ptrs, t: Int32, scratch):
         tid, _, _ = cute.arch.thread_idx()
         lane = tid % 32
@@ -175,7 +225,10 @@ def build_dsv4_decode_tile(block):
         mNew = gmem_tensor(ptrs[2], BFloat16, (B, T, PIECES, 8), 16)
         mComp = None
         if cutlass.const_expr(NCM > 0):
-            mComp = gmem_tensor(ptrs[3], BFloat16, (B, E, PIECES, 8), 16)
+            if cutlass.const_expr(FP4C):
+                mComp = gmem_tensor(ptrs[3], Int32, (B, E, RPC, 4), 16)
+            else:
+                mComp = gmem_tensor(ptrs[3], BFloat16, (B, E, PIECES, 8), 16)
         mIdx = None
         if cutlass.const_expr(MODE == "csa"):
             mIdx = gmem_tensor(ptrs[4], Int32, (B, T, K), 4)
@@ -195,7 +248,7 @@ def build_dsv4_decode_tile(block):
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
                                   num_bits_per_copy=128)
         sRaw, sRawB, sStageW, g2s4 = None, None, None, None
-        if cutlass.const_expr(FP8W):
+        if cutlass.const_expr(FP8W or FP4C):
             raw = smem.allocate_tensor(Int32, cute.make_layout((ST, CH, RAWW), stride=(CH * RAWW, RAWW, 1)),
                                        byte_alignment=16)
             sRaw = smem_tensor(raw.iterator.toint(), Int32, (ST, CH, RAWW // 4, 4))
@@ -269,9 +322,18 @@ def build_dsv4_decode_tile(block):
                 load_chunk(mRing, mNew, mComp, mIdx, b, g, start, nk, nxt, (it + ST - 1) % ST, sStage, tid, g2s,
                            sRaw, g2s4)
             cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(FP8W):
-                if ci * CH < W:                  # the chunk holds ring rows: dequantise them first
-                    dequant_window(sRaw, sRawB, sStageW, st, ci, nk, tid)
+            if cutlass.const_expr(FP8W or FP4C):
+                # the chunk's quantised rows (ring records, entry records) into its bf16 stage rows
+                deq = Int32(0)
+                if cutlass.const_expr(FP8W):
+                    if ci * CH < W:
+                        dequant_window(sRaw, sRawB, sStageW, st, ci, nk, tid)
+                        deq = Int32(1)
+                if cutlass.const_expr(FP4C):
+                    if (ci + 1) * CH > W + T:
+                        dequant_comp(sRaw, sRawB, sStageW, st, ci, nk, tid)
+                        deq = Int32(1)
+                if deq != 0:
                     cute.arch.sync_threads()
 
             sKw = cute.local_tile(sKV[st, None, None], (8, KS), (nw, kp))

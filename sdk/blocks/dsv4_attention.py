@@ -34,9 +34,10 @@ sinks [H] fp32; cos / sin [B, T, rope / 2] bf16 (the rope at each query's positi
 tiles of other splits may still read it).
 
 Supported: rows = (T or 1) * H <= 32 (TP8: 8 heads, T <= 4), head_dim a multiple of 256, T <= W,
-bf16 caches or (window_dtype="fp8_e4m3") the ring as V4.1's SWA records (512 e4m3 + 16 UE8M0
-scale bytes a token: quantize_window_fp8), chunk 16/32/64. Not yet: the compressed entries' E2M1
-format, H > 32 rows (TP1's 64 heads), wgmma/tcgen05. The ring write is its own op
+bf16 caches, or V4.1's serving records: the ring (window_dtype="fp8_e4m3": 512 e4m3 + 16 UE8M0
+scale bytes a token, quantize_window_fp8) and the compressed entries (comp_dtype="fp4_e2m1": 512
+E2M1 codes + 32 E4M3 scales, quantize_comp_fp4); chunk 16/32/64. Not yet: H > 32 rows (TP1's 64
+heads), wgmma/tcgen05. The ring write is its own op
 after the core (`DSV4RingWriteBlock`).
 The indexer (scores, top-k) is `docs/dsv4_attention.md`'s design, not a block yet.
 """
@@ -82,6 +83,55 @@ def quantize_window_fp8(x: torch.Tensor) -> torch.Tensor:
     return rec.contiguous().view(torch.int32)
 
 
+COMP_DTYPES = ("bf16", "fp4_e2m1")
+COMP_GROUP = 16              # the fp4 entry record: one E4M3 scale per 16 values
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# round to nearest, ties to the even code: a code is passed at t (y > t) or, its upper neighbour
+# even, at t itself (y >= t) - 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
+E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def comp_record_words(head_dim: int) -> int:
+    """int32 words of one fp4 compressed-entry record: head_dim E2M1 values (two a byte, value 2i
+    in the low nibble), then head_dim / 16 E4M3 scales (V4.1-Flash's compressed cache: 256 + 32 =
+    288 bytes a token)."""
+    return (head_dim // 2 + head_dim // COMP_GROUP) // 4
+
+
+def quantize_comp_fp4(x: torch.Tensor) -> torch.Tensor:
+    """x [..., hd] -> int32 records [..., comp_record_words(hd)]: per 16 values the scale s =
+    e4m3(max |x| / 6) (round to nearest even, saturating at 448), then each value's E2M1 code of
+    x / s (nearest, ties to even, saturating at 6; sign kept: -0 for small negatives; s = 0: all
+    codes 0)."""
+    hd = x.shape[-1]
+    g = x.float().unflatten(-1, (-1, COMP_GROUP))
+    s = (g.abs().amax(-1) / 6.0).clamp(max=448.0).to(torch.float8_e4m3fn)
+    sf = s.float()
+    y = (g / torch.where(sf > 0, sf, torch.ones_like(sf))[..., None]).abs()
+    code = torch.zeros_like(y, dtype=torch.int32)
+    for t, inclusive in E2M1_STEPS:
+        code += (y >= t if inclusive else y > t).int()
+    code = torch.where(sf[..., None] > 0, code, torch.zeros_like(code)) | ((g < 0).int() << 3)
+    code = code.flatten(-2)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    rec = torch.cat([packed, s.view(torch.uint8)], dim=-1)
+    assert rec.shape[-1] == 4 * comp_record_words(hd)
+    return rec.contiguous().view(torch.int32)
+
+
+def dequantize_comp_fp4(rec: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int32 records -> bf16 [..., head_dim]: each E2M1 value times its group's E4M3 scale in
+    fp32, rounded to bf16 (exact: 2 + 4 significant bits) - what the decode tile dequantises."""
+    by = rec.contiguous().view(torch.uint8)
+    nib = by[..., :head_dim // 2].to(torch.int32)
+    code = torch.stack([nib & 15, nib >> 4], dim=-1).flatten(-2)                  # [..., hd]
+    m = code & 7                  # E2M1_VALUES[m], computed (no host table: CUDA-graph capturable)
+    mag = torch.where(m < 2, m * 0.5, torch.ldexp(1.0 + 0.5 * (m & 1), (m >> 1) - 1))
+    v = mag * torch.where(code >= 8, -1.0, 1.0)
+    s = by[..., head_dim // 2:head_dim // 2 + head_dim // COMP_GROUP].contiguous().view(torch.float8_e4m3fn).float()
+    return (v.unflatten(-1, (-1, COMP_GROUP)) * s[..., None]).flatten(-2).to(torch.bfloat16)
+
+
 def dequantize_window_fp8(rec: torch.Tensor, head_dim: int) -> torch.Tensor:
     """int32 records [..., words] -> bf16 [..., head_dim]: each e4m3 value times its group's
     2^(E - 127) in fp32, rounded to bf16 (exact for every finite record: 4-bit mantissas) - what
@@ -118,6 +168,8 @@ class DSV4DecodeConfig:
     chunk: int = 32
     stages: int = 0              # 0: auto
     window_dtype: str = "bf16"   # "fp8_e4m3": the ring holds V4.1's SWA records (quantize_window_fp8;
+                                 # opt-in, written 2026-12-04, not yet run on a GPU)
+    comp_dtype: str = "bf16"     # "fp4_e2m1": the compressed entries as V4.1's records (quantize_comp_fp4;
                                  # opt-in, written 2026-12-04, not yet run on a GPU)
 
 
@@ -169,9 +221,16 @@ class DSV4DecodeBlock(Block):
         return self.config.window_dtype == "fp8_e4m3"
 
     @property
+    def fp4_comp(self) -> bool:
+        return self.config.comp_dtype == "fp4_e2m1" and self.config.mode != "swa"
+
+    @property
     def raw_row_bytes(self) -> int:
-        """fp8 window: a staged record's row stride (528 bytes + 16 of padding: 16-byte aligned)."""
-        return 4 * window_record_words(self.config.head_dim) + 16 if self.fp8_window else 0
+        """Quantised rows (fp8 window, fp4 entries): a staged record's row stride (the larger
+        record + 16 bytes of padding: 16-byte aligned)."""
+        hd = self.config.head_dim
+        rec = max(4 * window_record_words(hd) if self.fp8_window else 0, 4 * comp_record_words(hd) if self.fp4_comp else 0)
+        return rec + 16 if rec else 0
 
     def _smem(self, stages):
         c = self.config
@@ -187,6 +246,8 @@ class DSV4DecodeBlock(Block):
             self.unsupported(f"dsv4_decode: mode {c.mode!r} (supported: {MODES})")
         if c.window_dtype not in WINDOW_DTYPES:
             self.unsupported(f"dsv4_decode: window_dtype {c.window_dtype!r} (supported: {WINDOW_DTYPES})")
+        if c.comp_dtype not in COMP_DTYPES:
+            self.unsupported(f"dsv4_decode: comp_dtype {c.comp_dtype!r} (supported: {COMP_DTYPES})")
         if c.chunk not in (16, 32, 64):
             self.unsupported(f"dsv4_decode: chunk={c.chunk} (16, 32, 64)")
         if not 1 <= self.rows <= 32:
@@ -210,7 +271,8 @@ class DSV4DecodeBlock(Block):
                 (OperandSpec("window", (c.batch, c.window, window_record_words(hd)), "int32") if self.fp8_window
                  else OperandSpec("window", (c.batch, c.window, hd), "bf16")),
                 OperandSpec("new_kv", (c.batch, c.q_tokens, hd), "bf16"),
-                OperandSpec("comp", (c.batch, max(c.max_entries, 1), hd), "bf16", optional=c.mode == "swa"),
+                (OperandSpec("comp", (c.batch, max(c.max_entries, 1), comp_record_words(hd)), "int32") if self.fp4_comp
+                 else OperandSpec("comp", (c.batch, max(c.max_entries, 1), hd), "bf16", optional=c.mode == "swa")),
                 OperandSpec("index", (c.batch, c.q_tokens, max(c.topk, 1)), "int32", optional=c.mode != "csa"),
                 OperandSpec("start", (c.batch,), "int32"),
                 OperandSpec("o_part", (c.batch, G, S, self.rows, hd), "fp32", output=True),
@@ -241,6 +303,9 @@ class DSV4DecodeBlock(Block):
         rows = sum(self.groups * self.keys_of(int(s)) for s in starts) * c.head_dim * 2
         if self.fp8_window:      # the window's records instead of bf16 rows
             rows -= len(starts) * self.groups * c.window * (c.head_dim * 2 - 4 * window_record_words(c.head_dim))
+        if self.fp4_comp:        # the entries' records
+            ent = sum(self.groups * (self.keys_of(int(s)) - c.window - c.q_tokens) for s in starts)
+            rows -= ent * (c.head_dim * 2 - 4 * comp_record_words(c.head_dim))
         return rows
 
     # -- torch faces ---------------------------------------------------------------------------
@@ -262,12 +327,12 @@ class DSV4DecodeBlock(Block):
         if c.mode == "hca":
             e = torch.arange(nk - W - T)
             vis.append(e[None] < ready[:, None])
-            rows.append(t["comp"][b, :nk - W - T].float().cpu())
+            rows.append(self.comp_rows(t, b)[:nk - W - T])
         elif c.mode == "csa":
             e = t["index"][b, g].long().cpu()                                 # [K]
             ok = (e[None] >= 0) & (e[None] < ready[:, None]) & (e[None] < c.max_entries)
             vis.append(ok)
-            rows.append(t["comp"][b].float().cpu()[e.clamp(0, c.max_entries - 1)])
+            rows.append(self.comp_rows(t, b)[e.clamp(0, c.max_entries - 1)])
         return torch.cat(rows), torch.cat(vis, dim=1)
 
     def window_rows(self, t: dict, b: int) -> torch.Tensor:
@@ -277,6 +342,14 @@ class DSV4DecodeBlock(Block):
         if self.fp8_window:
             w = dequantize_window_fp8(w, self.config.head_dim)
         return w.float()
+
+    def comp_rows(self, t: dict, b: int) -> torch.Tensor:
+        """The compressed entries of sequence b as the tile reads them: [E, hd] fp32 (fp4 records
+        dequantised to bf16 first)."""
+        e = t["comp"][b].cpu()
+        if self.fp4_comp:
+            e = dequantize_comp_fp4(e, self.config.head_dim)
+        return e.float()
 
     def split_range(self, nk: int, split: int) -> tuple[int, int]:
         c = self.config

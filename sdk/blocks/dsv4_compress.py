@@ -34,8 +34,12 @@ Two blocks, run one after the other (a dependency in a program; two launches sta
 
 Supported: dim even and <= 2 * NUM_THREADS (V4.1-Flash: 512 main, 128 indexer), channels_per_tile
 dividing dim with its channel pairs dividing NUM_THREADS, rope even and <= dim, ratio >= 1, bf16
-projections / state / entries, fp32 gate state. Not yet: the fp8 / fp4 entry formats of V4.1
-serving (the decode core reads bf16 entries).
+projections / state, fp32 gate state; entries bf16 or (entry_dtype="fp4_e2m1", dim a multiple of
+32) V4.1's fp4 records (dsv4_attention.quantize_comp_fp4: E2M1 codes + an E4M3 scale per 16
+values, 288 B for 512): then the pooling writes `pooled` [B, T, dim] (the window token t closes)
+and the norm quantises the normed, roped entry into the record - a group of 16 values is the 8
+channel pairs of 8 consecutive lanes (max by shuffles), the codes rounded to nearest, ties to
+even, as the torch twin (bit for bit: `tests/test_dsv4_compress.py`).
 """
 from __future__ import annotations
 
@@ -60,6 +64,9 @@ class DSV4CompressConfig:
     max_entries: int = 1024              # entries per sequence (max_seq_len // ratio)
     eps: float = 1e-6
     channels_per_tile: int = 64          # DSV4CompressBlock: output channels a tile pools (min with dim)
+    entry_dtype: str = "bf16"            # "fp4_e2m1": entries as V4.1's records (dsv4_attention.quantize_comp_fp4):
+                                         # the pooling writes `pooled` [B, T, dim] (the window token t
+                                         # closes), the norm quantises into `entries` (opt-in, 2026-12-04)
 
 
 def _window_closed(p: int, ratio: int):
@@ -69,6 +76,22 @@ def _window_closed(p: int, ratio: int):
 
 class _CompressBase(Block):
     Config = DSV4CompressConfig
+
+    @property
+    def fp4(self) -> bool:
+        return self.config.entry_dtype == "fp4_e2m1"
+
+    def entries_spec(self) -> OperandSpec:
+        c = self.config
+        if self.fp4:
+            from .dsv4_attention import comp_record_words
+            return OperandSpec("entries", (c.batch, c.max_entries, comp_record_words(c.dim)), "int32", output=True)
+        return OperandSpec("entries", (c.batch, c.max_entries, c.dim), "bf16", output=True)
+
+    def pooled_spec(self, output: bool) -> OperandSpec:
+        """fp4: the pooled, pre-norm entry of the window each token closes, bf16 [B, T, dim]."""
+        c = self.config
+        return OperandSpec("pooled", (c.batch, c.tokens, c.dim), "bf16", output=output)
 
     @property
     def width(self) -> int:
@@ -87,6 +110,10 @@ class _CompressBase(Block):
         if c.ratio < 1 or c.batch < 1 or c.tokens < 1 or c.max_entries < 1:
             self.unsupported(f"{self.name}: ratio={c.ratio}, batch={c.batch}, tokens={c.tokens}, "
                              f"max_entries={c.max_entries} (all >= 1)")
+        if c.entry_dtype not in ("bf16", "fp4_e2m1"):
+            self.unsupported(f"{self.name}: entry_dtype {c.entry_dtype!r} (supported: bf16, fp4_e2m1)")
+        if self.fp4 and c.dim % 32:
+            self.unsupported(f"{self.name} fp4 entries: dim={c.dim} must be a multiple of 32")
 
 
 class DSV4CompressBlock(_CompressBase):
@@ -118,7 +145,7 @@ class DSV4CompressBlock(_CompressBase):
                 OperandSpec("start", (B,), "int32"),
                 OperandSpec("state_kv", (B, self.slots, C), "bf16", output=True),
                 OperandSpec("state_gate", (B, self.slots, C), "fp32", output=True),
-                OperandSpec("entries", (B, c.max_entries, c.dim), "bf16", output=True)]
+                self.pooled_spec(output=True) if self.fp4 else self.entries_spec()]
 
     def num_tiles(self) -> int:
         return self.config.batch * self.groups
@@ -142,7 +169,7 @@ class DSV4CompressBlock(_CompressBase):
         c = self.config
         r, d, L = c.ratio, c.dim, self.slots
         bias = t["position_bias"].float()[:, state_chans]
-        skv, sg, ent = out["state_kv"], out["state_gate"], out["entries"]
+        skv, sg = out["state_kv"], out["state_gate"]
         for tq in range(c.tokens):
             p = int(t["start"][b]) + tq
             skv[b, p % L, state_chans] = t["kv"][b, tq, state_chans].to(skv.dtype)
@@ -162,11 +189,13 @@ class DSV4CompressBlock(_CompressBase):
                 kv, gate = skv[b, :r][:, chans].float(), sg[b, :r][:, chans].float()
             prob = gate.softmax(dim=0).to(torch.bfloat16).float()
             pooled = (kv * prob).to(torch.bfloat16).float().sum(dim=0)
-            if w < c.max_entries:
-                ent[b, w, chans] = pooled.to(ent.dtype)
+            if self.fp4:
+                out["pooled"][b, tq, chans] = pooled.to(torch.bfloat16)
+            elif w < c.max_entries:
+                out["entries"][b, w, chans] = pooled.to(out["entries"].dtype)
 
     def reference(self, **t):
-        out = {n: t[n].clone() for n in ("state_kv", "state_gate", "entries")}
+        out = {n: t[n].clone() for n in ("state_kv", "state_gate", "pooled" if self.fp4 else "entries")}
         d = torch.arange(self.config.dim)
         state = torch.cat([d, d + self.config.dim]) if self.config.overlap else d
         for b in range(self.config.batch):
@@ -252,7 +281,10 @@ class DSV4CompressBlock(_CompressBase):
             mStart = gmem_tensor(ptrs[ix["start"]], Int32, (B,), 4)
             mSKV = gmem_tensor(ptrs[ix["state_kv"]], BFloat16, (B, L, C // 2, 2), 4)
             mSG = gmem_tensor(ptrs[ix["state_gate"]], Float32, (B, L, C // 2, 2), 8)
-            mEnt = gmem_tensor(ptrs[ix["entries"]], BFloat16, (B, E, D // 2, 2), 4)
+            if cutlass.const_expr(self.fp4):
+                mOut = gmem_tensor(ptrs[ix["pooled"]], BFloat16, (B, T, D // 2, 2), 4)
+            else:
+                mOut = gmem_tensor(ptrs[ix["entries"]], BFloat16, (B, E, D // 2, 2), 4)
             start = mStart[b]
             for tq in cutlass.range(T, unroll=1):
                 p = start + tq
@@ -304,8 +336,12 @@ class DSV4CompressBlock(_CompressBase):
                         for j in cutlass.range_constexpr(KPT):
                             part[e] = part[e] + bf(vs[j, e] * bf(gs[j, e] * rz))
                     pooled = across_keys(part, scratch, lane, kl, False)
-                    if (kl == 0) & (w < E):
-                        mEnt[b, w, i, None].store(pooled.load().to(BFloat16))
+                    if cutlass.const_expr(self.fp4):
+                        if kl == 0:
+                            mOut[b, tq, i, None].store(pooled.load().to(BFloat16))
+                    else:
+                        if (kl == 0) & (w < E):
+                            mOut[b, w, i, None].store(pooled.load().to(BFloat16))
 
         return tile
 
@@ -320,8 +356,8 @@ class DSV4CompressNormBlock(_CompressBase):
         return [OperandSpec("kv_norm", (c.dim,), "bf16"),
                 OperandSpec("cos", (B, T, R2), "bf16", optional=c.rope == 0),
                 OperandSpec("sin", (B, T, R2), "bf16", optional=c.rope == 0),
-                OperandSpec("start", (B,), "int32"),
-                OperandSpec("entries", (B, c.max_entries, c.dim), "bf16", output=True)]
+                OperandSpec("start", (B,), "int32")] + ([self.pooled_spec(output=False)] if self.fp4 else []) \
+            + [self.entries_spec()]
 
     def num_tiles(self) -> int:
         return self.config.batch
@@ -337,7 +373,7 @@ class DSV4CompressNormBlock(_CompressBase):
             w = _window_closed(int(t["start"][b]) + tq, c.ratio)
             if w is None or w >= c.max_entries:
                 continue
-            pooled = ent[b, w].float()
+            pooled = (t["pooled"][b, tq] if self.fp4 else ent[b, w]).float()
             h = pooled * torch.rsqrt(pooled.pow(2).mean() + c.eps)
             h = (t["kv_norm"].float() * h).to(torch.bfloat16).float()
             if c.rope:
@@ -346,7 +382,11 @@ class DSV4CompressNormBlock(_CompressBase):
                 even, odd = x[0::2], x[1::2]
                 rot = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten()
                 h = torch.cat([h[:d - c.rope], rot.to(torch.bfloat16).float()])
-            ent[b, w] = h.to(ent.dtype)
+            if self.fp4:
+                from .dsv4_attention import quantize_comp_fp4
+                ent[b, w] = quantize_comp_fp4(h.cpu()).to(ent.device)
+            else:
+                ent[b, w] = h.to(ent.dtype)
 
     def reference(self, **t):
         ent = t["entries"].clone()
@@ -368,6 +408,46 @@ class DSV4CompressNormBlock(_CompressBase):
         c = self.config
         B, T, D, R, RT, E = c.batch, c.tokens, c.dim, c.ratio, c.rope, c.max_entries
         NP = D // 2                          # channel pairs = active threads
+        FP4 = self.fp4
+        RB = 4 * self.entries_spec().shape[-1] if FP4 else 0       # fp4: bytes of a record
+        from .dsv4_attention import E2M1_STEPS
+
+        @cute.jit
+        def div_rn(a: Float32, b_: Float32) -> Float32:
+            """IEEE a / b (round to nearest: the reference's torch division)."""
+            return cute.arch.inline_ptx("div.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
+                                        read_only_args=[a, b_])
+
+        @cute.jit
+        def e4m3_round(x: Float32):
+            """(the E4M3 byte of x, rounded to nearest even and saturating at 448; its value in fp32)."""
+            byte, val = cute.arch.inline_ptx(
+                "{ .reg .b16 h, l, u; .reg .b32 p; cvt.rn.satfinite.e4m3x2.f32 h, {$r1}, {$r0}; "
+                "cvt.u32.u16 {$w0}, h; and.b32 {$w0}, {$w0}, 255; cvt.rn.f16x2.e4m3x2 p, h; "
+                "mov.b32 {l, u}, p; cvt.f32.f16 {$w1}, l; }",
+                write_only_types=[Int32, Float32], read_only_args=[x, Float32(0.0)])
+            return byte, val
+
+        @cute.jit
+        def e2m1_code(x: Float32, s: Float32) -> Int32:
+            """x's E2M1 code at scale s (quantize_comp_fp4: nearest, ties to even, saturating; the
+            sign bit kept; s = 0: magnitude code 0)."""
+            sd = s
+            if s <= Float32(0.0):
+                sd = Float32(1.0)
+            y = div_rn(x, sd)
+            y = cute.arch.fmax(y, -y)
+            code = Int32(0)
+            for t_, inclusive in E2M1_STEPS:
+                if cutlass.const_expr(inclusive):
+                    code = code + Int32(cutlass.select_(y >= Float32(t_), 1, 0))
+                else:
+                    code = code + Int32(cutlass.select_(y > Float32(t_), 1, 0))
+            if s == Float32(0.0):
+                code = Int32(0)
+            if x < Float32(0.0):
+                code = code | 8
+            return code
         R2 = max(RT // 2, 1)
         P0 = (D - RT) // 2                   # first rope pair
         eps = float(c.eps)
@@ -382,7 +462,11 @@ class DSV4CompressNormBlock(_CompressBase):
             tid, _, _ = cute.arch.thread_idx()
             mNW = gmem_tensor(ptrs[ix["kv_norm"]], BFloat16, (D // 2, 2), 4)
             mStart = gmem_tensor(ptrs[ix["start"]], Int32, (B,), 4)
-            mEnt = gmem_tensor(ptrs[ix["entries"]], BFloat16, (B, E, D // 2, 2), 4)
+            if cutlass.const_expr(FP4):
+                mIn = gmem_tensor(ptrs[ix["pooled"]], BFloat16, (B, T, D // 2, 2), 4)
+                mRecB = gmem_tensor(ptrs[ix["entries"]], cutlass.Int8, (B, E, RB), 1)
+            else:
+                mEnt = gmem_tensor(ptrs[ix["entries"]], BFloat16, (B, E, D // 2, 2), 4)
             mCos = None
             mSin = None
             if cutlass.const_expr(RT > 0):
@@ -397,7 +481,10 @@ class DSV4CompressNormBlock(_CompressBase):
                 p = start + tq
                 w = (p + 1) // R - 1
                 if ((p + 1) % R == 0) & (w < E):         # uniform over the CTA: b, tq
-                    x2 = mEnt[b, w, i, None].load().to(Float32)
+                    if cutlass.const_expr(FP4):
+                        x2 = mIn[b, tq, i, None].load().to(Float32)
+                    else:
+                        x2 = mEnt[b, w, i, None].load().to(Float32)
                     x0 = x2[0]
                     x1 = x2[1]
                     ss = Float32(0.0)
@@ -414,11 +501,25 @@ class DSV4CompressNormBlock(_CompressBase):
                             r0 = bf(h0 * cs - h1 * sn)
                             h1 = bf(h1 * cs + h0 * sn)
                             h0 = r0
-                    if active:
-                        out2 = cute.make_rmem_tensor((2,), Float32)
-                        out2[0] = h0
-                        out2[1] = h1
-                        mEnt[b, w, i, None].store(out2.load().to(BFloat16))
+                    if cutlass.const_expr(FP4):
+                        # a 16-value group = the 8 pairs of 8 consecutive lanes: its max |h|, the
+                        # E4M3 scale of max / 6, each lane's two codes as one byte; lane 0 of the
+                        # group writes the scale byte (NP is a multiple of 8: whole groups)
+                        a = cute.arch.fmax(cute.arch.fmax(h0, -h0), cute.arch.fmax(h1, -h1))
+                        for sh in cutlass.range_constexpr(3):
+                            a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << sh))
+                        sbyte, sval = e4m3_round(cute.arch.fmin(div_rn(a, Float32(6.0)), Float32(448.0)))
+                        code = e2m1_code(h0, sval) | (e2m1_code(h1, sval) << 4)
+                        if active:
+                            mRecB[b, w, i] = cutlass.Int8(code)
+                            if i % 8 == 0:
+                                mRecB[b, w, D // 2 + i // 8] = cutlass.Int8(sbyte)
+                    else:
+                        if active:
+                            out2 = cute.make_rmem_tensor((2,), Float32)
+                            out2[0] = h0
+                            out2[1] = h1
+                            mEnt[b, w, i, None].store(out2.load().to(BFloat16))
 
         return tile
 
@@ -433,5 +534,6 @@ def dsv4_compress_compile_cases():
     the CSA indexer's (128 channels), batch 1 / 64, T = 1 / 2."""
     return [blk for cfg in (DSV4CompressConfig(dim=512, ratio=128, batch=64),
                             DSV4CompressConfig(dim=512, ratio=4, overlap=True, batch=1, tokens=2),
-                            DSV4CompressConfig(dim=128, ratio=4, overlap=True, batch=8))
+                            DSV4CompressConfig(dim=128, ratio=4, overlap=True, batch=8),
+                            DSV4CompressConfig(dim=512, ratio=128, batch=8, entry_dtype="fp4_e2m1"))
             for blk in compressor_blocks(cfg)]

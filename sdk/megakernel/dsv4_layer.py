@@ -43,7 +43,8 @@ from types import SimpleNamespace
 import torch
 
 from ..blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock, DSV4DecodeConfig,
-                                     DSV4RingWriteBlock, DSV4RingWriteConfig, choose_splits, dequantize_window_fp8,
+                                     DSV4RingWriteBlock, DSV4RingWriteConfig, choose_splits, comp_record_words,
+                                     dequantize_comp_fp4, dequantize_window_fp8, quantize_comp_fp4,
                                      quantize_window_fp8, window_record_words)
 from ..blocks.dsv4_compress import DSV4CompressConfig, compressor_blocks
 from ..blocks.dsv4_prologue import DSV4IndexQBlock, DSV4IndexQConfig, DSV4PrologueBlock, DSV4PrologueConfig
@@ -85,6 +86,10 @@ class DSV4LayerConfig:
     window_dtype: str = "bf16"           # "fp8_e4m3": the sliding-window ring as V4.1's SWA records (e4m3 +
                                          # a UE8M0 scale per 32 values, 528 B a token: quantize_window_fp8);
                                          # opt-in, written 2026-12-04, not yet run on a GPU
+    comp_dtype: str = "bf16"             # "fp4_e2m1": the compressed entries as V4.1's records (E2M1 + an E4M3
+                                         # scale per 16 values, 288 B a token: quantize_comp_fp4); the
+                                         # indexer's keys stay bf16; opt-in, written 2026-12-04, not yet
+                                         # run on a GPU
     fill_stage: bool = False             # every GEMV's chunk widened to fill the ring's stage (gemv.fill_stage):
                                          # measured slower on the H200 (2026-12-04, CSA B=1 32K: the
                                          # x GEMVs' 17 -> 33 KB chunks 97.8 -> 101.6 us; HCA B=1 41.1
@@ -141,7 +146,7 @@ class DSV4LayerConfig:
                                                           max_entries=self.max_entries, topk=max(self.topk, 1),
                                                           num_splits=S, stages=self.decode_stages,
                                                           chunk=self.decode_chunk or (16 if self.mode == "csa" else 32),
-                                                          window_dtype=self.window_dtype)),
+                                                          window_dtype=self.window_dtype, comp_dtype=self.comp_dtype)),
                "combine": DSV4CombineBlock(DSV4CombineConfig(heads=H, batch=B, q_tokens=T, head_dim=hd, num_splits=S,
                                                              per_token_groups=self.mode == "csa", rope_dim=self.rope)),
                "ring": DSV4RingWriteBlock(DSV4RingWriteConfig(batch=B, q_tokens=T, head_dim=hd, window=self.window,
@@ -149,7 +154,7 @@ class DSV4LayerConfig:
         if self.compressed:
             out["compress"], out["compress_norm"] = compressor_blocks(DSV4CompressConfig(
                 dim=hd, ratio=self.ratio, overlap=self.mode == "csa", rope=self.rope, batch=B, tokens=T,
-                max_entries=self.max_entries, eps=self.eps))
+                max_entries=self.max_entries, eps=self.eps, entry_dtype=self.comp_dtype))
         if self.mode == "csa":
             ih, ihd, E = self.index_heads, self.index_head_dim, self.max_entries
             out["i_compress"], out["i_compress_norm"] = compressor_blocks(DSV4CompressConfig(
@@ -185,7 +190,9 @@ class DSV4LayerConfig:
         out = {}
         if self.compressed:
             c, L = (2 * hd, 2 * r) if self.mode == "csa" else (hd, r)
-            out.update({"state_kv": ((B, L, c), "bf16"), "state_gate": ((B, L, c), "fp32"), "comp": ((B, E, hd), "bf16")})
+            out.update({"state_kv": ((B, L, c), "bf16"), "state_gate": ((B, L, c), "fp32"),
+                        "comp": ((B, E, comp_record_words(hd)), "int32") if self.comp_dtype == "fp4_e2m1"
+                        else ((B, E, hd), "bf16")})
         if self.mode == "csa":
             ihd = self.index_head_dim
             out.update({"i_state_kv": ((B, 2 * r, 2 * ihd), "bf16"), "i_state_gate": ((B, 2 * r, 2 * ihd), "fp32"),
@@ -259,11 +266,16 @@ def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
         prog.buffer(prefix + "gate", (M, width), "bf16")
         ckv = from_x(width, f"w_{prefix}kv", prefix + "kv", f"v4.{label}kv")
         cg = from_x(width, f"w_{prefix}gate", prefix + "gate", f"v4.{label}gate")
+        # fp4 entries: the pooled entries go through a bf16 buffer, the norm writes the records
+        out = {"entries": entries}
+        if pool_blk.fp4:
+            prog.buffer(prefix + "pooled", pool_blk.pooled_spec(True).shape, "bf16")
+            out = {"pooled": prefix + "pooled"}
         pool = prog.op(pool_blk, {"kv": prefix + "kv", "gate": prefix + "gate", "position_bias": prefix + "position_bias",
                                   "start": "start", "state_kv": state + "state_kv", "state_gate": state + "state_gate",
-                                  "entries": entries}, waits=[ckv, cg], label=f"v4.{label}compress")
+                                  **out}, waits=[ckv, cg], label=f"v4.{label}compress")
         return prog.op(norm_blk, {"kv_norm": prefix + "kv_norm", "cos": "c_cos", "sin": "c_sin", "start": "start",
-                                  "entries": entries}, waits=[pool], label=f"v4.{label}comp_norm")
+                                  **out, "entries": entries}, waits=[pool], label=f"v4.{label}comp_norm")
 
     qa = from_x(cfg.q_rank, "w_q_a", "q_a", "v4.q_a")
     kv = from_x(hd, "w_kv", "kv_raw", "v4.kv")
@@ -316,6 +328,19 @@ def window_values(cfg: DSV4LayerConfig, window: torch.Tensor) -> torch.Tensor:
     return dequantize_window_fp8(window, cfg.head_dim) if cfg.window_dtype == "fp8_e4m3" else window
 
 
+def cache_values(cfg: DSV4LayerConfig, t: torch.Tensor) -> torch.Tensor:
+    """Any of the sublayer's caches as values: the fp8 ring's or the fp4 entries' int32 records
+    (told apart by their width) dequantised; other tensors as they are. `reference` returns
+    values for every cache: compare a program's caches through this."""
+    if t.dtype != torch.int32:
+        return t
+    if t.shape[-1] == window_record_words(cfg.head_dim) and cfg.window_dtype == "fp8_e4m3":
+        return dequantize_window_fp8(t, cfg.head_dim)
+    if t.shape[-1] == comp_record_words(cfg.head_dim) and cfg.comp_dtype == "fp4_e2m1":
+        return dequantize_comp_fp4(t, cfg.head_dim)
+    raise ValueError(f"cache_values: an int32 tensor of width {t.shape[-1]} is no record of this sublayer")
+
+
 def make_weights(cfg: DSV4LayerConfig, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(seed)
     w = {}
@@ -350,6 +375,9 @@ def make_inputs(cfg: DSV4LayerConfig, starts, seed: int = 0, device="cpu") -> di
     if cfg.mode == "csa":
         t["i_cos"], t["i_sin"] = crope.cos_sin(pos, torch.bfloat16)
     for name, (shape, dtype) in cfg.cache_shapes().items():
+        if name == "comp" and dtype == "int32":          # fp4 records of random entries
+            t[name] = quantize_comp_fp4(torch.randn(B, cfg.max_entries, hd, generator=g, device=device))
+            continue
         v = torch.randn(*shape, generator=g, device=device)
         t[name] = v.to(torch.bfloat16) if dtype == "bf16" else v
     return t
@@ -376,7 +404,7 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
     hf = {"q_a_proj.weight": w["w_q_a"], "q_a_norm.weight": w["q_a_norm"], "q_b_proj.weight": w["w_q_b"],
           "kv_proj.weight": w["w_kv"], "kv_norm.weight": w["kv_norm"], "sinks": w["sinks"],
           "o_a_proj.weight": w["w_o_a"], "o_b_proj.weight": w["w_o_b"]}
-    cache = {"window": window_values(cfg, inputs["window"]).clone()}
+    cache = {"window": cache_values(cfg, inputs["window"]).clone()}
     if cfg.compressed:
         hf.update({"compressor.kv_proj.weight": w["w_c_kv"], "compressor.gate_proj.weight": w["w_c_gate"],
                    "compressor.position_bias": w["c_position_bias"], "compressor.kv_norm.weight": w["c_kv_norm"]})
@@ -384,8 +412,10 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
         hf.update({"indexer.kv_proj.weight": w["w_i_kv"], "indexer.gate_proj.weight": w["w_i_gate"],
                    "indexer.position_bias": w["i_position_bias"], "indexer.kv_norm.weight": w["i_kv_norm"],
                    "indexer.q_b_proj.weight": w["w_iq"], "indexer.weights_proj.weight": w["w_iw"]})
-    cache.update({CACHE_NAMES[n]: inputs[n].clone() for n in cfg.cache_shapes()})
+    cache.update({CACHE_NAMES[n]: cache_values(cfg, inputs[n]).clone() for n in cfg.cache_shapes()})
     ref = DSV4AttentionReference(None, SimpleNamespace(attention=cfg.spec), hf)
+    if cfg.comp_dtype == "fp4_e2m1" and ref.compressor is not None:       # new entries through the records
+        ref.compressor.entry_format = lambda e: dequantize_comp_fp4(quantize_comp_fp4(e), cfg.head_dim)
     if index is not None and cfg.mode == "csa":
         def forced(x_, q_res, index_keys, ready, step_):
             scores = ref.index_scores(x_, q_res, index_keys, ready, step_)
@@ -405,9 +435,12 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
     step = StepInfo(start=start, positions=start[:, None] + torch.arange(cfg.tokens, device=start.device),
                     input_ids=torch.zeros(cfg.batch, cfg.tokens, dtype=torch.long, device=start.device))
     out = ref.forward(h.view(cfg.batch, cfg.tokens, cfg.hidden), cache, step)
+    # the quantised caches as values (bf16): compare the program's through cache_values. The ring's
+    # new rows go through the records as the ring write stores them (its old rows' values are
+    # unchanged by the round trip); the new entries went through theirs in the compressor.
     window = cache["window"]
-    if cfg.window_dtype == "fp8_e4m3":       # the ring's rows as records again (the old rows' values unchanged)
-        window = quantize_window_fp8(window)
+    if cfg.window_dtype == "fp8_e4m3":
+        window = dequantize_window_fp8(quantize_window_fp8(window), cfg.head_dim)
     res = {"resid": x + out.float().reshape(cfg.tokens_total, cfg.hidden), "window": window}
     res.update({n: cache[CACHE_NAMES[n]] for n in cfg.cache_shapes()})
     return res

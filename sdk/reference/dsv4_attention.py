@@ -108,8 +108,12 @@ class Compressor:
     emission of one entry per `ratio` tokens of each sequence.
 
     `capturable` (the benchmarks' CUDA-graphed PyTorch): no host sync on which sequences close a
-    window - every sequence's entry is computed and written where it closes one (the same result)."""
+    window - every sequence's entry is computed and written where it closes one (the same result).
+    `entry_format` (None: the cache's dtype): a function applied to each new entry (in the cache's
+    dtype) before it is written - a serving format's round trip, e.g. V4.1's fp4 records
+    (sdk/megakernel/dsv4_layer.py's comp_dtype)."""
     capturable = False
+    entry_format = None
 
     def __init__(self, w, prefix: str, dim: int, ratio: int, overlap: bool, rope: Rope, eps: float,
                  names: tuple[str, str, str]):
@@ -146,13 +150,18 @@ class Compressor:
             if self.capturable:
                 window = ((pos + 1) // self.ratio - 1).clamp(min=0)
                 closes = ((pos + 1) % self.ratio == 0)[:, None]
-                new = self.entry(state_kv, state_gate, rows, window).to(entries.dtype)
+                new = self._formatted(self.entry(state_kv, state_gate, rows, window), entries.dtype)
                 entries[rows, window] = torch.where(closes, new, entries[rows, window])
                 continue
             closing = torch.nonzero((pos + 1) % self.ratio == 0).flatten()
             if closing.numel():
                 window = (pos[closing] + 1) // self.ratio - 1
-                entries[closing, window] = self.entry(state_kv, state_gate, closing, window).to(entries.dtype)
+                entries[closing, window] = self._formatted(self.entry(state_kv, state_gate, closing, window),
+                                                           entries.dtype)
+
+    def _formatted(self, entry: torch.Tensor, dtype) -> torch.Tensor:
+        entry = entry.to(dtype)
+        return entry if self.entry_format is None else self.entry_format(entry).to(dtype)
 
     def entry(self, state_kv, state_gate, rows, window) -> torch.Tensor:
         """The compressed entries [n, dim] of windows `window` [n] of sequences `rows` [n]."""

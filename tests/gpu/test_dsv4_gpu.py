@@ -11,18 +11,19 @@ from harness import clock_seed, need_gpu, run_as_program, run_standalone
 pytestmark = pytest.mark.gpu
 
 
-def make_case(mode, starts, T, seed, heads=8, ratio=None, topk=512, window_dtype="bf16"):
+def make_case(mode, starts, T, seed, heads=8, ratio=None, topk=512, window_dtype="bf16", comp_dtype="bf16"):
     """Random q / ring / new kv / compressed cache (cos/sin of real rope angles), CSA selections of
     distinct ready entries (-1 padded), for sequences with `starts` tokens before the call; the
     ring as V4.1's fp8 records with window_dtype="fp8_e4m3" (rows of varied scale)."""
     from sdk.blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock,
-                                           DSV4DecodeConfig, choose_splits, quantize_window_fp8)
+                                           DSV4DecodeConfig, choose_splits, quantize_comp_fp4, quantize_window_fp8)
     g = torch.Generator(device="cuda").manual_seed(seed)
     ratio = ratio or {"swa": 1, "hca": 128, "csa": 4}[mode]
     B, hd, W = len(starts), 512, 128
     E = max(1, (max(starts) + T) // ratio + 1)
     probe = DSV4DecodeBlock(DSV4DecodeConfig(heads=heads, mode=mode, batch=B, q_tokens=T, ratio=ratio,
-                                             max_entries=E, topk=topk, window_dtype=window_dtype))
+                                             max_entries=E, topk=topk, window_dtype=window_dtype,
+                                             comp_dtype=comp_dtype))
     splits = choose_splits(B * probe.groups, probe.keys_of(max(starts)))
     core = DSV4DecodeBlock(DSV4DecodeConfig(**{**probe.config.__dict__, "num_splits": splits}))
     comb = DSV4CombineBlock(DSV4CombineConfig(heads=heads, batch=B, q_tokens=T, num_splits=splits,
@@ -43,6 +44,8 @@ def make_case(mode, starts, T, seed, heads=8, ratio=None, topk=512, window_dtype
         t["index"] = idx.cuda()
     if window_dtype == "fp8_e4m3":
         t["window"] = quantize_window_fp8((t["window"].float() * 4.0 ** r(B, W, 1)).cpu()).cuda()
+    if comp_dtype == "fp4_e2m1":
+        t["comp"] = quantize_comp_fp4((t["comp"].float() * 2.0 ** r(B, E, 1)).cpu()).cuda()
     t["o_part"] = torch.full((B, core.groups, splits, core.rows, hd), float("nan"), device="cuda")
     t["lse_part"] = torch.full((B, core.groups, splits, core.rows), float("nan"), device="cuda")
     t["out"] = torch.full((B, T, heads, hd), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -93,6 +96,20 @@ def test_dsv4_decode_fp8_window(mode, starts, T):
     need_gpu()
     seed = clock_seed()
     core, comb, t = make_case(mode, starts, T, seed, window_dtype="fp8_e4m3")
+    check(core, comb, t, seed)
+
+
+@pytest.mark.parametrize("mode,starts,T,window_dtype", [("hca", [127, 128, 255, 4000], 1, "bf16"),
+                                                        ("hca", [131072, 7, 65000], 2, "fp8_e4m3"),
+                                                        ("csa", [2047, 3, 100000], 1, "fp8_e4m3"),
+                                                        ("csa", [4096, 300], 3, "bf16")])
+def test_dsv4_decode_fp4_entries(mode, starts, T, window_dtype):
+    """The compressed entries as V4.1's fp4 records (E2M1 codes + an E4M3 scale per 16 values;
+    with a bf16 or an fp8 ring): the tile stages them and dequantises them into its bf16 chunk;
+    equal to the reference over the dequantised entries (dequantize_comp_fp4)."""
+    need_gpu()
+    seed = clock_seed()
+    core, comb, t = make_case(mode, starts, T, seed, window_dtype=window_dtype, comp_dtype="fp4_e2m1")
     check(core, comb, t, seed)
 
 

@@ -5,7 +5,6 @@ model runs), ragged sequences around window boundaries, the output NaN-poisoned,
 carrying the ring, the compressor state and the entries.
 Run: `pytest -m gpu tests/gpu/test_dsv4_layer_gpu.py`."""
 import pytest
-import torch
 
 from harness import clock_seed, need_gpu, program_runtime, rel_err
 from sublayer_launches import check_launches
@@ -39,29 +38,32 @@ def test_dsv4_sublayer_one_launch(mode, batch, T):
                    reference_after_run=mode == "csa")
 
 
-@pytest.mark.parametrize("mode,batch,T", [("hca", 1, 1), ("hca", 8, 2), ("swa", 64, 1)])
-def test_dsv4_sublayer_fp8_window(mode, batch, T):
-    """window_dtype="fp8_e4m3": the ring as V4.1's SWA records (the decode stages and dequantises
-    them, the ring write quantises this call's rows); two launches carrying the records, compared
-    as values against the model over the dequantised ring."""
+@pytest.mark.parametrize("mode,batch,T,window_dtype,comp_dtype", [
+    ("hca", 1, 1, "fp8_e4m3", "bf16"), ("hca", 8, 2, "fp8_e4m3", "fp4_e2m1"), ("swa", 64, 1, "fp8_e4m3", "bf16"),
+    ("hca", 64, 1, "bf16", "fp4_e2m1"), ("csa", 8, 1, "fp8_e4m3", "fp4_e2m1")])
+def test_dsv4_sublayer_quantised_caches(mode, batch, T, window_dtype, comp_dtype):
+    """V4.1's serving formats (window_dtype="fp8_e4m3": the ring as fp8 records; comp_dtype=
+    "fp4_e2m1": the compressed entries as fp4 records): two launches carrying the records,
+    compared as values (cache_values) against the model over the dequantised caches, its new
+    rows / entries through the same records."""
     need_gpu()
     import random
 
-    from sdk.megakernel.dsv4_layer import (DSV4LayerConfig, build_program, make_inputs, make_weights, reference,
-                                           window_values)
+    from sdk.megakernel.dsv4_layer import (DSV4LayerConfig, build_program, cache_values, make_inputs, make_weights,
+                                           reference)
     seed = clock_seed()
     rnd = random.Random(seed)
-    cfg = DSV4LayerConfig(mode=mode, batch=batch, tokens=T, window_dtype="fp8_e4m3", **V41_TP8)
+    cfg = DSV4LayerConfig(mode=mode, batch=batch, tokens=T, window_dtype=window_dtype, comp_dtype=comp_dtype,
+                          **dict(V41_TP8, ratio=4 if mode == "csa" else 128))
     w = make_weights(cfg, seed=seed, device="cuda")
     rt = program_runtime(build_program(cfg), w)
     starts = [rnd.choice([127, 128, 255 - T, 5, 4000, 16000 - 2 * T]) for _ in range(batch)]
 
     def err(a, b):
-        if a.dtype == torch.int32:
-            a, b = window_values(cfg, a.cpu()), window_values(cfg, b.cpu())
-        return rel_err(a, b)
+        return rel_err(cache_values(cfg, a.cpu()), cache_values(cfg, b.cpu()))
     check_launches(rt.tensors, lambda launch: rt.run(),
                    lambda launch: make_inputs(cfg, [s + launch * T for s in starts], seed=seed + 1 + launch,
                                               device="cuda"),
-                   lambda inp: reference(cfg, w, inp), ["window"] + list(cfg.cache_shapes()), err,
-                   what=f"seed {seed}, ")
+                   lambda inp: reference(cfg, w, inp, index=rt.tensors["index"] if mode == "csa" else None),
+                   ["window"] + list(cfg.cache_shapes()), err, what=f"seed {seed}, ",
+                   reference_after_run=mode == "csa")

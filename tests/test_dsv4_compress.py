@@ -27,20 +27,12 @@ def model_compressor(dim, ratio, overlap, rope, hidden, seed):
     return comp, w, rp
 
 
-@pytest.mark.parametrize("dim,ratio,overlap,T,cpt", [(512, 8, False, 3, 64), (512, 4, True, 2, 128),
-                                                     (128, 4, True, 1, 64), (64, 2, True, 4, 16)],
-                         ids=["hca-like", "csa", "indexer", "csa-small"])
-def test_blocks_equal_model_compressor(dim, ratio, overlap, T, cpt):
+def compressor_calls(comp, w, rp, pool, norm, emu, cache, B, T, ratio, hidden):
+    """Successive calls of T tokens, ragged starts (one sequence closes a window at once): per call
+    the blocks' references from the state before it, their per-tile emulation (into `emu`) and the
+    model's compressor (into `cache`); yields (call, the references, windows closed so far)."""
     from sdk.reference.common import StepInfo
-    B, hidden, rope, E = 3, 256, 64, 16
-    comp, w, rp = model_compressor(dim, ratio, overlap, rope, hidden, seed=dim + ratio)
-    pool, norm = compressor_blocks(DSV4CompressConfig(dim=dim, ratio=ratio, overlap=overlap, rope=rope, batch=B,
-                                                      tokens=T, max_entries=E, channels_per_tile=cpt))
-    assert pool.num_tiles() == B * dim // cpt
-    cache = comp.new_cache(B, E * ratio, "cpu", torch.bfloat16)
-    emu = {"state_kv": cache["state_kv"].clone(), "state_gate": cache["state_gate"].clone(),
-           "entries": cache["comp_kv"].clone()}
-    start = torch.tensor([0, 5, 2 * ratio - 1])                    # ragged; one closes at once
+    start = torch.tensor([0, 5, 2 * ratio - 1])
     g = torch.Generator().manual_seed(1)
     closed = 0
     for call in range(4 * ratio // T + 2):
@@ -51,20 +43,37 @@ def test_blocks_equal_model_compressor(dim, ratio, overlap, T, cpt):
              "start": start.int()}
         t["cos"], t["sin"] = rp.cos_sin(pos + 1 - ratio, torch.bfloat16)   # the window each token would close
         ref = pool.reference(**t, **emu)
-        ref.update(norm.reference(**{**t, **ref}))
+        ref.update(norm.reference(**{**t, **emu, **ref}))
         for tile in range(pool.num_tiles()):
             pool.emulate_tile({**t, **emu}, tile)
         for b in range(B):
             norm.emulate_tile({**t, **emu}, b)
         comp.update(x, cache, StepInfo(start=start, positions=pos, input_ids=torch.zeros_like(pos)))
+        closed += int(((pos + 1) % ratio == 0).sum())
+        start = start + T
+        yield call, ref, closed
+
+
+@pytest.mark.parametrize("dim,ratio,overlap,T,cpt", [(512, 8, False, 3, 64), (512, 4, True, 2, 128),
+                                                     (128, 4, True, 1, 64), (64, 2, True, 4, 16)],
+                         ids=["hca-like", "csa", "indexer", "csa-small"])
+def test_blocks_equal_model_compressor(dim, ratio, overlap, T, cpt):
+    B, hidden, rope, E = 3, 256, 64, 16
+    comp, w, rp = model_compressor(dim, ratio, overlap, rope, hidden, seed=dim + ratio)
+    pool, norm = compressor_blocks(DSV4CompressConfig(dim=dim, ratio=ratio, overlap=overlap, rope=rope, batch=B,
+                                                      tokens=T, max_entries=E, channels_per_tile=cpt))
+    assert pool.num_tiles() == B * dim // cpt
+    cache = comp.new_cache(B, E * ratio, "cpu", torch.bfloat16)
+    emu = {"state_kv": cache["state_kv"].clone(), "state_gate": cache["state_gate"].clone(),
+           "entries": cache["comp_kv"].clone()}
+    closed = 0
+    for call, ref, closed in compressor_calls(comp, w, rp, pool, norm, emu, cache, B, T, ratio, hidden):
         for name, model in (("state_kv", cache["state_kv"]), ("state_gate", cache["state_gate"]),
                             ("entries", cache["comp_kv"])):
             assert torch.equal(ref[name], emu[name]), f"call {call}: {name}: reference != emulation"
             # the same roundings in the same places: bit-equal (the sums over the window's keys
             # are fp32 before one bf16 rounding, so the order moves nothing at these sizes)
             assert torch.equal(emu[name], model), f"call {call}: {name} differs from the model's compressor"
-        closed += int(((pos + 1) % ratio == 0).sum())
-        start = start + T
     assert closed >= B and cache["comp_kv"].abs().sum() > 0      # entries were written and compared
 
 
@@ -75,7 +84,6 @@ def test_fp4_entries_equal_the_model_with_the_format_round_trip(dim, ratio, over
     entry into V4.1's record; dequantised, the records equal the model compressor's entries with
     the same round trip (Compressor.entry_format) bit for bit, reference and emulation alike."""
     from sdk.blocks.dsv4_attention import dequantize_comp_fp4, quantize_comp_fp4
-    from sdk.reference.common import StepInfo
     B, hidden, rope, E = 3, 256, 64, 16
     comp, w, rp = model_compressor(dim, ratio, overlap, rope, hidden, seed=dim + ratio)
     comp.entry_format = lambda e: dequantize_comp_fp4(quantize_comp_fp4(e), dim)
@@ -87,28 +95,11 @@ def test_fp4_entries_equal_the_model_with_the_format_round_trip(dim, ratio, over
     emu = {"state_kv": cache["state_kv"].clone(), "state_gate": cache["state_gate"].clone(),
            "pooled": torch.full((B, T, dim), float("nan")).to(torch.bfloat16),
            "entries": quantize_comp_fp4(cache["comp_kv"])}
-    start = torch.tensor([0, 5, 2 * ratio - 1])
-    g = torch.Generator().manual_seed(1)
     closed = 0
-    for call in range(4 * ratio // T + 2):
-        x = torch.randn(B, T, hidden, generator=g).to(torch.bfloat16)
-        pos = start[:, None] + torch.arange(T)
-        t = {"kv": F.linear(x, w["compressor.kv_proj.weight"]), "gate": F.linear(x, w["compressor.gate_proj.weight"]),
-             "position_bias": w["compressor.position_bias"], "kv_norm": w["compressor.kv_norm.weight"],
-             "start": start.int()}
-        t["cos"], t["sin"] = rp.cos_sin(pos + 1 - ratio, torch.bfloat16)
-        ref = pool.reference(**t, **emu)
-        ref.update(norm.reference(**{**t, **emu, **ref}))
-        for tile in range(pool.num_tiles()):
-            pool.emulate_tile({**t, **emu}, tile)
-        for b in range(B):
-            norm.emulate_tile({**t, **emu}, b)
-        comp.update(x, cache, StepInfo(start=start, positions=pos, input_ids=torch.zeros_like(pos)))
+    for call, ref, closed in compressor_calls(comp, w, rp, pool, norm, emu, cache, B, T, ratio, hidden):
         assert torch.equal(ref["entries"], emu["entries"]), f"call {call}: reference != emulation"
         assert torch.equal(dequantize_comp_fp4(emu["entries"], dim), cache["comp_kv"]), f"call {call}: entries"
         assert torch.equal(emu["state_kv"], cache["state_kv"]) and torch.equal(emu["state_gate"], cache["state_gate"])
-        closed += int(((pos + 1) % ratio == 0).sum())
-        start = start + T
     assert closed >= B and cache["comp_kv"].abs().sum() > 0
 
 

@@ -143,28 +143,6 @@ def build_dsv4_decode_tile(block):
             write_only_types=[Int32, Int32], read_only_args=[word, scale])
 
     @cute.jit
-    def dequant_window(sRaw, sRawB, sStageW, st, ci, nk, tid):
-        """fp8: the stage's ring rows (the keys load_chunk staged raw: clamped key < W) from
-        their records into bf16 stage rows; unit = (row, 16 values): 4 words, one scale byte."""
-        for k in cutlass.range_constexpr(-(-NDQ // NUM_THREADS)):
-            i = tid + k * NUM_THREADS
-            if i < NDQ:
-                jj = i // (D // 16)
-                p = i % (D // 16)
-                j = ci * CH + jj
-                if j > nk - 1:
-                    j = nk - 1
-                if j < W:
-                    e = Int32(sRawB[st, jj, D + p // 2]) & 255
-                    sc = bits_to_f32(Int32(0x400000))                       # E = 0: 2^-127
-                    if e > 0:
-                        sc = bits_to_f32(e << 23)                           # 2^(E - 127)
-                    for q in cutlass.range_constexpr(4):
-                        w0, w1 = e4m3x4_scaled_bf16(sRaw[st, jj, p, q], sc)
-                        sStageW[st, jj, 8 * p + 2 * q] = w0
-                        sStageW[st, jj, 8 * p + 2 * q + 1] = w1
-
-    @cute.jit
     def e2m1x2_scaled_bf16(byte: Int32, scale2: Int32) -> Int32:
         """One byte of two E2M1 codes (value 0 in the low nibble) times the f16x2 splat scale2 ->
         bf16x2: each code's f16 magnitude picked by prmt from a table of the f16 values' high bytes
@@ -189,9 +167,11 @@ def build_dsv4_decode_tile(block):
             write_only_types=[Int32], read_only_args=[byte])
 
     @cute.jit
-    def dequant_comp(sRaw, sRawB, sStageW, st, ci, nk, tid):
-        """fp4: the stage's compressed-entry rows (clamped key >= W + T) from their records into
-        bf16 stage rows; unit = (row, 16 values): 8 bytes of codes, one E4M3 scale byte."""
+    def dequant_rows(sRaw, sRawB, sStageW, st, ci, nk, tid):
+        """The stage's quantised rows - the keys load_chunk staged raw: ring rows (clamped key
+        < W) with FP8W, entry rows (clamped key >= W + T) with FP4C - from their records into
+        bf16 stage rows; unit = (row, 16 values). fp8: 4 words and a UE8M0 scale byte; fp4: 8
+        bytes of codes and an E4M3 scale byte."""
         for k in cutlass.range_constexpr(-(-NDQ // NUM_THREADS)):
             i = tid + k * NUM_THREADS
             if i < NDQ:
@@ -200,12 +180,23 @@ def build_dsv4_decode_tile(block):
                 j = ci * CH + jj
                 if j > nk - 1:
                     j = nk - 1
-                if j >= W + T:
-                    sc2 = e4m3_splat_f16x2(Int32(sRawB[st, jj, D // 2 + p]) & 255)
-                    for q in cutlass.range_constexpr(2):
-                        word = sRaw[st, jj, p // 2, 2 * (p % 2) + q]
-                        for by in cutlass.range_constexpr(4):
-                            sStageW[st, jj, 8 * p + 4 * q + by] = e2m1x2_scaled_bf16((word >> (8 * by)) & 255, sc2)
+                if cutlass.const_expr(FP8W):
+                    if j < W:
+                        e = Int32(sRawB[st, jj, D + p // 2]) & 255
+                        sc = bits_to_f32(Int32(0x400000))                   # E = 0: 2^-127
+                        if e > 0:
+                            sc = bits_to_f32(e << 23)                       # 2^(E - 127)
+                        for q in cutlass.range_constexpr(4):
+                            w0, w1 = e4m3x4_scaled_bf16(sRaw[st, jj, p, q], sc)
+                            sStageW[st, jj, 8 * p + 2 * q] = w0
+                            sStageW[st, jj, 8 * p + 2 * q + 1] = w1
+                if cutlass.const_expr(FP4C):
+                    if j >= W + T:
+                        sc2 = e4m3_splat_f16x2(Int32(sRawB[st, jj, D // 2 + p]) & 255)
+                        for q in cutlass.range_constexpr(2):
+                            word = sRaw[st, jj, p // 2, 2 * (p % 2) + q]
+                            for by in cutlass.range_constexpr(4):
+                                sStageW[st, jj, 8 * p + 4 * q + by] = e2m1x2_scaled_bf16((word >> (8 * by)) & 255, sc2)
 
     @cute.jit
     def tile(ptrs, t: Int32, scratch):
@@ -324,16 +315,15 @@ def build_dsv4_decode_tile(block):
             cute.arch.cp_async_commit_group()
             if cutlass.const_expr(FP8W or FP4C):
                 # the chunk's quantised rows (ring records, entry records) into its bf16 stage rows
-                deq = Int32(0)
+                has_rows = Int32(0)
                 if cutlass.const_expr(FP8W):
                     if ci * CH < W:
-                        dequant_window(sRaw, sRawB, sStageW, st, ci, nk, tid)
-                        deq = Int32(1)
+                        has_rows = Int32(1)
                 if cutlass.const_expr(FP4C):
                     if (ci + 1) * CH > W + T:
-                        dequant_comp(sRaw, sRawB, sStageW, st, ci, nk, tid)
-                        deq = Int32(1)
-                if deq != 0:
+                        has_rows = Int32(1)
+                if has_rows != 0:
+                    dequant_rows(sRaw, sRawB, sStageW, st, ci, nk, tid)
                     cute.arch.sync_threads()
 
             sKw = cute.local_tile(sKV[st, None, None], (8, KS), (nw, kp))

@@ -14,38 +14,19 @@ pytestmark = pytest.mark.gpu
 V41_TP8 = dict(heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=128, max_seq_len=16384)
 
 
-@pytest.mark.parametrize("mode,batch,T", [("hca", 1, 1), ("hca", 8, 2), ("hca", 64, 1), ("swa", 8, 1),
-                                          ("csa", 1, 1), ("csa", 8, 1), ("csa", 64, 1)])
-def test_dsv4_sublayer_one_launch(mode, batch, T):
-    need_gpu()
-    import random
-
-    from sdk.megakernel.dsv4_layer import DSV4LayerConfig, build_program, make_inputs, make_weights, reference
-    seed = clock_seed()
-    rnd = random.Random(seed)
-    cfg = DSV4LayerConfig(mode=mode, batch=batch, tokens=T, **dict(V41_TP8, ratio=4 if mode == "csa" else 128))
-    w = make_weights(cfg, seed=seed, device="cuda")
-    rt = program_runtime(build_program(cfg), w)
-    # starts just before / at / past a window boundary, and far in
-    starts = [rnd.choice([127, 128, 255 - T, 5, 4000, 16000 - 2 * T]) for _ in range(batch)]
-    check_launches(rt.tensors, lambda launch: rt.run(),
-                   lambda launch: make_inputs(cfg, [s + launch * T for s in starts], seed=seed + 1 + launch,
-                                              device="cuda"),
-                   # CSA: the attention over the program's own selection, which must be a top-k of the
-                   # reference's scores up to near-ties (dsv4_layer.reference's `index`)
-                   lambda inp: reference(cfg, w, inp, index=rt.tensors["index"] if mode == "csa" else None),
-                   ["window"] + list(cfg.cache_shapes()), rel_err, what=f"seed {seed}, ",
-                   reference_after_run=mode == "csa")
+BF = ("bf16", "bf16")
 
 
-@pytest.mark.parametrize("mode,batch,T,window_dtype,comp_dtype", [
-    ("hca", 1, 1, "fp8_e4m3", "bf16"), ("hca", 8, 2, "fp8_e4m3", "fp4_e2m1"), ("swa", 64, 1, "fp8_e4m3", "bf16"),
-    ("hca", 64, 1, "bf16", "fp4_e2m1"), ("csa", 8, 1, "fp8_e4m3", "fp4_e2m1")])
-def test_dsv4_sublayer_quantised_caches(mode, batch, T, window_dtype, comp_dtype):
-    """V4.1's serving formats (window_dtype="fp8_e4m3": the ring as fp8 records; comp_dtype=
-    "fp4_e2m1": the compressed entries as fp4 records): two launches carrying the records,
-    compared as values (cache_values) against the model over the dequantised caches, its new
-    rows / entries through the same records."""
+@pytest.mark.parametrize("mode,batch,T,formats", [
+    ("hca", 1, 1, BF), ("hca", 8, 2, BF), ("hca", 64, 1, BF), ("swa", 8, 1, BF), ("csa", 1, 1, BF), ("csa", 8, 1, BF),
+    ("csa", 64, 1, BF),
+    # V4.1's serving formats: the ring as fp8 records, the compressed entries as fp4 records
+    ("hca", 1, 1, ("fp8_e4m3", "bf16")), ("hca", 8, 2, ("fp8_e4m3", "fp4_e2m1")), ("swa", 64, 1, ("fp8_e4m3", "bf16")),
+    ("hca", 64, 1, ("bf16", "fp4_e2m1")), ("csa", 8, 1, ("fp8_e4m3", "fp4_e2m1"))])
+def test_dsv4_sublayer_one_launch(mode, batch, T, formats):
+    """Two launches carrying every cache, against the model (+ residual); with quantised caches
+    (formats = (window_dtype, comp_dtype)) compared as values (cache_values) against the model over
+    the dequantised caches, its new ring rows / entries through the same records."""
     need_gpu()
     import random
 
@@ -53,10 +34,11 @@ def test_dsv4_sublayer_quantised_caches(mode, batch, T, window_dtype, comp_dtype
                                            reference)
     seed = clock_seed()
     rnd = random.Random(seed)
-    cfg = DSV4LayerConfig(mode=mode, batch=batch, tokens=T, window_dtype=window_dtype, comp_dtype=comp_dtype,
+    cfg = DSV4LayerConfig(mode=mode, batch=batch, tokens=T, window_dtype=formats[0], comp_dtype=formats[1],
                           **dict(V41_TP8, ratio=4 if mode == "csa" else 128))
     w = make_weights(cfg, seed=seed, device="cuda")
     rt = program_runtime(build_program(cfg), w)
+    # starts just before / at / past a window boundary, and far in
     starts = [rnd.choice([127, 128, 255 - T, 5, 4000, 16000 - 2 * T]) for _ in range(batch)]
 
     def err(a, b):
@@ -64,6 +46,8 @@ def test_dsv4_sublayer_quantised_caches(mode, batch, T, window_dtype, comp_dtype
     check_launches(rt.tensors, lambda launch: rt.run(),
                    lambda launch: make_inputs(cfg, [s + launch * T for s in starts], seed=seed + 1 + launch,
                                               device="cuda"),
+                   # CSA: the attention over the program's own selection, which must be a top-k of the
+                   # reference's scores up to near-ties (dsv4_layer.reference's `index`)
                    lambda inp: reference(cfg, w, inp, index=rt.tensors["index"] if mode == "csa" else None),
                    ["window"] + list(cfg.cache_shapes()), err, what=f"seed {seed}, ",
                    reference_after_run=mode == "csa")

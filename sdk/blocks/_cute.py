@@ -127,6 +127,30 @@ def mul_f16x2(a: Int32, b: Int32) -> Int32:
 
 
 @cute.jit
+def f16x2_to_f32(bits: Int32):
+    """The two f16 halves of an f16x2 word as fp32 (low half first; exact)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, {$r0}; cvt.f32.f16 {$w0}, lo; cvt.f32.f16 {$w1}, hi; }",
+        write_only_types=[Float32, Float32], read_only_args=[bits])
+
+
+@cute.jit
+def f32x2_to_bf16x2(lo: Float32, hi: Float32) -> Int32:
+    """Two fp32 values rounded (to nearest even) into one bf16x2 word, `lo` in the low half."""
+    return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
+                                read_only_args=[hi, lo])
+
+
+@cute.jit
+def e2m1_pair(word: Int32, p: cutlass.Constexpr) -> Int32:
+    """Nibbles p and p+4 of `word` (eight e2m1 codes) as an fp16 pair (low half: nibble p):
+    exponent + mantissa bits at 9..11, sign at 15 - an fp16 with those bits is the e2m1 value *
+    2^-14, exactly (integer ops only: sm_90 has no e2m1 conversion)."""
+    wp = word >> (4 * p)
+    return ((wp & 0x00070007) << 9) | ((wp & 0x00080008) << 12)
+
+
+@cute.jit
 def f32_to_f16x2_splat(x: Float32) -> Int32:
     """x rounded to f16, in both halves of an f16x2 word."""
     return cute.arch.inline_ptx("{ .reg .b16 h; cvt.rn.f16.f32 h, {$r0}; mov.b32 {$w0}, {h, h}; }",
@@ -294,9 +318,9 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     the CTA first."""
     st = faces.begin(ptrs, t, sx, scratch, fresh)
     if cutlass.const_expr(lagged_refill(stages)):
-        # chunk ch's barrier also says every thread has consumed chunk ch - 1: refill its stage
-        # then (the ring holds stages - 1 chunks ahead of the one waited for, ch > 0)
-        # chunk 0 (the ring full: wait for its oldest chunk), peeled so the loop has no branch
+        # chunk ch's barrier also says every thread has consumed chunk ch - 1: its stage is
+        # refilled then, so from ch = 1 the ring holds stages - 1 chunks ahead of the one waited
+        # for. Chunk 0 (the ring full: wait for its oldest chunk) is peeled: the loop has no branch
         faces.prep(ptrs, t, Int32(0), st, sx, scratch, fresh)
         cute.arch.cp_async_wait_group(stages - 1)
         cute.arch.sync_threads()

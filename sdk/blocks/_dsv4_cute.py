@@ -19,7 +19,8 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 
-from ._cute import TileSmem, bits_to_f32, gmem_tensor, smem_tensor, stage_rows_async
+from ._cute import (TileSmem, bits_to_f32, e2m1_pair, e4m3_piece, e4m3x4_to_f16x2x2, f16x2_to_f32,
+                    f32x2_to_bf16x2, gmem_tensor, smem_tensor, stage_rows_async)
 from ._mla_cute import LOG2_E, a_view, mn_view, quad_max, quad_sum
 from .dsv4_attention import comp_record_words, window_record_words
 from .base import NUM_THREADS
@@ -130,43 +131,6 @@ def build_dsv4_decode_tile(block):
         return ok
 
     @cute.jit
-    def e4m3x4_scaled_bf16(word: Int32, scale: Float32):
-        """Four e4m3 (bytes 0..3) times scale -> two bf16x2 words (values 0, 1 and 2, 3): e4m3 ->
-        f16 -> f32 exactly, one fp32 multiply, round to bf16 (dequantize_window_fp8's order)."""
-        return cute.arch.inline_ptx(
-            "{ .reg .b16 l, h, a, b, c, d; .reg .b32 p, q; .reg .f32 f0, f1, f2, f3; "
-            "mov.b32 {l, h}, {$r0}; cvt.rn.f16x2.e4m3x2 p, l; cvt.rn.f16x2.e4m3x2 q, h; "
-            "mov.b32 {a, b}, p; mov.b32 {c, d}, q; "
-            "cvt.f32.f16 f0, a; cvt.f32.f16 f1, b; cvt.f32.f16 f2, c; cvt.f32.f16 f3, d; "
-            "mul.f32 f0, f0, {$r1}; mul.f32 f1, f1, {$r1}; mul.f32 f2, f2, {$r1}; mul.f32 f3, f3, {$r1}; "
-            "cvt.rn.bf16x2.f32 {$w0}, f1, f0; cvt.rn.bf16x2.f32 {$w1}, f3, f2; }",
-            write_only_types=[Int32, Int32], read_only_args=[word, scale])
-
-    @cute.jit
-    def e2m1x2_scaled_bf16(byte: Int32, scale2: Int32) -> Int32:
-        """One byte of two E2M1 codes (value 0 in the low nibble) times the f16x2 splat scale2 ->
-        bf16x2: each code's f16 magnitude picked by prmt from a table of the f16 values' high bytes
-        (0, .5, 1, 1.5, 2, 3, 4, 6), its sign to bit 15, one packed f16 multiply (exact: 2 + 4
-        significant bits), f16 -> f32 -> bf16 (exact) - dequantize_comp_fp4's values."""
-        return cute.arch.inline_ptx(
-            "{ .reg .b32 lo, hi, sel, m, sg, t, ta, tb; .reg .b16 h0, h1; .reg .f32 f0, f1; "
-            "mov.b32 ta, 0x3E3C3800; mov.b32 tb, 0x46444240; "
-            "and.b32 lo, {$r0}, 7; shl.b32 lo, lo, 4; and.b32 hi, {$r0}, 0x70; shl.b32 hi, hi, 8; "
-            "or.b32 sel, lo, hi; prmt.b32 m, ta, tb, sel; "
-            "and.b32 sg, {$r0}, 8; shl.b32 sg, sg, 12; and.b32 t, {$r0}, 0x80; shl.b32 t, t, 24; "
-            "or.b32 sg, sg, t; or.b32 m, m, sg; mul.rn.f16x2 m, m, {$r1}; "
-            "mov.b32 {h0, h1}, m; cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; cvt.rn.bf16x2.f32 {$w0}, f1, f0; }",
-            write_only_types=[Int32], read_only_args=[byte, scale2])
-
-    @cute.jit
-    def e4m3_splat_f16x2(byte: Int32) -> Int32:
-        """An E4M3 byte as an f16x2 splat (exact)."""
-        return cute.arch.inline_ptx(
-            "{ .reg .b16 x, l, h; .reg .b32 p; cvt.u16.u32 x, {$r0}; cvt.rn.f16x2.e4m3x2 p, x; "
-            "mov.b32 {l, h}, p; mov.b32 {$w0}, {l, l}; }",
-            write_only_types=[Int32], read_only_args=[byte])
-
-    @cute.jit
     def dequant_rows(sRaw, sRawB, sStageW, st, ci, nk, tid):
         """The stage's quantised rows - the keys load_chunk staged raw: ring rows (clamped key
         < W) with FP8W, entry rows (clamped key >= W + T) with FP4C - from their records into
@@ -187,16 +151,24 @@ def build_dsv4_decode_tile(block):
                         if e > 0:
                             sc = bits_to_f32(e << 23)                       # 2^(E - 127)
                         for q in cutlass.range_constexpr(4):
-                            w0, w1 = e4m3x4_scaled_bf16(sRaw[st, jj, p, q], sc)
-                            sStageW[st, jj, 8 * p + 2 * q] = w0
-                            sStageW[st, jj, 8 * p + 2 * q + 1] = w1
+                            # e4m3 -> f16 -> f32 (exact), times the scale, rounded to bf16
+                            lo, hi = e4m3x4_to_f16x2x2(sRaw[st, jj, p, q])
+                            v0, v1 = f16x2_to_f32(lo)
+                            v2, v3 = f16x2_to_f32(hi)
+                            sStageW[st, jj, 8 * p + 2 * q] = f32x2_to_bf16x2(v0 * sc, v1 * sc)
+                            sStageW[st, jj, 8 * p + 2 * q + 1] = f32x2_to_bf16x2(v2 * sc, v3 * sc)
                 if cutlass.const_expr(FP4C):
                     if j >= W + T:
-                        sc2 = e4m3_splat_f16x2(Int32(sRawB[st, jj, D // 2 + p]) & 255)
+                        # the E4M3 scale (exact in fp32) times 2^14: e2m1_pair's fp16 is the value * 2^-14
+                        s16, _ = f16x2_to_f32(e4m3x4_to_f16x2x2(Int32(sRawB[st, jj, D // 2 + p]) & 255)[0])
+                        sc = s16 * Float32(16384.0)
                         for q in cutlass.range_constexpr(2):
-                            word = sRaw[st, jj, p // 2, 2 * (p % 2) + q]
-                            for by in cutlass.range_constexpr(4):
-                                sStageW[st, jj, 8 * p + 4 * q + by] = e2m1x2_scaled_bf16((word >> (8 * by)) & 255, sc2)
+                            word = sRaw[st, jj, p // 2, 2 * (p % 2) + q]       # codes of values 8q .. 8q + 7
+                            v = [None] * 8
+                            for k in cutlass.range_constexpr(4):
+                                v[k], v[k + 4] = f16x2_to_f32(e2m1_pair(word, k))
+                            for k in cutlass.range_constexpr(4):
+                                sStageW[st, jj, 8 * p + 4 * q + k] = f32x2_to_bf16x2(v[2 * k] * sc, v[2 * k + 1] * sc)
 
     @cute.jit
     def tile(ptrs, t: Int32, scratch):
@@ -521,13 +493,6 @@ def build_dsv4_ring_write_fp8_tile(block):
     RW = window_record_words(HD)
 
     @cute.jit
-    def to_e4m3x2(a: Float32, b: Float32) -> Int32:
-        """(e4m3(b) << 8) | e4m3(a) in the low 16 bits (satfinite, round to nearest even)."""
-        return cute.arch.inline_ptx(
-            "{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, {$r1}, {$r0}; cvt.u32.u16 {$w0}, h; }",
-            write_only_types=[Int32], read_only_args=[a, b])
-
-    @cute.jit
     def tile(ptrs, b: Int32, scratch):
         tid, _, _ = cute.arch.thread_idx()
         mNew = gmem_tensor(ptrs[0], BFloat16, (B, T, U, 8), 16)
@@ -553,11 +518,9 @@ def build_dsv4_ring_write_fp8_tile(block):
             if e > 254:
                 e = Int32(254)
             inv = bits_to_f32((Int32(254) - e) << 23)                      # 2^(127 - E)
-            w = [to_e4m3x2(v[2 * k] * inv, v[2 * k + 1] * inv) for k in range(4)]
             row = (start + tq) % W
             rec = cute.make_rmem_tensor((2,), Int32)
-            rec[0] = w[0] | (w[1] << 16)
-            rec[1] = w[2] | (w[3] << 16)
+            rec[0], rec[1], *_ = e4m3_piece([v[k] * inv for k in range(8)])  # (the remainders: unused)
             mRec[b, row, u, None].store(rec.load())
             if u % UG == 0:
                 mRecB[b, row, HD + u // UG] = cutlass.Int8(e)

@@ -85,7 +85,6 @@ def quantize_window_fp8(x: torch.Tensor) -> torch.Tensor:
 
 COMP_DTYPES = ("bf16", "fp4_e2m1")
 COMP_GROUP = 16              # the fp4 entry record: one E4M3 scale per 16 values
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # round to nearest, ties to the even code: a code is passed at t (y > t) or, its upper neighbour
 # even, at t itself (y >= t) - 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
 E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
@@ -125,7 +124,7 @@ def dequantize_comp_fp4(rec: torch.Tensor, head_dim: int) -> torch.Tensor:
     by = rec.contiguous().view(torch.uint8)
     nib = by[..., :head_dim // 2].to(torch.int32)
     code = torch.stack([nib & 15, nib >> 4], dim=-1).flatten(-2)                  # [..., hd]
-    m = code & 7                  # E2M1_VALUES[m], computed (no host table: CUDA-graph capturable)
+    m = code & 7                  # experts.E2M1_VALUES[m], computed (no host table: CUDA-graph capturable)
     mag = torch.where(m < 2, m * 0.5, torch.ldexp(1.0 + 0.5 * (m & 1), (m >> 1) - 1))
     v = mag * torch.where(code >= 8, -1.0, 1.0)
     s = by[..., head_dim // 2:head_dim // 2 + head_dim // COMP_GROUP].contiguous().view(torch.float8_e4m3fn).float()
@@ -237,7 +236,7 @@ class DSV4DecodeBlock(Block):
         mp = 16 * math.ceil(self.rows / 16)
         nwk = NUM_THREADS // 32 // (c.chunk // 8)
         rs = c.head_dim + 8
-        # fp8 window: each stage also holds its chunk's raw records, dequantised into the stage
+        # quantised rows (fp8 ring, fp4 entries): each stage also holds its chunk's raw records
         return mp * rs * 2 + nwk * mp * c.chunk * 4 + stages * c.chunk * (rs * 2 + self.raw_row_bytes)
 
     def check(self):

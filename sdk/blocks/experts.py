@@ -369,7 +369,7 @@ class ExpertsBlock(Block):
         from cutlass import Float32, Int32, Int64
         from cutlass._mlir import ir
 
-        from ._cute import DTYPE_MAP, bits_to_f32, gmem_tensor, mma_m16n8k16, swiglu_act
+        from ._cute import DTYPE_MAP, bits_to_f32, e2m1_pair, f16x2_to_f32, gmem_tensor, mma_m16n8k16, swiglu_act
 
         c = self.config
         fmt = c.weight_dtype
@@ -394,12 +394,6 @@ class ExpertsBlock(Block):
 
         # operand indices (see operand_specs)
         P_W, P_S, P_CNT, P_HITS, P_TOK, P_SLOT = 0, 1, 2, 3, 4, 5
-
-        @cute.jit
-        def f16x2_to_f32(bits: Int32):
-            return cute.arch.inline_ptx(
-                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, {$r0}; cvt.f32.f16 {$w0}, lo; cvt.f32.f16 {$w1}, hi; }",
-                write_only_types=[Float32, Float32], read_only_args=[bits])
 
         @cute.jit
         def load_w(mW, n, ch):
@@ -433,13 +427,6 @@ class ExpertsBlock(Block):
             wf = cute.make_rmem_tensor((EPL,), Float32)
             wf.store(cute.recast_tensor(raw, DTYPE_MAP[fmt]).load().to(Float32))
             return wf
-
-        @cute.jit
-        def e2m1_pair(word: Int32, p: cutlass.Constexpr) -> Int32:
-            """Nibbles p and p+4 of `word` as an fp16 pair (low half: nibble p): exponent+mantissa
-            bits at 9..11, sign at 15 - an fp16 with those bits is the e2m1 value * 2^-14."""
-            wp = word >> (4 * p)
-            return ((wp & 0x00070007) << 9) | ((wp & 0x00080008) << 12)
 
         @cute.jit
         def weights8(w, q):

@@ -323,11 +323,6 @@ def window_shape(cfg: DSV4LayerConfig) -> tuple:
     return (cfg.batch, cfg.window, cfg.head_dim), "bf16"
 
 
-def window_values(cfg: DSV4LayerConfig, window: torch.Tensor) -> torch.Tensor:
-    """The ring's rows as values (bf16): fp8 records dequantised (what the attention reads)."""
-    return dequantize_window_fp8(window, cfg.head_dim) if cfg.window_dtype == "fp8_e4m3" else window
-
-
 def cache_values(cfg: DSV4LayerConfig, t: torch.Tensor) -> torch.Tensor:
     """Any of the sublayer's caches as values: the fp8 ring's or the fp4 entries' int32 records
     (told apart by their width) dequantised; other tensors as they are. `reference` returns

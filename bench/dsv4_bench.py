@@ -147,8 +147,9 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     wb = prog.bytes_by_role("weight")
     dec = next(op.block for op in prog.ops if op.label == "v4.decode")
     kvb = dec.kv_bytes(starts)
-    if mode == "csa":       # + the indexer's keys, all of every sequence's ready entries
-        kvb += sum(min(cfg.max_entries, (s + 1) // cfg.ratio) for s in starts) * cfg.index_head_dim * 2
+    if mode == "csa":       # + the indexer's keys (bf16 or mxfp4 records), all of every sequence's ready entries
+        score = next(op.block for op in prog.ops if op.label == "v4.i_scores")
+        kvb += sum(min(cfg.max_entries, (s + 1) // cfg.ratio) for s in starts) * score.key_bytes_each
     w = make_weights(cfg, seed=0, device="cuda")
     inp = make_inputs(cfg, starts, seed=1, device="cuda")
     rt = program_runtime(prog, w, inputs={k: v.clone() for k, v in inp.items()})

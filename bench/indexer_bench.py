@@ -2,6 +2,7 @@
 token per sequence, beside the same work in PyTorch under a CUDA graph and the floor:
 
 - "v4_csa": V4.1-Flash CSA indexer, 64 x 128 heads, ratio 4, top-512, at 32K and 128K context;
+  "v4_csa_mxfp4": the same with the keys as V4.1's 68 B mxfp4 records (the floor counts 68 B a key);
 - "glm_dsa": GLM-5.3 k-pool indexer, 32 x 128 heads, kpool 16 (8192 pools at 128K), top-2048
   (128 pools + the tail);
 - "glm_sparse_mla": GLM-5.3 TP8 sparse MLA (8 heads, NoPE, latent 512) over 2063-token lists on a
@@ -26,7 +27,9 @@ import torch
 
 from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, run_cases, timed
 
-MODELS = {"v4_csa": dict(heads=64, ratio=4, topk=512), "glm_dsa": dict(heads=32, ratio=16, topk=2048)}
+MODELS = {"v4_csa": dict(heads=64, ratio=4, topk=512), "glm_dsa": dict(heads=32, ratio=16, topk=2048),
+          # V4.1's keys as 68 B mxfp4 records (key_dtype="mxfp4", opt-in)
+          "v4_csa_mxfp4": dict(heads=64, ratio=4, topk=512, key_dtype="mxfp4")}
 
 
 def _tab(block, ops):
@@ -36,20 +39,24 @@ def _tab(block, ops):
 
 def bench_indexer(model, ctx, batch, copy_bw, quick=False):
     from sdk.blocks._cute import standalone
-    from sdk.blocks.indexer import IndexScoreBlock, IndexScoreConfig, TopKBlock, TopKConfig, choose_keys_per_tile
+    from sdk.blocks.indexer import (IndexScoreBlock, IndexScoreConfig, TopKBlock, TopKConfig, choose_keys_per_tile,
+                                    dequantize_index_keys, quantize_index_keys)
     m = MODELS[model]
     H, d, r = m["heads"], 128, m["ratio"]
     E, start = ctx // r, ctx - 1
+    mx = m.get("key_dtype") == "mxfp4"
     score = IndexScoreBlock(IndexScoreConfig(heads=H, batch=batch, max_entries=E, ratio=r,
-                                             keys_per_tile=choose_keys_per_tile(batch, E)))
+                                             keys_per_tile=choose_keys_per_tile(batch, E),
+                                             key_dtype=m.get("key_dtype", "bf16")))
     glm = model == "glm_dsa"
     topk = TopKBlock(TopKConfig(k=m["topk"] // r if glm else m["topk"], batch=batch, max_entries=E, ratio=r,
                                 expand=r if glm else 1, tail=glm))
     kvb = score.key_bytes([start] * batch)
-    copies = max(1, min(-(-L2_FLUSH_BYTES // kvb), (8 << 30) // (batch * E * d * 2)))
+    copies = max(1, min(-(-L2_FLUSH_BYTES // kvb), (8 << 30) // (batch * E * score.key_bytes_each)))
     q = torch.randn(batch, 1, H, d, device="cuda").to(torch.bfloat16)
     w = torch.randn(batch, 1, H, device="cuda") * H ** -0.5
-    keys = [torch.randn(batch, E, d, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+    keys = [quantize_index_keys(torch.randn(batch, E, d, device="cuda")) if mx
+            else torch.randn(batch, E, d, device="cuda").to(torch.bfloat16) for _ in range(copies)]
     starts = torch.full((batch,), start, dtype=torch.int32, device="cuda")
     scores = torch.empty(batch, 1, E, device="cuda")
     index = torch.empty(batch, 1, topk.width, dtype=torch.int32, device="cuda")
@@ -75,7 +82,8 @@ def bench_indexer(model, ctx, batch, copy_bw, quick=False):
 
     def torch_step(k):
         def step():
-            s = torch.relu(torch.einsum("bhd,bed->bhe", q.view(batch, H, d), k).float() * d ** -0.5)
+            kv = dequantize_index_keys(k, d) if mx else k          # mxfp4: the records dequantised first
+            s = torch.relu(torch.einsum("bhd,bed->bhe", q.view(batch, H, d), kv).float() * d ** -0.5)
             s = (s * w.view(batch, H, 1)).sum(1)
             return s.topk(min(topk.config.k, E), dim=-1).indices
         return step
@@ -159,7 +167,8 @@ def bench_sparse_mla(ctx, batch, copy_bw, quick=False):
 
 
 def cases(quick):
-    out = [("v4_csa", ctx, b) for ctx in ((32768,) if quick else (32768, 131072)) for b in (1, 8)]
+    out = [(m, ctx, b) for m in ("v4_csa", "v4_csa_mxfp4") for ctx in ((32768,) if quick else (32768, 131072))
+           for b in (1, 8)]
     out += [("glm_dsa", 131072, b) for b in (1, 8)]
     out += [("glm_sparse_mla", 131072 if not quick else 32768, b) for b in (1, 8)]
     return out

@@ -11,11 +11,12 @@
 #    CUDA-core fp8 GEMV's rows / chunk_k and the fp8 stack's tile rows (existing knobs, default form);
 # 3. the attention program's decode chunk (64 by default since call 1 where choose_chunk takes it)
 #    at B=1 128K and B=8 32K, beside --set decode_chunk=32.
-# Part 2: V4.1's serving cache formats - the fp8 sliding-window records (window_dtype="fp8_e4m3")
-# and the fp4 compressed entries (comp_dtype="fp4_e2m1"): their GPU tests (the decode core, the ring
-# write bit for bit, the compressor's records, the SWA / HCA / CSA sublayers) and the sublayers with
-# both formats and without (HCA B=1 / B=64, CSA B=8); the KDA streaming form in the megakernel with
-# and without the lagged refill.
+# Part 2: V4.1's serving cache formats - the fp8 sliding-window records (window_dtype="fp8_e4m3"),
+# the fp4 compressed entries (comp_dtype="fp4_e2m1") and the indexer's mxfp4 keys (index_dtype=
+# "mxfp4", fifteenth session): their GPU tests (the decode core, the ring write bit for bit, the
+# compressors' records, the score tile over key records, the SWA / HCA / CSA sublayers) and the
+# sublayers with the formats and without (HCA B=1 / B=64, CSA B=8); the KDA streaming form in the
+# megakernel with and without the lagged refill.
 # The tests' parts are packed into $OUT/lag_tests/results.tgz (part 2: $OUT/format_tests/), the
 # benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
@@ -27,17 +28,21 @@ PART=${1:-1}
 export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-580} TESTS_S=${TESTS_S:-190}
 
 if [ "$PART" = 2 ]; then
-  GPU_TESTS="tests/gpu/test_dsv4_gpu.py tests/gpu/test_dsv4_layer_gpu.py tests/gpu/test_dsv4_compress_gpu.py" \
+  GPU_TESTS="tests/gpu/test_dsv4_gpu.py tests/gpu/test_dsv4_layer_gpu.py tests/gpu/test_dsv4_compress_gpu.py
+    tests/gpu/test_indexer_gpu.py::test_v4_csa_indexer_mxfp4_keys" \
     OUT="$OUT/format_tests" DEVICE_ALL_S=$TESTS_S \
     bash bench/device_all.sh tests
   D='--quick --match "sublayer hca B=1 ctx=32768$" --match "sublayer hca B=64 ctx=32768$" --match "sublayer csa B=8 ctx=32768$"'
-  export BENCH_ARGS_dsv4="$D" BENCH_S_dsv4=100 BENCH_ARGS_dsv4_q="$D --set window_dtype=fp8_e4m3,comp_dtype=fp4_e2m1" \
+  export BENCH_ARGS_dsv4="$D" BENCH_S_dsv4=100 BENCH_ARGS_dsv4_q="$D --set window_dtype=fp8_e4m3,comp_dtype=fp4_e2m1,index_dtype=mxfp4" \
     BENCH_S_dsv4_q=100
   # the KDA streaming form in the megakernel (69-78% of copy; its chunks cross stream_tile too) under
   # the lagged refill
   K='--quick --match "megakernel layers stream v_split=4 hpt=4" --match "megakernel layers stream v_split=4 hpt=2"'
-  export BENCH_ARGS_kda="$K" BENCH_S_kda=60 BENCH_ARGS_kda_lag="$K" BENCH_S_kda_lag=60 BENCH_ENV_kda_lag="SDK_RING_REFILL=lagged"
-  DEVICE_ALL_S=$(( DEVICE_ALL_S - TESTS_S )) bash bench/device_all.sh bench:dsv4 bench:dsv4@q bench:kda bench:kda@lag
+  export BENCH_ARGS_kda="$K" BENCH_S_kda=50 BENCH_ARGS_kda_lag="$K" BENCH_S_kda_lag=50 BENCH_ENV_kda_lag="SDK_RING_REFILL=lagged"
+  # the score tile over bf16 keys vs mxfp4 records (v4_csa / v4_csa_mxfp4 at 32K, B=1 / 8; and GLM's)
+  export BENCH_ARGS_indexer="--quick" BENCH_S_indexer=60
+  DEVICE_ALL_S=$(( DEVICE_ALL_S - TESTS_S )) bash bench/device_all.sh bench:dsv4 bench:dsv4@q bench:indexer bench:kda \
+    bench:kda@lag
   exit 0
 fi
 

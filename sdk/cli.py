@@ -33,9 +33,11 @@ def cmd_plan(args) -> int:
     from .spec import QuantSpec
     entry = plugins.get_model(args.model)
     spec = entry.spec(args.config)
-    quant = entry.native_quant if args.weights == "native" else QuantSpec(experts=args.weights, dense=args.weights)
-    p = plan(spec, tp=args.tp, ep=args.ep, batch=args.batch, ctx=args.ctx, gpu=args.gpu, quant=quant or spec.quant)
-    q = quant or spec.quant
+    native = entry.native_quant or spec.quant
+    q = QuantSpec(experts=native.experts if args.weights == "native" else args.weights,
+                  dense=native.dense if args.weights == "native" else args.weights,
+                  kv_cache=native.kv_cache if args.kv == "native" else args.kv)
+    p = plan(spec, tp=args.tp, ep=args.ep, batch=args.batch, ctx=args.ctx, gpu=args.gpu, quant=q)
     print(f"{args.model} ({args.config}) per GPU at tp={p.tp} ep={p.ep}, batch {p.batch}, context {p.ctx}, "
           f"{p.gpu} at {p.bandwidth_tbs} TB/s; weights: experts {q.experts}, dense {q.dense}; KV {q.kv_cache}")
     print(f"{'layer':>5} {'kind':<12} {'weights':>11} {'KV/state':>11} {'floor µs':>9}  ops")
@@ -121,7 +123,7 @@ def cmd_demo(args) -> int:
         print()
         rc |= cmd_plan(argparse.Namespace(model=name, config="full", tp=shard.tp if shard else 1,
                                           ep=shard.ep if shard else 1, batch=1, ctx=32768, gpu="h200",
-                                          weights="native", brief=True))
+                                          weights="native", kv="native", brief=True))
     if not args.skip_compile:
         print()
         rc |= cmd_compile_check(argparse.Namespace(arch="sm_90a,sm_100a,sm_103a"))
@@ -142,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--ctx", type=int, default=4096)
     pl.add_argument("--gpu", default="h200", choices=["h200", "b200", "gb300"])
     pl.add_argument("--weights", default="native", help="native | bf16 | fp8_block128 | mxfp4 | nvfp4")
+    pl.add_argument("--kv", default="native", help="native | bf16 | fp8 | fp32 | v41 (DeepSeek-V4.1's per-cache "
+                                                   "formats: 528 / 288 / 68 B a token)")
     pl.add_argument("--brief", action="store_true", help="count each layer's ops instead of naming them")
     pl.set_defaults(fn=cmd_plan)
 

@@ -100,9 +100,13 @@ def sublayer_megakernel_cases():
     """(name, program) of attention sublayers: a megakernel whose plain tiles (decode, compressor,
     prologue) allocate the arena beside the weight ring, compiled for every arch."""
     from .megakernel.dsv4_layer import DSV4LayerConfig, build_program
-    cfg = DSV4LayerConfig(mode="hca", heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=128,
-                          max_seq_len=16384)
-    return [("megakernel dsv4 hca sublayer (V4.1 TP8, 16K)", build_program(cfg))]
+    tp8 = dict(heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, max_seq_len=16384)
+    hca = DSV4LayerConfig(mode="hca", ratio=128, **tp8)
+    # CSA with V4.1's serving formats: fp8 ring records, fp4 entries, mxfp4 indexer keys
+    csa = DSV4LayerConfig(mode="csa", ratio=4, batch=8, window_dtype="fp8_e4m3", comp_dtype="fp4_e2m1",
+                          index_dtype="mxfp4", **tp8)
+    return [("megakernel dsv4 hca sublayer (V4.1 TP8, 16K)", build_program(hca)),
+            ("megakernel dsv4 csa sublayer, V4.1 cache formats (TP8, 16K, B=8)", build_program(csa))]
 
 
 def time_case(res: dict, name: str, build) -> None:

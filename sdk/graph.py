@@ -23,7 +23,14 @@ from .spec import LayerSpec, ModelSpec, QuantSpec
 # Bytes per weight element, scales included.
 WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8_block128": 1.0 + 4 / (128 * 128),
                 "fp8": 1.0 + 4 / (128 * 128), "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
-KV_BYTES = {"bf16": 2.0, "fp8": 1.0 + 4 / 128, "fp32": 4.0}
+# Bytes per cached value, scales included. A scheme of per-cache formats maps each cache to its
+# bytes (None: every other cache): "v41" is DeepSeek-V4.1's serving caches (MODEL-FACTS F18, F21,
+# F22; the megakernel's window_dtype / comp_dtype / index_dtype) - the sliding window 528 B a
+# 512-value token (e4m3 + a UE8M0 scale per 32), the compressed entries 288 B (E2M1 + an E4M3
+# scale per 16), the indexer's keys 68 B a 128-value key (MXFP4).
+KV_BYTES = {"bf16": 2.0, "fp8": 1.0 + 4 / 128, "fp32": 4.0,
+            "v41": {"window": 1.0 + 1 / 32, "compressed": 0.5 + 1 / 16, "index_keys": 0.5 + 1 / 32,
+                    None: 1.0 + 4 / 128}}
 
 # Copy bandwidth in TB/s used for the floor. h200: measured on the project's H200 (DESIGN.md);
 # b200 / gb300: datasheet 8 TB/s, not measured by us.
@@ -85,6 +92,15 @@ class Plan:
         return self.batch / (self.step_floor_us * 1e-6)
 
 
+def kv_value_bytes(kv_cache: str, cache: str | None = None) -> float:
+    """Bytes a value of `cache` (a DeepSeek-V4 cache: "window" / "compressed" / "index_keys";
+    None: any other) takes in the KV format `kv_cache`."""
+    b = KV_BYTES.get(kv_cache)
+    if b is None:
+        raise UnsupportedConfigError(f"unknown KV cache format {kv_cache!r}; known: {sorted(KV_BYTES)}")
+    return b.get(cache, b[None]) if isinstance(b, dict) else b
+
+
 def _w(quant: str) -> float:
     try:
         return WEIGHT_BYTES[quant]
@@ -105,7 +121,7 @@ def expected_experts_hit(num_experts: int, top_k: int, tokens: int) -> float:
 
 
 def attention_ops(spec: ModelSpec, layer: LayerSpec, tp: int, batch: int, ctx: int, q: QuantSpec) -> list[Op]:
-    a, d, wb, kvb = layer.attention, spec.hidden_size, _w(q.dense), KV_BYTES.get(q.kv_cache, 2.0)
+    a, d, wb, kvb = layer.attention, spec.hidden_size, _w(q.dense), kv_value_bytes(q.kv_cache)
     kind = a.kind
     if kind in ("mla", "dsa_mla"):
         h = _heads(a.num_heads, tp, "MLA")
@@ -159,10 +175,11 @@ def attention_ops(spec: ModelSpec, layer: LayerSpec, tp: int, batch: int, ctx: i
             if a.indexer is not None:
                 ix = a.indexer
                 ops.append(Op("indexer", (a.q_lora_rank * ix.num_heads * ix.head_dim + d * ix.num_heads) * wb,
-                              kv_bytes=batch * slots * ix.head_dim * kvb,
+                              kv_bytes=batch * slots * ix.head_dim * kv_value_bytes(q.kv_cache, "index_keys"),
                               flops=2 * batch * slots * ix.num_heads * ix.head_dim))
                 slots = min(slots, ix.topk)
-        ops.append(Op("attention (window + compressed)", kv_bytes=batch * (window + slots) * hd * kvb,
+        kv_window = window * kv_value_bytes(q.kv_cache, "window") + slots * kv_value_bytes(q.kv_cache, "compressed")
+        ops.append(Op("attention (window + compressed)", kv_bytes=batch * kv_window * hd,
                       flops=4 * batch * h * (window + slots) * hd))
         ops.append(Op("o_proj (grouped low-rank)", o_w * wb, flops=2 * batch * o_w))
         return ops

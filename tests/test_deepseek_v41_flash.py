@@ -2,7 +2,6 @@
 compression, indexer), the mHC residual, the config -> spec mapping and the weight map.
 
 The whole model against transformers is tests/test_reference_vs_hf.py (-k deepseek)."""
-import copy
 
 import pytest
 import torch

@@ -280,7 +280,7 @@ def test_fp4_entry_record_format():
     """quantize_comp_fp4: 512 E2M1 codes (two a byte) then 32 E4M3 scales (one per 16 values):
     288 B, V4.1-Flash's compressed cache; ties round to the even code; zero groups stay zero."""
     from sdk.blocks.dsv4_attention import comp_record_words, dequantize_comp_fp4, quantize_comp_fp4
-    from sdk.blocks.experts import E2M1_VALUES
+    from sdk.blocks.formats import E2M1_VALUES
     assert comp_record_words(512) == 72
     codes = torch.zeros(36, dtype=torch.uint8)                 # every code, scale 1.0 (e4m3 0x38)
     codes[:8] = torch.arange(8, dtype=torch.uint8) * 17 + torch.tensor([0, 8] * 4, dtype=torch.uint8) * 16

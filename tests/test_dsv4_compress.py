@@ -77,28 +77,32 @@ def test_blocks_equal_model_compressor(dim, ratio, overlap, T, cpt):
     assert closed >= B and cache["comp_kv"].abs().sum() > 0      # entries were written and compared
 
 
-@pytest.mark.parametrize("dim,ratio,overlap,T,cpt", [(512, 8, False, 3, 64), (512, 4, True, 2, 128)],
-                         ids=["hca-like", "csa"])
-def test_fp4_entries_equal_the_model_with_the_format_round_trip(dim, ratio, overlap, T, cpt):
-    """entry_dtype="fp4_e2m1": the pooling writes `pooled` [B, T, dim] and the norm quantises the
-    entry into V4.1's record; dequantised, the records equal the model compressor's entries with
-    the same round trip (Compressor.entry_format) bit for bit, reference and emulation alike."""
-    from sdk.blocks.dsv4_attention import dequantize_comp_fp4, quantize_comp_fp4
+@pytest.mark.parametrize("dim,ratio,overlap,T,cpt,entry_dtype", [(512, 8, False, 3, 64, "fp4_e2m1"),
+                                                                 (512, 4, True, 2, 128, "fp4_e2m1"),
+                                                                 (128, 4, True, 1, 64, "mxfp4"),
+                                                                 (128, 4, True, 3, 32, "mxfp4")],
+                         ids=["hca-like-fp4", "csa-fp4", "indexer-mxfp4", "indexer-mxfp4-T3"])
+def test_record_entries_equal_the_model_with_the_format_round_trip(dim, ratio, overlap, T, cpt, entry_dtype):
+    """entry_dtype="fp4_e2m1" (the main compressor's entries) / "mxfp4" (the indexer's keys): the
+    pooling writes `pooled` [B, T, dim] and the norm quantises the entry into V4.1's record;
+    dequantised, the records equal the model compressor's entries with the same round trip
+    (Compressor.entry_format) bit for bit, reference and emulation alike."""
     B, hidden, rope, E = 3, 256, 64, 16
-    comp, w, rp = model_compressor(dim, ratio, overlap, rope, hidden, seed=dim + ratio)
-    comp.entry_format = lambda e: dequantize_comp_fp4(quantize_comp_fp4(e), dim)
     pool, norm = compressor_blocks(DSV4CompressConfig(dim=dim, ratio=ratio, overlap=overlap, rope=rope, batch=B,
                                                       tokens=T, max_entries=E, channels_per_tile=cpt,
-                                                      entry_dtype="fp4_e2m1"))
+                                                      entry_dtype=entry_dtype))
+    quantize, dequantize = norm.quantize, norm.dequantize
+    comp, w, rp = model_compressor(dim, ratio, overlap, rope, hidden, seed=dim + ratio)
+    comp.entry_format = lambda e: dequantize(quantize(e))
     assert "pooled" in pool.operands() and norm.operand_specs()[-1].dtype == "int32"
     cache = comp.new_cache(B, E * ratio, "cpu", torch.bfloat16)
     emu = {"state_kv": cache["state_kv"].clone(), "state_gate": cache["state_gate"].clone(),
            "pooled": torch.full((B, T, dim), float("nan")).to(torch.bfloat16),
-           "entries": quantize_comp_fp4(cache["comp_kv"])}
+           "entries": quantize(cache["comp_kv"])}
     closed = 0
     for call, ref, closed in compressor_calls(comp, w, rp, pool, norm, emu, cache, B, T, ratio, hidden):
         assert torch.equal(ref["entries"], emu["entries"]), f"call {call}: reference != emulation"
-        assert torch.equal(dequantize_comp_fp4(emu["entries"], dim), cache["comp_kv"]), f"call {call}: entries"
+        assert torch.equal(dequantize(emu["entries"]), cache["comp_kv"]), f"call {call}: entries"
         assert torch.equal(emu["state_kv"], cache["state_kv"]) and torch.equal(emu["state_gate"], cache["state_gate"])
     assert closed >= B and cache["comp_kv"].abs().sum() > 0
 
@@ -117,8 +121,9 @@ def test_entries_past_the_cache_are_not_written():
 
 @pytest.mark.parametrize("kw", [dict(dim=1024), dict(dim=63), dict(rope=66, dim=64), dict(ratio=0),
                                 dict(channels_per_tile=48), dict(channels_per_tile=6, dim=96, rope=0),
-                                dict(entry_dtype="fp8"), dict(dim=48, rope=16, channels_per_tile=16,
-                                                              entry_dtype="fp4_e2m1")])
+                                dict(entry_dtype="fp8"), dict(dim=96, rope=16, channels_per_tile=16,
+                                                              entry_dtype="fp4_e2m1"),
+                                dict(dim=64, rope=16, channels_per_tile=16, entry_dtype="mxfp4")])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):
         compressor_blocks(DSV4CompressConfig(**kw))

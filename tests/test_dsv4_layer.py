@@ -34,22 +34,27 @@ def test_pyvm_sublayer_equals_model_reference(mode):
                        ["window"] + list(cfg.cache_shapes()), rel, reference_after_run=True)
 
 
-@pytest.mark.parametrize("mode,window_dtype,comp_dtype", [("swa", "fp8_e4m3", "bf16"), ("hca", "fp8_e4m3", "bf16"),
-                                                          ("hca", "bf16", "fp4_e2m1"), ("hca", "fp8_e4m3", "fp4_e2m1"),
-                                                          ("csa", "fp8_e4m3", "fp4_e2m1")])
-def test_pyvm_sublayer_with_quantised_caches(mode, window_dtype, comp_dtype):
-    """V4.1's serving formats: the ring as fp8 records (window_dtype) and / or the compressed
-    entries as fp4 records (comp_dtype) - the decode reads them, the ring write and the
-    compressor's norm write them; two calls carrying the records, against the model over the
-    dequantised caches with its new rows / entries through the same records (cache_values)."""
+@pytest.mark.parametrize("mode,window_dtype,comp_dtype,index_dtype", [
+    ("swa", "fp8_e4m3", "bf16", "bf16"), ("hca", "fp8_e4m3", "bf16", "bf16"), ("hca", "bf16", "fp4_e2m1", "bf16"),
+    ("hca", "fp8_e4m3", "fp4_e2m1", "bf16"), ("csa", "fp8_e4m3", "fp4_e2m1", "bf16"), ("csa", "bf16", "bf16", "mxfp4"),
+    ("csa", "fp8_e4m3", "fp4_e2m1", "mxfp4")])
+def test_pyvm_sublayer_with_quantised_caches(mode, window_dtype, comp_dtype, index_dtype):
+    """V4.1's serving formats: the ring as fp8 records (window_dtype), the compressed entries as
+    fp4 records (comp_dtype), the indexer's keys as mxfp4 records (index_dtype) - the decode and
+    the scores read them, the ring write and the compressors' norms write them; two calls
+    carrying the records, against the model over the dequantised caches with its new rows /
+    entries / keys through the same records (cache_values)."""
     from sdk.megakernel.dsv4_layer import cache_values
     from sdk.megakernel.pyvm import PyVM
-    cfg = DSV4LayerConfig(mode=mode, window_dtype=window_dtype, comp_dtype=comp_dtype, **TINY)
+    tiny = {**TINY, "index_head_dim": 128} if index_dtype == "mxfp4" else TINY      # mxfp4: whole-word records
+    cfg = DSV4LayerConfig(mode=mode, window_dtype=window_dtype, comp_dtype=comp_dtype, index_dtype=index_dtype, **tiny)
     prog = build_program(cfg)
     if window_dtype == "fp8_e4m3":
         assert prog.buffers["window"].dtype == "int32" and prog.buffers["window"].shape[-1] == 132
     if comp_dtype == "fp4_e2m1":
         assert prog.buffers["comp"].dtype == "int32" and prog.buffers["comp"].shape[-1] == 72
+    if index_dtype == "mxfp4":
+        assert prog.buffers["index_keys"].dtype == "int32" and prog.buffers["index_keys"].shape[-1] == 17
     w = make_weights(cfg, seed=1)
     vm, _ = PyVM.from_program(prog, 8, w)
     starts = [0, 5, 30]

@@ -63,6 +63,27 @@ def test_plan_full_models(model_id):
     assert b.total_bytes < a.total_bytes
 
 
+def test_plan_v41_serving_caches():
+    """V4.1's native KV scheme "v41": the sliding window at 528 B a token, the compressed entries at
+    288 B and the indexer's keys at 68 B (MODEL-FACTS F18, F21, F22) - per cache, not one dtype."""
+    entry = plugins.get_model("deepseek_v41_flash")
+    spec = entry.spec("full")
+    assert entry.native_quant.kv_cache == "v41"
+    ctx, batch = 32768, 2
+    p = plan(spec, tp=8, ep=8, batch=batch, ctx=ctx, quant=entry.native_quant)
+    by_ratio = {}
+    for layer, lp in zip(spec.layers, p.layers):
+        by_ratio[layer.attention.compress_ratio] = lp.kv_bytes
+    window = 128 * 528
+    assert by_ratio[128] == pytest.approx(batch * (window + (ctx // 128) * 288))           # HCA
+    assert by_ratio[4] == pytest.approx(batch * (window + 512 * 288 + (ctx // 4) * 68))   # CSA: top-512 + all keys
+    fp8 = plan(spec, tp=8, ep=8, batch=batch, ctx=ctx, quant=QuantSpec(experts="mxfp4", dense="fp8_block128",
+                                                                         kv_cache="fp8"))
+    assert fp8.layers[3].kv_bytes > 1.8 * p.layers[3].kv_bytes
+    with pytest.raises(UnsupportedConfigError, match="unknown KV cache format 'fp6'"):
+        plan(spec, tp=8, ep=8, quant=QuantSpec(kv_cache="fp6"))
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "sdk.cli", *args], capture_output=True, text=True)
 
@@ -78,6 +99,9 @@ def test_cli_plan_prints_floor():
     r = run_cli("plan", "kimi_k3", "--tp", "8", "--ep", "8", "--batch", "8", "--ctx", "8192", "--gpu", "b200")
     assert r.returncode == 0, r.stderr
     assert "floor" in r.stdout and "tok/s" in r.stdout and "8.0 TB/s" in r.stdout
+    r = run_cli("plan", "deepseek_v41_flash", "--tp", "8", "--ep", "8", "--ctx", "32768", "--kv", "bf16", "--brief")
+    assert r.returncode == 0, r.stderr
+    assert "KV bf16" in r.stdout
 
 
 @pytest.mark.parametrize("model_id", ["kimi_k3", "deepseek_v41_flash", "glm_53"])

@@ -132,7 +132,9 @@ def test_glm_shapes_from_model_config():
 
 
 # ------------------------------------------------------------------ V4: the CSA indexer
-def v4_select_inputs(starts, T, ih=4, ihd=32, ratio=4, topk=5, seed=0):
+def v4_select_inputs(starts, T, ih=4, ihd=32, ratio=4, topk=5, seed=0, key_format=None):
+    """(spec, the score block's operands, the model's selection mask, entries); key_format: the
+    keys' round trip through a cache format (the model selects over its values)."""
     g = torch.Generator().manual_seed(seed)
     rope = RopeSpec(dim=16, theta=10000.0, interleaved=True)
     spec = DSV4AttentionSpec(num_heads=2, head_dim=64, q_lora_rank=32, rope_dim=16, sliding_window=8,
@@ -147,6 +149,8 @@ def v4_select_inputs(starts, T, ih=4, ihd=32, ratio=4, topk=5, seed=0):
     x = torch.randn(B, T, D, generator=g).to(torch.bfloat16)
     q_res = torch.randn(B, T, 32, generator=g).to(torch.bfloat16)
     keys = torch.randn(B, E, ihd, generator=g).to(torch.bfloat16)
+    if key_format is not None:
+        keys = key_format(keys)
     step = step_of(starts, T)
     ready = torch.arange(E) < ((step.positions + 1) // ratio)[..., None]
     mask = ref.select(x, q_res, keys, ready, step)                     # [B, T, E]
@@ -173,6 +177,72 @@ def test_v4_csa_indexer_blocks_equal_reference(starts, T, ih, kpt):
             k = int((row >= 0).sum())
             assert k == len(want) and (row[k:] == -1).all() and torch.equal(row[:k], row[:k].sort().values)
             assert same_selection(row[:k].tolist(), want, scores[b, tq]), (b, tq)
+
+
+def test_mxfp4_index_key_format():
+    """quantize_index_keys: 128 E2M1 codes (two a byte) then 4 UE8M0 scales (one per 32 values):
+    68 B, V4.1-Flash's indexer keys; the scale is the smallest power of two with max |x| <= 6 *
+    scale (edges exact), ties round to the even code, zero groups stay zero."""
+    from sdk.blocks.formats import E2M1_VALUES
+    from sdk.blocks.indexer import dequantize_index_keys, index_key_words, quantize_index_keys
+    assert index_key_words(128) == 17
+    rec = torch.zeros(68, dtype=torch.uint8)                     # every code, scale 2^0 (E = 127)
+    rec[:8] = torch.arange(8, dtype=torch.uint8) * 17 + torch.tensor([0, 8] * 4, dtype=torch.uint8) * 16
+    rec[64:] = 127
+    vals = dequantize_index_keys(rec.view(torch.int32), 128)[:16].float()
+    assert torch.equal(vals[0::2], E2M1_VALUES[:8]) and torch.equal(vals[1::2], E2M1_VALUES[:8] * torch.tensor([1.0, -1.0] * 4))
+    # the scale byte at the edges: max |x| = 6 * 2^k needs 2^k; a hair above needs 2^(k+1)
+    x = torch.zeros(128)
+    x[0], x[32], x[64] = 6.0 * 2.0 ** -3, 6.0 * 2.0 ** -3 * (1 + 2.0 ** -20), 1.5
+    by = quantize_index_keys(x[None]).view(torch.uint8)[0]
+    assert by[64:].tolist() == [124, 125, 125, 0]                 # 2^-3, 2^-2, 1.5 = 6 / 4: 2^-2; zeros: 0
+    y = torch.zeros(128)
+    y[:16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.01, -6, 0.1, 0.3, 2.9, 4.5, 5.5, -1.0])
+    got = dequantize_index_keys(quantize_index_keys(y[None]), 128)[0]
+    want = torch.tensor([0, 1, 1, 2, 2, 4, 4, 6, -0.0, -6, 0, 0.5, 3, 4, 6, -1])    # scale 2^0 (max 6)
+    assert torch.equal(got[:16].float(), want) and (got[16:] == 0).all()
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 7, 128, generator=g) * 2.0 ** (4 * torch.randn(3, 7, 4, 1, generator=g)).repeat(1, 1, 1, 32)
+         .flatten(2)).to(torch.bfloat16)
+    rec = quantize_index_keys(x)
+    assert rec.shape == (3, 7, 17) and rec.dtype == torch.int32
+    e = rec.view(torch.uint8)[..., 64:].float() - 127
+    amax = x.float().abs().unflatten(-1, (-1, 32)).amax(-1)
+    assert ((amax <= 6 * 2 ** e) & (amax > 3 * 2 ** e)).all()    # the smallest such power of two
+    d = dequantize_index_keys(rec, 128).float()
+    assert ((d - x.float()).abs() <= (2 ** e).repeat_interleave(32, -1)).all()   # half the widest step (4 -> 6)
+
+
+@pytest.mark.parametrize("starts,T,kpt", [([10, 0, 77, 159 - 1], 1, 64), ([3, 40, 100], 3, 128)])
+def test_v4_csa_indexer_mxfp4_keys(starts, T, kpt):
+    """key_dtype="mxfp4": the score block over the keys' records equals the bf16 block over the
+    dequantised keys bit for bit (definition and emulated tiles), and its selection is the
+    model's over those keys."""
+    from dataclasses import replace
+
+    from sdk.blocks.indexer import dequantize_index_keys, quantize_index_keys
+    spec, t, mask, E = v4_select_inputs(starts, T, ihd=128, seed=7 + T,
+                                        key_format=lambda k: dequantize_index_keys(quantize_index_keys(k), 128))
+    rec = quantize_index_keys(t["keys"])
+    deq = dequantize_index_keys(rec, 128)
+    assert torch.equal(deq, t["keys"])              # the format's values take the round trip unchanged
+    score_blk, topk_blk = dsv4_csa_indexer_blocks(spec.indexer, spec.compress_ratio, len(starts), T, 160,
+                                                  keys_per_tile=kpt)
+    mx_blk = IndexScoreBlock(replace(score_blk.config, key_dtype="mxfp4"))
+    assert dict(zip(mx_blk.operands(), [o.shape for o in mx_blk.operand_specs()]))["keys"] == (len(starts), E, 17)
+    want = score_blk.reference(**{**t, "keys": deq})["scores"]
+    mx_t = {**t, "keys": rec}
+    assert torch.equal(mx_blk.reference(**mx_t)["scores"], want)
+    emu = run_tiles(mx_blk, mx_t, "scores", float("nan"))
+    torch.testing.assert_close(emu, run_tiles(score_blk, {**t, "keys": deq}, "scores", float("nan")), rtol=0, atol=0,
+                               equal_nan=True)                 # unwritten entries stay NaN on both
+    scores, got = score_and_select(mx_blk, topk_blk, mx_t)      # the model's selection over those keys
+    for b in range(len(starts)):
+        for tq in range(T):
+            row = got[b, tq]
+            k = int((row >= 0).sum())
+            assert same_selection(row[:k].tolist(), torch.nonzero(mask[b, tq]).flatten().tolist(),
+                                  scores[b, tq]), (b, tq)
 
 
 def test_index_list_feeds_dsv4_csa_decode():
@@ -360,6 +430,10 @@ def test_operands_costs_and_splits():
     assert s.num_tiles() == 64 and s.rows == 128
     assert s.key_bytes([131071, 3]) == (32768 + 1) * (256 + 8)
     assert s.cost().bytes > 1024 * 256
+    mx = IndexScoreBlock(IndexScoreConfig(heads=64, batch=2, q_tokens=2, max_entries=32768, ratio=4,
+                                          keys_per_tile=1024, stages=3, key_dtype="mxfp4"))
+    assert mx.key_bytes([131071, 3]) == (32768 + 1) * (68 + 8) and mx.cost().bytes < s.cost().bytes
+    assert mx.smem_bytes() < s.smem_bytes()
     tk = TopKBlock(TopKConfig(k=512, batch=2, q_tokens=2, max_entries=32768, ratio=4))
     assert tk.num_tiles() == 4 and tk.width == 512
     assert choose_keys_per_tile(1, 32768) == 256 and choose_keys_per_tile(8, 32768) == 2048
@@ -372,6 +446,8 @@ def test_operands_costs_and_splits():
 @pytest.mark.parametrize("cls,kw", [
     (IndexScoreBlock, dict(heads=64, q_tokens=3)), (IndexScoreBlock, dict(heads=8, head_dim=24)),
     (IndexScoreBlock, dict(heads=8, keys_per_tile=100)), (TopKBlock, dict(k=5000)),
+    (IndexScoreBlock, dict(heads=8, key_dtype="fp8")), (IndexScoreBlock, dict(heads=8, head_dim=64, key_dtype="mxfp4")),
+    (IndexScoreBlock, dict(heads=8, max_entries=42, key_dtype="mxfp4")),          # 42 x 68 B: chunks off 16 B
     (TopKBlock, dict(k=8, ratio=4, expand=2, tail=True)),
     (MLADecodeBlock, dict(heads=40, softmax_scale=0.1, index_width=64)),
 ])

@@ -77,7 +77,7 @@ def test_two_layers_and_head_equal_reference(head, sdt):
     slices = d // ds
     streams = h0 = ref.embed(x0)[:, 0].contiguous()               # [m, n, d]
     sites = [(i, s, site) for i in range(layers) for s, site in (("attn", "hc_attn"), ("mlp", "hc_mlp"))]
-    p0 = f"layers.0.hc_attn."
+    p0 = "layers.0.hc_attn."
     part = run_tiles(MHCMixBlock(MHCMixConfig(d=d, n=n, m=m, rows=mix_rows(n), d_slice=ds, stream_dtype=sdt)),
                      {"streams": h0, "fn": w[p0 + "fn"]})["part"]
     for k, (i, s, site) in enumerate(sites):

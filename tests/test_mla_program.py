@@ -2,7 +2,6 @@
 program's instruction stream through the PyVM, in several SM interleavings, equals the expanded
 (non-absorbed) fp32 attention of sdk/reference/mla.py; the GPU twin is in tests/gpu/test_mla_gpu.py."""
 import pytest
-import torch
 
 from sdk.megakernel.mla_attention import MLAAttentionConfig, build_program, make_inputs, make_weights, reference
 from sdk.megakernel.pyvm import PyVM

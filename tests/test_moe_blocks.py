@@ -6,12 +6,12 @@ MoE blocks and the MoE megakernel for sm_90a, sm_100a and sm_103a (no GPU)."""
 import pytest
 import torch
 
-from sdk.blocks.experts import (E2M1_VALUES, ExpertsBlock, ExpertsConfig, dequant_mxfp4, quantize_mxfp4)
+from sdk.blocks.experts import ExpertsBlock, ExpertsConfig, dequant_mxfp4, quantize_mxfp4
+from sdk.blocks.formats import E2M1_VALUES
 from sdk.blocks.router import RouterSelectBlock, RouterSelectConfig, route_rule
 from sdk.megakernel import isa
 from sdk.megakernel.moe_layer import (MoELayerConfig, build_program, make_weights, moe_reference_forward,
                                       reference, reference_weights_full)
-from sdk.megakernel.program import encode
 from sdk.megakernel.pyvm import PyVM
 from sdk.reference.moe import route
 from sdk.schedule import schedule, validate

@@ -11,7 +11,6 @@ MODELS = ["kimi_k3", "deepseek_v41_flash", "glm_53"]
 
 def hf_like_state_dict(entry, spec):
     """A state dict under the model's transformers key names, built from random canonical weights."""
-    from sdk.reference import weights as W
     import importlib
     mod = importlib.import_module(f"models.{entry.name}.weights")
     return {mod.to_hf(k): v for k, v in random_weights(spec, seed=0).items()}

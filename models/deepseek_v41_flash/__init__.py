@@ -28,9 +28,10 @@ ENTRY = ModelEntry(
         "ep8": Sharding(tp=8, ep=8, note="8 heads per rank (F14); 384/8 = 48 whole experts per rank"),
     },
     doc="docs/models/deepseek_v41_flash.md",
-    # Released formats (MODEL-FACTS F13, F18, F24): MXFP4 experts, E4M3 dense weights (32x32 UE8M0 blocks),
-    # E4M3 sliding-window cache (528 B/token ~ 1 B/value).
-    native_quant=QuantSpec(experts="mxfp4", dense="fp8_block128", kv_cache="fp8"),
+    # Released formats (MODEL-FACTS F13, F18, F21, F22, F24): MXFP4 experts, E4M3 dense weights (32x32
+    # UE8M0 blocks); the serving caches "v41" (sdk/graph.py): the E4M3 sliding window 528 B a token,
+    # the E2M1 compressed entries 288 B, the MXFP4 indexer keys 68 B.
+    native_quant=QuantSpec(experts="mxfp4", dense="fp8_block128", kv_cache="v41"),
 )
 
 

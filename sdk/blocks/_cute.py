@@ -18,6 +18,7 @@ only inside functions that build device code (never at `import sdk`).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import cutlass
@@ -86,6 +87,29 @@ def swiglu_act(gate: Float32, up: Float32, limit: cutlass.Constexpr, activation:
 def bits_to_f32(bits: Int32) -> Float32:
     """The fp32 whose bit pattern is `bits` (a register move: built exponents, bit-placed decodes)."""
     return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[bits])
+
+
+@cute.jit
+def f32_bits(x: Float32) -> Int32:
+    """The bit pattern of the fp32 x (a register move)."""
+    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[x])
+
+
+@cute.jit
+def ue8m0_exponent(amax: Float32, max_value: cutlass.Constexpr) -> Int32:
+    """dsv4_attention.ue8m0_exponents for one group's max |x| >= 0, from its bits: the smallest E
+    with amax <= max_value * 2^(E - 127) is amax's biased exponent + 1 - em, + 1 when its mantissa
+    exceeds that of fm (max_value = fm 2^em, fm in [0.5, 1)); clamped to [0, 254] (amax 0: 0)."""
+    fm, em = math.frexp(max_value)
+    bits = f32_bits(amax)
+    e = ((bits >> 23) & 255) + (1 - em)
+    if (bits & 0x7FFFFF) > int((2 * fm - 1) * (1 << 23)):
+        e = e + 1
+    if e < 0:
+        e = Int32(0)
+    if e > 254:
+        e = Int32(254)
+    return e
 
 
 def redux_u32(x, op: str, dtype=Int32):

@@ -20,7 +20,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 
 from ._cute import (TileSmem, bits_to_f32, e2m1_pair, e4m3_piece, e4m3x4_to_f16x2x2, f16x2_to_f32,
-                    f32x2_to_bf16x2, gmem_tensor, smem_tensor, stage_rows_async)
+                    f32x2_to_bf16x2, gmem_tensor, smem_tensor, stage_rows_async, ue8m0_exponent)
 from ._mla_cute import LOG2_E, a_view, mn_view, quad_max, quad_sum
 from .dsv4_attention import comp_record_words, window_record_words
 from .base import NUM_THREADS
@@ -509,14 +509,7 @@ def build_dsv4_ring_write_fp8_tile(block):
                                (-v.load()).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
             for sh in cutlass.range_constexpr(2):
                 a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << sh))
-            bits = cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[a])
-            e = ((bits >> 23) & 255) - 8
-            if (bits & 0x7FFFFF) > 0x600000:
-                e = e + 1
-            if e < 0:
-                e = Int32(0)
-            if e > 254:
-                e = Int32(254)
+            e = ue8m0_exponent(a, 448.0)
             inv = bits_to_f32((Int32(254) - e) << 23)                      # 2^(127 - E)
             row = (start + tq) % W
             rec = cute.make_rmem_tensor((2,), Int32)

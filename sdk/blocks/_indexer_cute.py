@@ -27,9 +27,11 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 
-from ._cute import TileSmem, gmem_tensor, stage_rows_async
+from ._cute import (TileSmem, bits_to_f32, e2m1_pair, f16x2_to_f32, f32x2_to_bf16x2, gmem_tensor, smem_tensor,
+                    stage_rows_async)
 from .base import NUM_THREADS
-from .indexer import CHUNK, RADIX_BITS, RADIX_PASSES
+from .formats import MXFP4_GROUP
+from .indexer import CHUNK, RADIX_BITS, RADIX_PASSES, index_key_words
 
 NUM_WARPS = NUM_THREADS // 32
 
@@ -51,6 +53,12 @@ def build_index_score_tile(block):
     P = max(1, NUM_THREADS // NO)        # lanes per output (a power of two: NO is a multiple of 64)
     scale = block.scale
     NEG_INF = -math.inf
+    MX = block.mxfp4                     # the keys are mxfp4 records (key_dtype)
+    KW = index_key_words(D) if MX else 0  # words of a record (17 at d = 128)
+    NRP = CH * KW // 4                   # mxfp4: 16-byte pieces of a chunk's records (copied flat)
+    RPT = -(-NRP // NUM_THREADS)
+    GPR = D // MXFP4_GROUP               # mxfp4: scale groups of a record
+    NDQ = CH * GPR                       # mxfp4: dequant units of a chunk (32 values each)
 
     @cute.jit
     def load_chunk(mK, b, n, e0, st, sStage, tid, g2s):
@@ -67,6 +75,44 @@ def build_index_score_tile(block):
                 cute.copy(g2s, mK[b, e, p, None], sStage[st, j, p, None])
 
     @cute.jit
+    def load_records(mKp, b, n, e0, st, sRawP, tid, g2s4):
+        """mxfp4: cp.async the records of entries e0 .. e0+CH-1 into stage st as one flat run of
+        16-byte pieces (a chunk's records are contiguous; check() keeps its start 16-byte
+        aligned); only the entries below n, rounded up to 4 (whole pieces, < max_entries)."""
+        ne = n - e0
+        if ne > CH:
+            ne = Int32(CH)
+        npc = ((ne + 3) // 4) * KW
+        base = (b * E + e0) * KW // 4
+        for k in cutlass.range_constexpr(RPT):
+            i = tid + k * NUM_THREADS
+            if i < npc:
+                cute.copy(g2s4, mKp[base + i, None], sRawP[st, i, None])
+
+    @cute.jit
+    def dequant_records(sRaw, sRawB, sKW, st, tid):
+        """mxfp4: the stage's records into the bf16 chunk; unit = (entry, 32-value group): 4 words
+        of codes and a UE8M0 byte. Entries the load skipped decode stale bytes - their scores are
+        never stored."""
+        for k in cutlass.range_constexpr(-(-NDQ // NUM_THREADS)):
+            i = tid + k * NUM_THREADS
+            if i < NDQ:
+                j = i // GPR
+                gi = i % GPR
+                e = Int32(sRawB[st, j * KW * 4 + D // 2 + gi]) & 255
+                sc = bits_to_f32(Int32(0x400000))                       # E = 0: 2^-127
+                if e > 0:
+                    sc = bits_to_f32(e << 23)                           # 2^(E - 127)
+                sc = sc * Float32(16384.0)                              # e2m1_pair's fp16 is value * 2^-14
+                for q in cutlass.range_constexpr(4):
+                    word = sRaw[st, j * KW + gi * 4 + q]                  # codes of values 8q .. 8q + 7
+                    v = [None] * 8
+                    for p in cutlass.range_constexpr(4):
+                        v[p], v[p + 4] = f16x2_to_f32(e2m1_pair(word, p))
+                    for p in cutlass.range_constexpr(4):
+                        sKW[j, gi * 16 + 4 * q + p] = f32x2_to_bf16x2(v[2 * p] * sc, v[2 * p + 1] * sc)
+
+    @cute.jit
     def tile(ptrs, t: Int32, scratch):
         tid, _, _ = cute.arch.thread_idx()
         lane = tid % 32
@@ -76,13 +122,19 @@ def build_index_score_tile(block):
 
         mQ = gmem_tensor(ptrs[0], BFloat16, (B, R, D // 8, 8), 16)
         mW = gmem_tensor(ptrs[1], Float32, (B, R), 4)
-        mK = gmem_tensor(ptrs[2], BFloat16, (B, E, PIECES, 8), 16)
+        mK = None
+        mKp = None
+        if cutlass.const_expr(MX):
+            mKp = gmem_tensor(ptrs[2], Int32, (B * E * KW // 4, 4), 16)
+        else:
+            mK = gmem_tensor(ptrs[2], BFloat16, (B, E, PIECES, 8), 16)
         mStart = gmem_tensor(ptrs[3], Int32, (B,), 4)
         mS = gmem_tensor(ptrs[4], Float32, (B, T, E), 4)
 
         smem = TileSmem(scratch, OWN)
         sQ = smem.allocate_tensor(BFloat16, cute.make_layout((MP, D), stride=(RS, 1)), byte_alignment=128)
-        skv = smem.allocate_tensor(BFloat16, cute.make_layout((ST, CH, RS), stride=(CH * RS, RS, 1)),
+        # bf16 keys: ST stages of bf16 rows; mxfp4: ST stages of raw records + one bf16 chunk
+        skv = smem.allocate_tensor(BFloat16, cute.make_layout(((1 if MX else ST), CH, RS), stride=(CH * RS, RS, 1)),
                                    byte_alignment=128)
         sP = smem.allocate_tensor(Float32, cute.make_layout((MP, CH), stride=(SS, 1)), byte_alignment=16)
         sW = smem.allocate_tensor(Float32, cute.make_layout((MP,)), byte_alignment=16)
@@ -90,6 +142,15 @@ def build_index_score_tile(block):
         sK = cute.make_tensor(skv.iterator, cute.make_layout((ST, CH, D), stride=(CH * RS, RS, 1)))
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
                                   num_bits_per_copy=128)
+        sRaw, sRawB, sRawP, sKW, g2s4 = None, None, None, None, None
+        if cutlass.const_expr(MX):
+            raw = smem.allocate_tensor(Int32, cute.make_layout((ST, NRP * 4), stride=(NRP * 4, 1)), byte_alignment=16)
+            sRaw = smem_tensor(raw.iterator.toint(), Int32, (ST, NRP * 4))
+            sRawP = smem_tensor(raw.iterator.toint(), Int32, (ST, NRP, 4))
+            sRawB = smem_tensor(raw.iterator.toint(), cutlass.Int8, (ST, NRP * 16))
+            sKW = smem_tensor(skv.iterator.toint(), Int32, (CH, RS // 2))
+            g2s4 = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Int32,
+                                       num_bits_per_copy=128)
 
         # ---- this tile's entries [lo, hi): n = entries visible to the last query token --------
         start = mStart[b]
@@ -109,7 +170,10 @@ def build_index_score_tile(block):
         stage_rows_async(g2s, mQ[b, None, None, None], Int32(0), sQv, R)
         for k in cutlass.range_constexpr(ST - 1):
             if k < nch:
-                load_chunk(mK, b, n, lo + k * CH, k, sStage, tid, g2s)
+                if cutlass.const_expr(MX):
+                    load_records(mKp, b, n, lo + k * CH, k, sRawP, tid, g2s4)
+                else:
+                    load_chunk(mK, b, n, lo + k * CH, k, sStage, tid, g2s)
             cute.arch.cp_async_commit_group()
         for r in cutlass.range(tid, MP, NUM_THREADS, unroll=1):
             wr = Float32(0.0)
@@ -136,11 +200,19 @@ def build_index_score_tile(block):
             cute.arch.sync_threads()            # chunk ci landed; everyone is done with ci - 1's products
             nxt = ci + ST - 1
             if nxt < nch:
-                load_chunk(mK, b, n, lo + nxt * CH, nxt % ST, sStage, tid, g2s)
+                if cutlass.const_expr(MX):
+                    load_records(mKp, b, n, lo + nxt * CH, nxt % ST, sRawP, tid, g2s4)
+                else:
+                    load_chunk(mK, b, n, lo + nxt * CH, nxt % ST, sStage, tid, g2s)
             cute.arch.cp_async_commit_group()
+            kst = st
+            if cutlass.const_expr(MX):
+                dequant_records(sRaw, sRawB, sKW, st, tid)
+                kst = Int32(0)
+                cute.arch.sync_threads()        # the chunk's bf16 keys in place
 
             # ---- q . key for all rows x this warp's 8 entries, ReLU(. * scale) * w[row] ---------
-            sKw = cute.local_tile(sK[st, None, None], (8, D), (wid, 0))
+            sKw = cute.local_tile(sK[kst, None, None], (8, D), (wid, 0))
             tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKw))
             tSsK = thr_ck.partition_S(sKw)
             tSrKv = thr_ck.retile(tSrK)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import NUM_THREADS, Block, Cost, OperandSpec
+from .formats import e2m1_codes, e2m1_values, pack_nibbles, ue8m0_exponents
 
 MODES = ("swa", "hca", "csa")
 WINDOW_DTYPES = ("bf16", "fp8_e4m3")
@@ -62,13 +63,9 @@ def window_record_words(head_dim: int) -> int:
 
 
 def window_exponents(x: torch.Tensor) -> torch.Tensor:
-    """The UE8M0 scale byte E of every 32-value group of x [..., hd]: the smallest 2^(E - 127)
-    with max |x| <= 448 * 2^(E - 127), from max |x|'s exponent and mantissa (exact: max |x| =
-    m 2^e with m in [1, 2) needs 2^(e - 8), or 2^(e - 7) when m > 1.75), clamped to [0, 254]."""
-    amax = x.float().abs().unflatten(-1, (-1, SCALE_GROUP)).amax(-1)
-    f, ex = torch.frexp(amax)                          # amax = f 2^ex, f in [0.5, 1)
-    e = ex.to(torch.int32) + 118 + (f > 0.875).to(torch.int32)
-    return torch.where(amax > 0, e, torch.zeros_like(e)).clamp(0, 254)
+    """The fp8 window record's scale bytes: e4m3's max 448 (max |x| = m 2^e with m in [1, 2)
+    needs 2^(e - 8), or 2^(e - 7) when m > 1.75)."""
+    return ue8m0_exponents(x, SCALE_GROUP, 448.0)
 
 
 def quantize_window_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -85,9 +82,6 @@ def quantize_window_fp8(x: torch.Tensor) -> torch.Tensor:
 
 COMP_DTYPES = ("bf16", "fp4_e2m1")
 COMP_GROUP = 16              # the fp4 entry record: one E4M3 scale per 16 values
-# round to nearest, ties to the even code: a code is passed at t (y > t) or, its upper neighbour
-# even, at t itself (y >= t) - 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
-E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
 def comp_record_words(head_dim: int) -> int:
@@ -100,20 +94,14 @@ def comp_record_words(head_dim: int) -> int:
 def quantize_comp_fp4(x: torch.Tensor) -> torch.Tensor:
     """x [..., hd] -> int32 records [..., comp_record_words(hd)]: per 16 values the scale s =
     e4m3(max |x| / 6) (round to nearest even, saturating at 448), then each value's E2M1 code of
-    x / s (nearest, ties to even, saturating at 6; sign kept: -0 for small negatives; s = 0: all
-    codes 0)."""
+    x / s (e2m1_codes; s = 0: magnitude codes 0)."""
     hd = x.shape[-1]
     g = x.float().unflatten(-1, (-1, COMP_GROUP))
     s = (g.abs().amax(-1) / 6.0).clamp(max=448.0).to(torch.float8_e4m3fn)
-    sf = s.float()
-    y = (g / torch.where(sf > 0, sf, torch.ones_like(sf))[..., None]).abs()
-    code = torch.zeros_like(y, dtype=torch.int32)
-    for t, inclusive in E2M1_STEPS:
-        code += (y >= t if inclusive else y > t).int()
-    code = torch.where(sf[..., None] > 0, code, torch.zeros_like(code)) | ((g < 0).int() << 3)
-    code = code.flatten(-2)
-    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
-    rec = torch.cat([packed, s.view(torch.uint8)], dim=-1)
+    sf = s.float()[..., None]
+    code = e2m1_codes(g / torch.where(sf > 0, sf, torch.ones_like(sf)))
+    code = torch.where(sf > 0, code, code & 8).flatten(-2)
+    rec = torch.cat([pack_nibbles(code), s.view(torch.uint8)], dim=-1)
     assert rec.shape[-1] == 4 * comp_record_words(hd)
     return rec.contiguous().view(torch.int32)
 
@@ -122,11 +110,7 @@ def dequantize_comp_fp4(rec: torch.Tensor, head_dim: int) -> torch.Tensor:
     """int32 records -> bf16 [..., head_dim]: each E2M1 value times its group's E4M3 scale in
     fp32, rounded to bf16 (exact: 2 + 4 significant bits) - what the decode tile dequantises."""
     by = rec.contiguous().view(torch.uint8)
-    nib = by[..., :head_dim // 2].to(torch.int32)
-    code = torch.stack([nib & 15, nib >> 4], dim=-1).flatten(-2)                  # [..., hd]
-    m = code & 7                  # experts.E2M1_VALUES[m], computed (no host table: CUDA-graph capturable)
-    mag = torch.where(m < 2, m * 0.5, torch.ldexp(1.0 + 0.5 * (m & 1), (m >> 1) - 1))
-    v = mag * torch.where(code >= 8, -1.0, 1.0)
+    v = e2m1_values(by[..., :head_dim // 2])
     s = by[..., head_dim // 2:head_dim // 2 + head_dim // COMP_GROUP].contiguous().view(torch.float8_e4m3fn).float()
     return (v.unflatten(-1, (-1, COMP_GROUP)) * s[..., None]).flatten(-2).to(torch.bfloat16)
 

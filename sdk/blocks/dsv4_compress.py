@@ -34,12 +34,14 @@ Two blocks, run one after the other (a dependency in a program; two launches sta
 
 Supported: dim even and <= 2 * NUM_THREADS (V4.1-Flash: 512 main, 128 indexer), channels_per_tile
 dividing dim with its channel pairs dividing NUM_THREADS, rope even and <= dim, ratio >= 1, bf16
-projections / state, fp32 gate state; entries bf16 or (entry_dtype="fp4_e2m1", dim a multiple of
-32) V4.1's fp4 records (dsv4_attention.quantize_comp_fp4: E2M1 codes + an E4M3 scale per 16
-values, 288 B for 512): then the pooling writes `pooled` [B, T, dim] (the window token t closes)
-and the norm quantises the normed, roped entry into the record - a group of 16 values is the 8
-channel pairs of 8 consecutive lanes (max by shuffles), the codes rounded to nearest, ties to
-even, as the torch twin (bit for bit: `tests/test_dsv4_compress.py`).
+projections / state, fp32 gate state; entries bf16 or V4.1's records: entry_dtype="fp4_e2m1" (dim
+a multiple of 64; the main compressor's entries, dsv4_attention.quantize_comp_fp4: E2M1 codes +
+an E4M3 scale per 16 values, 288 B for 512) or "mxfp4" (dim a multiple of 128; the indexer's keys,
+indexer.quantize_index_keys: E2M1 codes + a UE8M0 scale per 32 values, 68 B for 128). Then the
+pooling writes `pooled` [B, T, dim] (the window token t closes) and the norm quantises the
+normed, roped entry into the record - a group is the channel pairs of 8 (fp4_e2m1) or 16
+(mxfp4) consecutive lanes (max by shuffles), the codes rounded to nearest, ties to even, as the
+torch twins (bit for bit: `tests/test_dsv4_compress.py`).
 """
 from __future__ import annotations
 
@@ -64,9 +66,14 @@ class DSV4CompressConfig:
     max_entries: int = 1024              # entries per sequence (max_seq_len // ratio)
     eps: float = 1e-6
     channels_per_tile: int = 64          # DSV4CompressBlock: output channels a tile pools (min with dim)
-    entry_dtype: str = "bf16"            # "fp4_e2m1": entries as V4.1's records (dsv4_attention.quantize_comp_fp4):
-                                         # the pooling writes `pooled` [B, T, dim] (the window token t
-                                         # closes), the norm quantises into `entries` (opt-in, 2026-12-04)
+    entry_dtype: str = "bf16"            # records (opt-in; the pooling writes `pooled` [B, T, dim], the
+                                         # window token t closes, and the norm quantises into `entries`):
+                                         # "fp4_e2m1": the main compressor's V4.1 entries (quantize_comp_fp4,
+                                         # 2026-12-04); "mxfp4": the indexer's V4.1 keys (indexer.
+                                         # quantize_index_keys, 2026-12-05)
+
+
+ENTRY_DTYPES = ("bf16", "fp4_e2m1", "mxfp4")
 
 
 def _window_closed(p: int, ratio: int):
@@ -78,18 +85,37 @@ class _CompressBase(Block):
     Config = DSV4CompressConfig
 
     @property
-    def fp4(self) -> bool:
-        return self.config.entry_dtype == "fp4_e2m1"
+    def records(self) -> bool:
+        """The entries are quantised records (fp4_e2m1 / mxfp4), written by the norm from `pooled`."""
+        return self.config.entry_dtype != "bf16"
+
+    def record_words(self) -> int:
+        from .dsv4_attention import comp_record_words
+        from .indexer import index_key_words
+        d = self.config.dim
+        return comp_record_words(d) if self.config.entry_dtype == "fp4_e2m1" else index_key_words(d)
+
+    def quantize(self, h: torch.Tensor) -> torch.Tensor:
+        """Entries [..., dim] -> their int32 records (the format's torch definition)."""
+        from .dsv4_attention import quantize_comp_fp4
+        from .indexer import quantize_index_keys
+        return quantize_comp_fp4(h) if self.config.entry_dtype == "fp4_e2m1" else quantize_index_keys(h)
+
+    def dequantize(self, rec: torch.Tensor) -> torch.Tensor:
+        """int32 records -> the entries' bf16 values (what their readers dequantise)."""
+        from .dsv4_attention import dequantize_comp_fp4
+        from .indexer import dequantize_index_keys
+        d = self.config.dim
+        return dequantize_comp_fp4(rec, d) if self.config.entry_dtype == "fp4_e2m1" else dequantize_index_keys(rec, d)
 
     def entries_spec(self) -> OperandSpec:
         c = self.config
-        if self.fp4:
-            from .dsv4_attention import comp_record_words
-            return OperandSpec("entries", (c.batch, c.max_entries, comp_record_words(c.dim)), "int32", output=True)
+        if self.records:
+            return OperandSpec("entries", (c.batch, c.max_entries, self.record_words()), "int32", output=True)
         return OperandSpec("entries", (c.batch, c.max_entries, c.dim), "bf16", output=True)
 
     def pooled_spec(self, output: bool) -> OperandSpec:
-        """fp4: the pooled, pre-norm entry of the window each token closes, bf16 [B, T, dim]."""
+        """Records: the pooled, pre-norm entry of the window each token closes, bf16 [B, T, dim]."""
         c = self.config
         return OperandSpec("pooled", (c.batch, c.tokens, c.dim), "bf16", output=output)
 
@@ -110,10 +136,12 @@ class _CompressBase(Block):
         if c.ratio < 1 or c.batch < 1 or c.tokens < 1 or c.max_entries < 1:
             self.unsupported(f"{self.name}: ratio={c.ratio}, batch={c.batch}, tokens={c.tokens}, "
                              f"max_entries={c.max_entries} (all >= 1)")
-        if c.entry_dtype not in ("bf16", "fp4_e2m1"):
-            self.unsupported(f"{self.name}: entry_dtype {c.entry_dtype!r} (supported: bf16, fp4_e2m1)")
-        if self.fp4 and c.dim % 32:
-            self.unsupported(f"{self.name} fp4 entries: dim={c.dim} must be a multiple of 32")
+        if c.entry_dtype not in ENTRY_DTYPES:
+            self.unsupported(f"{self.name}: entry_dtype {c.entry_dtype!r} (supported: {ENTRY_DTYPES})")
+        # whole-word records: fp4_e2m1 9 / 16, mxfp4 17 / 32 bytes a value
+        multiple = {"bf16": 1, "fp4_e2m1": 64, "mxfp4": 128}[c.entry_dtype]
+        if c.dim % multiple:
+            self.unsupported(f"{self.name} {c.entry_dtype} entries: dim={c.dim} must be a multiple of {multiple}")
 
 
 class DSV4CompressBlock(_CompressBase):
@@ -145,7 +173,7 @@ class DSV4CompressBlock(_CompressBase):
                 OperandSpec("start", (B,), "int32"),
                 OperandSpec("state_kv", (B, self.slots, C), "bf16", output=True),
                 OperandSpec("state_gate", (B, self.slots, C), "fp32", output=True),
-                self.pooled_spec(output=True) if self.fp4 else self.entries_spec()]
+                self.pooled_spec(output=True) if self.records else self.entries_spec()]
 
     def num_tiles(self) -> int:
         return self.config.batch * self.groups
@@ -189,13 +217,13 @@ class DSV4CompressBlock(_CompressBase):
                 kv, gate = skv[b, :r][:, chans].float(), sg[b, :r][:, chans].float()
             prob = gate.softmax(dim=0).to(torch.bfloat16).float()
             pooled = (kv * prob).to(torch.bfloat16).float().sum(dim=0)
-            if self.fp4:
+            if self.records:
                 out["pooled"][b, tq, chans] = pooled.to(torch.bfloat16)
             elif w < c.max_entries:
                 out["entries"][b, w, chans] = pooled.to(out["entries"].dtype)
 
     def reference(self, **t):
-        out = {n: t[n].clone() for n in ("state_kv", "state_gate", "pooled" if self.fp4 else "entries")}
+        out = {n: t[n].clone() for n in ("state_kv", "state_gate", "pooled" if self.records else "entries")}
         d = torch.arange(self.config.dim)
         state = torch.cat([d, d + self.config.dim]) if self.config.overlap else d
         for b in range(self.config.batch):
@@ -281,7 +309,7 @@ class DSV4CompressBlock(_CompressBase):
             mStart = gmem_tensor(ptrs[ix["start"]], Int32, (B,), 4)
             mSKV = gmem_tensor(ptrs[ix["state_kv"]], BFloat16, (B, L, C // 2, 2), 4)
             mSG = gmem_tensor(ptrs[ix["state_gate"]], Float32, (B, L, C // 2, 2), 8)
-            if cutlass.const_expr(self.fp4):
+            if cutlass.const_expr(self.records):
                 mOut = gmem_tensor(ptrs[ix["pooled"]], BFloat16, (B, T, D // 2, 2), 4)
             else:
                 mOut = gmem_tensor(ptrs[ix["entries"]], BFloat16, (B, E, D // 2, 2), 4)
@@ -336,7 +364,7 @@ class DSV4CompressBlock(_CompressBase):
                         for j in cutlass.range_constexpr(KPT):
                             part[e] = part[e] + bf(vs[j, e] * bf(gs[j, e] * rz))
                     pooled = across_keys(part, scratch, lane, kl, False)
-                    if cutlass.const_expr(self.fp4):
+                    if cutlass.const_expr(self.records):
                         if kl == 0:
                             mOut[b, tq, i, None].store(pooled.load().to(BFloat16))
                     else:
@@ -356,7 +384,7 @@ class DSV4CompressNormBlock(_CompressBase):
         return [OperandSpec("kv_norm", (c.dim,), "bf16"),
                 OperandSpec("cos", (B, T, R2), "bf16", optional=c.rope == 0),
                 OperandSpec("sin", (B, T, R2), "bf16", optional=c.rope == 0),
-                OperandSpec("start", (B,), "int32")] + ([self.pooled_spec(output=False)] if self.fp4 else []) \
+                OperandSpec("start", (B,), "int32")] + ([self.pooled_spec(output=False)] if self.records else []) \
             + [self.entries_spec()]
 
     def num_tiles(self) -> int:
@@ -373,7 +401,7 @@ class DSV4CompressNormBlock(_CompressBase):
             w = _window_closed(int(t["start"][b]) + tq, c.ratio)
             if w is None or w >= c.max_entries:
                 continue
-            pooled = (t["pooled"][b, tq] if self.fp4 else ent[b, w]).float()
+            pooled = (t["pooled"][b, tq] if self.records else ent[b, w]).float()
             h = pooled * torch.rsqrt(pooled.pow(2).mean() + c.eps)
             h = (t["kv_norm"].float() * h).to(torch.bfloat16).float()
             if c.rope:
@@ -382,9 +410,8 @@ class DSV4CompressNormBlock(_CompressBase):
                 even, odd = x[0::2], x[1::2]
                 rot = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten()
                 h = torch.cat([h[:d - c.rope], rot.to(torch.bfloat16).float()])
-            if self.fp4:
-                from .dsv4_attention import quantize_comp_fp4
-                ent[b, w] = quantize_comp_fp4(h.cpu()).to(ent.device)
+            if self.records:
+                ent[b, w] = self.quantize(h.cpu()).to(ent.device)
             else:
                 ent[b, w] = h.to(ent.dtype)
 
@@ -403,14 +430,17 @@ class DSV4CompressNormBlock(_CompressBase):
         import cutlass.cute as cute
         from cutlass import BFloat16, Float32, Int32
 
-        from ._cute import block_sum, gmem_tensor
+        from ._cute import bits_to_f32, block_sum, gmem_tensor, ue8m0_exponent
 
         c = self.config
         B, T, D, R, RT, E = c.batch, c.tokens, c.dim, c.ratio, c.rope, c.max_entries
         NP = D // 2                          # channel pairs = active threads
-        FP4 = self.fp4
-        RB = 4 * self.entries_spec().shape[-1] if FP4 else 0       # fp4: bytes of a record
-        from .dsv4_attention import E2M1_STEPS
+        REC = self.records
+        MX = c.entry_dtype == "mxfp4"
+        RB = 4 * self.entries_spec().shape[-1] if REC else 0       # records: bytes of one
+        # records: a group's channel pairs (consecutive lanes) and its scale's byte offset
+        GL = 16 if MX else 8                 # mxfp4: 32 values a UE8M0 scale; fp4_e2m1: 16 an E4M3
+        from .formats import E2M1_STEPS
 
         @cute.jit
         def div_rn(a: Float32, b_: Float32) -> Float32:
@@ -462,7 +492,7 @@ class DSV4CompressNormBlock(_CompressBase):
             tid, _, _ = cute.arch.thread_idx()
             mNW = gmem_tensor(ptrs[ix["kv_norm"]], BFloat16, (D // 2, 2), 4)
             mStart = gmem_tensor(ptrs[ix["start"]], Int32, (B,), 4)
-            if cutlass.const_expr(FP4):
+            if cutlass.const_expr(REC):
                 mIn = gmem_tensor(ptrs[ix["pooled"]], BFloat16, (B, T, D // 2, 2), 4)
                 mRecB = gmem_tensor(ptrs[ix["entries"]], cutlass.Int8, (B, E, RB), 1)
             else:
@@ -481,7 +511,7 @@ class DSV4CompressNormBlock(_CompressBase):
                 p = start + tq
                 w = (p + 1) // R - 1
                 if ((p + 1) % R == 0) & (w < E):         # uniform over the CTA: b, tq
-                    if cutlass.const_expr(FP4):
+                    if cutlass.const_expr(REC):
                         x2 = mIn[b, tq, i, None].load().to(Float32)
                     else:
                         x2 = mEnt[b, w, i, None].load().to(Float32)
@@ -501,19 +531,26 @@ class DSV4CompressNormBlock(_CompressBase):
                             r0 = bf(h0 * cs - h1 * sn)
                             h1 = bf(h1 * cs + h0 * sn)
                             h0 = r0
-                    if cutlass.const_expr(FP4):
-                        # a 16-value group = the 8 pairs of 8 consecutive lanes: its max |h|, the
-                        # E4M3 scale of max / 6, each lane's two codes as one byte; lane 0 of the
-                        # group writes the scale byte (NP is a multiple of 8: whole groups)
+                    if cutlass.const_expr(REC):
+                        # a group = the channel pairs of GL consecutive lanes: its max |h| by
+                        # shuffles, its scale, each lane's two codes as one byte; the group's first
+                        # lane writes the scale byte (NP is a multiple of GL: whole groups)
                         a = cute.arch.fmax(cute.arch.fmax(h0, -h0), cute.arch.fmax(h1, -h1))
-                        for sh in cutlass.range_constexpr(3):
+                        for sh in cutlass.range_constexpr(GL.bit_length() - 1):
                             a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << sh))
-                        sbyte, sval = e4m3_round(cute.arch.fmin(div_rn(a, Float32(6.0)), Float32(448.0)))
+                        if cutlass.const_expr(MX):
+                            # the smallest 2^(E - 127) >= max / 6 (exact; E = 0: 2^-127, subnormal)
+                            sbyte = ue8m0_exponent(a, 6.0)
+                            sval = bits_to_f32(Int32(0x400000))
+                            if sbyte > 0:
+                                sval = bits_to_f32(sbyte << 23)
+                        else:
+                            sbyte, sval = e4m3_round(cute.arch.fmin(div_rn(a, Float32(6.0)), Float32(448.0)))
                         code = e2m1_code(h0, sval) | (e2m1_code(h1, sval) << 4)
                         if active:
                             mRecB[b, w, i] = cutlass.Int8(code)
-                            if i % 8 == 0:
-                                mRecB[b, w, D // 2 + i // 8] = cutlass.Int8(sbyte)
+                            if i % GL == 0:
+                                mRecB[b, w, D // 2 + i // GL] = cutlass.Int8(sbyte)
                     else:
                         if active:
                             out2 = cute.make_rmem_tensor((2,), Float32)
@@ -535,5 +572,6 @@ def dsv4_compress_compile_cases():
     return [blk for cfg in (DSV4CompressConfig(dim=512, ratio=128, batch=64),
                             DSV4CompressConfig(dim=512, ratio=4, overlap=True, batch=1, tokens=2),
                             DSV4CompressConfig(dim=128, ratio=4, overlap=True, batch=8),
-                            DSV4CompressConfig(dim=512, ratio=128, batch=8, entry_dtype="fp4_e2m1"))
+                            DSV4CompressConfig(dim=512, ratio=128, batch=8, entry_dtype="fp4_e2m1"),
+                            DSV4CompressConfig(dim=128, ratio=4, overlap=True, batch=8, entry_dtype="mxfp4"))
             for blk in compressor_blocks(cfg)]

@@ -54,6 +54,7 @@ import torch
 
 from ..reference.common import swiglu as swiglu_ref
 from .base import NUM_THREADS, Block, Cost, OperandSpec
+from .formats import mxfp4_bytes, mxfp4_values
 from .gemv import MMA_MIN_M            # MXFP4 expert tiles on the tensor cores from this batch, as the GEMV
 
 FORMATS = ("bf16", "fp8_e4m3", "mxfp4")
@@ -104,34 +105,16 @@ class ExpertsConfig:
 
 
 # -- host-side formats -------------------------------------------------------------------------
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-
-
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] float -> (packed int32 [..., N, K/8], scales int32 [..., N, K/128]).
-    Scale per 32 along K: the power of two 2^(s-127) with amax / scale <= 6 (e2m1's max); values
-    rounded to the nearest e2m1."""
-    *lead, n, k = w.shape
-    g = w.float().reshape(*lead, n, k // 32, 32)
-    amax = g.abs().amax(-1).clamp(min=2.0 ** -100)
-    s = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    q = g / torch.exp2(s)[..., None]
-    # nearest magnitude code 0..7: the midpoints between consecutive e2m1 magnitudes
-    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=w.device)
-    mag = torch.bucketize(q.abs(), mids)
-    code = (mag | ((q < 0).to(mag.dtype) << 3)).to(torch.uint8).reshape(*lead, n, k)
-    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous()        # [.., n, k/2] uint8
-    sc = (s + 127).to(torch.uint8).reshape(*lead, n, k // 32).contiguous()
-    return packed.view(torch.int32), sc.view(torch.int32)
+    """[..., N, K] float -> (packed int32 [..., N, K/8], scales int32 [..., N, K/128]): MXFP4
+    (formats.mxfp4_bytes: per 32 along K the smallest power-of-two scale with amax / scale <= 6,
+    e2m1's max; values rounded to the nearest e2m1, ties to even)."""
+    codes, exps = mxfp4_bytes(w)
+    return codes.contiguous().view(torch.int32), exps.contiguous().view(torch.int32)
 
 
 def dequant_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    b = packed.contiguous().view(torch.uint8)
-    codes = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2).long()         # [..., n, k]
-    v = E2M1_VALUES.to(packed.device)[codes]
-    s = scales.contiguous().view(torch.uint8).float() - 127.0
-    return v * torch.exp2(s).repeat_interleave(32, dim=-1)
+    return mxfp4_values(packed.contiguous().view(torch.uint8), scales.contiguous().view(torch.uint8))
 
 
 def quantize_fp8_experts(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

@@ -460,7 +460,7 @@ class GemvBlock(Block):
         from cutlass import Int64
 
         from ._cute import (DTYPE_MAP, RING_REFILL, bits_to_f32, block_sum_multi, e4m3_piece, e4m3x4_to_f16x2x2,
-                            e4m3x4_to_f16x2x2_shifted,
+                            e4m3x4_to_f16x2x2_shifted, f32_bits,
                             fence_proxy_async_smem, gmem_tensor, mma_m16n8k16, mul_f16x2, producer_slot,
                             smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
 
@@ -705,7 +705,7 @@ class GemvBlock(Block):
         def x_scale(amax: Float32):
             """(2^s, 2^-s) with amax * 2^s in [8, 16) (hfma2's staged x), from amax's exponent bits;
             the scale's biased exponent is clamped to 253 so 2^-s stays a normal fp32 (amax 0)."""
-            bits = cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[amax])
+            bits = f32_bits(amax)
             se = Int32(257) - ((bits >> 23) & 255)       # amax in [2^(E-127), 2^(E-126)): * 2^(130-E)
             se = Int32(cutlass.select_(se > 253, Int32(253), se))
             return bits_to_f32(se << 23), bits_to_f32((Int32(254) - se) << 23)

@@ -44,12 +44,12 @@ the consumers, entries distinct, -1 = none):
   has the same set (its order: pools by score, the tail right after the chosen pools).
 
 Supported: T * H <= 128 query rows per sequence (GLM TP-any: 32 heads x T <= 4; V4: 64 heads x
-T <= 2), head_dim a multiple of 16 (128 in both models), bf16 q / keys, contiguous batch-first key
-caches (as the references keep them), k <= 4096, any ratio >= 1.
-Not yet: fp8 / MXFP4 indexer keys (V4.1's 68 B entries), paged indexer caches, the pooling /
-compression of keys (cache updates, done by the reference's update paths today), the q / w GEMVs
-fused into the score tile, a fused score + top-k (scores stay in global / L2: at 131072 entries
-a row is 512 KB).
+T <= 2), head_dim a multiple of 16 (128 in both models), bf16 q, keys bf16 or (key_dtype="mxfp4",
+V4.1's 68 B records: quantize_index_keys; head_dim a multiple of 128, max_entries x 68 B a multiple
+of 16) staged raw and dequantised into a bf16 chunk, contiguous batch-first key caches (as the
+references keep them), k <= 4096, any ratio >= 1.
+Not yet: fp8 indexer keys, paged indexer caches, the q / w GEMVs fused into the score tile, a
+fused score + top-k (scores stay in global / L2: at 131072 entries a row is 512 KB).
 """
 from __future__ import annotations
 
@@ -59,11 +59,37 @@ from dataclasses import dataclass
 import torch
 
 from .base import NUM_THREADS, Block, Cost, OperandSpec
+from .formats import MXFP4_GROUP, mxfp4_bytes, mxfp4_values
 
 CHUNK = 64                     # entries per pipeline stage: 8 warps x one n8 MMA block each
 TOPK_CACHE_MAX = 32 * 1024     # TopKBlock keeps the score row in shared memory up to this size
 RADIX_BITS = 8
 RADIX_PASSES = 32 // RADIX_BITS
+
+
+INDEX_KEY_DTYPES = ("bf16", "mxfp4")
+
+
+def index_key_words(head_dim: int) -> int:
+    """int32 words of one mxfp4 indexer-key record: head_dim E2M1 codes (two a byte, value 2i in
+    the low nibble), then head_dim / 32 UE8M0 scale bytes (V4.1-Flash: 64 + 4 = 68 bytes a key)."""
+    return (head_dim // 2 + head_dim // MXFP4_GROUP) // 4
+
+
+def quantize_index_keys(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] -> int32 records [..., index_key_words(d)]: MXFP4 (formats.mxfp4_bytes, the
+    experts' format) - the codes, then the scale bytes."""
+    rec = torch.cat(mxfp4_bytes(x), dim=-1)
+    assert rec.shape[-1] == 4 * index_key_words(x.shape[-1])
+    return rec.contiguous().view(torch.int32)
+
+
+def dequantize_index_keys(rec: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int32 records -> bf16 [..., head_dim]: each E2M1 value times 2^(E - 127) in fp32, rounded to
+    bf16 (exact unless it falls below bf16's normal range) - what the score tile dequantises."""
+    by = rec.contiguous().view(torch.uint8)
+    return mxfp4_values(by[..., :head_dim // 2], by[..., head_dim // 2:head_dim // 2 + head_dim // MXFP4_GROUP]
+                        ).to(torch.bfloat16)
 
 
 def visible_entries(start, t, ratio: int, max_entries: int):
@@ -91,6 +117,8 @@ class IndexScoreConfig:
     scale: float = 0.0              # 0: head_dim ** -0.5
     keys_per_tile: int = 512        # a multiple of 64
     stages: int = 4                 # cp.async pipeline depth (chunks of 64 entries)
+    key_dtype: str = "bf16"         # "mxfp4": the keys as V4.1's 68 B records (quantize_index_keys;
+                                    # opt-in, written 2026-12-05, not yet run on a GPU)
 
 
 class IndexScoreBlock(Block):
@@ -113,14 +141,24 @@ class IndexScoreBlock(Block):
     def tiles_per_seq(self) -> int:
         return -(-self.config.max_entries // self.config.keys_per_tile)
 
+    @property
+    def mxfp4(self) -> bool:
+        return self.config.key_dtype == "mxfp4"
+
+    @property
+    def key_bytes_each(self) -> int:
+        d = self.config.head_dim
+        return 4 * index_key_words(d) if self.mxfp4 else 2 * d
+
     def own_smem_bytes(self) -> int:
         return self.smem_bytes()
 
     def smem_bytes(self) -> int:
         c = self.config
         rs = c.head_dim + 8                                   # padded bf16 rows: conflict-free ldmatrix
-        return (self.m_pad * rs * 2 + c.stages * CHUNK * rs * 2 + self.m_pad * (CHUNK + 8) * 4
-                + self.m_pad * 4)
+        # mxfp4: the stages hold the chunks' raw records, dequantised into one bf16 chunk
+        keys = (c.stages * CHUNK * self.key_bytes_each + CHUNK * rs * 2) if self.mxfp4 else c.stages * CHUNK * rs * 2
+        return self.m_pad * rs * 2 + keys + self.m_pad * (CHUNK + 8) * 4 + self.m_pad * 4
 
     def check(self):
         c = self.config
@@ -134,6 +172,12 @@ class IndexScoreBlock(Block):
             self.unsupported("index_score: ratio, max_entries, batch, q_tokens >= 1")
         if not 2 <= c.stages <= 8:
             self.unsupported(f"index_score: stages={c.stages} (2..8)")
+        if c.key_dtype not in INDEX_KEY_DTYPES:
+            self.unsupported(f"index_score: key_dtype {c.key_dtype!r} (supported: {INDEX_KEY_DTYPES})")
+        # mxfp4: whole-word records, and a sequence's chunks start on 16 bytes (copied flat)
+        if self.mxfp4 and (c.head_dim % 128 or (c.max_entries * self.key_bytes_each) % 16):
+            self.unsupported(f"index_score mxfp4 keys: head_dim={c.head_dim} must be a multiple of 128 and "
+                             f"max_entries={c.max_entries} x {self.key_bytes_each} B a multiple of 16 bytes")
         if self.smem_bytes() > 227 * 1024:
             self.unsupported(f"index_score: {self.smem_bytes()} B of shared memory > 227 KiB")
 
@@ -141,7 +185,8 @@ class IndexScoreBlock(Block):
         c = self.config
         return [OperandSpec("q", (c.batch, c.q_tokens, c.heads, c.head_dim), "bf16"),
                 OperandSpec("weights", (c.batch, c.q_tokens, c.heads), "fp32"),
-                OperandSpec("keys", (c.batch, c.max_entries, c.head_dim), "bf16"),
+                OperandSpec("keys", (c.batch, c.max_entries, index_key_words(c.head_dim)), "int32") if self.mxfp4
+                else OperandSpec("keys", (c.batch, c.max_entries, c.head_dim), "bf16"),
                 OperandSpec("start", (c.batch,), "int32"),
                 OperandSpec("scores", (c.batch, c.q_tokens, c.max_entries), "fp32", output=True)]
 
@@ -151,14 +196,14 @@ class IndexScoreBlock(Block):
     def cost(self) -> Cost:
         c = self.config
         k = c.keys_per_tile
-        b = k * c.head_dim * 2 + self.rows * (c.head_dim * 2 + 4) + c.q_tokens * k * 4
+        b = k * self.key_bytes_each + self.rows * (c.head_dim * 2 + 4) + c.q_tokens * k * 4
         return Cost(bytes=b, flops=2 * k * self.rows * c.head_dim + 2 * k * self.rows)
 
     def key_bytes(self, starts) -> int:
         """Bytes of key entries the whole op must read (its floor), plus the scores it writes."""
         c = self.config
         n = [visible_entries(s, c.q_tokens - 1, c.ratio, c.max_entries) for s in starts]
-        return sum(n) * (c.head_dim * 2 + 4 * c.q_tokens)
+        return sum(n) * (self.key_bytes_each + 4 * c.q_tokens)
 
     def n_written(self, start) -> int:
         """Entries of the sequence whose scores are written: n(T - 1)."""
@@ -170,7 +215,8 @@ class IndexScoreBlock(Block):
         """fp32 scores [T, hi - lo] of entries [lo, hi) of sequence b, -inf where invisible."""
         c = self.config
         q = t["q"][b].float().cpu().reshape(self.rows, c.head_dim)
-        k = t["keys"][b, lo:hi].float().cpu()
+        k = t["keys"][b, lo:hi].cpu()
+        k = (dequantize_index_keys(k, c.head_dim) if self.mxfp4 else k).float()
         w = t["weights"][b].float().cpu().reshape(self.rows)
         s = torch.relu((q @ k.T) * self.scale) * w[:, None]                  # [T*H, n]
         s = s.view(c.q_tokens, c.heads, -1).sum(1)
@@ -376,5 +422,8 @@ def indexer_compile_cases() -> list:
         # V4.1-Flash CSA: 64 x 128 heads, ratio 4 at 131072 tokens (32768 entries), top 512, T = 2
         IndexScoreBlock(IndexScoreConfig(heads=64, batch=8, q_tokens=2, max_entries=32768, ratio=4,
                                          keys_per_tile=1024, stages=3)),
+        # ... and its keys as V4.1's 68 B mxfp4 records, T = 1
+        IndexScoreBlock(IndexScoreConfig(heads=64, batch=8, max_entries=32768, ratio=4, keys_per_tile=1024,
+                                         key_dtype="mxfp4")),
         TopKBlock(TopKConfig(k=512, batch=8, q_tokens=2, max_entries=32768, ratio=4)),
     ]

@@ -213,7 +213,7 @@ class RouterSelectBlock(Block):
         import cutlass.cute as cute
         from cutlass import Float32, Int32
 
-        from ._cute import bits_to_f32, gmem_tensor, redux_u32, write_hit_list
+        from ._cute import bits_to_f32, f32_bits, gmem_tensor, redux_u32, write_hit_list
 
         c = self.config
         E, M, K = c.num_experts, c.m, c.top_k
@@ -271,7 +271,7 @@ class RouterSelectBlock(Block):
             max of an order-preserving unsigned key of v (sign bit flipped for v >= 0, all bits
             for v < 0), then the min index among the lanes holding that key. (-0.0 sorts below
             +0.0 here; the scores it compares are sigmoid / softmax / sqrtsoftplus + bias.)"""
-            bits = cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[v])
+            bits = f32_bits(v)
             key = bits ^ ((bits >> 31) | Int32(-2147483648))
             top = redux_u32(key, "max")
             be = redux_u32(sel_i(key == top, e, Int32(2147483647)), "min")

@@ -49,6 +49,8 @@ from ..blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4De
 from ..blocks.dsv4_compress import DSV4CompressConfig, compressor_blocks
 from ..blocks.dsv4_prologue import DSV4IndexQBlock, DSV4IndexQConfig, DSV4PrologueBlock, DSV4PrologueConfig
 from ..blocks.gemv import GemvBlock, GemvConfig, balanced_configs, fill_stage
+from ..blocks.indexer import (IndexScoreBlock, IndexScoreConfig, TopKBlock, TopKConfig, choose_keys_per_tile,
+                              dequantize_index_keys, index_key_words, quantize_index_keys)
 from .mlp_stack import gemv_block
 from .program import Program, first_fitting
 
@@ -87,9 +89,11 @@ class DSV4LayerConfig:
                                          # a UE8M0 scale per 32 values, 528 B a token: quantize_window_fp8);
                                          # opt-in, written 2026-12-04, not yet run on a GPU
     comp_dtype: str = "bf16"             # "fp4_e2m1": the compressed entries as V4.1's records (E2M1 + an E4M3
-                                         # scale per 16 values, 288 B a token: quantize_comp_fp4); the
-                                         # indexer's keys stay bf16; opt-in, written 2026-12-04, not yet
-                                         # run on a GPU
+                                         # scale per 16 values, 288 B a token: quantize_comp_fp4);
+                                         # opt-in, written 2026-12-04, not yet run on a GPU
+    index_dtype: str = "bf16"            # "mxfp4" (CSA): the indexer's keys as V4.1's records (E2M1 + a UE8M0
+                                         # scale per 32 values, 68 B a key: indexer.quantize_index_keys);
+                                         # opt-in, written 2026-12-05, not yet run on a GPU
     fill_stage: bool = False             # every GEMV's chunk widened to fill the ring's stage (gemv.fill_stage):
                                          # measured slower on the H200 (2026-12-04, CSA B=1 32K: the
                                          # x GEMVs' 17 -> 33 KB chunks 97.8 -> 101.6 us; HCA B=1 41.1
@@ -133,7 +137,6 @@ class DSV4LayerConfig:
 
     def blocks(self) -> dict:
         """The non-GEMV blocks of the program."""
-        from ..blocks.indexer import IndexScoreBlock, IndexScoreConfig, TopKBlock, TopKConfig, choose_keys_per_tile
         from ..errors import UnsupportedConfigError
         if self.mode not in ("swa", "hca", "csa"):
             raise UnsupportedConfigError(f"DSV4 layer: mode {self.mode!r} (supported: swa, hca, csa)")
@@ -158,13 +161,14 @@ class DSV4LayerConfig:
         if self.mode == "csa":
             ih, ihd, E = self.index_heads, self.index_head_dim, self.max_entries
             out["i_compress"], out["i_compress_norm"] = compressor_blocks(DSV4CompressConfig(
-                dim=ihd, ratio=self.ratio, overlap=True, rope=self.rope, batch=B, tokens=T, max_entries=E, eps=self.eps))
+                dim=ihd, ratio=self.ratio, overlap=True, rope=self.rope, batch=B, tokens=T, max_entries=E, eps=self.eps,
+                entry_dtype=self.index_dtype))
             out["index_q"] = DSV4IndexQBlock(DSV4IndexQConfig(heads=ih, head_dim=ihd, rope=self.rope, batch=B, tokens=T))
             # ReLU commutes with a positive scale: the weights' IH^-0.5 joins the score's ihd^-0.5
             out["scores"] = IndexScoreBlock(IndexScoreConfig(
                 heads=ih, head_dim=ihd, batch=B, q_tokens=T, max_entries=E, ratio=self.ratio,
                 scale=(ihd * ih) ** -0.5, keys_per_tile=choose_keys_per_tile(B, E, self.num_sms),
-                stages=self.index_stages))
+                stages=self.index_stages, key_dtype=self.index_dtype))
             out["topk"] = TopKBlock(TopKConfig(k=self.topk, batch=B, q_tokens=T, max_entries=E, ratio=self.ratio))
         return out
 
@@ -196,7 +200,8 @@ class DSV4LayerConfig:
         if self.mode == "csa":
             ihd = self.index_head_dim
             out.update({"i_state_kv": ((B, 2 * r, 2 * ihd), "bf16"), "i_state_gate": ((B, 2 * r, 2 * ihd), "fp32"),
-                        "index_keys": ((B, E, ihd), "bf16")})
+                        "index_keys": ((B, E, index_key_words(ihd)), "int32") if self.index_dtype == "mxfp4"
+                        else ((B, E, ihd), "bf16")})
         return out
 
 
@@ -266,9 +271,10 @@ def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
         prog.buffer(prefix + "gate", (M, width), "bf16")
         ckv = from_x(width, f"w_{prefix}kv", prefix + "kv", f"v4.{label}kv")
         cg = from_x(width, f"w_{prefix}gate", prefix + "gate", f"v4.{label}gate")
-        # fp4 entries: the pooled entries go through a bf16 buffer, the norm writes the records
+        # records (fp4 entries, mxfp4 keys): the pooled entries go through a bf16 buffer, the norm
+        # writes the records
         out = {"entries": entries}
-        if pool_blk.fp4:
+        if pool_blk.records:
             prog.buffer(prefix + "pooled", pool_blk.pooled_spec(True).shape, "bf16")
             out = {"pooled": prefix + "pooled"}
         pool = prog.op(pool_blk, {"kv": prefix + "kv", "gate": prefix + "gate", "position_bias": prefix + "position_bias",
@@ -324,15 +330,17 @@ def window_shape(cfg: DSV4LayerConfig) -> tuple:
 
 
 def cache_values(cfg: DSV4LayerConfig, t: torch.Tensor) -> torch.Tensor:
-    """Any of the sublayer's caches as values: the fp8 ring's or the fp4 entries' int32 records
-    (told apart by their width) dequantised; other tensors as they are. `reference` returns
-    values for every cache: compare a program's caches through this."""
+    """Any of the sublayer's caches as values: the fp8 ring's, the fp4 entries' or the mxfp4 keys'
+    int32 records (told apart by their width) dequantised; other tensors as they are. `reference`
+    returns values for every cache: compare a program's caches through this."""
     if t.dtype != torch.int32:
         return t
     if t.shape[-1] == window_record_words(cfg.head_dim) and cfg.window_dtype == "fp8_e4m3":
         return dequantize_window_fp8(t, cfg.head_dim)
     if t.shape[-1] == comp_record_words(cfg.head_dim) and cfg.comp_dtype == "fp4_e2m1":
         return dequantize_comp_fp4(t, cfg.head_dim)
+    if t.shape[-1] == index_key_words(cfg.index_head_dim) and cfg.index_dtype == "mxfp4":
+        return dequantize_index_keys(t, cfg.index_head_dim)
     raise ValueError(f"cache_values: an int32 tensor of width {t.shape[-1]} is no record of this sublayer")
 
 
@@ -373,6 +381,10 @@ def make_inputs(cfg: DSV4LayerConfig, starts, seed: int = 0, device="cpu") -> di
         if name == "comp" and dtype == "int32":          # fp4 records of random entries
             t[name] = quantize_comp_fp4(torch.randn(B, cfg.max_entries, hd, generator=g, device=device))
             continue
+        if name == "index_keys" and dtype == "int32":    # mxfp4 records of random keys
+            t[name] = quantize_index_keys(torch.randn(B, cfg.max_entries, cfg.index_head_dim, generator=g,
+                                                      device=device))
+            continue
         v = torch.randn(*shape, generator=g, device=device)
         t[name] = v.to(torch.bfloat16) if dtype == "bf16" else v
     return t
@@ -411,6 +423,8 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
     ref = DSV4AttentionReference(None, SimpleNamespace(attention=cfg.spec), hf)
     if cfg.comp_dtype == "fp4_e2m1" and ref.compressor is not None:       # new entries through the records
         ref.compressor.entry_format = lambda e: dequantize_comp_fp4(quantize_comp_fp4(e), cfg.head_dim)
+    if cfg.index_dtype == "mxfp4" and ref.indexer is not None:            # new keys through the records
+        ref.indexer.entry_format = lambda e: dequantize_index_keys(quantize_index_keys(e), cfg.index_head_dim)
     if index is not None and cfg.mode == "csa":
         def forced(x_, q_res, index_keys, ready, step_):
             scores = ref.index_scores(x_, q_res, index_keys, ready, step_)

@@ -46,9 +46,10 @@ Local weight names (under `layers.{i}.attn.`), shapes for D = hidden, H heads of
   indexer.{kv_proj,gate_proj}.weight [2*ihd, D]  indexer.position_bias [r, 2*ihd]
   indexer.kv_norm.weight [ihd]  indexer.q_b_proj.weight [IH*ihd, Q]  indexer.weights_proj.weight [IH, D]
 
-Not supported here (DeepSeek-V4.1 serving features, see docs/models/deepseek_v41_flash.md): FP8 /
-FP4 cache formats, MXFP4 indexer keys, BF16 rounding of the indexer's intermediate terms, dropping
-the per-head q norm. The attention of a long prefill materialises [B, H, T, W + T + S/r] logits:
+Not supported here (DeepSeek-V4.1 serving features, see docs/models/deepseek_v41_flash.md): the
+caches in V4.1's FP8 / FP4 / MXFP4 formats (they are the megakernel's, sdk/megakernel/dsv4_layer.py;
+here a new entry or key can take a format's round trip: Compressor.entry_format), BF16 rounding of
+the indexer's intermediate terms, dropping the per-head q norm. The attention of a long prefill materialises [B, H, T, W + T + S/r] logits:
 fine for an oracle, not for 100K-token prompts.
 """
 from __future__ import annotations

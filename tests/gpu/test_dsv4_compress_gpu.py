@@ -54,27 +54,30 @@ def test_dsv4_compress(dim, ratio, overlap, batch, T):
     assert closed > 0
 
 
-@pytest.mark.parametrize("dim,ratio,overlap,batch,T", [(512, 128, False, 8, 1), (512, 4, True, 8, 2)],
-                         ids=["hca-b8", "csa-b8-T2"])
-def test_dsv4_compress_fp4_entries(dim, ratio, overlap, batch, T):
-    """entry_dtype="fp4_e2m1": the pooling writes `pooled`, the norm quantises the entry into V4.1's
-    record (E2M1 codes + an E4M3 scale per 16 values) - the records equal the torch twin's from
-    the device's own pooled rows, except a code one step away where the norm's sums (another
-    order) round the value across a code boundary (counted, bounded); every other byte exact."""
+@pytest.mark.parametrize("dim,ratio,overlap,batch,T,entry_dtype", [(512, 128, False, 8, 1, "fp4_e2m1"),
+                                                                   (512, 4, True, 8, 2, "fp4_e2m1"),
+                                                                   (128, 4, True, 8, 2, "mxfp4")],
+                         ids=["hca-b8", "csa-b8-T2", "indexer-mxfp4-b8-T2"])
+def test_dsv4_compress_record_entries(dim, ratio, overlap, batch, T, entry_dtype):
+    """entry_dtype="fp4_e2m1" (E2M1 codes + an E4M3 scale per 16 values) / "mxfp4" (the indexer's
+    keys: + a UE8M0 scale per 32): the pooling writes `pooled`, the norm quantises the entry into
+    V4.1's record - the records equal the torch twin's from the device's own pooled rows, except
+    a code one step away where the norm's sums (another order) round the value across a code
+    boundary (counted, bounded); every other byte exact."""
     need_gpu()
-    from sdk.blocks.dsv4_attention import dequantize_comp_fp4, quantize_comp_fp4
     from sdk.blocks.dsv4_compress import DSV4CompressConfig, compressor_blocks
     seed = clock_seed()
     g = torch.Generator(device="cuda").manual_seed(seed)
     E, C = 64, 2 * dim if overlap else dim
     block, norm = compressor_blocks(DSV4CompressConfig(dim=dim, ratio=ratio, overlap=overlap, batch=batch, tokens=T,
-                                                       max_entries=E, entry_dtype="fp4_e2m1"))
+                                                       max_entries=E, entry_dtype=entry_dtype))
+    quantize, dequantize = norm.quantize, norm.dequantize
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)
     start = torch.tensor([(ratio * (1 + b % 5)) - (b % 3) for b in range(batch)], dtype=torch.int32, device="cuda")
     t = {"position_bias": 0.5 * r(ratio, C), "kv_norm": (1 + 0.1 * r(dim)).to(torch.bfloat16),
          "state_kv": r(batch, block.slots, C).to(torch.bfloat16), "state_gate": r(batch, block.slots, C),
          "pooled": torch.full((batch, T, dim), float("nan"), device="cuda", dtype=torch.bfloat16),
-         "entries": quantize_comp_fp4(r(batch, E, dim))}
+         "entries": quantize(r(batch, E, dim))}
     closed = 0
     for call in range(max(2, 2 * ratio // T)):
         ang = r(batch, T, 32)
@@ -85,7 +88,7 @@ def test_dsv4_compress_fp4_entries(dim, ratio, overlap, batch, T):
         want = norm.reference(**cpu)["entries"]
         run_standalone(norm, t)
         got = t["entries"].cpu()
-        vg, vw = dequantize_comp_fp4(got, dim).float(), dequantize_comp_fp4(want, dim).float()
+        vg, vw = dequantize(got).float(), dequantize(want).float()
         err = rel_err(vg, vw, check_finite=False, min_norm=1e-6)
         assert err <= 2e-2, f"seed {seed}, call {call}: entry values rel err {err:.3e}"
         diff = (got != want).sum().item()

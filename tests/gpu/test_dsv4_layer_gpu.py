@@ -14,19 +14,23 @@ pytestmark = pytest.mark.gpu
 V41_TP8 = dict(heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=128, max_seq_len=16384)
 
 
-BF = ("bf16", "bf16")
+BF = ("bf16", "bf16", "bf16")
 
 
 @pytest.mark.parametrize("mode,batch,T,formats", [
     ("hca", 1, 1, BF), ("hca", 8, 2, BF), ("hca", 64, 1, BF), ("swa", 8, 1, BF), ("csa", 1, 1, BF), ("csa", 8, 1, BF),
     ("csa", 64, 1, BF),
-    # V4.1's serving formats: the ring as fp8 records, the compressed entries as fp4 records
-    ("hca", 1, 1, ("fp8_e4m3", "bf16")), ("hca", 8, 2, ("fp8_e4m3", "fp4_e2m1")), ("swa", 64, 1, ("fp8_e4m3", "bf16")),
-    ("hca", 64, 1, ("bf16", "fp4_e2m1")), ("csa", 8, 1, ("fp8_e4m3", "fp4_e2m1"))])
+    # V4.1's serving formats: the ring as fp8 records, the compressed entries as fp4 records, the
+    # indexer's keys as mxfp4 records
+    ("hca", 1, 1, ("fp8_e4m3", "bf16", "bf16")), ("hca", 8, 2, ("fp8_e4m3", "fp4_e2m1", "bf16")),
+    ("swa", 64, 1, ("fp8_e4m3", "bf16", "bf16")), ("hca", 64, 1, ("bf16", "fp4_e2m1", "bf16")),
+    ("csa", 8, 1, ("fp8_e4m3", "fp4_e2m1", "bf16")), ("csa", 1, 1, ("bf16", "bf16", "mxfp4")),
+    ("csa", 8, 1, ("fp8_e4m3", "fp4_e2m1", "mxfp4"))])
 def test_dsv4_sublayer_one_launch(mode, batch, T, formats):
     """Two launches carrying every cache, against the model (+ residual); with quantised caches
-    (formats = (window_dtype, comp_dtype)) compared as values (cache_values) against the model over
-    the dequantised caches, its new ring rows / entries through the same records."""
+    (formats = (window_dtype, comp_dtype, index_dtype)) compared as values (cache_values) against
+    the model over the dequantised caches, its new ring rows / entries / keys through the same
+    records."""
     need_gpu()
     import random
 
@@ -35,6 +39,7 @@ def test_dsv4_sublayer_one_launch(mode, batch, T, formats):
     seed = clock_seed()
     rnd = random.Random(seed)
     cfg = DSV4LayerConfig(mode=mode, batch=batch, tokens=T, window_dtype=formats[0], comp_dtype=formats[1],
+                          index_dtype=formats[2],
                           **dict(V41_TP8, ratio=4 if mode == "csa" else 128))
     w = make_weights(cfg, seed=seed, device="cuda")
     rt = program_runtime(build_program(cfg), w)

@@ -14,16 +14,20 @@ from harness import clock_seed, need_gpu, rel_err, run_standalone
 pytestmark = pytest.mark.gpu
 
 
-def score_case(heads, ratio, starts, T, seed, kpool_topk=None, v4_topk=512, device="cuda"):
-    """Random q / weights / keys, the indexer blocks for them, NaN / -7 poisoned outputs."""
+def score_case(heads, ratio, starts, T, seed, kpool_topk=None, v4_topk=512, device="cuda", key_dtype="bf16"):
+    """Random q / weights / keys (key_dtype "mxfp4": their records), the indexer blocks for them,
+    NaN / -7 poisoned outputs."""
     from sdk.blocks.indexer import (IndexScoreBlock, IndexScoreConfig, TopKBlock, TopKConfig,
-                                    choose_keys_per_tile)
+                                    choose_keys_per_tile, quantize_index_keys)
     g = torch.Generator(device=device).manual_seed(seed)
     B, d = len(starts), 128
     E = max(1, (max(starts) + T) // ratio)
+    if key_dtype == "mxfp4":
+        E = 4 * -(-E // 4)                 # records: a sequence's chunks start on 16 bytes
     kpt = choose_keys_per_tile(B, E)
     score = IndexScoreBlock(IndexScoreConfig(heads=heads, head_dim=d, batch=B, q_tokens=T, max_entries=E,
-                                             ratio=ratio, keys_per_tile=kpt, stages=3 if heads * T > 64 else 4))
+                                             ratio=ratio, keys_per_tile=kpt, stages=3 if heads * T > 64 else 4,
+                                             key_dtype=key_dtype))
     if kpool_topk:                       # GLM: pools -> tokens + tail
         topk = TopKBlock(TopKConfig(k=kpool_topk // ratio, batch=B, q_tokens=T, max_entries=E, ratio=ratio,
                                     expand=ratio, tail=ratio > 1))
@@ -31,7 +35,8 @@ def score_case(heads, ratio, starts, T, seed, kpool_topk=None, v4_topk=512, devi
         topk = TopKBlock(TopKConfig(k=v4_topk, batch=B, q_tokens=T, max_entries=E, ratio=ratio))
     r = lambda *s: torch.randn(*s, device=device, generator=g)
     t = {"q": r(B, T, heads, d).to(torch.bfloat16), "weights": r(B, T, heads) * heads ** -0.5,
-         "keys": r(B, E, d).to(torch.bfloat16), "start": torch.tensor(starts, dtype=torch.int32, device=device),
+         "keys": quantize_index_keys(r(B, E, d)) if key_dtype == "mxfp4" else r(B, E, d).to(torch.bfloat16),
+         "start": torch.tensor(starts, dtype=torch.int32, device=device),
          "scores": torch.full((B, T, E), float("nan"), device=device),
          "index": torch.full((B, T, topk.width), -7, dtype=torch.int32, device=device)}
     return score, topk, t
@@ -75,6 +80,17 @@ def test_v4_csa_indexer(starts, T):
     need_gpu()
     seed = clock_seed()
     score, topk, t = score_case(64, 4, starts, T, seed)
+    check_scores_and_topk(score, topk, t, seed)
+
+
+@pytest.mark.parametrize("starts,T", [([0], 1), ([3, 4095, 131071, 517], 1), ([70000, 12], 2)])
+def test_v4_csa_indexer_mxfp4_keys(starts, T):
+    """V4.1's 68 B mxfp4 key records (key_dtype="mxfp4", opt-in): the tile dequantises each chunk
+    into bf16 rows, so its scores equal the definition over the dequantised keys as closely as
+    the bf16 tile's (same products)."""
+    need_gpu()
+    seed = clock_seed()
+    score, topk, t = score_case(64, 4, starts, T, seed, key_dtype="mxfp4")
     check_scores_and_topk(score, topk, t, seed)
 
 

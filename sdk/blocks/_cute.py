@@ -338,8 +338,8 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     `fresh` = 0: the previous streaming tile of this CTA was of the same op (its staged
     activations are still in sx; see sdk/blocks/base.py). Returns the advanced (cseq, producer
     state p0, p1, p2). With the lagged refill (RING_REFILL) `prep` of a chunk ch > 0 runs while
-    other threads may still consume chunk ch - 1: a prep that rewrites what consume reads syncs
-    the CTA first."""
+    other threads may still consume chunk ch - 1: the CTA syncs first where `faces.restages(ch)`
+    says the prep rewrites what consume reads."""
     st = faces.begin(ptrs, t, sx, scratch, fresh)
     if cutlass.const_expr(lagged_refill(stages)):
         # chunk ch's barrier also says every thread has consumed chunk ch - 1: its stage is
@@ -351,6 +351,9 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
         faces.consume(ptrs, t, Int32(0), ring_base + (cseq % stages) * stage_bytes, st, sx)
         cseq = cseq + 1
         for ch in cutlass.range(1, nch, unroll=1):
+            if cutlass.const_expr(faces.restages is not None):
+                if faces.restages(ch):
+                    cute.arch.sync_threads()        # chunk ch - 1 may still be read
             faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
             cute.arch.cp_async_wait_group(stages - 2)
             cute.arch.sync_threads()

@@ -459,7 +459,7 @@ class GemvBlock(Block):
 
         from cutlass import Int64
 
-        from ._cute import (DTYPE_MAP, RING_REFILL, bits_to_f32, block_sum_multi, e4m3_piece, e4m3x4_to_f16x2x2,
+        from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, e4m3_piece, e4m3x4_to_f16x2x2,
                             e4m3x4_to_f16x2x2_shifted, f32_bits,
                             fence_proxy_async_smem, gmem_tensor, mma_m16n8k16, mul_f16x2, producer_slot,
                             smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
@@ -789,9 +789,6 @@ class GemvBlock(Block):
                 if cutlass.const_expr(whole_x):
                     stage = (ch == 0) & (fresh != 0)
                 if stage:
-                    if cutlass.const_expr(RING_REFILL == "lagged" and not whole_x):
-                        if ch > 0:
-                            cute.arch.sync_threads()    # chunk ch - 1 may still be read (stream_tile)
                     tid, _, _ = cute.arch.thread_idx()
                     xb = ch // CPX
                     sX = smem_tensor(sx, SXT, (M, XU, 8))
@@ -1146,8 +1143,17 @@ class GemvBlock(Block):
             # the sums are rewritten by the next tile's end: no thread may still be reading them
             cute.arch.sync_threads()
 
+        @cute.jit
+        def restages(ch: Int32):
+            """prep(ch) stages the next x block over the one chunk ch - 1 read (stream_tile's lagged
+            refill syncs first)."""
+            return ch % CPX == 0
+
+        # x staged a block at a time: its prep rewrites sx mid-tile
+        rs = None if (merged_norm or whole_x) else restages
         if wg:
-            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_wgmma, end=end_wgmma)
+            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_wgmma, end=end_wgmma, restages=rs)
         if mma:
-            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma, end=end_mma)
-        return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_hfma2 if hfma2 else consume, end=end)
+            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma, end=end_mma, restages=rs)
+        return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_hfma2 if hfma2 else consume, end=end,
+                           restages=rs)

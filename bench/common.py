@@ -85,6 +85,17 @@ def arg_parser(description: str | None = None, out_from_env: bool = True) -> arg
     return ap
 
 
+def name_matches(name: str, match: list[str] | None) -> bool:
+    """A --match filter: no filter, or `name` contains one of the strings (one ending in "$":
+    `name` ends with it)."""
+    return not match or any(name.endswith(m[:-1]) if m.endswith("$") else m in name for m in match)
+
+
+def add_match_option(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--match", action="append", help="run only the cases whose name contains this "
+                    "(repeatable; a trailing $: whose name ends with it)")
+
+
 def parse_overrides(text: str | None) -> dict:
     """A --set value "key=value,..." -> {key: int where it parses (expert_mma=0), else the string
     (activation=silu)}: config overrides for a benchmark's cases."""

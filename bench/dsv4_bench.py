@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, parse_overrides, run_cases, timed
+from bench.common import (L2_FLUSH_BYTES, add_match_option, arg_parser, cu_stream, name_matches, parse_overrides,
+                          run_cases, timed)
 
 HEADS, HD, W = 8, 512, 128
 
@@ -218,9 +219,7 @@ def bench_one(c, bw, quick, out_dir):
 def run(out_dir=None, quick=False, match=None, overrides=None):
     """match: run only the cases whose name contains one of these strings (one ending in "$": whose
     name ends with it); overrides (DSV4LayerConfig fields): given to every sublayer case."""
-    def matches(name, m):
-        return name.endswith(m[:-1]) if m.endswith("$") else m in name
-    todo = [c for c in cases(quick) if not match or any(matches(case_name(c), m) for m in match)]
+    todo = [c for c in cases(quick) if name_matches(case_name(c), match)]
     if overrides:
         todo = [(*c[:3], c[3] if len(c) > 3 else None, {**(c[4] if len(c) > 4 else {}), **overrides})
                 if c[0].startswith("sublayer:") else c for c in todo]
@@ -230,8 +229,7 @@ def run(out_dir=None, quick=False, match=None, overrides=None):
 
 def main(argv=None):
     ap = arg_parser(out_from_env=False)
-    ap.add_argument("--match", action="append", help="run only the cases whose name contains this "
-                    "(repeatable; a trailing $: whose name ends with it)")
+    add_match_option(ap)
     ap.add_argument("--set", default="", help="key=value,... : DSV4LayerConfig fields for the sublayer cases "
                     "(e.g. fill_stage=0,x_gemv_rows=16,decode_stages=2)")
     a = ap.parse_args(argv)

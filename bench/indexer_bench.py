@@ -14,7 +14,7 @@ PyTorch baseline: indexer = bf16 einsum, fp32 ReLU / head-weighted sum, masked t
 token expansion); sparse MLA = gather of the selected rows through the block table, bf16 matmuls,
 fp32 masked softmax.
 
-    python -m bench.indexer_bench --out bench/results/h200 [--quick]
+    python -m bench.indexer_bench --out bench/results/h200 [--quick] [--match "v4_csa" ...]
 
 JSON (indexer_bench.json): commit, command, GPU, copy bandwidth, per case us, GB/s, fraction of
 floor, torch graph us, speed-up, rel err (indexer: scores vs the fp32 definition; sparse MLA: out).
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from bench.common import L2_FLUSH_BYTES, arg_parser, cu_stream, run_cases, timed
+from bench.common import L2_FLUSH_BYTES, add_match_option, arg_parser, cu_stream, name_matches, run_cases, timed
 
 MODELS = {"v4_csa": dict(heads=64, ratio=4, topk=512), "glm_dsa": dict(heads=32, ratio=16, topk=2048),
           # V4.1's keys as 68 B mxfp4 records (key_dtype="mxfp4", opt-in)
@@ -174,20 +174,23 @@ def cases(quick):
     return out
 
 
-def run(out_dir=None, quick=False):
+def run(out_dir=None, quick=False, match=None):
     def one(case, bw):
         model, ctx, batch = case
         if model == "glm_sparse_mla":
             return bench_sparse_mla(ctx, batch, bw, quick)
         return bench_indexer(model, ctx, batch, bw, quick)
 
-    return run_cases("indexer_bench.json", cases(quick), one, lambda c: f"{c[0]} B={c[2]} ctx={c[1]}", out_dir,
-                     case_width=36)
+    name = lambda c: f"{c[0]} B={c[2]} ctx={c[1]}"         # noqa: E731
+    return run_cases("indexer_bench.json", [c for c in cases(quick) if name_matches(name(c), match)], one, name,
+                     out_dir, case_width=36)
 
 
 def main(argv=None):
-    a = arg_parser(out_from_env=False).parse_args(argv)
-    run(a.out, a.quick)
+    ap = arg_parser(out_from_env=False)
+    add_match_option(ap)
+    a = ap.parse_args(argv)
+    run(a.out, a.quick, a.match)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench.common import (arg_parser, copy_bandwidth, cu_stream, record_timeline, run_record, summary_lines, timed,
-                          write_json)
+from bench.common import (add_match_option, arg_parser, copy_bandwidth, cu_stream, name_matches, record_timeline,
+                          run_record, summary_lines, timed, write_json)
 
 L2_FLUSH_BYTES = 128 << 20      # state copies per timed graph: 2.5x the H200's 50 MB L2
 MODELS = {"kimi_k3_tp8": 12, "glm53_tp8": 8}
@@ -362,7 +362,7 @@ def run(out_dir: str, quick: bool = False, match: list[str] | None = None) -> di
     results = []
     for model, heads, batch, variant, kw in cases(quick):
         name = f"{model} B={batch} {variant}"
-        if match and not any(m in name for m in match):
+        if not name_matches(name, match):
             continue
         try:
             if variant.startswith("megakernel"):
@@ -397,7 +397,7 @@ def summary(report) -> str:
 
 def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
-    ap.add_argument("--match", action="append", help="run only the cases whose name contains this (repeatable)")
+    add_match_option(ap)
     a = ap.parse_args(argv)
     rep = run(a.out, quick=a.quick, match=a.match)
     print("\n" + summary(rep))

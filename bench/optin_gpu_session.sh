@@ -28,19 +28,20 @@ PART=${1:-1}
 export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-580} TESTS_S=${TESTS_S:-190}
 
 if [ "$PART" = 2 ]; then
+  TESTS_S=${PART2_TESTS_S:-220}     # the formats' tests compile a few more sublayer programs
   GPU_TESTS="tests/gpu/test_dsv4_gpu.py tests/gpu/test_dsv4_layer_gpu.py tests/gpu/test_dsv4_compress_gpu.py
     tests/gpu/test_indexer_gpu.py::test_v4_csa_indexer_mxfp4_keys" \
     OUT="$OUT/format_tests" DEVICE_ALL_S=$TESTS_S \
     bash bench/device_all.sh tests
   D='--quick --match "sublayer hca B=1 ctx=32768$" --match "sublayer hca B=64 ctx=32768$" --match "sublayer csa B=8 ctx=32768$"'
-  export BENCH_ARGS_dsv4="$D" BENCH_S_dsv4=100 BENCH_ARGS_dsv4_q="$D --set window_dtype=fp8_e4m3,comp_dtype=fp4_e2m1,index_dtype=mxfp4" \
-    BENCH_S_dsv4_q=100
+  export BENCH_ARGS_dsv4="$D" BENCH_S_dsv4=90 BENCH_ARGS_dsv4_q="$D --set window_dtype=fp8_e4m3,comp_dtype=fp4_e2m1,index_dtype=mxfp4" \
+    BENCH_S_dsv4_q=90
   # the KDA streaming form in the megakernel (69-78% of copy; its chunks cross stream_tile too) under
   # the lagged refill
   K='--quick --match "megakernel layers stream v_split=4 hpt=4" --match "megakernel layers stream v_split=4 hpt=2"'
   export BENCH_ARGS_kda="$K" BENCH_S_kda=50 BENCH_ARGS_kda_lag="$K" BENCH_S_kda_lag=50 BENCH_ENV_kda_lag="SDK_RING_REFILL=lagged"
-  # the score tile over bf16 keys vs mxfp4 records (v4_csa / v4_csa_mxfp4 at 32K, B=1 / 8; and GLM's)
-  export BENCH_ARGS_indexer="--quick" BENCH_S_indexer=60
+  # the score tile over bf16 keys vs mxfp4 records (v4_csa / v4_csa_mxfp4 at 32K, B=1 / 8)
+  export BENCH_ARGS_indexer='--quick --match v4_csa' BENCH_S_indexer=50
   DEVICE_ALL_S=$(( DEVICE_ALL_S - TESTS_S )) bash bench/device_all.sh bench:dsv4 bench:dsv4@q bench:indexer bench:kda \
     bench:kda@lag
   exit 0

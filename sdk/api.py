@@ -17,8 +17,10 @@ def build_megakernel(model: str, config: Any = "tiny", *, backend: str = "refere
     model     a registered model id (`megakernel models` lists them).
     config    the model's top-level transformers config (object or dict), or the name of one of
               the package's configs ("tiny", "full", ...).
-    backend   "reference" (plain PyTorch), "pyvm" (the megakernel's instruction stream run by a
-              torch interpreter) or "cute" (the CuTe DSL megakernel on the GPU).
+    backend   a registered backend: the SDK registers "reference" (plain PyTorch); plugins may
+              register others (`register_backends`). The whole-model megakernel is not a backend
+              yet: its blocks and per-layer one-launch programs are in sdk/blocks and
+              sdk/megakernel (docs/megakernel.md), each checked against this reference.
     tp, ep, rank   tensor / expert parallel degrees and this GPU's rank.
     max_seq_len, max_batch   the built limits; work over them raises `CapacityError` up front.
 

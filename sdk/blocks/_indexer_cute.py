@@ -104,13 +104,15 @@ def build_index_score_tile(block):
                 if e > 0:
                     sc = bits_to_f32(e << 23)                           # 2^(E - 127)
                 sc = sc * Float32(16384.0)                              # e2m1_pair's fp16 is value * 2^-14
+                out = cute.make_rmem_tensor((4,), Int32)
                 for q in cutlass.range_constexpr(4):
                     word = sRaw[st, j * KW + gi * 4 + q]                  # codes of values 8q .. 8q + 7
                     v = [None] * 8
                     for p in cutlass.range_constexpr(4):
                         v[p], v[p + 4] = f16x2_to_f32(e2m1_pair(word, p))
                     for p in cutlass.range_constexpr(4):
-                        sKW[j, gi * 16 + 4 * q + p] = f32x2_to_bf16x2(v[2 * p] * sc, v[2 * p + 1] * sc)
+                        out[p] = f32x2_to_bf16x2(v[2 * p] * sc, v[2 * p + 1] * sc)
+                    sKW[j, gi * 4 + q, None].store(out.load())            # 8 bf16: one 16-byte store
 
     @cute.jit
     def tile(ptrs, t: Int32, scratch):
@@ -148,7 +150,7 @@ def build_index_score_tile(block):
             sRaw = smem_tensor(raw.iterator.toint(), Int32, (ST, NRP * 4))
             sRawP = smem_tensor(raw.iterator.toint(), Int32, (ST, NRP, 4))
             sRawB = smem_tensor(raw.iterator.toint(), cutlass.Int8, (ST, NRP * 16))
-            sKW = smem_tensor(skv.iterator.toint(), Int32, (CH, RS // 2))
+            sKW = smem_tensor(skv.iterator.toint(), Int32, (CH, RS // 8, 4))     # 16-byte units of bf16
             g2s4 = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Int32,
                                        num_bits_per_copy=128)
 

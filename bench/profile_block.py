@@ -6,11 +6,14 @@
     ... python -m bench.profile_block kda 12 64 [v_split=2,...]        (heads, batch)
     ... python -m bench.profile_block topk 8256 512 [cache_row=0,...]   (entries, k)
     ... python -m bench.profile_block compress 128 1 [channels_per_tile=32]  (ratio, batch)
+    ... python -m bench.profile_block experts glm_53 gateup 2 [mma=1,...]      (model, stage, hits)
 
 gemv: N K M weight-dtype, GemvConfig overrides (e.g. fp8_decode=int); kda: heads batch, KDAConfig
 overrides; topk: one row of `entries` indexer-like scores (sums of weighted ReLUs), TopKConfig
 overrides; compress: V4.1's 512-channel compressor with every window closing, DSV4CompressConfig
-overrides. Random inputs, no timing, no reference (bench/megakernel_bench.py and bench/kda_bench.py
+overrides; experts: a model's MoE layer expert op (moe_layer.preset at batch 1, MXFP4) with one
+token routed to `hits` local experts (the question: is the batch-1 CUDA-core tile issue- or
+latency-bound - stall reasons), ExpertsConfig overrides. Random inputs, no timing, no reference (bench/megakernel_bench.py and bench/kda_bench.py
 check and time the same configurations). MLA decode: bench/profile_mla.py.
 """
 from __future__ import annotations
@@ -71,6 +74,38 @@ def compress_table(ratio: int, batch: int, ov: dict):
     return blk, torch.tensor([t[n].data_ptr() for n in blk.operands()], dtype=torch.int64, device="cuda"), t
 
 
+def experts_table(model: str, stage: str, hits: int, ov: dict, device="cuda"):
+    import dataclasses
+
+    from sdk.blocks.base import DTYPES
+    from sdk.blocks.experts import ExpertsBlock, quantize_mxfp4
+    from sdk.megakernel.moe_layer import build_program, preset
+    prog = build_program(preset(model, 1, expert_dtype="mxfp4"))
+    blk = next(op.block for op in prog.ops if op.label == f"experts.{stage}")
+    blk = ExpertsBlock(dataclasses.replace(blk.config, **ov))
+    c, g = blk.config, torch.Generator(device=device).manual_seed(hits)
+    specs = {s.name: s for s in blk.operand_specs()}
+    N, K, L = blk.n_rows, blk.k_dim, c.num_local
+    hit = torch.randperm(L, device=device, generator=g)[:hits].sort().values.int()
+    i32 = dict(dtype=torch.int32, device=device)
+    # only the hit experts' weights are read: the others stay zero (a full random shard is GBs)
+    w, sc = torch.zeros(specs["w"].shape, **i32), torch.zeros(specs["w_scale"].shape, **i32)
+    for e in hit.tolist():
+        w[e], sc[e] = quantize_mxfp4(torch.randn(N, K, device=device, generator=g) * K ** -0.5)
+    t = {"w": w, "w_scale": sc, "counts": torch.zeros(L, **i32), "tok": torch.zeros(L, 1, **i32),
+         "slot": torch.zeros(L, 1, **i32),
+         "hits": torch.cat([torch.tensor([hits], **i32), hit, torch.zeros(L - hits, **i32)])}
+    t["counts"][hit.long()] = 1
+    t["slot"][hit.long(), 0] = torch.arange(hits, **i32)        # the token's assignments 0 .. hits-1
+    for name, spec in specs.items():                              # the activations, random; outputs empty
+        if name not in t and not spec.optional:
+            v = torch.randn(*spec.shape, device=device, generator=g)
+            t[name] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device) if spec.output \
+                else (v.abs() if name == "topk_w" else v).to(DTYPES[spec.dtype])
+    ptrs = [t[n].data_ptr() if n in t else 0 for n in blk.operands()]
+    return blk, torch.tensor(ptrs, dtype=torch.int64, device=device), t
+
+
 def main(argv=None):
     from bench.common import cu_stream, parse_overrides
     from sdk.blocks._cute import standalone
@@ -83,8 +118,10 @@ def main(argv=None):
         blk, optab, keep = topk_table(int(a[1]), int(a[2]), parse_overrides(a[3] if len(a) > 3 else None))
     elif a[0] == "compress":
         blk, optab, keep = compress_table(int(a[1]), int(a[2]), parse_overrides(a[3] if len(a) > 3 else None))
+    elif a[0] == "experts":
+        blk, optab, keep = experts_table(a[1], a[2], int(a[3]), parse_overrides(a[4] if len(a) > 4 else None))
     else:
-        raise SystemExit(f"unknown block {a[0]!r}: gemv | kda | topk | compress")
+        raise SystemExit(f"unknown block {a[0]!r}: gemv | kda | topk | compress | experts")
     fn = standalone(blk)
     for _ in range(4):
         fn(optab.data_ptr(), cu_stream())

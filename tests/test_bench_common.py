@@ -106,3 +106,22 @@ def test_timeline_op_table_summarises_each_op():
     assert rows["b.select"] == ["1", "1", "5.0", "9.0", "4.00", "4.00"]
     assert list(rows) == ["a.gemv", "b.select", "c.down"]
     assert op_table(rec).splitlines()[-1] == "span 10.0 us; SMs busy 70% of it (2 SMs)"
+
+
+def test_profile_block_experts_table_routes_one_token_to_the_asked_hits():
+    """bench.profile_block's experts input (for Nsight Compute on the batch-1 expert tile): one token
+    routed to `hits` local experts of the model's MoE layer - the block's own reference consumes it
+    and every hit expert's row contributes (the other experts' weights stay zero)."""
+    import torch
+
+    from bench.profile_block import experts_table
+    blk, optab, t = experts_table("glm_53", "down", 2, {}, device="cpu")
+    assert int(t["hits"][0]) == 2 and int(t["counts"].sum()) == 2 and optab.shape == (len(blk.operands()),)
+    hit = t["hits"][1:3].long()
+    assert t["w"][hit].abs().sum() > 0 and t["w"].abs().sum() == t["w"][hit].abs().sum()
+    out = blk.reference(**t)["out"].float()
+    assert torch.isfinite(out).all() and out.abs().mean() > 0.1
+    one = dict(t, counts=t["counts"].clone(), hits=t["hits"].clone())
+    one["counts"][hit[1]] = 0
+    one["hits"][0] = 1                                         # the second expert dropped: a different sum
+    assert not torch.allclose(blk.reference(**one)["out"].float(), out)

@@ -97,7 +97,7 @@ def f32_bits(x: Float32) -> Int32:
 
 @cute.jit
 def ue8m0_exponent(amax: Float32, max_value: cutlass.Constexpr) -> Int32:
-    """dsv4_attention.ue8m0_exponents for one group's max |x| >= 0, from its bits: the smallest E
+    """formats.ue8m0_exponents for one group's max |x| >= 0, from its bits: the smallest E
     with amax <= max_value * 2^(E - 127) is amax's biased exponent + 1 - em, + 1 when its mantissa
     exceeds that of fm (max_value = fm 2^em, fm in [0.5, 1)); clamped to [0, 254] (amax 0: 0)."""
     fm, em = math.frexp(max_value)

@@ -50,6 +50,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import NUM_THREADS, SCRATCH_WORDS, Block, Cost, OperandSpec
+from .dsv4_attention import comp_record_words, dequantize_comp_fp4, quantize_comp_fp4
+from .indexer import dequantize_index_keys, index_key_words, quantize_index_keys
 
 # the pooling's cross-key-lane sums: two fp32 words per thread in `scratch`
 assert 2 * NUM_THREADS <= SCRATCH_WORDS
@@ -73,7 +75,10 @@ class DSV4CompressConfig:
                                          # quantize_index_keys, 2026-12-05)
 
 
-ENTRY_DTYPES = ("bf16", "fp4_e2m1", "mxfp4")
+# entry_dtype -> (int32 words of a record, its torch quantiser, its dequantiser to bf16 values)
+RECORD_FORMATS = {"fp4_e2m1": (comp_record_words, quantize_comp_fp4, dequantize_comp_fp4),
+                  "mxfp4": (index_key_words, quantize_index_keys, dequantize_index_keys)}
+ENTRY_DTYPES = ("bf16",) + tuple(RECORD_FORMATS)
 
 
 def _window_closed(p: int, ratio: int):
@@ -90,23 +95,15 @@ class _CompressBase(Block):
         return self.config.entry_dtype != "bf16"
 
     def record_words(self) -> int:
-        from .dsv4_attention import comp_record_words
-        from .indexer import index_key_words
-        d = self.config.dim
-        return comp_record_words(d) if self.config.entry_dtype == "fp4_e2m1" else index_key_words(d)
+        return RECORD_FORMATS[self.config.entry_dtype][0](self.config.dim)
 
     def quantize(self, h: torch.Tensor) -> torch.Tensor:
         """Entries [..., dim] -> their int32 records (the format's torch definition)."""
-        from .dsv4_attention import quantize_comp_fp4
-        from .indexer import quantize_index_keys
-        return quantize_comp_fp4(h) if self.config.entry_dtype == "fp4_e2m1" else quantize_index_keys(h)
+        return RECORD_FORMATS[self.config.entry_dtype][1](h)
 
     def dequantize(self, rec: torch.Tensor) -> torch.Tensor:
         """int32 records -> the entries' bf16 values (what their readers dequantise)."""
-        from .dsv4_attention import dequantize_comp_fp4
-        from .indexer import dequantize_index_keys
-        d = self.config.dim
-        return dequantize_comp_fp4(rec, d) if self.config.entry_dtype == "fp4_e2m1" else dequantize_index_keys(rec, d)
+        return RECORD_FORMATS[self.config.entry_dtype][2](rec, self.config.dim)
 
     def entries_spec(self) -> OperandSpec:
         c = self.config
@@ -438,8 +435,9 @@ class DSV4CompressNormBlock(_CompressBase):
         REC = self.records
         MX = c.entry_dtype == "mxfp4"
         RB = 4 * self.entries_spec().shape[-1] if REC else 0       # records: bytes of one
-        # records: a group's channel pairs (consecutive lanes) and its scale's byte offset
-        GL = 16 if MX else 8                 # mxfp4: 32 values a UE8M0 scale; fp4_e2m1: 16 an E4M3
+        # records: the consecutive lanes (channel pairs) of a scale group - mxfp4: 32 values a UE8M0
+        # scale; fp4_e2m1: 16 an E4M3
+        GL = 16 if MX else 8
         from .formats import E2M1_STEPS
 
         @cute.jit

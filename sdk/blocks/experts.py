@@ -352,7 +352,8 @@ class ExpertsBlock(Block):
         from cutlass import Float32, Int32, Int64
         from cutlass._mlir import ir
 
-        from ._cute import DTYPE_MAP, bits_to_f32, e2m1_pair, f16x2_to_f32, gmem_tensor, mma_m16n8k16, swiglu_act
+        from ._cute import (DTYPE_MAP, bits_to_f32, e2m1_pair, f16x2_to_f32, gmem_tensor, mma_m16n8k16, mul_f16x2,
+                            swiglu_act)
 
         c = self.config
         fmt = c.weight_dtype
@@ -601,11 +602,6 @@ class ExpertsBlock(Block):
         RED = self.mma_red_words
 
         @cute.jit
-        def hmul2(a: Int32, b: Int32) -> Int32:
-            return cute.arch.inline_ptx("mul.rn.f16x2 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
-                                        read_only_args=[a, b])
-
-        @cute.jit
         def f32x2_to_f16x2(lo: Float32, hi: Float32) -> Int32:
             return cute.arch.inline_ptx("cvt.rn.f16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
                                         read_only_args=[hi, lo])
@@ -618,7 +614,7 @@ class ExpertsBlock(Block):
             for i in cutlass.range_constexpr(4):
                 word = raw[i]
                 for p in cutlass.range_constexpr(4):
-                    out.append(hmul2(e2m1_pair(word, p), factor))
+                    out.append(mul_f16x2(e2m1_pair(word, p), factor))
             return out
 
         @cute.jit

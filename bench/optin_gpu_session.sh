@@ -12,9 +12,10 @@
 # 3. the attention program's decode chunk (64 by default since call 1 where choose_chunk takes it)
 #    at B=1 128K and B=8 32K, beside --set decode_chunk=32.
 # Part 2: V4.1's serving cache formats - the fp8 sliding-window records (window_dtype="fp8_e4m3"),
-# the fp4 compressed entries (comp_dtype="fp4_e2m1") and the indexer's mxfp4 keys (index_dtype=
-# "mxfp4", fifteenth session): their GPU tests (the decode core, the ring write bit for bit, the
-# compressors' records, the score tile over key records, the SWA / HCA / CSA sublayers) and the
+# the fp4 compressed entries (comp_dtype="fp4_e2m1") and V4.1's MXFP4 indexer (index_dtype="mxfp4":
+# keys in pages of 64, MXFP4 queries, BF16 score stages; fifteenth / sixteenth sessions): their GPU
+# tests (the decode core, the ring write bit for bit, the compressors' records, the score tile over
+# the key pages, the SWA / HCA / CSA sublayers) and the
 # sublayers with the formats and without (HCA B=1 / B=64, CSA B=8); the KDA streaming form in the
 # megakernel with and without the lagged refill.
 # The tests' parts are packed into $OUT/lag_tests/results.tgz (part 2: $OUT/format_tests/), the

@@ -159,6 +159,8 @@ class DSV4AttentionSpec(AttentionSpec):
     compress_rope: RopeSpec | None = None  # rope of the compressed entries and the indexer ("compress")
     norm_eps: float = 1e-6         # q_a_norm, per-head q norm, kv_norm, the compressors' kv_norm
     softmax_scale: float = 0.0     # 0: head_dim ** -0.5
+    q_head_norm: bool = True       # V4's per-head q RMSNorm (no weight) before RoPE; V4.1 drops it
+                                   # (flashinfer 0.7.2's V4.1 rotary: "without per-query-head RMSNorm")
 
 
 # ----------------------------------------------------------------------------------------- mlp

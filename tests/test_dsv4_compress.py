@@ -87,13 +87,13 @@ def test_record_entries_equal_the_model_with_the_format_round_trip(dim, ratio, o
     pooling writes `pooled` [B, T, dim] and the norm quantises the entry into V4.1's record;
     dequantised, the records equal the model compressor's entries with the same round trip
     (Compressor.entry_format) bit for bit, reference and emulation alike."""
-    B, hidden, rope, E = 3, 256, 64, 16
+    B, hidden, rope, E = 3, 256, 64, 64                             # mxfp4: one page of 64 keys
     pool, norm = compressor_blocks(DSV4CompressConfig(dim=dim, ratio=ratio, overlap=overlap, rope=rope, batch=B,
                                                       tokens=T, max_entries=E, channels_per_tile=cpt,
                                                       entry_dtype=entry_dtype))
     quantize, dequantize = norm.quantize, norm.dequantize
     comp, w, rp = model_compressor(dim, ratio, overlap, rope, hidden, seed=dim + ratio)
-    comp.entry_format = lambda e: dequantize(quantize(e))
+    comp.entry_format = norm.round_trip
     assert "pooled" in pool.operands() and norm.operand_specs()[-1].dtype == "int32"
     cache = comp.new_cache(B, E * ratio, "cpu", torch.bfloat16)
     emu = {"state_kv": cache["state_kv"].clone(), "state_gate": cache["state_gate"].clone(),
@@ -123,7 +123,8 @@ def test_entries_past_the_cache_are_not_written():
                                 dict(channels_per_tile=48), dict(channels_per_tile=6, dim=96, rope=0),
                                 dict(entry_dtype="fp8"), dict(dim=96, rope=16, channels_per_tile=16,
                                                               entry_dtype="fp4_e2m1"),
-                                dict(dim=64, rope=16, channels_per_tile=16, entry_dtype="mxfp4")])
+                                dict(dim=64, rope=16, channels_per_tile=16, entry_dtype="mxfp4"),
+                                dict(dim=128, max_entries=96, entry_dtype="mxfp4")])   # 1.5 pages of 64 keys
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):
         compressor_blocks(DSV4CompressConfig(**kw))

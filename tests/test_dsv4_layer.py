@@ -17,10 +17,13 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("mode", ["swa", "hca", "csa"])
-def test_pyvm_sublayer_equals_model_reference(mode):
+@pytest.mark.parametrize("mode,q_head_norm", [("swa", True), ("hca", True), ("csa", True), ("csa", False)])
+def test_pyvm_sublayer_equals_model_reference(mode, q_head_norm):
+    """The sublayer program (PyVM) against the model reference; q_head_norm=False: V4.1's queries
+    without the per-head RMSNorm (the prologue and the reference's spec alike)."""
     from sdk.megakernel.pyvm import PyVM
-    cfg = DSV4LayerConfig(mode=mode, **TINY)
+    cfg = DSV4LayerConfig(mode=mode, q_head_norm=q_head_norm, **TINY)
+    assert cfg.spec.q_head_norm == q_head_norm and cfg.blocks()["prologue"].config.q_norm == q_head_norm
     w = make_weights(cfg, seed=1)
     vm, _ = PyVM.from_program(build_program(cfg), 8, w)
     starts = [0, 5, 30]                          # 30 + 2 closes a window (ratio 4) in the first call
@@ -46,7 +49,8 @@ def test_pyvm_sublayer_with_quantised_caches(mode, window_dtype, comp_dtype, ind
     entries / keys through the same records (cache_values)."""
     from sdk.megakernel.dsv4_layer import cache_values
     from sdk.megakernel.pyvm import PyVM
-    tiny = {**TINY, "index_head_dim": 128} if index_dtype == "mxfp4" else TINY      # mxfp4: whole-word records
+    # mxfp4: whole-word records, whole pages of 64 keys
+    tiny = {**TINY, "index_head_dim": 128, "max_seq_len": 256} if index_dtype == "mxfp4" else TINY
     cfg = DSV4LayerConfig(mode=mode, window_dtype=window_dtype, comp_dtype=comp_dtype, index_dtype=index_dtype, **tiny)
     prog = build_program(cfg)
     if window_dtype == "fp8_e4m3":
@@ -54,7 +58,7 @@ def test_pyvm_sublayer_with_quantised_caches(mode, window_dtype, comp_dtype, ind
     if comp_dtype == "fp4_e2m1":
         assert prog.buffers["comp"].dtype == "int32" and prog.buffers["comp"].shape[-1] == 72
     if index_dtype == "mxfp4":
-        assert prog.buffers["index_keys"].dtype == "int32" and prog.buffers["index_keys"].shape[-1] == 17
+        assert prog.buffers["index_keys"].dtype == "int32" and prog.buffers["index_keys"].shape[-2:] == (1, 1088)
     w = make_weights(cfg, seed=1)
     vm, _ = PyVM.from_program(prog, 8, w)
     starts = [0, 5, 30]

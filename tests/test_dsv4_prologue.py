@@ -40,6 +40,24 @@ def test_reference_equals_emulation(kw):
     assert ((rms - 1).abs() < 2e-2).all()
 
 
+def test_v41_queries_skip_the_head_norm():
+    """q_norm=False (V4.1: no per-head q RMSNorm): q is the rope of q_raw alone - the model's
+    (DSV4AttentionReference with q_head_norm=False uses the same Rope); the KV head keeps its norm."""
+    from sdk.reference.dsv4_attention import Rope
+    v4 = DSV4PrologueBlock(DSV4PrologueConfig(heads=4, head_dim=128, batch=2, tokens=2))
+    v41 = DSV4PrologueBlock(DSV4PrologueConfig(heads=4, head_dim=128, batch=2, tokens=2, q_norm=False))
+    t = inputs(v41)
+    t["q_raw"] = t["q_raw"] * 3                 # rms 3: a norm would show
+    got = v41.reference(**t)
+    for tile in range(v41.num_tiles()):
+        v41.emulate_tile(t, tile)
+    assert torch.equal(t["q"], got["q"]) and torch.equal(t["new_kv"], got["new_kv"])
+    want = Rope.apply(t["q_raw"], t["cos"][:, None], t["sin"][:, None]).view(got["q"].shape)
+    assert torch.equal(got["q"], want)
+    assert torch.equal(got["new_kv"], v4.reference(**t)["new_kv"])
+    assert (got["q"].float().pow(2).mean(-1).sqrt() > 2).all()
+
+
 @pytest.mark.parametrize("kw", [dict(head_dim=96), dict(rope=65), dict(rope=1024), dict(heads=0)])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):

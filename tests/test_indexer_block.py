@@ -23,6 +23,7 @@ from sdk.blocks.mla_decode import (MLACombineBlock, MLACombineConfig, MLADecodeB
 from sdk.errors import UnsupportedConfigError
 from sdk.reference.common import StepInfo
 from sdk.reference.dsa import DSAIndexer, selection_mask
+from sdk.blocks.formats import mxfp4_round_trip
 from sdk.reference.dsv4_attention import DSV4AttentionReference, Rope
 from sdk.reference.mla import MLAReference
 from sdk.spec import DSAIndexerSpec, DSV4AttentionSpec, MLASpec, RopeSpec
@@ -132,9 +133,10 @@ def test_glm_shapes_from_model_config():
 
 
 # ------------------------------------------------------------------ V4: the CSA indexer
-def v4_select_inputs(starts, T, ih=4, ihd=32, ratio=4, topk=5, seed=0, key_format=None):
-    """(spec, the score block's operands, the model's selection mask, entries); key_format: the
-    keys' round trip through a cache format (the model selects over its values)."""
+def v4_select_inputs(starts, T, ih=4, ihd=32, ratio=4, topk=5, seed=0, key_format=None, seq=160, v41=False):
+    """(spec, the score block's operands, the model's selection mask, entries, the model reference,
+    its arguments); key_format: the keys' round trip through a cache format (the model selects over
+    its values); v41: the model's V4.1 MXFP4 indexer (queries through MXFP4, BF16 score stages)."""
     g = torch.Generator().manual_seed(seed)
     rope = RopeSpec(dim=16, theta=10000.0, interleaved=True)
     spec = DSV4AttentionSpec(num_heads=2, head_dim=64, q_lora_rank=32, rope_dim=16, sliding_window=8,
@@ -145,7 +147,9 @@ def v4_select_inputs(starts, T, ih=4, ihd=32, ratio=4, topk=5, seed=0, key_forma
     w = {k: (torch.randn(*s, generator=g) * (s[-1] ** -0.5 if len(s) == 2 else 0.5)).to(torch.bfloat16)
          for k, s in shapes.items()}
     ref = DSV4AttentionReference(None, SimpleNamespace(attention=spec), w)
-    B, E = len(starts), 160 // ratio
+    if v41:
+        ref.index_query_format, ref.bf16_index_stages = mxfp4_round_trip, True
+    B, E = len(starts), seq // ratio
     x = torch.randn(B, T, D, generator=g).to(torch.bfloat16)
     q_res = torch.randn(B, T, 32, generator=g).to(torch.bfloat16)
     keys = torch.randn(B, E, ihd, generator=g).to(torch.bfloat16)
@@ -159,13 +163,13 @@ def v4_select_inputs(starts, T, ih=4, ihd=32, ratio=4, topk=5, seed=0, key_forma
     q = Rope.apply(F.linear(q_res, w["indexer.q_b_proj.weight"]).view(B, T, ih, ihd), cos[:, :, None], sin[:, :, None])
     wts = F.linear(x, w["indexer.weights_proj.weight"]).float() * ih ** -0.5
     t = {"q": q, "weights": wts, "keys": keys, "start": torch.tensor(starts, dtype=torch.int32)}
-    return spec, t, mask, E
+    return spec, t, mask, E, ref, (x, q_res, keys, ready, step)
 
 
 @pytest.mark.parametrize("starts,T,ih,kpt", [([10, 0, 77, 159 - 1], 1, 4, 64), ([3, 40, 100], 3, 4, 128),
                                              ([60, 120], 2, 1, 64)])   # 1 head: ties at 0
 def test_v4_csa_indexer_blocks_equal_reference(starts, T, ih, kpt):
-    spec, t, mask, E = v4_select_inputs(starts, T, ih=ih, seed=len(starts) + T)
+    spec, t, mask, E, _, _ = v4_select_inputs(starts, T, ih=ih, seed=len(starts) + T)
     score_blk, topk_blk = dsv4_csa_indexer_blocks(spec.indexer, spec.compress_ratio, len(starts), T, 160,
                                                   keys_per_tile=kpt)
     assert score_blk.config.max_entries == E
@@ -180,66 +184,113 @@ def test_v4_csa_indexer_blocks_equal_reference(starts, T, ih, kpt):
 
 
 def test_mxfp4_index_key_format():
-    """quantize_index_keys: 128 E2M1 codes (two a byte) then 4 UE8M0 scales (one per 32 values):
-    68 B, V4.1-Flash's indexer keys; the scale is the smallest power of two with max |x| <= 6 *
-    scale (edges exact), ties round to the even code, zero groups stay zero."""
-    from sdk.blocks.formats import E2M1_VALUES
-    from sdk.blocks.indexer import dequantize_index_keys, index_key_words, quantize_index_keys
-    assert index_key_words(128) == 17
-    rec = torch.zeros(68, dtype=torch.uint8)                     # every code, scale 2^0 (E = 127)
-    rec[:8] = torch.arange(8, dtype=torch.uint8) * 17 + torch.tensor([0, 8] * 4, dtype=torch.uint8) * 16
-    rec[64:] = 127
-    vals = dequantize_index_keys(rec.view(torch.int32), 128)[:16].float()
-    assert torch.equal(vals[0::2], E2M1_VALUES[:8]) and torch.equal(vals[1::2], E2M1_VALUES[:8] * torch.tensor([1.0, -1.0] * 4))
+    """quantize_index_keys: per key 128 E2M1 codes (two a byte) and 4 UE8M0 scales (one per 32
+    values), 68 B, in planar pages of 64 keys (the 64 keys' codes, then their scales: V4.1-Flash's
+    indexer cache); the scale is the smallest power of two with max |x| <= 6 * scale (edges exact),
+    ties round to the even code, zero groups stay zero; write_index_key places one key's record."""
+    from sdk.blocks.formats import E2M1_VALUES, mxfp4_bytes, mxfp4_round_trip
+    from sdk.blocks.indexer import (dequantize_index_keys, index_key_page_words, index_key_words,
+                                    quantize_index_keys, write_index_key)
+    assert index_key_words(128) == 17 and index_key_page_words(128) == 64 * 17
+    page = torch.zeros(4352, dtype=torch.uint8)                  # key 1: every code, scale 2^0 (E = 127)
+    page[64:72] = torch.arange(8, dtype=torch.uint8) * 17 + torch.tensor([0, 8] * 4, dtype=torch.uint8) * 16
+    page[4096 + 4:4096 + 8] = 127
+    vals = dequantize_index_keys(page.view(torch.int32)[None], 128)
+    assert vals.shape == (64, 128) and (vals[0] == 0).all() and (vals[2:] == 0).all()
+    assert torch.equal(vals[1, 0:16:2].float(), E2M1_VALUES[:8])
+    assert torch.equal(vals[1, 1:16:2].float(), E2M1_VALUES[:8] * torch.tensor([1.0, -1.0] * 4))
     # the scale byte at the edges: max |x| = 6 * 2^k needs 2^k; a hair above needs 2^(k+1)
-    x = torch.zeros(128)
-    x[0], x[32], x[64] = 6.0 * 2.0 ** -3, 6.0 * 2.0 ** -3 * (1 + 2.0 ** -20), 1.5
-    by = quantize_index_keys(x[None]).view(torch.uint8)[0]
-    assert by[64:].tolist() == [124, 125, 125, 0]                 # 2^-3, 2^-2, 1.5 = 6 / 4: 2^-2; zeros: 0
-    y = torch.zeros(128)
-    y[:16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.01, -6, 0.1, 0.3, 2.9, 4.5, 5.5, -1.0])
-    got = dequantize_index_keys(quantize_index_keys(y[None]), 128)[0]
+    x = torch.zeros(64, 128)
+    x[5, 0], x[5, 32], x[5, 64] = 6.0 * 2.0 ** -3, 6.0 * 2.0 ** -3 * (1 + 2.0 ** -20), 1.5
+    by = quantize_index_keys(x).view(torch.uint8)[0]
+    assert by[4096 + 20:4096 + 24].tolist() == [124, 125, 125, 0]  # 2^-3, 2^-2, 1.5 = 6 / 4: 2^-2; zeros: 0
+    y = torch.zeros(64, 128)
+    y[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.01, -6, 0.1, 0.3, 2.9, 4.5, 5.5, -1.0])
+    got = dequantize_index_keys(quantize_index_keys(y), 128)[0]
     want = torch.tensor([0, 1, 1, 2, 2, 4, 4, 6, -0.0, -6, 0, 0.5, 3, 4, 6, -1])    # scale 2^0 (max 6)
     assert torch.equal(got[:16].float(), want) and (got[16:] == 0).all()
     g = torch.Generator().manual_seed(5)
-    x = (torch.randn(3, 7, 128, generator=g) * 2.0 ** (4 * torch.randn(3, 7, 4, 1, generator=g)).repeat(1, 1, 1, 32)
+    x = (torch.randn(3, 128, 128, generator=g) * 2.0 ** (4 * torch.randn(3, 128, 4, 1, generator=g)).repeat(1, 1, 1, 32)
          .flatten(2)).to(torch.bfloat16)
-    rec = quantize_index_keys(x)
-    assert rec.shape == (3, 7, 17) and rec.dtype == torch.int32
-    e = rec.view(torch.uint8)[..., 64:].float() - 127
+    cache = quantize_index_keys(x)
+    assert cache.shape == (3, 2, 1088) and cache.dtype == torch.int32
+    # the page layout: key j of page p - its codes at bytes 64 j .., its scales at 4096 + 4 j ..
+    codes, scales = mxfp4_bytes(x)
+    by = cache.view(torch.uint8)
+    for b, key in ((0, 0), (1, 63), (2, 64), (2, 127)):
+        p, j = divmod(key, 64)
+        assert torch.equal(by[b, p, 64 * j:64 * j + 64], codes[b, key])
+        assert torch.equal(by[b, p, 4096 + 4 * j:4096 + 4 * j + 4], scales[b, key])
+    e = by[..., 4096:].reshape(3, 128, 4).float() - 127
     amax = x.float().abs().unflatten(-1, (-1, 32)).amax(-1)
     assert ((amax <= 6 * 2 ** e) & (amax > 3 * 2 ** e)).all()    # the smallest such power of two
-    d = dequantize_index_keys(rec, 128).float()
-    assert ((d - x.float()).abs() <= (2 ** e).repeat_interleave(32, -1)).all()   # half the widest step (4 -> 6)
+    d = dequantize_index_keys(cache, 128)
+    assert torch.equal(d, mxfp4_round_trip(x))
+    assert ((d.float() - x.float()).abs() <= (2 ** e).repeat_interleave(32, -1)).all()   # half the widest step
+    # one key written in place (the compressor's write): its bytes where the whole cache has them
+    blank = torch.zeros_like(cache)
+    write_index_key(blank, 2, 100, x[2, 100])
+    mine = torch.zeros_like(by[2, 1], dtype=torch.bool)
+    mine[64 * 36:64 * 37], mine[4096 + 4 * 36:4096 + 4 * 37] = True, True
+    bb = blank.view(torch.uint8)
+    assert torch.equal(bb[2, 1][mine], by[2, 1][mine]) and (bb[2, 1][~mine] == 0).all()
+    assert (bb[:2] == 0).all() and (bb[2, 0] == 0).all()
+    with pytest.raises(ValueError, match="pages"):
+        quantize_index_keys(torch.randn(40, 128))
 
 
-@pytest.mark.parametrize("starts,T,kpt", [([10, 0, 77, 159 - 1], 1, 64), ([3, 40, 100], 3, 128)])
+def test_v41_index_score_stages_keep_the_head_order():
+    """staged_index_scores: the terms are summed in fp32 in head order - with terms 2^24, 1, -2^24
+    the ordered sum is 0 (2^24 + 1 rounds back to 2^24), any other grouping gives 1 - and the
+    dot, the weight and the result are bf16 values."""
+    from sdk.reference.dsv4_attention import staged_index_scores
+    q = torch.zeros(1, 3, 16)
+    q[..., 0] = 1.0
+    k = torch.zeros(2, 16)
+    k[0, 0], k[1, 0] = 1.0, 1.0 + 2.0 ** -10            # the second dot rounds to 1 in bf16
+    w = torch.tensor([[2.0 ** 24, 1.0, -2.0 ** 24]])
+    assert staged_index_scores(q, k, w).tolist() == [[0.0, 0.0]]
+    w = torch.tensor([[1.0 + 2.0 ** -9, 0.0, 0.0]])     # the weight rounds to 1 in bf16
+    assert staged_index_scores(q, k, w).tolist() == [[1.0, 1.0]]
+
+
+@pytest.mark.parametrize("starts,T,kpt", [([10, 0, 77, 255], 1, 64), ([3, 40, 100, 200], 3, 128)])
 def test_v4_csa_indexer_mxfp4_keys(starts, T, kpt):
-    """key_dtype="mxfp4": the score block over the keys' records equals the bf16 block over the
-    dequantised keys bit for bit (definition and emulated tiles), and its selection is the
-    model's over those keys."""
+    """key_dtype="mxfp4", V4.1's MXFP4 indexer: over the paged key cache, with the queries through
+    MXFP4 and the BF16 score stages, the score block equals the model's V4.1 indexer scores
+    (DSV4AttentionReference with index_query_format / bf16_index_stages) bit for bit - definition
+    and emulated tiles - and its selection is the model's."""
     from dataclasses import replace
 
+    from sdk.blocks.formats import mxfp4_round_trip
     from sdk.blocks.indexer import dequantize_index_keys, quantize_index_keys
-    spec, t, mask, E = v4_select_inputs(starts, T, ihd=128, seed=7 + T,
-                                        key_format=lambda k: dequantize_index_keys(quantize_index_keys(k), 128))
-    rec = quantize_index_keys(t["keys"])
-    deq = dequantize_index_keys(rec, 128)
-    assert torch.equal(deq, t["keys"])              # the format's values take the round trip unchanged
-    score_blk, topk_blk = dsv4_csa_indexer_blocks(spec.indexer, spec.compress_ratio, len(starts), T, 160,
+    spec, t, mask, E, ref, args = v4_select_inputs(starts, T, ihd=128, seed=7 + T, key_format=mxfp4_round_trip,
+                                                   seq=256, v41=True)
+    cache = quantize_index_keys(t["keys"])
+    assert torch.equal(dequantize_index_keys(cache, 128), t["keys"])   # the values take the round trip unchanged
+    score_blk, topk_blk = dsv4_csa_indexer_blocks(spec.indexer, spec.compress_ratio, len(starts), T, 256,
                                                   keys_per_tile=kpt)
     mx_blk = IndexScoreBlock(replace(score_blk.config, key_dtype="mxfp4"))
-    assert dict(zip(mx_blk.operands(), [o.shape for o in mx_blk.operand_specs()]))["keys"] == (len(starts), E, 17)
-    want = score_blk.reference(**{**t, "keys": deq})["scores"]
-    mx_t = {**t, "keys": rec}
-    assert torch.equal(mx_blk.reference(**mx_t)["scores"], want)
+    assert dict(zip(mx_blk.operands(), [o.shape for o in mx_blk.operand_specs()]))["keys"] == (len(starts), 1, 1088)
+    mx_t = {**t, "keys": cache}
+    got = mx_blk.reference(**mx_t)["scores"]
+    model = ref.index_scores(*args)
+    fp32 = score_blk.reference(**t)["scores"]
+    for b, s in enumerate(starts):
+        n = mx_blk.n_written(s)
+        assert torch.equal(got[b, :, :n], model[b, :, :n]), b
+        fin = torch.isfinite(got[b, :, :n])
+        v = got[b, :, :n][fin]
+        assert torch.equal(v, v.bfloat16().float())                       # bf16 scores
+        assert (v != fp32[b, :, :n][fin]).any() or v.numel() == 0        # ... not the fp32 ones
+    scores, idx = score_and_select(mx_blk, topk_blk, mx_t)              # emulated tiles == definition
     emu = run_tiles(mx_blk, mx_t, "scores", float("nan"))
-    torch.testing.assert_close(emu, run_tiles(score_blk, {**t, "keys": deq}, "scores", float("nan")), rtol=0, atol=0,
-                               equal_nan=True)                 # unwritten entries stay NaN on both
-    scores, got = score_and_select(mx_blk, topk_blk, mx_t)      # the model's selection over those keys
+    for b, s in enumerate(starts):
+        n = mx_blk.n_written(s)
+        assert torch.equal(emu[b, :, :n], got[b, :, :n]) and torch.isnan(emu[b, :, n:]).all()
     for b in range(len(starts)):
         for tq in range(T):
-            row = got[b, tq]
+            row = idx[b, tq]
             k = int((row >= 0).sum())
             assert same_selection(row[:k].tolist(), torch.nonzero(mask[b, tq]).flatten().tolist(),
                                   scores[b, tq]), (b, tq)
@@ -249,7 +300,7 @@ def test_index_list_feeds_dsv4_csa_decode():
     """TopKBlock's V4 list is DSV4DecodeBlock's "index" operand: same shape, and its key rows are
     the selected entries."""
     from sdk.blocks.dsv4_attention import DSV4DecodeBlock, DSV4DecodeConfig
-    spec, t, mask, E = v4_select_inputs([70, 150], 2, seed=3)
+    spec, t, mask, E, _, _ = v4_select_inputs([70, 150], 2, seed=3)
     score_blk, topk_blk = dsv4_csa_indexer_blocks(spec.indexer, 4, 2, 2, 160)
     idx = topk_blk.reference(scores=score_blk.reference(**t)["scores"], start=t["start"])["index"]
     core = DSV4DecodeBlock(DSV4DecodeConfig(heads=2, mode="csa", batch=2, q_tokens=2, head_dim=256, window=8,
@@ -447,7 +498,7 @@ def test_operands_costs_and_splits():
     (IndexScoreBlock, dict(heads=64, q_tokens=3)), (IndexScoreBlock, dict(heads=8, head_dim=24)),
     (IndexScoreBlock, dict(heads=8, keys_per_tile=100)), (TopKBlock, dict(k=5000)),
     (IndexScoreBlock, dict(heads=8, key_dtype="fp8")), (IndexScoreBlock, dict(heads=8, head_dim=64, key_dtype="mxfp4")),
-    (IndexScoreBlock, dict(heads=8, max_entries=42, key_dtype="mxfp4")),          # 42 x 68 B: chunks off 16 B
+    (IndexScoreBlock, dict(heads=8, max_entries=96, key_dtype="mxfp4")),          # 1.5 pages of 64 keys
     (TopKBlock, dict(k=8, ratio=4, expand=2, tail=True)),
     (MLADecodeBlock, dict(heads=40, softmax_scale=0.1, index_width=64)),
 ])

@@ -28,6 +28,7 @@ from cutlass.memory import SmemAllocator
 
 from .allreduce import ERR_PEER_TIMEOUT
 from .base import NUM_THREADS, PRODUCER_FIRST, SCRATCH_WORDS, coresident_stages, ring_geometry
+from .formats import E2M1_STEPS
 
 # When a consumed chunk's stage is refilled (SDK_RING_REFILL; opt-in, not yet measured):
 # "after" - right after the chunk is consumed, behind a second barrier (two barriers a chunk);
@@ -110,6 +111,48 @@ def ue8m0_exponent(amax: Float32, max_value: cutlass.Constexpr) -> Int32:
     if e > 254:
         e = Int32(254)
     return e
+
+
+@cute.jit
+def div_rn(a: Float32, b: Float32) -> Float32:
+    """IEEE a / b, rounded to nearest (torch's division: the quantisers' reference)."""
+    return cute.arch.inline_ptx("div.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
+                                read_only_args=[a, b])
+
+
+@cute.jit
+def e2m1_code(x: Float32, s: Float32) -> Int32:
+    """x's E2M1 code at scale s (formats.e2m1_codes of x / s: nearest, ties to even, saturating
+    at 6; the sign bit kept; s = 0: magnitude code 0)."""
+    sd = s
+    if s <= Float32(0.0):
+        sd = Float32(1.0)
+    y = div_rn(x, sd)
+    y = cute.arch.fmax(y, -y)
+    code = Int32(0)
+    for t_, inclusive in E2M1_STEPS:
+        if cutlass.const_expr(inclusive):
+            code = code + Int32(cutlass.select_(y >= Float32(t_), 1, 0))
+        else:
+            code = code + Int32(cutlass.select_(y > Float32(t_), 1, 0))
+    if s == Float32(0.0):
+        code = Int32(0)
+    if x < Float32(0.0):
+        code = code | 8
+    return code
+
+
+@cute.jit
+def e2m1_value(code: Int32) -> Float32:
+    """The value of an E2M1 code (formats.E2M1_VALUES): magnitude index m < 2: m / 2, else
+    2^(m / 2 - 1) (1 + (m % 2) / 2) - built from its bits, exact."""
+    m = code & 7
+    mag = Float32(0.5) * Float32(m)
+    if m >= 2:
+        mag = bits_to_f32(((m >> 1) + 126) << 23) * (Float32(1.0) + Float32(0.5) * Float32(m & 1))
+    if (code & 8) != 0:
+        mag = -mag
+    return mag
 
 
 def redux_u32(x, op: str, dtype=Int32):

@@ -7,6 +7,10 @@ w computes all T*H query rows x entries [8w, 8w + 8) of a 64-entry chunk over th
 applies ReLU(. * scale) * w[row] in registers (coordinates from an identity tensor partitioned
 like the accumulator) and parks the products in shared memory; after one barrier the head sums
 are taken by 1-4 adjacent lanes per (token, entry) (butterfly shuffles) and stored coalesced.
+V4.1's MXFP4 indexer (key_dtype "mxfp4"): a chunk is a page of 64 keys, staged raw and dequantised
+into one bf16 chunk; q goes through MXFP4 in place when it lands (chunk 0); the products are the
+BF16 stages bf16(ReLU(bf16(dot)) * bf16(w * scale)) and one lane per (token, entry) sums the heads
+in order, rounded to bf16.
 
 TopK: 256 threads per (sequence, token). Radix select on the uint32 image of the scores
 (u ^ 0xFFFFFFFF for negative floats, u | 0x80000000 otherwise: unsigned order = float order):
@@ -27,11 +31,11 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 
-from ._cute import (TileSmem, bits_to_f32, e2m1_pair, f16x2_to_f32, f32x2_to_bf16x2, gmem_tensor, smem_tensor,
-                    stage_rows_async)
+from ._cute import (TileSmem, bits_to_f32, e2m1_code, e2m1_pair, e2m1_value, f16x2_to_f32, f32x2_to_bf16x2,
+                    gmem_tensor, smem_tensor, stage_rows_async, ue8m0_exponent)
 from .base import NUM_THREADS
 from .formats import MXFP4_GROUP
-from .indexer import CHUNK, RADIX_BITS, RADIX_PASSES, index_key_words
+from .indexer import CHUNK, INDEX_KEY_PAGE, RADIX_BITS, RADIX_PASSES, index_key_page_words
 
 NUM_WARPS = NUM_THREADS // 32
 
@@ -53,12 +57,20 @@ def build_index_score_tile(block):
     P = max(1, NUM_THREADS // NO)        # lanes per output (a power of two: NO is a multiple of 64)
     scale = block.scale
     NEG_INF = -math.inf
-    MX = block.mxfp4                     # the keys are mxfp4 records (key_dtype)
-    KW = index_key_words(D) if MX else 0  # words of a record (17 at d = 128)
-    NRP = CH * KW // 4                   # mxfp4: 16-byte pieces of a chunk's records (copied flat)
+
+    def bf16(x):
+        """x rounded to bf16, as fp32 (V4.1's stage boundaries)."""
+        return x.to(BFloat16).to(Float32)
+    MX = block.mxfp4                     # V4.1's MXFP4 indexer (key_dtype): paged keys, q through
+                                         # MXFP4, BF16 score stages
+    assert not MX or CH == INDEX_KEY_PAGE  # a chunk is one page of keys
+    NRP = index_key_page_words(D) // 4 if MX else 0    # mxfp4: 16-byte pieces of a page (272 at d = 128)
     RPT = -(-NRP // NUM_THREADS)
-    GPR = D // MXFP4_GROUP               # mxfp4: scale groups of a record
+    CPK = D // 32                        # mxfp4: 16-byte pieces of a key's codes (a page's first part)
+    SBK = D // MXFP4_GROUP               # mxfp4: scale bytes of a key (the page's second part)
+    GPR = D // MXFP4_GROUP               # mxfp4: scale groups of a key
     NDQ = CH * GPR                       # mxfp4: dequant units of a chunk (32 values each)
+    NQQ = R * GPR                        # mxfp4: quantise units of q (a row's 32-value group each)
 
     @cute.jit
     def load_chunk(mK, b, n, e0, st, sStage, tid, g2s):
@@ -75,23 +87,32 @@ def build_index_score_tile(block):
                 cute.copy(g2s, mK[b, e, p, None], sStage[st, j, p, None])
 
     @cute.jit
-    def load_records(mKp, b, n, e0, st, sRawP, tid, g2s4):
-        """mxfp4: cp.async the records of entries e0 .. e0+CH-1 into stage st as one flat run of
-        16-byte pieces (a chunk's records are contiguous; check() keeps its start 16-byte
-        aligned); only the entries below n, rounded up to 4 (whole pieces, < max_entries)."""
+    def scale_of(e: Int32) -> Float32:
+        """A UE8M0 byte's scale 2^(E - 127) (E = 0: 2^-127, subnormal)."""
+        sc = bits_to_f32(Int32(0x400000))
+        if e > 0:
+            sc = bits_to_f32(e << 23)
+        return sc
+
+    @cute.jit
+    def load_page(mKp, b, n, e0, st, sRawP, tid, g2s4):
+        """mxfp4: cp.async the page of entries e0 .. e0+CH-1 (e0 a multiple of 64) into stage st:
+        the codes of the entries below n (CPK pieces each), then their scale bytes (whole pieces)."""
         ne = n - e0
         if ne > CH:
             ne = Int32(CH)
-        npc = ((ne + 3) // 4) * KW
-        base = (b * E + e0) * KW // 4
+        ncode = ne * CPK
+        nscale = (ne * SBK + 15) // 16
+        base = (b * (E // CH) + e0 // CH) * NRP
         for k in cutlass.range_constexpr(RPT):
             i = tid + k * NUM_THREADS
-            if i < npc:
-                cute.copy(g2s4, mKp[base + i, None], sRawP[st, i, None])
+            if i < NRP:
+                if (i < ncode) | ((i >= CH * CPK) & (i < CH * CPK + nscale)):
+                    cute.copy(g2s4, mKp[base + i, None], sRawP[st, i, None])
 
     @cute.jit
-    def dequant_records(sRaw, sRawB, sKW, st, tid):
-        """mxfp4: the stage's records into the bf16 chunk; unit = (entry, 32-value group): 4 words
+    def dequant_page(sRaw, sRawB, sKW, st, tid):
+        """mxfp4: the stage's page into the bf16 chunk; unit = (entry, 32-value group): 4 words
         of codes and a UE8M0 byte. Entries the load skipped decode stale bytes - their scores are
         never stored."""
         for k in cutlass.range_constexpr(-(-NDQ // NUM_THREADS)):
@@ -99,20 +120,41 @@ def build_index_score_tile(block):
             if i < NDQ:
                 j = i // GPR
                 gi = i % GPR
-                e = Int32(sRawB[st, j * KW * 4 + D // 2 + gi]) & 255
-                sc = bits_to_f32(Int32(0x400000))                       # E = 0: 2^-127
-                if e > 0:
-                    sc = bits_to_f32(e << 23)                           # 2^(E - 127)
-                sc = sc * Float32(16384.0)                              # e2m1_pair's fp16 is value * 2^-14
+                e = Int32(sRawB[st, CH * D // 2 + j * SBK + gi]) & 255
+                sc = scale_of(e) * Float32(16384.0)                     # e2m1_pair's fp16 is value * 2^-14
                 out = cute.make_rmem_tensor((4,), Int32)
                 for q in cutlass.range_constexpr(4):
-                    word = sRaw[st, j * KW + gi * 4 + q]                  # codes of values 8q .. 8q + 7
+                    word = sRaw[st, j * (D // 8) + gi * 4 + q]            # codes of values 8q .. 8q + 7
                     v = [None] * 8
                     for p in cutlass.range_constexpr(4):
                         v[p], v[p + 4] = f16x2_to_f32(e2m1_pair(word, p))
                     for p in cutlass.range_constexpr(4):
                         out[p] = f32x2_to_bf16x2(v[2 * p] * sc, v[2 * p + 1] * sc)
                     sKW[j, gi * 4 + q, None].store(out.load())            # 8 bf16: one 16-byte store
+
+    @cute.jit
+    def quantize_q(sQv, tid):
+        """mxfp4: q's rows through MXFP4 in place (formats.mxfp4_round_trip); unit = (row, 32-value
+        group): its max |q|, the UE8M0 scale, each value's nearest E2M1 (ties to even) times it."""
+        for k in cutlass.range_constexpr(-(-NQQ // NUM_THREADS)):
+            u = tid + k * NUM_THREADS
+            if u < NQQ:
+                r = u // GPR
+                gi = u % GPR
+                v = cute.make_rmem_tensor((32,), Float32)
+                for q in cutlass.range_constexpr(4):
+                    piece = sQv[r, gi * 4 + q, None].load().to(Float32)
+                    for p in cutlass.range_constexpr(8):
+                        v[q * 8 + p] = piece[p]
+                a = Float32(0.0)
+                for i in cutlass.range_constexpr(32):
+                    a = cute.arch.fmax(a, cute.arch.fmax(v[i], -v[i]))
+                sc = scale_of(ue8m0_exponent(a, 6.0))
+                for q in cutlass.range_constexpr(4):
+                    out = cute.make_rmem_tensor((8,), Float32)
+                    for p in cutlass.range_constexpr(8):
+                        out[p] = e2m1_value(e2m1_code(v[q * 8 + p], sc)) * sc
+                    sQv[r, gi * 4 + q, None].store(out.load().to(BFloat16))
 
     @cute.jit
     def tile(ptrs, t: Int32, scratch):
@@ -127,7 +169,7 @@ def build_index_score_tile(block):
         mK = None
         mKp = None
         if cutlass.const_expr(MX):
-            mKp = gmem_tensor(ptrs[2], Int32, (B * E * KW // 4, 4), 16)
+            mKp = gmem_tensor(ptrs[2], Int32, (B * (E // CH) * NRP, 4), 16)
         else:
             mK = gmem_tensor(ptrs[2], BFloat16, (B, E, PIECES, 8), 16)
         mStart = gmem_tensor(ptrs[3], Int32, (B,), 4)
@@ -173,7 +215,7 @@ def build_index_score_tile(block):
         for k in cutlass.range_constexpr(ST - 1):
             if k < nch:
                 if cutlass.const_expr(MX):
-                    load_records(mKp, b, n, lo + k * CH, k, sRawP, tid, g2s4)
+                    load_page(mKp, b, n, lo + k * CH, k, sRawP, tid, g2s4)
                 else:
                     load_chunk(mK, b, n, lo + k * CH, k, sStage, tid, g2s)
             cute.arch.cp_async_commit_group()
@@ -181,6 +223,8 @@ def build_index_score_tile(block):
             wr = Float32(0.0)
             if r < R:
                 wr = mW[b, r]
+                if cutlass.const_expr(MX):
+                    wr = bf16(wr * scale)       # V4.1: bf16 weights with the scale folded in
             sW[r] = wr
 
         mma_op = cwarp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
@@ -203,15 +247,17 @@ def build_index_score_tile(block):
             nxt = ci + ST - 1
             if nxt < nch:
                 if cutlass.const_expr(MX):
-                    load_records(mKp, b, n, lo + nxt * CH, nxt % ST, sRawP, tid, g2s4)
+                    load_page(mKp, b, n, lo + nxt * CH, nxt % ST, sRawP, tid, g2s4)
                 else:
                     load_chunk(mK, b, n, lo + nxt * CH, nxt % ST, sStage, tid, g2s)
             cute.arch.cp_async_commit_group()
             kst = st
             if cutlass.const_expr(MX):
-                dequant_records(sRaw, sRawB, sKW, st, tid)
+                if ci == 0:
+                    quantize_q(sQv, tid)        # q landed with chunk 0
+                dequant_page(sRaw, sRawB, sKW, st, tid)
                 kst = Int32(0)
-                cute.arch.sync_threads()        # the chunk's bf16 keys in place
+                cute.arch.sync_threads()        # the chunk's bf16 keys (and at chunk 0 q) in place
 
             # ---- q . key for all rows x this warp's 8 entries, ReLU(. * scale) * w[row] ---------
             sKw = cute.local_tile(sK[kst, None, None], (8, D), (wid, 0))
@@ -226,12 +272,15 @@ def build_index_score_tile(block):
                 cute.gemm(tiled_qk, accS, tSrQ[None, None, k], tSrK[None, None, k], accS)
             for i in cutlass.range_constexpr(cute.size(accS)):
                 m_, n_ = cS[i]
-                tSsP[i] = cute.arch.fmax(accS[i] * scale, Float32(0.0)) * sW[m_]
+                if cutlass.const_expr(MX):      # V4.1's stages: bf16(ReLU(bf16(dot)) * w)
+                    tSsP[i] = bf16(cute.arch.fmax(bf16(accS[i]), Float32(0.0)) * sW[m_])
+                else:
+                    tSsP[i] = cute.arch.fmax(accS[i] * scale, Float32(0.0)) * sW[m_]
             cute.arch.sync_threads()            # all products of chunk ci in sP
 
             # ---- head sums per (token, entry); -inf where the entry is not visible to the token --
             e0 = lo + ci * CH
-            if cutlass.const_expr(P > 1):
+            if cutlass.const_expr(P > 1 and not MX):
                 o = tid // P
                 part = tid % P
                 tq = o // CH
@@ -248,12 +297,19 @@ def build_index_score_tile(block):
                         acc = Float32(NEG_INF)
                     mS[b, tq, e] = acc
             else:
+                # one lane per (token, entry), heads in order (V4.1 keeps the fp32 sum's order)
                 for o in cutlass.range(tid, NO, NUM_THREADS, unroll=1):
                     tq = o // CH
                     j = o % CH
                     acc = Float32(0.0)
-                    for h in cutlass.range(H, unroll=1):
-                        acc = acc + sP[tq * H + h, j]
+                    if cutlass.const_expr(MX):
+                        # unrolled: the loads go out together, the fp32 adds stay in head order
+                        for h in cutlass.range_constexpr(H):
+                            acc = acc + sP[tq * H + h, j]
+                        acc = bf16(acc)
+                    else:
+                        for h in cutlass.range(H, unroll=1):
+                            acc = acc + sP[tq * H + h, j]
                     e = e0 + j
                     if e < hi:
                         nt = (start + tq + 1) // RATIO

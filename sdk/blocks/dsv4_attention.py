@@ -115,6 +115,11 @@ def dequantize_comp_fp4(rec: torch.Tensor, head_dim: int) -> torch.Tensor:
     return (v.unflatten(-1, (-1, COMP_GROUP)) * s[..., None]).flatten(-2).to(torch.bfloat16)
 
 
+def comp_fp4_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x [..., hd] -> the bf16 values its fp4 record holds (what the decode reads back)."""
+    return dequantize_comp_fp4(quantize_comp_fp4(x), x.shape[-1])
+
+
 def dequantize_window_fp8(rec: torch.Tensor, head_dim: int) -> torch.Tensor:
     """int32 records [..., words] -> bf16 [..., head_dim]: each e4m3 value times its group's
     2^(E - 127) in fp32, rounded to bf16 (exact for every finite record: 4-bit mantissas) - what

@@ -36,8 +36,9 @@ Supported: dim even and <= 2 * NUM_THREADS (V4.1-Flash: 512 main, 128 indexer), 
 dividing dim with its channel pairs dividing NUM_THREADS, rope even and <= dim, ratio >= 1, bf16
 projections / state, fp32 gate state; entries bf16 or V4.1's records: entry_dtype="fp4_e2m1" (dim
 a multiple of 64; the main compressor's entries, dsv4_attention.quantize_comp_fp4: E2M1 codes +
-an E4M3 scale per 16 values, 288 B for 512) or "mxfp4" (dim a multiple of 128; the indexer's keys,
-indexer.quantize_index_keys: E2M1 codes + a UE8M0 scale per 32 values, 68 B for 128). Then the
+an E4M3 scale per 16 values, 288 B for 512) or "mxfp4" (dim a multiple of 128, max_entries of 64;
+the indexer's keys, indexer.quantize_index_keys: E2M1 codes + a UE8M0 scale per 32 values, 68 B for
+128, in V4.1's planar pages of 64 keys: the codes, then the scale bytes). Then the
 pooling writes `pooled` [B, T, dim] (the window token t closes) and the norm quantises the
 normed, roped entry into the record - a group is the channel pairs of 8 (fp4_e2m1) or 16
 (mxfp4) consecutive lanes (max by shuffles), the codes rounded to nearest, ties to even, as the
@@ -46,12 +47,15 @@ torch twins (bit for bit: `tests/test_dsv4_compress.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .base import NUM_THREADS, SCRATCH_WORDS, Block, Cost, OperandSpec
-from .dsv4_attention import comp_record_words, dequantize_comp_fp4, quantize_comp_fp4
-from .indexer import dequantize_index_keys, index_key_words, quantize_index_keys
+from .dsv4_attention import comp_fp4_round_trip, comp_record_words, dequantize_comp_fp4, quantize_comp_fp4
+from .formats import MXFP4_GROUP, mxfp4_round_trip
+from .indexer import (INDEX_KEY_PAGE, dequantize_index_keys, index_key_page_words, index_key_words,
+                      quantize_index_keys, write_index_key)
 
 # the pooling's cross-key-lane sums: two fp32 words per thread in `scratch`
 assert 2 * NUM_THREADS <= SCRATCH_WORDS
@@ -75,9 +79,28 @@ class DSV4CompressConfig:
                                          # quantize_index_keys, 2026-12-05)
 
 
-# entry_dtype -> (int32 words of a record, its torch quantiser, its dequantiser to bf16 values)
-RECORD_FORMATS = {"fp4_e2m1": (comp_record_words, quantize_comp_fp4, dequantize_comp_fp4),
-                  "mxfp4": (index_key_words, quantize_index_keys, dequantize_index_keys)}
+@dataclass(frozen=True)
+class RecordFormat:
+    """A quantised entry format of the compressor's cache: its torch definition."""
+    shape: Callable[[int, int, int], tuple]            # (batch, max_entries, dim) -> the cache's int32 shape
+    quantize: Callable[[torch.Tensor], torch.Tensor]   # entries [B, E, dim] -> the cache
+    dequantize: Callable[[torch.Tensor, int], torch.Tensor]   # (the cache, dim) -> bf16 [B, E, dim]
+    write: Callable                                    # (cache, b, w, entry [dim]): entry w of sequence b
+    round_trip: Callable[[torch.Tensor], torch.Tensor]  # entries [..., dim] -> the values a reader sees
+
+
+def _write_comp_fp4(cache, b, w, entry):
+    cache[b, w] = quantize_comp_fp4(entry).to(cache.device)
+
+
+# entry_dtype -> its format: the main compressor's V4.1 fp4 entries (a record per entry) and the
+# indexer's V4.1 mxfp4 keys (planar pages of 64 keys)
+RECORD_FORMATS = {
+    "fp4_e2m1": RecordFormat(lambda b, e, d: (b, e, comp_record_words(d)), quantize_comp_fp4, dequantize_comp_fp4,
+                             _write_comp_fp4, comp_fp4_round_trip),
+    "mxfp4": RecordFormat(lambda b, e, d: (b, e // INDEX_KEY_PAGE, index_key_page_words(d)), quantize_index_keys,
+                          dequantize_index_keys, write_index_key, mxfp4_round_trip),
+}
 ENTRY_DTYPES = ("bf16",) + tuple(RECORD_FORMATS)
 
 
@@ -94,21 +117,26 @@ class _CompressBase(Block):
         """The entries are quantised records (fp4_e2m1 / mxfp4), written by the norm from `pooled`."""
         return self.config.entry_dtype != "bf16"
 
-    def record_words(self) -> int:
-        return RECORD_FORMATS[self.config.entry_dtype][0](self.config.dim)
+    @property
+    def format(self) -> RecordFormat:
+        return RECORD_FORMATS[self.config.entry_dtype]
 
     def quantize(self, h: torch.Tensor) -> torch.Tensor:
-        """Entries [..., dim] -> their int32 records (the format's torch definition)."""
-        return RECORD_FORMATS[self.config.entry_dtype][1](h)
+        """Entries [B, E, dim] -> the int32 cache (the format's torch definition)."""
+        return self.format.quantize(h)
 
-    def dequantize(self, rec: torch.Tensor) -> torch.Tensor:
-        """int32 records -> the entries' bf16 values (what their readers dequantise)."""
-        return RECORD_FORMATS[self.config.entry_dtype][2](rec, self.config.dim)
+    def dequantize(self, cache: torch.Tensor) -> torch.Tensor:
+        """The int32 cache -> the entries' bf16 values [B, E, dim] (what their readers dequantise)."""
+        return self.format.dequantize(cache, self.config.dim)
+
+    def round_trip(self, h: torch.Tensor) -> torch.Tensor:
+        """Entries [..., dim] -> the values their records hold (a model compressor's entry_format)."""
+        return self.format.round_trip(h)
 
     def entries_spec(self) -> OperandSpec:
         c = self.config
         if self.records:
-            return OperandSpec("entries", (c.batch, c.max_entries, self.record_words()), "int32", output=True)
+            return OperandSpec("entries", self.format.shape(c.batch, c.max_entries, c.dim), "int32", output=True)
         return OperandSpec("entries", (c.batch, c.max_entries, c.dim), "bf16", output=True)
 
     def pooled_spec(self, output: bool) -> OperandSpec:
@@ -139,6 +167,9 @@ class _CompressBase(Block):
         multiple = {"bf16": 1, "fp4_e2m1": 64, "mxfp4": 128}[c.entry_dtype]
         if c.dim % multiple:
             self.unsupported(f"{self.name} {c.entry_dtype} entries: dim={c.dim} must be a multiple of {multiple}")
+        if c.entry_dtype == "mxfp4" and c.max_entries % INDEX_KEY_PAGE:
+            self.unsupported(f"{self.name} mxfp4 keys: max_entries={c.max_entries} must be a multiple of the "
+                             f"{INDEX_KEY_PAGE}-key page")
 
 
 class DSV4CompressBlock(_CompressBase):
@@ -408,7 +439,7 @@ class DSV4CompressNormBlock(_CompressBase):
                 rot = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten()
                 h = torch.cat([h[:d - c.rope], rot.to(torch.bfloat16).float()])
             if self.records:
-                ent[b, w] = self.quantize(h.cpu()).to(ent.device)
+                self.format.write(ent, b, w, h.cpu())
             else:
                 ent[b, w] = h.to(ent.dtype)
 
@@ -427,24 +458,19 @@ class DSV4CompressNormBlock(_CompressBase):
         import cutlass.cute as cute
         from cutlass import BFloat16, Float32, Int32
 
-        from ._cute import bits_to_f32, block_sum, gmem_tensor, ue8m0_exponent
+        from ._cute import bits_to_f32, block_sum, div_rn, e2m1_code, gmem_tensor, ue8m0_exponent
 
         c = self.config
         B, T, D, R, RT, E = c.batch, c.tokens, c.dim, c.ratio, c.rope, c.max_entries
         NP = D // 2                          # channel pairs = active threads
         REC = self.records
         MX = c.entry_dtype == "mxfp4"
-        RB = 4 * self.entries_spec().shape[-1] if REC else 0       # records: bytes of one
+        RB = 4 * self.entries_spec().shape[-1] if REC else 0       # fp4 records: bytes of one
+        KB = 4 * index_key_words(D) if MX else 0                    # mxfp4: bytes of a key (68 at 128)
+        PG = INDEX_KEY_PAGE
         # records: the consecutive lanes (channel pairs) of a scale group - mxfp4: 32 values a UE8M0
         # scale; fp4_e2m1: 16 an E4M3
         GL = 16 if MX else 8
-        from .formats import E2M1_STEPS
-
-        @cute.jit
-        def div_rn(a: Float32, b_: Float32) -> Float32:
-            """IEEE a / b (round to nearest: the reference's torch division)."""
-            return cute.arch.inline_ptx("div.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
-                                        read_only_args=[a, b_])
 
         @cute.jit
         def e4m3_round(x: Float32):
@@ -456,26 +482,6 @@ class DSV4CompressNormBlock(_CompressBase):
                 write_only_types=[Int32, Float32], read_only_args=[x, Float32(0.0)])
             return byte, val
 
-        @cute.jit
-        def e2m1_code(x: Float32, s: Float32) -> Int32:
-            """x's E2M1 code at scale s (quantize_comp_fp4: nearest, ties to even, saturating; the
-            sign bit kept; s = 0: magnitude code 0)."""
-            sd = s
-            if s <= Float32(0.0):
-                sd = Float32(1.0)
-            y = div_rn(x, sd)
-            y = cute.arch.fmax(y, -y)
-            code = Int32(0)
-            for t_, inclusive in E2M1_STEPS:
-                if cutlass.const_expr(inclusive):
-                    code = code + Int32(cutlass.select_(y >= Float32(t_), 1, 0))
-                else:
-                    code = code + Int32(cutlass.select_(y > Float32(t_), 1, 0))
-            if s == Float32(0.0):
-                code = Int32(0)
-            if x < Float32(0.0):
-                code = code | 8
-            return code
         R2 = max(RT // 2, 1)
         P0 = (D - RT) // 2                   # first rope pair
         eps = float(c.eps)
@@ -492,7 +498,10 @@ class DSV4CompressNormBlock(_CompressBase):
             mStart = gmem_tensor(ptrs[ix["start"]], Int32, (B,), 4)
             if cutlass.const_expr(REC):
                 mIn = gmem_tensor(ptrs[ix["pooled"]], BFloat16, (B, T, D // 2, 2), 4)
-                mRecB = gmem_tensor(ptrs[ix["entries"]], cutlass.Int8, (B, E, RB), 1)
+                if cutlass.const_expr(MX):       # a sequence's pages, flat
+                    mRecB = gmem_tensor(ptrs[ix["entries"]], cutlass.Int8, (B, E * KB), 1)
+                else:
+                    mRecB = gmem_tensor(ptrs[ix["entries"]], cutlass.Int8, (B, E, RB), 1)
             else:
                 mEnt = gmem_tensor(ptrs[ix["entries"]], BFloat16, (B, E, D // 2, 2), 4)
             mCos = None
@@ -546,9 +555,17 @@ class DSV4CompressNormBlock(_CompressBase):
                             sbyte, sval = e4m3_round(cute.arch.fmin(div_rn(a, Float32(6.0)), Float32(448.0)))
                         code = e2m1_code(h0, sval) | (e2m1_code(h1, sval) << 4)
                         if active:
-                            mRecB[b, w, i] = cutlass.Int8(code)
-                            if i % GL == 0:
-                                mRecB[b, w, D // 2 + i // GL] = cutlass.Int8(sbyte)
+                            if cutlass.const_expr(MX):
+                                # the key's codes and scale bytes in their places of its page
+                                pg = (w // PG) * (PG * KB)
+                                j = w % PG
+                                mRecB[b, pg + j * (D // 2) + i] = cutlass.Int8(code)
+                                if i % GL == 0:
+                                    mRecB[b, pg + PG * (D // 2) + j * (D // MXFP4_GROUP) + i // GL] = cutlass.Int8(sbyte)
+                            else:
+                                mRecB[b, w, i] = cutlass.Int8(code)
+                                if i % GL == 0:
+                                    mRecB[b, w, D // 2 + i // GL] = cutlass.Int8(sbyte)
                     else:
                         if active:
                             out2 = cute.make_rmem_tensor((2,), Float32)

@@ -4,6 +4,7 @@ of the queries, the RMSNorm (kv_norm) and RoPE of the shared KV head - the decod
 
 The definition is sdk/reference/dsv4_attention.py's forward (equal to transformers):
     q      = RoPE(rms_norm_v4(q_b(q_res).view(H, hd), None))         per head
+             (q_norm=False, V4.1: RoPE(q_b(q_res)) - no per-head norm)
     new_kv = RoPE(rms_norm_v4(kv_proj(x), kv_norm))
 with rms_norm_v4 = bf16(w * fp32(x) * rsqrt(mean(x^2) + eps)) and RoPE on the trailing `rope`
 channels in interleaved pairs (2i, 2i + 1), fp32 from the bf16 normed values, one rounding; cos /
@@ -34,6 +35,7 @@ class DSV4PrologueConfig:
     batch: int = 1
     tokens: int = 1
     eps: float = 1e-6
+    q_norm: bool = True                  # the per-head q RMSNorm (V4); False: V4.1, RoPE only
 
 
 class DSV4PrologueBlock(Block):
@@ -77,7 +79,7 @@ class DSV4PrologueBlock(Block):
         """(q [H, hd], new_kv [hd]) of token m, bf16: the reference's own functions."""
         from ..reference.dsv4_attention import Rope, rms_norm_v4
         c = self.config
-        q = rms_norm_v4(t["q_raw"][m], None, c.eps)
+        q = rms_norm_v4(t["q_raw"][m], None, c.eps) if c.q_norm else t["q_raw"][m]
         kv = rms_norm_v4(t["kv_raw"][m], t["kv_norm"], c.eps)
         if c.rope:
             cos, sin = t["cos"][m], t["sin"][m]
@@ -148,6 +150,9 @@ class DSV4PrologueBlock(Block):
                         ss = ss + x[j, e] * x[j, e]
                 ss = cute.arch.warp_reduction_sum(ss)
                 rstd = cute.math.rsqrt(ss / Float32(HD) + Float32(eps), fastmath=False)
+                if cutlass.const_expr(not c.q_norm):
+                    if not is_kv:
+                        rstd = Float32(1.0)     # V4.1: q unnormed (x * 1, rounded to bf16: itself)
                 for j in cutlass.range_constexpr(UPL):
                     u = lane * UPL + j
                     wv = cute.make_rmem_tensor((8,), Float32)
@@ -181,6 +186,7 @@ def dsv4_prologue_compile_cases():
     """V4.1-Flash TP8 (8 heads x 512, rope 64) at batch 1 and 64, T = 2; 16 heads (TP4)."""
     return [DSV4PrologueBlock(DSV4PrologueConfig(heads=8, batch=1, tokens=2)),
             DSV4PrologueBlock(DSV4PrologueConfig(heads=8, batch=64)),
+            DSV4PrologueBlock(DSV4PrologueConfig(heads=8, batch=8, q_norm=False)),
             DSV4PrologueBlock(DSV4PrologueConfig(heads=16, batch=8))]
 
 

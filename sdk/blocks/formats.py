@@ -73,3 +73,9 @@ def mxfp4_values(codes: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
     """(codes uint8 [..., n / 2], scale bytes uint8 [..., n / 32]) -> fp32 values [..., n]."""
     scale = torch.ldexp(torch.ones_like(exps, dtype=torch.float32), exps.to(torch.int32) - 127)
     return (e2m1_values(codes).unflatten(-1, (-1, MXFP4_GROUP)) * scale[..., None]).flatten(-2)
+
+
+def mxfp4_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] -> its MXFP4 values rounded to bf16 (exact unless below bf16's normal range):
+    what a reader of x's MXFP4 form sees - V4.1's indexer keys and queries."""
+    return mxfp4_values(*mxfp4_bytes(x)).to(torch.bfloat16)

@@ -43,11 +43,21 @@ the consumers, entries distinct, -1 = none):
   padded; positions [k*P, k*P + P - 1): the tail tokens, -1 padded. sdk/reference/dsa.py's list
   has the same set (its order: pools by score, the tail right after the chosen pools).
 
+V4.1-Flash's MXFP4 indexer (`key_dtype="mxfp4"`; the contract of flashinfer 0.7.2's V4.1 DSA indexer,
+experimental/b12x/attention/dsa_indexer/mxfp4.py, which cites the published model):
+- keys: 128 E2M1 codes + 4 UE8M0 scales (one per 32 values), 68 B, in planar pages of 64 keys (the
+  64 keys' codes, 64 B each, then their scales, 4 B each: 4352 B a page; quantize_index_keys);
+- queries: through the same MXFP4 round trip (formats.mxfp4_round_trip; the tile quantises q as it
+  stages it);
+- the score's BF16 stage boundaries (sdk/reference/dsv4_attention.py `staged_index_scores`): the dot
+  rounded to bf16, the weighted term bf16(ReLU(dot) * bf16(w * scale)), the fp32 head sum in head
+  order rounded to bf16.
+
 Supported: T * H <= 128 query rows per sequence (GLM TP-any: 32 heads x T <= 4; V4: 64 heads x
-T <= 2), head_dim a multiple of 16 (128 in both models), bf16 q, keys bf16 or (key_dtype="mxfp4",
-V4.1's 68 B records: quantize_index_keys; head_dim a multiple of 128, max_entries x 68 B a multiple
-of 16) staged raw and dequantised into a bf16 chunk, contiguous batch-first key caches (as the
-references keep them), k <= 4096, any ratio >= 1.
+T <= 2), head_dim a multiple of 16 (128 in both models), bf16 q, keys bf16 or mxfp4 (head_dim a
+multiple of 128, max_entries a multiple of 64: whole pages; a chunk is one page, staged raw and
+dequantised into a bf16 chunk), contiguous batch-first key caches (as the references keep them),
+k <= 4096, any ratio >= 1.
 Not yet: fp8 indexer keys, paged indexer caches, the q / w GEMVs fused into the score tile, a
 fused score + top-k (scores stay in global / L2: at 131072 entries a row is 512 KB).
 """
@@ -59,7 +69,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import NUM_THREADS, Block, Cost, OperandSpec
-from .formats import MXFP4_GROUP, mxfp4_bytes, mxfp4_values
+from ..reference.dsv4_attention import staged_index_scores
+from .formats import MXFP4_GROUP, mxfp4_bytes, mxfp4_round_trip, mxfp4_values
 
 CHUNK = 64                     # entries per pipeline stage: 8 warps x one n8 MMA block each
 TOPK_CACHE_MAX = 32 * 1024     # TopKBlock keeps the score row in shared memory up to this size
@@ -68,28 +79,53 @@ RADIX_PASSES = 32 // RADIX_BITS
 
 
 INDEX_KEY_DTYPES = ("bf16", "mxfp4")
+INDEX_KEY_PAGE = CHUNK         # keys per page of the mxfp4 key cache (V4.1's page: 64 tokens)
 
 
 def index_key_words(head_dim: int) -> int:
-    """int32 words of one mxfp4 indexer-key record: head_dim E2M1 codes (two a byte, value 2i in
-    the low nibble), then head_dim / 32 UE8M0 scale bytes (V4.1-Flash: 64 + 4 = 68 bytes a key)."""
+    """int32 words of one mxfp4 indexer key: head_dim E2M1 codes (two a byte, value 2i in the low
+    nibble) and head_dim / 32 UE8M0 scale bytes (V4.1-Flash: 64 + 4 = 68 bytes a key)."""
     return (head_dim // 2 + head_dim // MXFP4_GROUP) // 4
 
 
+def index_key_page_words(head_dim: int) -> int:
+    """int32 words of a page of INDEX_KEY_PAGE mxfp4 keys: the codes of its keys, key after key
+    (head_dim / 2 bytes each: every key's codes start on 16 bytes), then their scale bytes
+    (head_dim / 32 each) - V4.1's planar page, 64 x 68 = 4352 bytes."""
+    return INDEX_KEY_PAGE * index_key_words(head_dim)
+
+
 def quantize_index_keys(x: torch.Tensor) -> torch.Tensor:
-    """x [..., d] -> int32 records [..., index_key_words(d)]: MXFP4 (formats.mxfp4_bytes, the
-    experts' format) - the codes, then the scale bytes."""
-    rec = torch.cat(mxfp4_bytes(x), dim=-1)
-    assert rec.shape[-1] == 4 * index_key_words(x.shape[-1])
-    return rec.contiguous().view(torch.int32)
+    """x [..., E, d] (E a multiple of INDEX_KEY_PAGE) -> the int32 key cache [..., E / 64,
+    index_key_page_words(d)]: MXFP4 (formats.mxfp4_bytes, the experts' format) in planar pages."""
+    codes, scales = mxfp4_bytes(x)
+    if x.shape[-2] % INDEX_KEY_PAGE:
+        raise ValueError(f"quantize_index_keys: {x.shape[-2]} keys is not a whole number of "
+                         f"{INDEX_KEY_PAGE}-key pages")
+    def paged(t):                      # [..., E, bytes] -> [..., E / 64, 64 x bytes]
+        return t.unflatten(-2, (-1, INDEX_KEY_PAGE)).flatten(-2)
+    return torch.cat([paged(codes), paged(scales)], dim=-1).contiguous().view(torch.int32)
 
 
-def dequantize_index_keys(rec: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """int32 records -> bf16 [..., head_dim]: each E2M1 value times 2^(E - 127) in fp32, rounded to
-    bf16 (exact unless it falls below bf16's normal range) - what the score tile dequantises."""
-    by = rec.contiguous().view(torch.uint8)
-    return mxfp4_values(by[..., :head_dim // 2], by[..., head_dim // 2:head_dim // 2 + head_dim // MXFP4_GROUP]
-                        ).to(torch.bfloat16)
+def dequantize_index_keys(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The int32 key cache [..., P, page words] -> its keys' values bf16 [..., P * 64, head_dim]:
+    each E2M1 value times 2^(E - 127) in fp32, rounded to bf16 (exact unless it falls below bf16's
+    normal range) - what the score tile dequantises."""
+    by = cache.contiguous().view(torch.uint8)
+    cb = INDEX_KEY_PAGE * head_dim // 2
+    def per_key(t):                    # [..., P, 64 x bytes] -> [..., P x 64, bytes]
+        return t.unflatten(-1, (INDEX_KEY_PAGE, -1)).flatten(-3, -2)
+    return mxfp4_values(per_key(by[..., :cb]), per_key(by[..., cb:])).to(torch.bfloat16)
+
+
+def write_index_key(cache: torch.Tensor, b: int, w: int, key: torch.Tensor) -> None:
+    """Key w of sequence b of the paged cache [B, P, page words] := key's MXFP4 record (its codes
+    and scale bytes in their places of the key's page) - the compressor's write."""
+    codes, scales = (t.to(cache.device) for t in mxfp4_bytes(key))
+    page = cache[b, w // INDEX_KEY_PAGE].view(torch.uint8)
+    j, cb, sb = w % INDEX_KEY_PAGE, codes.numel(), scales.numel()
+    page[j * cb:(j + 1) * cb] = codes
+    page[INDEX_KEY_PAGE * cb + j * sb:INDEX_KEY_PAGE * cb + (j + 1) * sb] = scales
 
 
 def visible_entries(start, t, ratio: int, max_entries: int):
@@ -117,8 +153,9 @@ class IndexScoreConfig:
     scale: float = 0.0              # 0: head_dim ** -0.5
     keys_per_tile: int = 512        # a multiple of 64
     stages: int = 4                 # cp.async pipeline depth (chunks of 64 entries)
-    key_dtype: str = "bf16"         # "mxfp4": the keys as V4.1's 68 B records (quantize_index_keys;
-                                    # opt-in, written 2026-12-05, not yet run on a GPU)
+    key_dtype: str = "bf16"         # "mxfp4": V4.1's MXFP4 indexer - keys in 68 B records, paged
+                                    # (quantize_index_keys), q through MXFP4, BF16 score stages (opt-in,
+                                    # written 2026-12-05 / 06, not yet run on a GPU)
 
 
 class IndexScoreBlock(Block):
@@ -174,10 +211,10 @@ class IndexScoreBlock(Block):
             self.unsupported(f"index_score: stages={c.stages} (2..8)")
         if c.key_dtype not in INDEX_KEY_DTYPES:
             self.unsupported(f"index_score: key_dtype {c.key_dtype!r} (supported: {INDEX_KEY_DTYPES})")
-        # mxfp4: whole-word records, and a sequence's chunks start on 16 bytes (copied flat)
-        if self.mxfp4 and (c.head_dim % 128 or (c.max_entries * self.key_bytes_each) % 16):
+        # mxfp4: whole-word records in whole pages (a chunk is a page)
+        if self.mxfp4 and (c.head_dim % 128 or c.max_entries % INDEX_KEY_PAGE):
             self.unsupported(f"index_score mxfp4 keys: head_dim={c.head_dim} must be a multiple of 128 and "
-                             f"max_entries={c.max_entries} x {self.key_bytes_each} B a multiple of 16 bytes")
+                             f"max_entries={c.max_entries} a multiple of the {INDEX_KEY_PAGE}-key page")
         if self.smem_bytes() > 227 * 1024:
             self.unsupported(f"index_score: {self.smem_bytes()} B of shared memory > 227 KiB")
 
@@ -185,7 +222,8 @@ class IndexScoreBlock(Block):
         c = self.config
         return [OperandSpec("q", (c.batch, c.q_tokens, c.heads, c.head_dim), "bf16"),
                 OperandSpec("weights", (c.batch, c.q_tokens, c.heads), "fp32"),
-                OperandSpec("keys", (c.batch, c.max_entries, index_key_words(c.head_dim)), "int32") if self.mxfp4
+                OperandSpec("keys", (c.batch, c.max_entries // INDEX_KEY_PAGE, index_key_page_words(c.head_dim)),
+                            "int32") if self.mxfp4
                 else OperandSpec("keys", (c.batch, c.max_entries, c.head_dim), "bf16"),
                 OperandSpec("start", (c.batch,), "int32"),
                 OperandSpec("scores", (c.batch, c.q_tokens, c.max_entries), "fp32", output=True)]
@@ -214,12 +252,17 @@ class IndexScoreBlock(Block):
     def _scores(self, t, b, lo, hi) -> torch.Tensor:
         """fp32 scores [T, hi - lo] of entries [lo, hi) of sequence b, -inf where invisible."""
         c = self.config
-        q = t["q"][b].float().cpu().reshape(self.rows, c.head_dim)
-        k = t["keys"][b, lo:hi].cpu()
-        k = (dequantize_index_keys(k, c.head_dim) if self.mxfp4 else k).float()
-        w = t["weights"][b].float().cpu().reshape(self.rows)
-        s = torch.relu((q @ k.T) * self.scale) * w[:, None]                  # [T*H, n]
-        s = s.view(c.q_tokens, c.heads, -1).sum(1)
+        q = t["q"][b].cpu()
+        w = t["weights"][b].float().cpu()
+        if self.mxfp4:          # V4.1: the pages holding [lo, hi), q through MXFP4, the BF16 stages
+            p0 = lo // INDEX_KEY_PAGE
+            k = dequantize_index_keys(t["keys"][b, p0:-(-hi // INDEX_KEY_PAGE)].cpu(), c.head_dim)
+            k = k[lo - p0 * INDEX_KEY_PAGE:hi - p0 * INDEX_KEY_PAGE]
+            s = staged_index_scores(mxfp4_round_trip(q), k, w * self.scale)
+        else:
+            k = t["keys"][b, lo:hi].cpu().float()
+            s = torch.relu((q.float().reshape(self.rows, -1) @ k.T) * self.scale) * w.reshape(self.rows)[:, None]
+            s = s.view(c.q_tokens, c.heads, -1).sum(1)
         start = int(t["start"][b])
         n_t = torch.tensor([visible_entries(start, tq, c.ratio, c.max_entries) for tq in range(c.q_tokens)])
         return s.masked_fill(torch.arange(lo, hi)[None] >= n_t[:, None], float("-inf"))

@@ -43,14 +43,15 @@ from types import SimpleNamespace
 import torch
 
 from ..blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock, DSV4DecodeConfig,
-                                     DSV4RingWriteBlock, DSV4RingWriteConfig, choose_splits, comp_record_words,
-                                     dequantize_comp_fp4, dequantize_window_fp8, quantize_comp_fp4,
-                                     quantize_window_fp8, window_record_words)
+                                     DSV4RingWriteBlock, DSV4RingWriteConfig, choose_splits, comp_fp4_round_trip,
+                                     comp_record_words, dequantize_comp_fp4, dequantize_window_fp8,
+                                     quantize_comp_fp4, quantize_window_fp8, window_record_words)
 from ..blocks.dsv4_compress import DSV4CompressConfig, compressor_blocks
 from ..blocks.dsv4_prologue import DSV4IndexQBlock, DSV4IndexQConfig, DSV4PrologueBlock, DSV4PrologueConfig
 from ..blocks.gemv import GemvBlock, GemvConfig, balanced_configs, fill_stage
-from ..blocks.indexer import (IndexScoreBlock, IndexScoreConfig, TopKBlock, TopKConfig, choose_keys_per_tile,
-                              dequantize_index_keys, index_key_words, quantize_index_keys)
+from ..blocks.formats import mxfp4_round_trip
+from ..blocks.indexer import (INDEX_KEY_PAGE, IndexScoreBlock, IndexScoreConfig, TopKBlock, TopKConfig,
+                              choose_keys_per_tile, dequantize_index_keys, index_key_page_words, quantize_index_keys)
 from .mlp_stack import gemv_block
 from .program import Program, first_fitting
 
@@ -91,9 +92,12 @@ class DSV4LayerConfig:
     comp_dtype: str = "bf16"             # "fp4_e2m1": the compressed entries as V4.1's records (E2M1 + an E4M3
                                          # scale per 16 values, 288 B a token: quantize_comp_fp4);
                                          # opt-in, written 2026-12-04, not yet run on a GPU
-    index_dtype: str = "bf16"            # "mxfp4" (CSA): the indexer's keys as V4.1's records (E2M1 + a UE8M0
-                                         # scale per 32 values, 68 B a key: indexer.quantize_index_keys);
-                                         # opt-in, written 2026-12-05, not yet run on a GPU
+    index_dtype: str = "bf16"            # "mxfp4" (CSA): V4.1's MXFP4 indexer - its keys as records (E2M1 + a
+                                         # UE8M0 scale per 32 values, 68 B a key) in pages of 64 (max_seq_len
+                                         # / ratio a multiple of 64: indexer.quantize_index_keys), its queries
+                                         # through MXFP4, the score's BF16 stages; opt-in, written 2026-12-05
+                                         # / 06, not yet run on a GPU
+    q_head_norm: bool = True             # V4's per-head q RMSNorm; False: V4.1's queries (RoPE only)
     fill_stage: bool = False             # every GEMV's chunk widened to fill the ring's stage (gemv.fill_stage):
                                          # measured slower on the H200 (2026-12-04, CSA B=1 32K: the
                                          # x GEMVs' 17 -> 33 KB chunks 97.8 -> 101.6 us; HCA B=1 41.1
@@ -128,7 +132,7 @@ class DSV4LayerConfig:
                                  compress_overlap=self.mode == "csa", o_groups=1, o_lora_rank=self.o_rank,
                                  rope=RopeSpec(dim=self.rope, theta=self.rope_theta, interleaved=True),
                                  compress_rope=RopeSpec(dim=self.rope, theta=self.compress_rope_theta, interleaved=True),
-                                 norm_eps=self.eps)
+                                 norm_eps=self.eps, q_head_norm=self.q_head_norm)
 
     def splits(self) -> int:
         comp = {"swa": 0, "hca": self.max_entries, "csa": self.topk}[self.mode]
@@ -143,7 +147,7 @@ class DSV4LayerConfig:
         B, T, H, hd = self.batch, self.tokens, self.heads, self.head_dim
         S = self.splits()
         out = {"prologue": DSV4PrologueBlock(DSV4PrologueConfig(heads=H, head_dim=hd, rope=self.rope, batch=B,
-                                                                tokens=T, eps=self.eps)),
+                                                                tokens=T, eps=self.eps, q_norm=self.q_head_norm)),
                "decode": DSV4DecodeBlock(DSV4DecodeConfig(heads=H, mode=self.mode, batch=B, q_tokens=T, head_dim=hd,
                                                           window=self.window, ratio=self.ratio if self.compressed else 1,
                                                           max_entries=self.max_entries, topk=max(self.topk, 1),
@@ -200,7 +204,8 @@ class DSV4LayerConfig:
         if self.mode == "csa":
             ihd = self.index_head_dim
             out.update({"i_state_kv": ((B, 2 * r, 2 * ihd), "bf16"), "i_state_gate": ((B, 2 * r, 2 * ihd), "fp32"),
-                        "index_keys": ((B, E, index_key_words(ihd)), "int32") if self.index_dtype == "mxfp4"
+                        "index_keys": ((B, E // INDEX_KEY_PAGE, index_key_page_words(ihd)), "int32")
+                        if self.index_dtype == "mxfp4"
                         else ((B, E, ihd), "bf16")})
         return out
 
@@ -331,7 +336,8 @@ def window_shape(cfg: DSV4LayerConfig) -> tuple:
 
 def cache_values(cfg: DSV4LayerConfig, t: torch.Tensor) -> torch.Tensor:
     """Any of the sublayer's caches as values: the fp8 ring's, the fp4 entries' or the mxfp4 keys'
-    int32 records (told apart by their width) dequantised; other tensors as they are. `reference`
+    int32 records (told apart by their width: 132 / 72 / 1088 words at V4.1's shapes - a record, a
+    record, a page of 64 keys) dequantised; other tensors as they are. `reference`
     returns values for every cache: compare a program's caches through this."""
     if t.dtype != torch.int32:
         return t
@@ -339,7 +345,7 @@ def cache_values(cfg: DSV4LayerConfig, t: torch.Tensor) -> torch.Tensor:
         return dequantize_window_fp8(t, cfg.head_dim)
     if t.shape[-1] == comp_record_words(cfg.head_dim) and cfg.comp_dtype == "fp4_e2m1":
         return dequantize_comp_fp4(t, cfg.head_dim)
-    if t.shape[-1] == index_key_words(cfg.index_head_dim) and cfg.index_dtype == "mxfp4":
+    if t.shape[-1] == index_key_page_words(cfg.index_head_dim) and cfg.index_dtype == "mxfp4":
         return dequantize_index_keys(t, cfg.index_head_dim)
     raise ValueError(f"cache_values: an int32 tensor of width {t.shape[-1]} is no record of this sublayer")
 
@@ -381,7 +387,7 @@ def make_inputs(cfg: DSV4LayerConfig, starts, seed: int = 0, device="cpu") -> di
         if name == "comp" and dtype == "int32":          # fp4 records of random entries
             t[name] = quantize_comp_fp4(torch.randn(B, cfg.max_entries, hd, generator=g, device=device))
             continue
-        if name == "index_keys" and dtype == "int32":    # mxfp4 records of random keys
+        if name == "index_keys" and dtype == "int32":    # mxfp4 pages of random keys
             t[name] = quantize_index_keys(torch.randn(B, cfg.max_entries, cfg.index_head_dim, generator=g,
                                                       device=device))
             continue
@@ -422,9 +428,11 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
     cache.update({CACHE_NAMES[n]: cache_values(cfg, inputs[n]).clone() for n in cfg.cache_shapes()})
     ref = DSV4AttentionReference(None, SimpleNamespace(attention=cfg.spec), hf)
     if cfg.comp_dtype == "fp4_e2m1" and ref.compressor is not None:       # new entries through the records
-        ref.compressor.entry_format = lambda e: dequantize_comp_fp4(quantize_comp_fp4(e), cfg.head_dim)
-    if cfg.index_dtype == "mxfp4" and ref.indexer is not None:            # new keys through the records
-        ref.indexer.entry_format = lambda e: dequantize_index_keys(quantize_index_keys(e), cfg.index_head_dim)
+        ref.compressor.entry_format = comp_fp4_round_trip
+    if cfg.index_dtype == "mxfp4" and ref.indexer is not None:            # V4.1's MXFP4 indexer: new keys
+        ref.indexer.entry_format = mxfp4_round_trip                        # and the queries through MXFP4,
+        ref.index_query_format = mxfp4_round_trip                          # the score's BF16 stages
+        ref.bf16_index_stages = True
     if index is not None and cfg.mode == "csa":
         def forced(x_, q_res, index_keys, ready, step_):
             scores = ref.index_scores(x_, q_res, index_keys, ready, step_)

@@ -48,8 +48,9 @@ Local weight names (under `layers.{i}.attn.`), shapes for D = hidden, H heads of
 
 Not supported here (DeepSeek-V4.1 serving features, see docs/models/deepseek_v41_flash.md): the
 caches in V4.1's FP8 / FP4 / MXFP4 formats (they are the megakernel's, sdk/megakernel/dsv4_layer.py;
-here a new entry or key can take a format's round trip: Compressor.entry_format), BF16 rounding of
-the indexer's intermediate terms, dropping the per-head q norm. The attention of a long prefill materialises [B, H, T, W + T + S/r] logits:
+here a new entry or key can take a format's round trip: Compressor.entry_format; V4.1's MXFP4
+indexer: index_query_format and bf16_index_stages; V4.1's queries without the per-head norm: the
+spec's q_head_norm). The attention of a long prefill materialises [B, H, T, W + T + S/r] logits:
 fine for an oracle, not for 100K-token prompts.
 """
 from __future__ import annotations
@@ -186,6 +187,12 @@ class Compressor:
 
 # ---------------------------------------------------------------------------------- attention
 class DSV4AttentionReference:
+    # V4.1's MXFP4 indexer (set by sdk/megakernel/dsv4_layer.py for index_dtype="mxfp4"; its keys take
+    # the indexer compressor's entry_format): the round trip its queries take, and its score with
+    # BF16 stage boundaries (staged_index_scores) instead of fp32 throughout
+    index_query_format = None
+    bf16_index_stages = False
+
     def __init__(self, model: ModelSpec, layer: LayerSpec, weights):
         s: DSV4AttentionSpec = layer.attention
         self.s, self.w = s, weights
@@ -241,7 +248,9 @@ class DSV4AttentionReference:
 
         q_res = rms_norm_v4(F.linear(x, w["q_a_proj.weight"].to(x.dtype)), w["q_a_norm.weight"], s.norm_eps)
         q = F.linear(q_res, w["q_b_proj.weight"].to(x.dtype)).view(b, t_len, h, hd)
-        q = Rope.apply(rms_norm_v4(q, None, s.norm_eps), cos[:, :, None], sin[:, :, None])
+        if s.q_head_norm:
+            q = rms_norm_v4(q, None, s.norm_eps)
+        q = Rope.apply(q, cos[:, :, None], sin[:, :, None])
         kv = rms_norm_v4(F.linear(x, w["kv_proj.weight"].to(x.dtype)), w["kv_norm.weight"], s.norm_eps)
         kv = Rope.apply(kv, cos, sin)                                         # [B, T, hd]
 
@@ -296,6 +305,29 @@ class DSV4AttentionReference:
         cos, sin = self.indexer.rope.cos_sin(step.positions, x.dtype)
         q = F.linear(q_res, w["indexer.q_b_proj.weight"].to(x.dtype)).view(b, t_len, ih, ihd)
         q = Rope.apply(q, cos[:, :, None], sin[:, :, None])
-        scores = F.relu(torch.einsum("bthd,bed->bthe", q.float(), index_keys.float())) * ihd ** -0.5
+        if self.index_query_format is not None:
+            q = self.index_query_format(q)
         head_w = F.linear(x, w["indexer.weights_proj.weight"].to(x.dtype)).float() * ih ** -0.5
-        return (scores * head_w[..., None]).sum(dim=2).masked_fill(~ready, float("-inf"))   # [B, T, E]
+        if self.bf16_index_stages:
+            scores = staged_index_scores(q, index_keys, head_w * ihd ** -0.5)
+        else:
+            scores = F.relu(torch.einsum("bthd,bed->bthe", q.float(), index_keys.float())) * ihd ** -0.5
+            scores = (scores * head_w[..., None]).sum(dim=2)
+        return scores.masked_fill(~ready, float("-inf"))   # [B, T, E]
+
+
+def staged_index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """V4.1's indexer score with its BF16 stage boundaries: q [..., T, H, d] and keys [..., E, d]
+    (their values), weights [..., T, H] fp32 with every scale folded in -> [..., T, E] fp32 holding
+    bf16 values. Per head h: dot = q_h . k in fp32, rounded to bf16; term = bf16(ReLU(dot) *
+    bf16(w_h)); the score = bf16 of the fp32 sum of the terms in head order 0, 1, ... (the
+    published V4.1 contract as flashinfer's MXFP4 DSA indexer states it: the dot, the weighted
+    product and the head sum each rounded to BF16; the sum's order kept)."""
+    def bf16(t):
+        return t.to(torch.bfloat16).float()
+    dot = bf16(torch.einsum("...thd,...ed->...the", q.float(), keys.float()))
+    term = bf16(F.relu(dot) * bf16(weights.float())[..., None])
+    total = term[..., 0, :]
+    for h in range(1, term.shape[-2]):
+        total = total + term[..., h, :]
+    return bf16(total)

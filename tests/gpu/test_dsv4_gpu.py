@@ -133,16 +133,18 @@ def test_dsv4_decode_as_megakernel_instructions(mode, starts, T):
     check(core, comb, t, seed, one_launch=True)
 
 
-@pytest.mark.parametrize("heads,batch,T", [(8, 1, 1), (8, 64, 1), (8, 4, 3), (16, 8, 2)])
-def test_dsv4_prologue(heads, batch, T):
-    """DSV4PrologueBlock (per-head q RMSNorm + RoPE, kv RMSNorm + RoPE) against its reference (the
-    model's rms_norm_v4 / Rope), fresh inputs, outputs NaN-poisoned: the norms' sums differ in
-    order only, so a bf16 rounding may flip (bound 1e-2, the other bf16 outputs')."""
+@pytest.mark.parametrize("heads,batch,T,q_norm", [(8, 1, 1, True), (8, 64, 1, True), (8, 4, 3, True),
+                                                  (16, 8, 2, True), (8, 8, 2, False)])
+def test_dsv4_prologue(heads, batch, T, q_norm):
+    """DSV4PrologueBlock (per-head q RMSNorm + RoPE, kv RMSNorm + RoPE; q_norm=False: V4.1's q, RoPE
+    only) against its reference (the model's rms_norm_v4 / Rope), fresh inputs, outputs
+    NaN-poisoned: the norms' sums differ in order only, so a bf16 rounding may flip (bound 1e-2,
+    the other bf16 outputs')."""
     need_gpu()
     from sdk.blocks.dsv4_prologue import DSV4PrologueBlock, DSV4PrologueConfig
     seed = clock_seed()
     g = torch.Generator(device="cuda").manual_seed(seed)
-    blk = DSV4PrologueBlock(DSV4PrologueConfig(heads=heads, batch=batch, tokens=T))
+    blk = DSV4PrologueBlock(DSV4PrologueConfig(heads=heads, batch=batch, tokens=T, q_norm=q_norm))
     M, hd = batch * T, 512
     ang = torch.randn(M, 32, device="cuda", generator=g) * 3
     t = {"q_raw": (4 * torch.randn(M, heads, hd, device="cuda", generator=g)).to(torch.bfloat16),

@@ -23,7 +23,7 @@ def score_case(heads, ratio, starts, T, seed, kpool_topk=None, v4_topk=512, devi
     B, d = len(starts), 128
     E = max(1, (max(starts) + T) // ratio)
     if key_dtype == "mxfp4":
-        E = 4 * -(-E // 4)                 # records: a sequence's chunks start on 16 bytes
+        E = 64 * -(-E // 64)               # whole pages of 64 keys
     kpt = choose_keys_per_tile(B, E)
     score = IndexScoreBlock(IndexScoreConfig(heads=heads, head_dim=d, batch=B, q_tokens=T, max_entries=E,
                                              ratio=ratio, keys_per_tile=kpt, stages=3 if heads * T > 64 else 4,
@@ -56,7 +56,13 @@ def check_scores_and_topk(score, topk, t, seed, run=run_standalone):
         fin = torch.isfinite(w)
         if fin.any():
             err = rel_err(gg[fin], w[fin], min_norm=1e-6)
-            assert err <= 1e-4, f"seed {seed}: scores rel err {err:.3e}"
+            if score.mxfp4:
+                # V4.1's BF16 stages: the same bf16 values but where the MMA's fp32 dot (another
+                # order than torch's) rounds to the other bf16 neighbour (~64 x 2^-16 of the scores)
+                same = (gg[fin] == w[fin]).float().mean().item()
+                assert same >= 0.95 and err <= 5e-3, f"seed {seed}: {same:.3f} of the scores equal, rel err {err:.3e}"
+            else:
+                assert err <= 1e-4, f"seed {seed}: scores rel err {err:.3e}"
     # the selection: exactly the definition's on the device's own scores (deterministic: ties ->
     # lower index, ascending) ...
     idx = cpu["index"]
@@ -71,7 +77,7 @@ def check_scores_and_topk(score, topk, t, seed, run=run_standalone):
             assert ent.numel() == min(n, c.k), f"seed {seed}: {ent.numel()} entries selected"
             if n > c.k:
                 kth = want[b, tq, :n].topk(c.k).values[-1]
-                tol = 1e-4 * want[b, tq, :n].abs().max() + 1e-6
+                tol = (2.0 ** -7 if score.mxfp4 else 1e-4) * want[b, tq, :n].abs().max() + 1e-6
                 assert (want[b, tq, ent] >= kth - tol).all(), f"seed {seed}: a selected entry is below the k-th"
 
 
@@ -85,9 +91,9 @@ def test_v4_csa_indexer(starts, T):
 
 @pytest.mark.parametrize("starts,T", [([0], 1), ([3, 4095, 131071, 517], 1), ([70000, 12], 2)])
 def test_v4_csa_indexer_mxfp4_keys(starts, T):
-    """V4.1's 68 B mxfp4 key records (key_dtype="mxfp4", opt-in): the tile dequantises each chunk
-    into bf16 rows, so its scores equal the definition over the dequantised keys as closely as
-    the bf16 tile's (same products)."""
+    """V4.1's MXFP4 indexer (key_dtype="mxfp4", opt-in): 68 B keys in pages of 64, dequantised
+    a page at a time into bf16 rows; q through MXFP4 as the tile stages it; the BF16 score stages -
+    the definition's bf16 scores but where the MMA's dot rounds to the other bf16 neighbour."""
     need_gpu()
     seed = clock_seed()
     score, topk, t = score_case(64, 4, starts, T, seed, key_dtype="mxfp4")

@@ -19,10 +19,11 @@ class UnsupportedConfigError(SdkError, ValueError):
 class WeightsMismatchError(SdkError, ValueError):
     """A state dict that does not fit the spec: lists missing, unexpected and mis-shaped keys."""
 
-    def __init__(self, missing=(), unexpected=(), misshaped=(), model=""):
+    def __init__(self, missing=(), unexpected=(), misshaped=(), model="", wrong_dtype=()):
         self.missing = sorted(missing)
         self.unexpected = sorted(unexpected)
         self.misshaped = sorted(misshaped)  # (key, expected shape, got shape)
+        self.wrong_dtype = sorted(wrong_dtype)  # (key, expected dtype, got dtype)
         lines = [f"state dict does not match {model or 'the model'}:"]
         for title, items in (("missing", self.missing), ("unexpected", self.unexpected)):
             if items:
@@ -30,6 +31,8 @@ class WeightsMismatchError(SdkError, ValueError):
                 lines.append(f"  {title} keys: {shown}")
         for key, want, got in self.misshaped[:20]:
             lines.append(f"  mis-shaped: {key}: expected {tuple(want)}, got {tuple(got)}")
+        for key, want, got in self.wrong_dtype[:20]:
+            lines.append(f"  wrong dtype: {key}: expected {want}, got {got}")
         super().__init__("\n".join(lines))
 
 

@@ -307,3 +307,22 @@ def test_gemv_fp8_hfma2_numerics_over_any_activation_range():
         assert torch.isfinite(got).all(), amp
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < 1.5e-3, (amp, err)
+
+
+def test_missing_or_misshaped_weights_are_named_before_a_launch():
+    """PyVM.from_program / program_runtime check the weight buffers first (program.check_weights):
+    a missing, mis-shaped or mistyped weight is a WeightsMismatchError naming it - not zeros or
+    garbage inside the kernel. Extra keys are fine (one dict may serve several programs)."""
+    from sdk.errors import WeightsMismatchError
+    from sdk.megakernel.program import check_weights
+    cfg = MLPStackConfig(**TINY, batch=1)
+    prog = build_program(cfg)
+    w = make_weights(cfg, seed=0)
+    name = next(n for n, b in prog.buffers.items() if b.role == "weight" and len(b.shape) == 2)
+    check_weights(prog, {**w, "unrelated": torch.zeros(3)})
+    for bad, word in (({k: v for k, v in w.items() if k != name}, "missing"),
+                      ({**w, name: w[name][:, :8]}, "mis-shaped"),
+                      ({**w, name: w[name].float() if w[name].dtype != torch.float32 else w[name].half()}, "wrong dtype")):
+        with pytest.raises(WeightsMismatchError, match=f"{word}.*{name}") as err:
+            PyVM.from_program(prog, 8, bad)
+        assert name in str(err.value)

@@ -170,6 +170,27 @@ class Program:
         return total
 
 
+def check_weights(program: Program, weights: dict, what: str = "the program") -> None:
+    """Raise WeightsMismatchError naming every weight buffer of `program` that `weights` lacks or
+    gives with another shape or dtype - before a launch, not as zeros or garbage inside it. Extra
+    keys are allowed: one weight dict may serve several programs."""
+    from ..blocks.base import DTYPES
+    from ..errors import WeightsMismatchError
+    missing, misshaped, wrong_dtype = [], [], []
+    for name, b in program.buffers.items():
+        if b.role != "weight":
+            continue
+        t = weights.get(name)
+        if t is None:
+            missing.append(name)
+        elif tuple(t.shape) != tuple(b.shape):
+            misshaped.append((name, b.shape, tuple(t.shape)))
+        elif t.dtype != DTYPES[b.dtype]:
+            wrong_dtype.append((name, b.dtype, str(t.dtype).removeprefix("torch.")))
+    if missing or misshaped or wrong_dtype:
+        raise WeightsMismatchError(missing=missing, misshaped=misshaped, wrong_dtype=wrong_dtype, model=what)
+
+
 RECORDS_MARGIN = 4096     # smem the kernel's instruction records take beside the ring (a sublayer: a few KB)
 
 

@@ -24,9 +24,11 @@ class PyVM:
     @classmethod
     def from_program(cls, program, num_sms: int, weights: dict[str, torch.Tensor]):
         """Schedule `program` on `num_sms` SMs, validate and encode it, and return (PyVM, schedule)
-        with freshly allocated buffers plus `weights` bound."""
+        with freshly allocated buffers plus `weights` bound (every weight buffer's, checked:
+        program.check_weights)."""
         from ..schedule import schedule, validate
-        from .program import encode
+        from .program import check_weights, encode
+        check_weights(program, weights)
         sched = schedule(program, num_sms)
         validate(program, sched.per_sm)
         words, lengths = encode(program, sched.per_sm)

@@ -125,9 +125,11 @@ class MegakernelRuntime:
 
 def program_runtime(program, weights: dict, inputs: dict | None = None, device="cuda", **kw) -> MegakernelRuntime:
     """A MegakernelRuntime of `program` with every buffer allocated (PyVM.alloc), the weights the
-    program binds taken from `weights` (others ignored), `inputs` bound as given; kw to
-    MegakernelRuntime."""
+    program binds taken from `weights` (others ignored; a missing, mis-shaped or mistyped one is a
+    WeightsMismatchError: program.check_weights), `inputs` bound as given; kw to MegakernelRuntime."""
+    from .program import check_weights
     from .pyvm import PyVM
+    check_weights(program, {**weights, **(inputs or {})})      # weights may come in as inputs too
     tensors = PyVM.alloc(program, device=device)
     tensors.update({k: v for k, v in weights.items() if k in program.buffers})
     tensors.update(inputs or {})

@@ -227,24 +227,25 @@ def test_blocks_are_registered():
 # ---------------------------------------------------------------- V4.1's fp8 sliding-window records
 def test_fp8_window_record_format():
     """quantize_window_fp8: 512 e4m3 values then 16 UE8M0 bytes a row (528 B, V4.1-Flash's SWA
-    cache); each group's scale the smallest power of two that keeps its max |x| <= 448 (the
-    exponent rule the device applies to the max's bits agrees with frexp's); zero groups give
-    E = 0 and zeros; dequantised values within e4m3's half-ulp of the input."""
+    cache); each group's scale the smallest power of two that keeps max(max |x|, 1e-4) <= 448 x
+    scale (the exponent rule the device applies to the max's bits agrees with frexp's; 1e-4: V4.1's
+    writer's floor), so zero and tiny groups get 2^-22 (E = 105); dequantised values within e4m3's
+    half-ulp of the input (zeros stay zero)."""
     from sdk.blocks.dsv4_attention import (dequantize_window_fp8, quantize_window_fp8, window_exponents,
                                            window_record_words)
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(4, 7, 512, generator=g) * 10.0 ** torch.randn(4, 7, 16, 1, generator=g).repeat(1, 1, 1, 32)
          .flatten(2)).to(torch.bfloat16)
     x[0, 0, :32] = 0
+    x[0, 1, :32] = 3e-5                          # under the floor: quantised at its scale
     rec = quantize_window_fp8(x)
     assert rec.dtype == torch.int32 and rec.shape == (4, 7, window_record_words(512)) == (4, 7, 132)
     e = window_exponents(x)
     assert torch.equal(rec.view(torch.uint8)[..., 512:].int(), e)
-    amax = x.float().abs().unflatten(-1, (-1, 32)).amax(-1)
+    amax = x.float().abs().unflatten(-1, (-1, 32)).amax(-1).clamp(min=1e-4)
     scaled = amax * torch.ldexp(torch.ones_like(amax), 127 - e)
-    nz = amax > 0
-    assert (scaled[nz] <= 448).all() and (scaled[nz] > 224).all() and (e[~nz] == 0).all()
-    bits = amax.view(torch.int32)                   # the device's rule on the max's bits
+    assert (scaled <= 448).all() and (scaled > 224).all() and e[0, 0, 0] == e[0, 1, 0] == 105
+    bits = amax.view(torch.int32)                   # the device's rule on the (floored) max's bits
     dev = ((bits >> 23) & 255) - 8 + ((bits & 0x7FFFFF) > 0x600000).int()
     assert torch.equal(dev.clamp(0, 254), e)
     d = dequantize_window_fp8(rec, 512)
@@ -278,7 +279,8 @@ def test_fp8_window_decode_is_attention_over_the_dequantised_ring(mode, starts, 
 
 def test_fp4_entry_record_format():
     """quantize_comp_fp4: 512 E2M1 codes (two a byte) then 32 E4M3 scales (one per 16 values):
-    288 B, V4.1-Flash's compressed cache; ties round to the even code; zero groups stay zero."""
+    288 B, V4.1-Flash's compressed cache, as V4.1's writer makes it; ties round to the even code;
+    zero groups stay zero."""
     from sdk.blocks.dsv4_attention import comp_record_words, dequantize_comp_fp4, quantize_comp_fp4
     from sdk.blocks.formats import E2M1_VALUES
     assert comp_record_words(512) == 72
@@ -293,6 +295,16 @@ def test_fp4_entry_record_format():
     got = dequantize_comp_fp4(quantize_comp_fp4(y[None]), 64)[0]
     want = torch.tensor([0, 1, 1, 2, 2, 4, 4, 6, -0.0, -6, 0, 0.5, 3, 4, 6, -1])       # scale e4m3(6 / 6) = 1
     assert torch.equal(got[:16].float(), want) and (got[16:] == 0).all()
+    # V4.1's writer: the scale at least e4m3's smallest (max floored at 6 x 2^-9: a tiny group is
+    # quantised at 2^-9, a zero group gets scale byte 1), and codes of x times fp32(1 / s) - with s =
+    # 0.234375, x = 1.25 s sits on the 1 | 1.5 tie (x / s: down to 1), and 1 / s rounded up pushes
+    # it to 1.5
+    z = torch.zeros(64)
+    z[16], z[32:34] = 1e-3, torch.tensor([1.40625, 0.29296875])
+    rec = quantize_comp_fp4(z[None]).view(torch.uint8)[0]
+    assert rec[32:36].tolist() == [1, 1, 0x27, 1]                  # scales 2^-9, 2^-9, 0.234375, 2^-9
+    v = dequantize_comp_fp4(quantize_comp_fp4(z[None]), 64)[0].float()
+    assert v[16] == 2.0 ** -10 and v[33] == 1.5 * 0.234375 and (v[:16] == 0).all()
     g = torch.Generator().manual_seed(4)
     # groups of varied scale in e4m3's normal range (the entries are RMS-normalised: O(1) values;
     # a scale below 2^-6 is an e4m3 subnormal, coarser than this bound)

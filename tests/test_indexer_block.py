@@ -187,7 +187,8 @@ def test_mxfp4_index_key_format():
     """quantize_index_keys: per key 128 E2M1 codes (two a byte) and 4 UE8M0 scales (one per 32
     values), 68 B, in planar pages of 64 keys (the 64 keys' codes, then their scales: V4.1-Flash's
     indexer cache); the scale is the smallest power of two with max |x| <= 6 * scale (edges exact),
-    ties round to the even code, zero groups stay zero; write_index_key places one key's record."""
+    ties round to the even code, zero groups stay zero (scale byte 1: V4.1's writer floors the max
+    at 6 x 2^-126); write_index_key places one key's record."""
     from sdk.blocks.formats import E2M1_VALUES, mxfp4_bytes, mxfp4_round_trip
     from sdk.blocks.indexer import (dequantize_index_keys, index_key_page_words, index_key_words,
                                     quantize_index_keys, write_index_key)
@@ -203,7 +204,8 @@ def test_mxfp4_index_key_format():
     x = torch.zeros(64, 128)
     x[5, 0], x[5, 32], x[5, 64] = 6.0 * 2.0 ** -3, 6.0 * 2.0 ** -3 * (1 + 2.0 ** -20), 1.5
     by = quantize_index_keys(x).view(torch.uint8)[0]
-    assert by[4096 + 20:4096 + 24].tolist() == [124, 125, 125, 0]  # 2^-3, 2^-2, 1.5 = 6 / 4: 2^-2; zeros: 0
+    assert by[4096 + 20:4096 + 24].tolist() == [124, 125, 125, 1]  # 2^-3, 2^-2, 1.5 = 6 / 4: 2^-2; zeros: 1
+                                                                    # (V4.1's floor 6 x 2^-126)
     y = torch.zeros(64, 128)
     y[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.01, -6, 0.1, 0.3, 2.9, 4.5, 5.5, -1.0])
     got = dequantize_index_keys(quantize_index_keys(y), 128)[0]

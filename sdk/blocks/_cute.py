@@ -121,23 +121,17 @@ def div_rn(a: Float32, b: Float32) -> Float32:
 
 
 @cute.jit
-def e2m1_code(x: Float32, s: Float32) -> Int32:
-    """x's E2M1 code at scale s (formats.e2m1_codes of x / s: nearest, ties to even, saturating
-    at 6; the sign bit kept; s = 0: magnitude code 0)."""
-    sd = s
-    if s <= Float32(0.0):
-        sd = Float32(1.0)
-    y = div_rn(x, sd)
-    y = cute.arch.fmax(y, -y)
+def e2m1_code(y: Float32) -> Int32:
+    """The E2M1 code of y, a value already divided by (or times the reciprocal of) its scale
+    (formats.e2m1_codes: nearest, ties to even, saturating at 6; the sign bit kept)."""
+    a = cute.arch.fmax(y, -y)
     code = Int32(0)
     for t_, inclusive in E2M1_STEPS:
         if cutlass.const_expr(inclusive):
-            code = code + Int32(cutlass.select_(y >= Float32(t_), 1, 0))
+            code = code + Int32(cutlass.select_(a >= Float32(t_), 1, 0))
         else:
-            code = code + Int32(cutlass.select_(y > Float32(t_), 1, 0))
-    if s == Float32(0.0):
-        code = Int32(0)
-    if x < Float32(0.0):
+            code = code + Int32(cutlass.select_(a > Float32(t_), 1, 0))
+    if y < Float32(0.0):
         code = code | 8
     return code
 
@@ -153,6 +147,13 @@ def e2m1_value(code: Int32) -> Float32:
     if (code & 8) != 0:
         mag = -mag
     return mag
+
+
+@cute.jit
+def prefetch_l2(addr: Int64):
+    """Ask L2 for the line holding global address `addr` (prefetch.global.L2: no register, no
+    wait - the later load of it is an L2 hit instead of a DRAM round trip)."""
+    cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[addr])
 
 
 def redux_u32(x, op: str, dtype=Int32):

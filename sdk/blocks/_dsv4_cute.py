@@ -483,7 +483,7 @@ def build_dsv4_ring_write_fp8_tile(block):
     when its mantissa exceeds 1.75, clamped to [0, 254]; the values * 2^(127 - E) to e4m3 (round
     to nearest even; |v| <= 448 by the choice of E) as two words; the group's first lane writes
     E into the record's scale bytes."""
-    from .dsv4_attention import SCALE_GROUP, window_record_words
+    from .dsv4_attention import SCALE_GROUP, WINDOW_AMAX_FLOOR, window_record_words
     c = block.config
     B, T, HD, W = c.batch, c.q_tokens, c.head_dim, c.window
     T0 = max(0, T - W)
@@ -509,7 +509,7 @@ def build_dsv4_ring_write_fp8_tile(block):
                                (-v.load()).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
             for sh in cutlass.range_constexpr(2):
                 a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << sh))
-            e = ue8m0_exponent(a, 448.0)
+            e = ue8m0_exponent(cute.arch.fmax(a, Float32(WINDOW_AMAX_FLOOR)), 448.0)    # V4.1's floor
             inv = bits_to_f32((Int32(254) - e) << 23)                      # 2^(127 - E)
             row = (start + tq) % W
             rec = cute.make_rmem_tensor((2,), Int32)

@@ -31,10 +31,10 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 
-from ._cute import (TileSmem, bits_to_f32, e2m1_code, e2m1_pair, e2m1_value, f16x2_to_f32, f32x2_to_bf16x2,
-                    gmem_tensor, smem_tensor, stage_rows_async, ue8m0_exponent)
+from ._cute import (TileSmem, bits_to_f32, div_rn, e2m1_code, e2m1_pair, e2m1_value, f16x2_to_f32,
+                    f32x2_to_bf16x2, gmem_tensor, smem_tensor, stage_rows_async, ue8m0_exponent)
 from .base import NUM_THREADS
-from .formats import MXFP4_GROUP
+from .formats import MXFP4_AMAX_FLOOR, MXFP4_GROUP
 from .indexer import CHUNK, INDEX_KEY_PAGE, RADIX_BITS, RADIX_PASSES, index_key_page_words
 
 NUM_WARPS = NUM_THREADS // 32
@@ -149,11 +149,12 @@ def build_index_score_tile(block):
                 a = Float32(0.0)
                 for i in cutlass.range_constexpr(32):
                     a = cute.arch.fmax(a, cute.arch.fmax(v[i], -v[i]))
-                sc = scale_of(ue8m0_exponent(a, 6.0))
+                sc = scale_of(ue8m0_exponent(cute.arch.fmax(a, Float32(MXFP4_AMAX_FLOOR)), 6.0))
+                inv = div_rn(Float32(1.0), sc)          # exact: a power of two
                 for q in cutlass.range_constexpr(4):
                     out = cute.make_rmem_tensor((8,), Float32)
                     for p in cutlass.range_constexpr(8):
-                        out[p] = e2m1_value(e2m1_code(v[q * 8 + p], sc)) * sc
+                        out[p] = e2m1_value(e2m1_code(v[q * 8 + p] * inv)) * sc
                     sQv[r, gi * 4 + q, None].store(out.load().to(BFloat16))
 
     @cute.jit
@@ -304,7 +305,7 @@ def build_index_score_tile(block):
                     acc = Float32(0.0)
                     if cutlass.const_expr(MX):
                         # unrolled: the loads go out together, the fp32 adds stay in head order
-                        for h in cutlass.range_constexpr(H):
+                        for h in cutlass.range(H, unroll_full=True):
                             acc = acc + sP[tq * H + h, j]
                         acc = bf16(acc)
                     else:

@@ -54,6 +54,7 @@ from .formats import e2m1_codes, e2m1_values, pack_nibbles, ue8m0_exponents
 MODES = ("swa", "hca", "csa")
 WINDOW_DTYPES = ("bf16", "fp8_e4m3")
 SCALE_GROUP = 32             # the fp8 window record: one UE8M0 scale per 32 values
+WINDOW_AMAX_FLOOR = 1e-4     # V4.1's SWA writer (and DeepSeek's act_quant) floor a group's max here
 
 
 def window_record_words(head_dim: int) -> int:
@@ -63,9 +64,9 @@ def window_record_words(head_dim: int) -> int:
 
 
 def window_exponents(x: torch.Tensor) -> torch.Tensor:
-    """The fp8 window record's scale bytes: e4m3's max 448 (max |x| = m 2^e with m in [1, 2)
-    needs 2^(e - 8), or 2^(e - 7) when m > 1.75)."""
-    return ue8m0_exponents(x, SCALE_GROUP, 448.0)
+    """The fp8 window record's scale bytes: e4m3's max 448 (amax = max(max |x|, 1e-4) = m 2^e with
+    m in [1, 2) needs 2^(e - 8), or 2^(e - 7) when m > 1.75)."""
+    return ue8m0_exponents(x, SCALE_GROUP, 448.0, WINDOW_AMAX_FLOOR)
 
 
 def quantize_window_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +83,7 @@ def quantize_window_fp8(x: torch.Tensor) -> torch.Tensor:
 
 COMP_DTYPES = ("bf16", "fp4_e2m1")
 COMP_GROUP = 16              # the fp4 entry record: one E4M3 scale per 16 values
+COMP_AMAX_FLOOR = 6.0 * 2.0 ** -9   # V4.1's writer: a group's scale is at least e4m3's smallest, 2^-9
 
 
 def comp_record_words(head_dim: int) -> int:
@@ -92,15 +94,14 @@ def comp_record_words(head_dim: int) -> int:
 
 
 def quantize_comp_fp4(x: torch.Tensor) -> torch.Tensor:
-    """x [..., hd] -> int32 records [..., comp_record_words(hd)]: per 16 values the scale s =
-    e4m3(max |x| / 6) (round to nearest even, saturating at 448), then each value's E2M1 code of
-    x / s (e2m1_codes; s = 0: magnitude codes 0)."""
+    """x [..., hd] -> int32 records [..., comp_record_words(hd)], as V4.1's compressed-cache writer
+    (flashinfer 0.7.2's dsv41 record): per 16 values the scale s = e4m3(max(max |x|, 6 x 2^-9) /
+    6) (round to nearest even, saturating at 448; at least e4m3's smallest, 2^-9), then each
+    value's E2M1 code of x times fp32(1 / s) (e2m1_codes)."""
     hd = x.shape[-1]
     g = x.float().unflatten(-1, (-1, COMP_GROUP))
-    s = (g.abs().amax(-1) / 6.0).clamp(max=448.0).to(torch.float8_e4m3fn)
-    sf = s.float()[..., None]
-    code = e2m1_codes(g / torch.where(sf > 0, sf, torch.ones_like(sf)))
-    code = torch.where(sf > 0, code, code & 8).flatten(-2)
+    s = (g.abs().amax(-1).clamp(min=COMP_AMAX_FLOOR) / 6.0).clamp(max=448.0).to(torch.float8_e4m3fn)
+    code = e2m1_codes(g * (1.0 / s.float()[..., None])).flatten(-2)
     rec = torch.cat([pack_nibbles(code), s.view(torch.uint8)], dim=-1)
     assert rec.shape[-1] == 4 * comp_record_words(hd)
     return rec.contiguous().view(torch.int32)

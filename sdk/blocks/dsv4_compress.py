@@ -52,8 +52,9 @@ from typing import Callable
 import torch
 
 from .base import NUM_THREADS, SCRATCH_WORDS, Block, Cost, OperandSpec
-from .dsv4_attention import comp_fp4_round_trip, comp_record_words, dequantize_comp_fp4, quantize_comp_fp4
-from .formats import MXFP4_GROUP, mxfp4_round_trip
+from .dsv4_attention import (COMP_AMAX_FLOOR, comp_fp4_round_trip, comp_record_words, dequantize_comp_fp4,
+                            quantize_comp_fp4)
+from .formats import MXFP4_AMAX_FLOOR, MXFP4_GROUP, mxfp4_round_trip
 from .indexer import (INDEX_KEY_PAGE, dequantize_index_keys, index_key_page_words, index_key_words,
                       quantize_index_keys, write_index_key)
 
@@ -545,15 +546,17 @@ class DSV4CompressNormBlock(_CompressBase):
                         a = cute.arch.fmax(cute.arch.fmax(h0, -h0), cute.arch.fmax(h1, -h1))
                         for sh in cutlass.range_constexpr(GL.bit_length() - 1):
                             a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << sh))
+                        # V4.1's writers floor the max: the scale is never 0 (mxfp4 E >= 1;
+                        # fp4 >= e4m3's smallest, 2^-9)
                         if cutlass.const_expr(MX):
-                            # the smallest 2^(E - 127) >= max / 6 (exact; E = 0: 2^-127, subnormal)
-                            sbyte = ue8m0_exponent(a, 6.0)
-                            sval = bits_to_f32(Int32(0x400000))
-                            if sbyte > 0:
-                                sval = bits_to_f32(sbyte << 23)
+                            # the smallest 2^(E - 127) >= max / 6 (exact)
+                            sbyte = ue8m0_exponent(cute.arch.fmax(a, Float32(MXFP4_AMAX_FLOOR)), 6.0)
+                            sval = bits_to_f32(sbyte << 23)
                         else:
-                            sbyte, sval = e4m3_round(cute.arch.fmin(div_rn(a, Float32(6.0)), Float32(448.0)))
-                        code = e2m1_code(h0, sval) | (e2m1_code(h1, sval) << 4)
+                            sbyte, sval = e4m3_round(cute.arch.fmin(
+                                div_rn(cute.arch.fmax(a, Float32(COMP_AMAX_FLOOR)), Float32(6.0)), Float32(448.0)))
+                        inv = div_rn(Float32(1.0), sval)         # codes of x times 1 / s, as V4.1's writer
+                        code = e2m1_code(h0 * inv) | (e2m1_code(h1 * inv) << 4)
                         if active:
                             if cutlass.const_expr(MX):
                                 # the key's codes and scale bytes in their places of its page

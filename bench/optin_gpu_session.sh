@@ -17,7 +17,8 @@
 # tests (the decode core, the ring write bit for bit, the compressors' records, the score tile over
 # the key pages, the SWA / HCA / CSA sublayers) and the
 # sublayers with the formats and without (HCA B=1 / B=64, CSA B=8); the KDA streaming form in the
-# megakernel with and without the lagged refill.
+# megakernel with and without the lagged refill. First of its benches: the batch-1 MoE layer with
+# the expert tiles' L2 prefetch (expert_prefetch) vs without (GLM-5.3, Kimi K3); its GPU test too.
 # The tests' parts are packed into $OUT/lag_tests/results.tgz (part 2: $OUT/format_tests/), the
 # benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
@@ -29,9 +30,9 @@ PART=${1:-1}
 export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-580} TESTS_S=${TESTS_S:-190}
 
 if [ "$PART" = 2 ]; then
-  TESTS_S=${PART2_TESTS_S:-220}     # the formats' tests compile a few more sublayer programs
+  TESTS_S=${PART2_TESTS_S:-260}     # the formats' tests compile a few more sublayer programs
   GPU_TESTS="tests/gpu/test_dsv4_gpu.py tests/gpu/test_dsv4_layer_gpu.py tests/gpu/test_dsv4_compress_gpu.py
-    tests/gpu/test_indexer_gpu.py::test_v4_csa_indexer_mxfp4_keys" \
+    tests/gpu/test_indexer_gpu.py::test_v4_csa_indexer_mxfp4_keys tests/gpu/test_moe_gpu.py::test_moe_layer_expert_prefetch" \
     OUT="$OUT/format_tests" DEVICE_ALL_S=$TESTS_S \
     bash bench/device_all.sh tests
   D='--quick --match "sublayer hca B=1 ctx=32768$" --match "sublayer hca B=64 ctx=32768$" --match "sublayer csa B=8 ctx=32768$"'
@@ -43,8 +44,12 @@ if [ "$PART" = 2 ]; then
   export BENCH_ARGS_kda="$K" BENCH_S_kda=50 BENCH_ARGS_kda_lag="$K" BENCH_S_kda_lag=50 BENCH_ENV_kda_lag="SDK_RING_REFILL=lagged"
   # the score tile over bf16 keys vs mxfp4 records (v4_csa / v4_csa_mxfp4 at 32K, B=1 / 8)
   export BENCH_ARGS_indexer='--quick --match v4_csa' BENCH_S_indexer=50
-  DEVICE_ALL_S=$(( DEVICE_ALL_S - TESTS_S )) bash bench/device_all.sh bench:dsv4 bench:dsv4@q bench:indexer bench:kda \
-    bench:kda@lag
+  # the batch-1 expert tiles' L2 prefetch (expert_prefetch, sixteenth session) vs the default, same
+  # routing draw per case (GLM-5.3: x5.7 the floor; Kimi K3: x1.7-1.9) - first: issue 4's largest gap
+  M='--no-timeline --cases glm_53:1:mxfp4,kimi_k3:1:mxfp4'
+  export BENCH_ARGS_moe="$M" BENCH_S_moe=75 BENCH_ARGS_moe_pf="$M --set expert_prefetch=1" BENCH_S_moe_pf=75
+  DEVICE_ALL_S=$(( DEVICE_ALL_S - TESTS_S )) bash bench/device_all.sh bench:moe bench:moe@pf bench:dsv4 bench:dsv4@q \
+    bench:indexer bench:kda bench:kda@lag
   exit 0
 fi
 

@@ -94,6 +94,10 @@ class ExpertsConfig:
     unroll: int = 0                      # 16-byte loads per lane in flight per row; 0 = auto
     weight_l1: bool = True               # weight loads allocate in L1 (False: L1::no_allocate)
     mma: bool | None = None              # MXFP4 on the tensor cores (tile_mma); None = auto (use_mma)
+    prefetch: bool = False               # CUDA-core tile: each warp first asks L2 for the weight (and
+                                         # scale) lines of all its rows of every hit expert, so its
+                                         # row-after-row loads hit L2 instead of each waiting on DRAM;
+                                         # opt-in, written 2026-12-05, not yet run on a GPU
     expected_hits: float = 1.0           # hit local experts per step: for cost() only
     # expert parallelism (sdk/blocks/ep.py): the experts of an owner rank read the rows that the
     # N ranks dispatched to it. rows: rows of x (gateup) and columns of tok/slot (0 = m); act
@@ -235,6 +239,9 @@ class ExpertsBlock(Block):
             self.unsupported(f"experts: rows={c.rows} > 64 needs scatter (the per-token combine holds 64 tokens)")
         if c.scatter and (c.stage != "down" or c.shared):
             self.unsupported("experts: scatter is a down-stage mode without a shared-expert input")
+        if c.prefetch and self.use_mma:
+            self.unsupported("experts prefetch: the CUDA-core tile's (mma=False); the tensor-core tile streams "
+                             "its rows differently")
         if self.use_mma:
             if c.weight_dtype != "mxfp4":
                 self.unsupported(f"experts mma: weight dtype {c.weight_dtype!r} (the tensor-core tile takes mxfp4)")
@@ -353,7 +360,7 @@ class ExpertsBlock(Block):
         from cutlass._mlir import ir
 
         from ._cute import (DTYPE_MAP, bits_to_f32, e2m1_pair, f16x2_to_f32, gmem_tensor, mma_m16n8k16, mul_f16x2,
-                            swiglu_act)
+                            prefetch_l2, swiglu_act)
 
         c = self.config
         fmt = c.weight_dtype
@@ -429,8 +436,10 @@ class ExpertsBlock(Block):
             and its scale first, so they are in flight together; then per 8 weights one x load per
             token, shared by the gate and up rows. (Streaming 2..7 output rows of a warp at once
             was measured on the H200 - bench/results/h200/moe_bench_variants.json - and made the
-            MoE layer 1.3-3.4x slower: the tile is bound by its dequantising instructions, not by
-            latency.) A step past the row's end (the last one when 32 * U_G
+            MoE layer 1.3-3.4x slower. But ptxas issues a step's loads in U_G waves interleaved
+            with the math, not together - SASS of the GLM-5.3 batch-1 gate/up tile - so a row
+            costs several DRAM round trips: `prefetch` asks L2 for all of a warp's lines first,
+            docs/moe.md.) A step past the row's end (the last one when 32 * U_G
             does not divide the row) re-loads the row's last chunk and weighs it 0, so its loads
             stay unconditional (hoisted with the others) instead of a branch per load."""
             UG = U if G == 1 else max(1, min(U, MAX_GROUP_LOADS // (nw * G)))
@@ -497,6 +506,29 @@ class ExpertsBlock(Block):
                 mS = mW          # no scales: never read
             return mW, mS
 
+        PF_CHUNKS = -(-nch // 32)                  # prefetch: a lane's 16-byte chunks of a weight row
+        PF_SCALES = (K // 128) if fmt == "mxfp4" else 0    # mxfp4: scale words of a weight row
+
+        @cute.jit
+        def prefetch_rows(ptrs, t, warp, lane, n_hit, mHits):
+            """`prefetch`: L2 requests for every weight row (and mxfp4 scale row) this warp will
+            read - its rows of every hit expert, gate and up - issued back to back before the
+            first load: they are in flight together, and the tile's loads then hit L2."""
+            for h in cutlass.range(n_hit, unroll=1):
+                le = Int64(mHits[1 + h])
+                wbase = ptrs[P_W] + le * Int64(W_BYTES)          # expert_views' bases
+                sbase = ptrs[P_S] + le * Int64(S_BYTES)
+                for r in cutlass.range(warp, R, NW, unroll=1):
+                    for i in cutlass.range_constexpr(nw):
+                        n = Int64(t * R + r + i * I)
+                        for k in cutlass.range_constexpr(PF_CHUNKS):
+                            ch = lane + 32 * k
+                            if ch < nch:
+                                prefetch_l2(wbase + (n * Int64(nch) + Int64(ch)) * Int64(16))
+                        if cutlass.const_expr(PF_SCALES > 0):
+                            if lane < PF_SCALES:
+                                prefetch_l2(sbase + (n * Int64(PF_SCALES) + Int64(lane)) * Int64(4))
+
         @cute.jit
         def tile(ptrs, t: Int32, scratch):
             tid, _, _ = cute.arch.thread_idx()
@@ -514,6 +546,8 @@ class ExpertsBlock(Block):
                 mTw = gmem_tensor(ptrs[7], Float32, (M * KT,), 4)
                 mOut = gmem_tensor(ptrs[9], odt, (M * KT if scatter else M, D), 4 if c.out_dtype == "fp32" else 2)
             n_hit = mHits[0]
+            if cutlass.const_expr(c.prefetch):
+                prefetch_rows(ptrs, t, warp, lane, n_hit, mHits)
             acc = cute.make_rmem_tensor((nw, GMAX), Float32)
             xr = cute.make_rmem_tensor((GMAX,), Int32)       # input rows of the group
             sl = cute.make_rmem_tensor((GMAX,), Int32)       # their assignment slots

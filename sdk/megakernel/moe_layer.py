@@ -85,6 +85,8 @@ class MoELayerConfig:
     expert_weight_l1: bool = True        # expert weight loads allocate in L1 (ExpertsConfig)
     expert_mma: bool | None = None       # MXFP4 expert tiles on the tensor cores (ExpertsConfig.mma);
                                          # None = from batch 8 (ExpertsBlock.use_mma)
+    expert_prefetch: bool = False        # CUDA-core expert tiles ask L2 for all their rows' lines first
+                                         # (ExpertsConfig.prefetch; opt-in, not yet run on a GPU)
     shared_rows: int = 0                 # ... of the shared expert's GEMVs (and the latent ones)
     op_rows: tuple = ()                  # per-op rows overriding shared_rows: (("shared_down", 32),
                                          # ...) over shared_gateup / shared_down / latent_down /
@@ -180,14 +182,14 @@ def blocks(cfg: MoELayerConfig) -> dict:
                                              num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
                                              swiglu_limit=cfg.swiglu_limit, **cfg.act_fields(),
                                              rows_per_tile=er["gateup"],
-                                             mma=cfg.expert_mma,
+                                             mma=cfg.expert_mma, prefetch=cfg.expert_prefetch,
                                              weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
         "down": ExpertsBlock(ExpertsConfig(stage="down", hidden=h, intermediate=cfg.intermediate,
                                            num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
                                            # latent: the shared expert (on the hidden) joins in the up GEMV
                                            shared=bool(cfg.shared_intermediate) and not cfg.latent,
                                            out_dtype="fp32" if cfg.latent else "bf16", rows_per_tile=er["down"],
-                                           mma=cfg.expert_mma,
+                                           mma=cfg.expert_mma, prefetch=cfg.expert_prefetch,
                                            weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
     }
     rows = dict(cfg.op_rows)
@@ -481,8 +483,9 @@ def moe_block_cases() -> list:
         preset("glm_53", 64, expert_dtype="fp8_e4m3")
     b3, b4, bg = blocks(k3), blocks(v4), blocks(glm)
     bm = blocks(preset("kimi_k3", 8, expert_dtype="mxfp4", expert_mma=True))      # the tensor-core tile
+    bp = blocks(preset("glm_53", 1, expert_dtype="mxfp4", expert_prefetch=True))   # the L2 prefetch (opt-in)
     return [b3["logits"], b3["select"], b4["select"], b3["gateup"], b4["gateup"], b4["down"], bg["gateup"], bg["down"],
-            bm["gateup"], bm["down"]] + situ_block_cases()
+            bm["gateup"], bm["down"], bp["gateup"], bp["down"]] + situ_block_cases()
 
 
 def situ_block_cases() -> list:

@@ -46,8 +46,8 @@ if [ "$PART" = 2 ]; then
   export BENCH_ARGS_indexer='--quick --match v4_csa' BENCH_S_indexer=50
   # the batch-1 expert tiles' L2 prefetch (expert_prefetch, sixteenth session) vs the default, same
   # routing draw per case (GLM-5.3: x5.7 the floor; Kimi K3: x1.7-1.9) - first: issue 4's largest gap
-  M='--no-timeline --cases glm_53:1:mxfp4,kimi_k3:1:mxfp4'
-  export BENCH_ARGS_moe="$M" BENCH_S_moe=75 BENCH_ARGS_moe_pf="$M --set expert_prefetch=1" BENCH_S_moe_pf=75
+  M='--no-timeline --cases glm_53:1:mxfp4,kimi_k3:1:mxfp4,glm_53:8:mxfp4'
+  export BENCH_ARGS_moe="$M" BENCH_S_moe=90 BENCH_ARGS_moe_pf="$M --set expert_prefetch=1" BENCH_S_moe_pf=90
   DEVICE_ALL_S=$(( DEVICE_ALL_S - TESTS_S )) bash bench/device_all.sh bench:moe bench:moe@pf bench:dsv4 bench:dsv4@q \
     bench:indexer bench:kda bench:kda@lag
   exit 0

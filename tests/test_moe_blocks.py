@@ -293,9 +293,6 @@ def test_block_checks_fail_loudly():
     with pytest.raises(UnsupportedConfigError):
         ExpertsBlock(ExpertsConfig(stage="down", hidden=1024, intermediate=200, num_local=4, top_k=2,
                                    weight_dtype="mxfp4"))
-    with pytest.raises(UnsupportedConfigError, match="prefetch"):     # the L2 prefetch is the CUDA-core tile's
-        ExpertsBlock(ExpertsConfig(stage="gateup", hidden=1024, intermediate=256, num_local=4, top_k=2, m=8,
-                                   weight_dtype="mxfp4", mma=True, prefetch=True))
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     for bad in (dict(stage="down", activation="situ"), dict(stage="gateup", activation="gelu")):
         with pytest.raises(UnsupportedConfigError, match="activation"):

@@ -94,10 +94,11 @@ class ExpertsConfig:
     unroll: int = 0                      # 16-byte loads per lane in flight per row; 0 = auto
     weight_l1: bool = True               # weight loads allocate in L1 (False: L1::no_allocate)
     mma: bool | None = None              # MXFP4 on the tensor cores (tile_mma); None = auto (use_mma)
-    prefetch: bool = False               # CUDA-core tile: each warp first asks L2 for the weight (and
-                                         # scale) lines of all its rows of every hit expert, so its
-                                         # row-after-row loads hit L2 instead of each waiting on DRAM;
-                                         # opt-in, written 2026-12-05, not yet run on a GPU
+    prefetch: bool = False               # each warp first asks L2 for the weight (and scale) lines of
+                                         # its share of the tile's rows of every hit expert, so the
+                                         # tile's loads, issued a step or a wave at a time, hit L2
+                                         # instead of each waiting on DRAM; opt-in, written 2026-12-05,
+                                         # not yet run on a GPU
     expected_hits: float = 1.0           # hit local experts per step: for cost() only
     # expert parallelism (sdk/blocks/ep.py): the experts of an owner rank read the rows that the
     # N ranks dispatched to it. rows: rows of x (gateup) and columns of tok/slot (0 = m); act
@@ -239,9 +240,6 @@ class ExpertsBlock(Block):
             self.unsupported(f"experts: rows={c.rows} > 64 needs scatter (the per-token combine holds 64 tokens)")
         if c.scatter and (c.stage != "down" or c.shared):
             self.unsupported("experts: scatter is a down-stage mode without a shared-expert input")
-        if c.prefetch and self.use_mma:
-            self.unsupported("experts prefetch: the CUDA-core tile's (mma=False); the tensor-core tile streams "
-                             "its rows differently")
         if self.use_mma:
             if c.weight_dtype != "mxfp4":
                 self.unsupported(f"experts mma: weight dtype {c.weight_dtype!r} (the tensor-core tile takes mxfp4)")
@@ -511,9 +509,11 @@ class ExpertsBlock(Block):
 
         @cute.jit
         def prefetch_rows(ptrs, t, warp, lane, n_hit, mHits):
-            """`prefetch`: L2 requests for every weight row (and mxfp4 scale row) this warp will
-            read - its rows of every hit expert, gate and up - issued back to back before the
-            first load: they are in flight together, and the tile's loads then hit L2."""
+            """`prefetch`: L2 requests for the weight rows (and mxfp4 scale rows) r = warp, warp + 8,
+            ... of the tile, of every hit expert, gate and up - issued back to back before the
+            first load: they are in flight together, and the tile's loads then hit L2 (the
+            CUDA-core tile reads exactly these rows in this warp; the tensor-core tile's warps
+            split K instead, so there the 8 warps' requests cover the tile together)."""
             for h in cutlass.range(n_hit, unroll=1):
                 le = Int64(mHits[1 + h])
                 wbase = ptrs[P_W] + le * Int64(W_BYTES)          # expert_views' bases
@@ -684,6 +684,8 @@ class ExpertsBlock(Block):
             osum.fill(0.0)
             zero_sums(scratch)
             n_hit = mHits[0]
+            if cutlass.const_expr(c.prefetch):
+                prefetch_rows(ptrs, t, warp, lane, n_hit, mHits)
             for hh in cutlass.range(n_hit, unroll=1):
                 le = mHits[1 + hh]
                 mW, mS = expert_views(ptrs, le)

@@ -85,7 +85,7 @@ class MoELayerConfig:
     expert_weight_l1: bool = True        # expert weight loads allocate in L1 (ExpertsConfig)
     expert_mma: bool | None = None       # MXFP4 expert tiles on the tensor cores (ExpertsConfig.mma);
                                          # None = from batch 8 (ExpertsBlock.use_mma)
-    expert_prefetch: bool = False        # CUDA-core expert tiles ask L2 for all their rows' lines first
+    expert_prefetch: bool = False        # expert tiles ask L2 for all their rows' lines first
                                          # (ExpertsConfig.prefetch; opt-in, not yet run on a GPU)
     shared_rows: int = 0                 # ... of the shared expert's GEMVs (and the latent ones)
     op_rows: tuple = ()                  # per-op rows overriding shared_rows: (("shared_down", 32),
@@ -483,9 +483,10 @@ def moe_block_cases() -> list:
         preset("glm_53", 64, expert_dtype="fp8_e4m3")
     b3, b4, bg = blocks(k3), blocks(v4), blocks(glm)
     bm = blocks(preset("kimi_k3", 8, expert_dtype="mxfp4", expert_mma=True))      # the tensor-core tile
-    bp = blocks(preset("glm_53", 1, expert_dtype="mxfp4", expert_prefetch=True))   # the L2 prefetch (opt-in)
+    bp = blocks(preset("glm_53", 1, expert_dtype="mxfp4", expert_prefetch=True))   # the L2 prefetch (opt-in),
+    bq = blocks(preset("glm_53", 8, expert_dtype="mxfp4", expert_prefetch=True))   # both tiles
     return [b3["logits"], b3["select"], b4["select"], b3["gateup"], b4["gateup"], b4["down"], bg["gateup"], bg["down"],
-            bm["gateup"], bm["down"], bp["gateup"], bp["down"]] + situ_block_cases()
+            bm["gateup"], bm["down"], bp["gateup"], bp["down"], bq["gateup"], bq["down"]] + situ_block_cases()
 
 
 def situ_block_cases() -> list:

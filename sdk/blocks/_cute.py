@@ -478,16 +478,13 @@ def block_compact(hit, scratch):
 
 
 @cute.jit
-def write_hit_list(cnt, mHits, L: cutlass.Constexpr, scratch):
-    """All threads, after a barrier that follows the last update of the L expert counts at `cnt`
-    (int32, global): hits[0] = H, the number of experts with a non-zero count, and hits[1..H]
-    their indices ascending (block_compact; L <= NUM_THREADS). Uses scratch[0:NUM_THREADS // 32]
-    and ends with a barrier."""
+def write_hit_list(count: Int32, mHits, scratch):
+    """All threads, `count` = the token count of expert `tid` (0 past the L local experts; L <=
+    NUM_THREADS), read after the last update of the counts: hits[0] = H, the number of experts
+    with a non-zero count, and hits[1..H] their indices ascending (block_compact). Uses
+    scratch[0:NUM_THREADS // 32] and ends with a barrier."""
     tid, _, _ = cute.arch.thread_idx()
-    n_hit = Int32(0)
-    if tid < L:
-        n_hit = cute.arch.load(cnt + tid, Int32, sem="relaxed", scope="gpu")
-    hit = n_hit > 0
+    hit = count > 0
     slot, total = block_compact(hit, scratch)
     if hit:
         mHits[1 + slot] = tid

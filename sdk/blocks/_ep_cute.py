@@ -143,7 +143,10 @@ def _table(b):
                     mSlot[le, pos] = a
             cute.arch.sync_threads()
             # hit list: local experts with assignments, ascending
-            write_hit_list(cnt, mHits, L, scratch)
+            n_le = Int32(0)
+            if tid < L:
+                n_le = cute.arch.load(cnt + tid, Int32, sem="relaxed", scope="gpu")
+            write_hit_list(n_le, mHits, scratch)
             if tid == 0:
                 mSt[0] = e
 

@@ -146,6 +146,10 @@ class RouterSelectBlock(Block):
     def num_tiles(self) -> int:
         return 1
 
+    def own_smem_bytes(self) -> int:
+        """The local experts' token counts while the tile dispatches (int32 each)."""
+        return -(-4 * self.num_local // 16) * 16
+
     @property
     def warps_per_token(self) -> int:
         """Warps that select one token's experts: 1 (a warp per token), or with fewer tokens than
@@ -213,12 +217,13 @@ class RouterSelectBlock(Block):
         import cutlass.cute as cute
         from cutlass import Float32, Int32
 
-        from ._cute import bits_to_f32, f32_bits, gmem_tensor, redux_u32, write_hit_list
+        from ._cute import TileSmem, bits_to_f32, f32_bits, gmem_tensor, redux_u32, write_hit_list
 
         c = self.config
         E, M, K = c.num_experts, c.m, c.top_k
         NE = E // 32
         L = self.num_local
+        OWN = self.own_smem_bytes()
         NW = NUM_THREADS // 32
         G = E // c.n_group if c.n_group > 1 else E
         NG = c.n_group
@@ -314,7 +319,7 @@ class RouterSelectBlock(Block):
             return my_v, my_e
 
         @cute.jit
-        def finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, cnt, lane, mx, inv_sum):
+        def finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, sCnt, lane, mx, inv_sum):
             """Token m's selected experts (lane j < K: the j-th) -> weights, topk outputs, dispatch."""
             my_w = Float32(0.0)
             if lane < K:
@@ -328,12 +333,12 @@ class RouterSelectBlock(Block):
                 mTw[m, lane] = my_w
                 le = my_e - lo
                 if (le >= 0) & (le < L):
-                    pos = cute.arch.atomic_add(cnt + le, Int32(1), sem="relaxed", scope="gpu")
+                    pos = cute.arch.atomic_add(sCnt.iterator + le, Int32(1), sem="relaxed", scope="cta")
                     mTok[le, pos] = m
                     mSlot[le, pos] = m * K + lane
 
         @cute.jit
-        def split_select(mLg, mB, mIds, mTw, mTok, mSlot, cnt, lane, warp, scratch):
+        def split_select(mLg, mB, mIds, mTw, mTok, mSlot, sCnt, lane, warp, scratch):
             """WPT warps per token: warp q of token m takes the experts i * 32 + lane with i = q,
             q + WPT, ..; each finds its K best, writes them to scratch; after a barrier the token's
             first warp merges the WPT * K candidates (K rounds over NC per lane). Elementwise
@@ -369,7 +374,7 @@ class RouterSelectBlock(Block):
                         cv[s] = scratch[2 * (m * WPT * K + cidx)]
                         ce[s] = Int32(scratch[2 * (m * WPT * K + cidx) + 1])
                 _, my_e = top_k_of_slots(cv, ce, NC, lane)
-                finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, cnt, lane, Float32(0.0), Float32(1.0))
+                finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, sCnt, lane, Float32(0.0), Float32(1.0))
 
         @cute.jit
         def tile(ptrs, t: Int32, scratch):
@@ -382,15 +387,19 @@ class RouterSelectBlock(Block):
             mTok = gmem_tensor(ptrs[8], Int32, (L, M), 4)
             mSlot = gmem_tensor(ptrs[9], Int32, (L, M), 4)
             mHits = gmem_tensor(ptrs[7], Int32, (L + 1,), 4)
-            cnt = cute.make_ptr(Int32, ptrs[6], cute.AddressSpace.gmem, assumed_align=4)
-            # 1. reset this step's counts (consumers of the previous step finished with the launch)
+            mCnt = gmem_tensor(ptrs[6], Int32, (L,), 4)
+            # the counts live in shared memory while the tokens are dispatched (one tile does them
+            # all): slot positions come from shared-memory atomics, not a global round trip each,
+            # and the hit list from the same counts; global gets them once, at the end
+            sCnt = TileSmem(scratch, OWN).allocate_tensor(Int32, cute.make_layout((L,)), byte_alignment=16)
+            # 1. this step's counts start at 0
             for le in cutlass.range(tid, L, NUM_THREADS):
-                cute.arch.store(cnt + le, Int32(0), sem="relaxed", scope="gpu")
+                sCnt[le] = Int32(0)
             cute.arch.sync_threads()
             # 2. per token: scores, selection, weights, dispatch (one warp per token, or WPT)
             if cutlass.const_expr(WPT > 1):
                 mBs = gmem_tensor(ptrs[1], Float32, (E,), 4) if has_bias else None
-                split_select(mLg, mBs, mIds, mTw, mTok, mSlot, cnt, lane, warp, scratch)
+                split_select(mLg, mBs, mIds, mTw, mTok, mSlot, sCnt, lane, warp, scratch)
             else:
                 sc = cute.make_rmem_tensor((NE,), Float32)
                 ch = cute.make_rmem_tensor((NE,), Float32)
@@ -473,9 +482,13 @@ class RouterSelectBlock(Block):
                                 ch[i] = sel_f(be == i * 32 + lane, Float32(NEG), ch[i])
                             my_e = sel_i(lane == j, be, my_e)
                     # weights: the score of each selected expert (recomputed from its logit)
-                    finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, cnt, lane, mx, inv_sum)
+                    finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, sCnt, lane, mx, inv_sum)
             cute.arch.sync_threads()
-            # 3. hit list: local experts with tokens, ascending
-            write_hit_list(cnt, mHits, L, scratch)
+            # 3. the counts to global, and the hit list: local experts with tokens, ascending
+            n_le = Int32(0)
+            if tid < L:
+                n_le = sCnt[tid]
+                mCnt[tid] = n_le
+            write_hit_list(n_le, mHits, scratch)
 
         return tile

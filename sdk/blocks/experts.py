@@ -64,6 +64,9 @@ MAX_LOADS_IN_FLIGHT = 16    # 16-byte weight loads per lane per step (64 registe
 MAX_GROUP_LOADS = 8         # ... x tokens, in the 2..8-token variants: each token adds x values and
                             # partial sums; above this ptxas spilled KBs per thread (local ptxas -v)
 MMA_RED_WORDS = 512         # tile_mma's cross-warp sums live in the tile's scratch (before STATS_OFFSET)
+PREFETCH_AHEAD = 2          # ExpertsConfig.prefetch: hit experts requested ahead of the one computed -
+                            # not all at once: at batch 8+ every SM's share of ~8-36 experts would not
+                            # fit the L2 (50 MB) together, 2 x ~64 KB an SM does
 
 
 def balanced_rows(out_rows: int, num_sms: int = 132) -> int:
@@ -94,11 +97,11 @@ class ExpertsConfig:
     unroll: int = 0                      # 16-byte loads per lane in flight per row; 0 = auto
     weight_l1: bool = True               # weight loads allocate in L1 (False: L1::no_allocate)
     mma: bool | None = None              # MXFP4 on the tensor cores (tile_mma); None = auto (use_mma)
-    prefetch: bool = False               # each warp first asks L2 for the weight (and scale) lines of
-                                         # its share of the tile's rows of every hit expert, so the
-                                         # tile's loads, issued a step or a wave at a time, hit L2
-                                         # instead of each waiting on DRAM; opt-in, written 2026-12-05,
-                                         # not yet run on a GPU
+    prefetch: bool = False               # each warp asks L2 for the weight (and scale) lines of its
+                                         # share of the tile's rows, PREFETCH_AHEAD hit experts ahead,
+                                         # so the tile's loads, issued a step or a wave at a time, hit
+                                         # L2 instead of each waiting on DRAM; opt-in, written
+                                         # 2026-12-05, not yet run on a GPU
     expected_hits: float = 1.0           # hit local experts per step: for cost() only
     # expert parallelism (sdk/blocks/ep.py): the experts of an owner rank read the rows that the
     # N ranks dispatched to it. rows: rows of x (gateup) and columns of tok/slot (0 = m); act
@@ -508,17 +511,15 @@ class ExpertsBlock(Block):
         PF_SCALES = (K // 128) if fmt == "mxfp4" else 0    # mxfp4: scale words of a weight row
 
         @cute.jit
-        def prefetch_rows(ptrs, t, warp, lane, n_hit, mHits):
-            """`prefetch`: L2 requests for the weight rows (and mxfp4 scale rows) r = warp, warp + 8,
-            ... of the tile, of every hit expert, gate and up - issued back to back before the
-            first load: they are in flight together, and the tile's loads then hit L2 (the
-            CUDA-core tile reads exactly these rows in this warp; the tensor-core tile's warps
-            split K instead, so there the 8 warps' requests cover the tile together)."""
-            for h in cutlass.range(n_hit, unroll=1):
+        def prefetch_rows(ptrs, t, r0, r1, r_step, h0, h1, lane, mHits):
+            """`prefetch`: L2 requests for the weight rows (and mxfp4 scale rows) r0, r0 + r_step,
+            .. < r1 of the tile, gate and up, of hit experts h0 .. h1 - 1: no register, no wait;
+            issued back to back, they are in flight together, and the tile's loads then hit L2."""
+            for h in cutlass.range(h0, h1, unroll=1):
                 le = Int64(mHits[1 + h])
                 wbase = ptrs[P_W] + le * Int64(W_BYTES)          # expert_views' bases
                 sbase = ptrs[P_S] + le * Int64(S_BYTES)
-                for r in cutlass.range(warp, R, NW, unroll=1):
+                for r in cutlass.range(r0, r1, r_step, unroll=1):
                     for i in cutlass.range_constexpr(nw):
                         n = Int64(t * R + r + i * I)
                         for k in cutlass.range_constexpr(PF_CHUNKS):
@@ -546,8 +547,8 @@ class ExpertsBlock(Block):
                 mTw = gmem_tensor(ptrs[7], Float32, (M * KT,), 4)
                 mOut = gmem_tensor(ptrs[9], odt, (M * KT if scatter else M, D), 4 if c.out_dtype == "fp32" else 2)
             n_hit = mHits[0]
-            if cutlass.const_expr(c.prefetch):
-                prefetch_rows(ptrs, t, warp, lane, n_hit, mHits)
+            if cutlass.const_expr(c.prefetch):         # this warp's rows of the first hit experts
+                prefetch_rows(ptrs, t, warp, R, NW, Int32(0), cutlass.min(n_hit, PREFETCH_AHEAD), lane, mHits)
             acc = cute.make_rmem_tensor((nw, GMAX), Float32)
             xr = cute.make_rmem_tensor((GMAX,), Int32)       # input rows of the group
             sl = cute.make_rmem_tensor((GMAX,), Int32)       # their assignment slots
@@ -556,6 +557,10 @@ class ExpertsBlock(Block):
                 row = t * R + r
                 osum.fill(0.0)
                 for h in cutlass.range(n_hit, unroll=1):
+                    if cutlass.const_expr(c.prefetch):     # this row of the hit expert PREFETCH_AHEAD on
+                        if h + PREFETCH_AHEAD < n_hit:
+                            prefetch_rows(ptrs, t, r, r + 1, 1, h + PREFETCH_AHEAD, h + PREFETCH_AHEAD + 1, lane,
+                                          mHits)
                     le = mHits[1 + h]
                     mW, mS = expert_views(ptrs, le)
                     n = mCnt[le]
@@ -684,9 +689,12 @@ class ExpertsBlock(Block):
             osum.fill(0.0)
             zero_sums(scratch)
             n_hit = mHits[0]
-            if cutlass.const_expr(c.prefetch):
-                prefetch_rows(ptrs, t, warp, lane, n_hit, mHits)
-            for hh in cutlass.range(n_hit, unroll=1):
+            if cutlass.const_expr(c.prefetch):         # the tile's rows of the first hit experts (warps
+                prefetch_rows(ptrs, t, warp, R, NW, Int32(0), cutlass.min(n_hit, PREFETCH_AHEAD), lane, mHits)
+            for hh in cutlass.range(n_hit, unroll=1):  # split the rows), then one expert ahead a time
+                if cutlass.const_expr(c.prefetch):
+                    if hh + PREFETCH_AHEAD < n_hit:
+                        prefetch_rows(ptrs, t, warp, R, NW, hh + PREFETCH_AHEAD, hh + PREFETCH_AHEAD + 1, lane, mHits)
                 le = mHits[1 + hh]
                 mW, mS = expert_views(ptrs, le)
                 n = mCnt[le]

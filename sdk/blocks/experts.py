@@ -116,7 +116,8 @@ class ExpertsConfig:
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., N, K] float -> (packed int32 [..., N, K/8], scales int32 [..., N, K/128]): MXFP4
     (formats.mxfp4_bytes: per 32 along K the smallest power-of-two scale with amax / scale <= 6,
-    e2m1's max; values rounded to the nearest e2m1, ties to even)."""
+    e2m1's max, amax floored at 6 x 2^-126 as V4.1's writer - a zero group's scale byte is 1;
+    values rounded to the nearest e2m1, ties to even)."""
     codes, exps = mxfp4_bytes(w)
     return codes.contiguous().view(torch.int32), exps.contiguous().view(torch.int32)
 

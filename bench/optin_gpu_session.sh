@@ -32,7 +32,8 @@ export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-580} TESTS
 if [ "$PART" = 2 ]; then
   TESTS_S=${PART2_TESTS_S:-260}     # the formats' tests compile a few more sublayer programs
   GPU_TESTS="tests/gpu/test_dsv4_gpu.py tests/gpu/test_dsv4_layer_gpu.py tests/gpu/test_dsv4_compress_gpu.py
-    tests/gpu/test_indexer_gpu.py::test_v4_csa_indexer_mxfp4_keys tests/gpu/test_moe_gpu.py::test_moe_layer_expert_prefetch" \
+    tests/gpu/test_indexer_gpu.py::test_v4_csa_indexer_mxfp4_keys
+    tests/gpu/test_moe_gpu.py::test_moe_layer_expert_prefetch" \
     OUT="$OUT/format_tests" DEVICE_ALL_S=$TESTS_S \
     bash bench/device_all.sh tests
   D='--quick --match "sublayer hca B=1 ctx=32768$" --match "sublayer hca B=64 ctx=32768$" --match "sublayer csa B=8 ctx=32768$"'

@@ -320,9 +320,10 @@ def test_missing_or_misshaped_weights_are_named_before_a_launch():
     w = make_weights(cfg, seed=0)
     name = next(n for n, b in prog.buffers.items() if b.role == "weight" and len(b.shape) == 2)
     check_weights(prog, {**w, "unrelated": torch.zeros(3)})
+    other = w[name].float() if w[name].dtype != torch.float32 else w[name].half()
     for bad, word in (({k: v for k, v in w.items() if k != name}, "missing"),
                       ({**w, name: w[name][:, :8]}, "mis-shaped"),
-                      ({**w, name: w[name].float() if w[name].dtype != torch.float32 else w[name].half()}, "wrong dtype")):
+                      ({**w, name: other}, "wrong dtype")):
         with pytest.raises(WeightsMismatchError, match=f"{word}.*{name}") as err:
             PyVM.from_program(prog, 8, bad)
         assert name in str(err.value)

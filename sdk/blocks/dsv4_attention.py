@@ -93,6 +93,11 @@ def comp_record_words(head_dim: int) -> int:
     return (head_dim // 2 + head_dim // COMP_GROUP) // 4
 
 
+def comp_cache_shape(batch: int, entries: int, head_dim: int) -> tuple:
+    """The int32 shape of an fp4 compressed-entry cache: a record per entry."""
+    return batch, entries, comp_record_words(head_dim)
+
+
 def quantize_comp_fp4(x: torch.Tensor) -> torch.Tensor:
     """x [..., hd] -> int32 records [..., comp_record_words(hd)], as V4.1's compressed-cache writer
     (flashinfer 0.7.2's dsv41 record): per 16 values the scale s = e4m3(max(max |x|, 6 x 2^-9) /
@@ -260,7 +265,7 @@ class DSV4DecodeBlock(Block):
                 (OperandSpec("window", (c.batch, c.window, window_record_words(hd)), "int32") if self.fp8_window
                  else OperandSpec("window", (c.batch, c.window, hd), "bf16")),
                 OperandSpec("new_kv", (c.batch, c.q_tokens, hd), "bf16"),
-                (OperandSpec("comp", (c.batch, max(c.max_entries, 1), comp_record_words(hd)), "int32") if self.fp4_comp
+                (OperandSpec("comp", comp_cache_shape(c.batch, max(c.max_entries, 1), hd), "int32") if self.fp4_comp
                  else OperandSpec("comp", (c.batch, max(c.max_entries, 1), hd), "bf16", optional=c.mode == "swa")),
                 OperandSpec("index", (c.batch, c.q_tokens, max(c.topk, 1)), "int32", optional=c.mode != "csa"),
                 OperandSpec("start", (c.batch,), "int32"),

@@ -52,10 +52,10 @@ from typing import Callable
 import torch
 
 from .base import NUM_THREADS, SCRATCH_WORDS, Block, Cost, OperandSpec
-from .dsv4_attention import (COMP_AMAX_FLOOR, comp_fp4_round_trip, comp_record_words, dequantize_comp_fp4,
+from .dsv4_attention import (COMP_AMAX_FLOOR, comp_cache_shape, comp_fp4_round_trip, dequantize_comp_fp4,
                             quantize_comp_fp4)
 from .formats import MXFP4_AMAX_FLOOR, MXFP4_GROUP, mxfp4_round_trip
-from .indexer import (INDEX_KEY_PAGE, dequantize_index_keys, index_key_page_words, index_key_words,
+from .indexer import (INDEX_KEY_PAGE, dequantize_index_keys, index_key_cache_shape, index_key_words,
                       quantize_index_keys, write_index_key)
 
 # the pooling's cross-key-lane sums: two fp32 words per thread in `scratch`
@@ -97,10 +97,10 @@ def _write_comp_fp4(cache, b, w, entry):
 # entry_dtype -> its format: the main compressor's V4.1 fp4 entries (a record per entry) and the
 # indexer's V4.1 mxfp4 keys (planar pages of 64 keys)
 RECORD_FORMATS = {
-    "fp4_e2m1": RecordFormat(lambda b, e, d: (b, e, comp_record_words(d)), quantize_comp_fp4, dequantize_comp_fp4,
-                             _write_comp_fp4, comp_fp4_round_trip),
-    "mxfp4": RecordFormat(lambda b, e, d: (b, e // INDEX_KEY_PAGE, index_key_page_words(d)), quantize_index_keys,
-                          dequantize_index_keys, write_index_key, mxfp4_round_trip),
+    "fp4_e2m1": RecordFormat(comp_cache_shape, quantize_comp_fp4, dequantize_comp_fp4, _write_comp_fp4,
+                             comp_fp4_round_trip),
+    "mxfp4": RecordFormat(index_key_cache_shape, quantize_index_keys, dequantize_index_keys, write_index_key,
+                          mxfp4_round_trip),
 }
 ENTRY_DTYPES = ("bf16",) + tuple(RECORD_FORMATS)
 
@@ -564,7 +564,8 @@ class DSV4CompressNormBlock(_CompressBase):
                                 j = w % PG
                                 mRecB[b, pg + j * (D // 2) + i] = cutlass.Int8(code)
                                 if i % GL == 0:
-                                    mRecB[b, pg + PG * (D // 2) + j * (D // MXFP4_GROUP) + i // GL] = cutlass.Int8(sbyte)
+                                    sb = pg + PG * (D // 2) + j * (D // MXFP4_GROUP) + i // GL
+                                    mRecB[b, sb] = cutlass.Int8(sbyte)
                             else:
                                 mRecB[b, w, i] = cutlass.Int8(code)
                                 if i % GL == 0:

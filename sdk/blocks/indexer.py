@@ -95,6 +95,11 @@ def index_key_page_words(head_dim: int) -> int:
     return INDEX_KEY_PAGE * index_key_words(head_dim)
 
 
+def index_key_cache_shape(batch: int, entries: int, head_dim: int) -> tuple:
+    """The int32 shape of a paged mxfp4 key cache: [batch, entries / 64, page words]."""
+    return batch, entries // INDEX_KEY_PAGE, index_key_page_words(head_dim)
+
+
 def quantize_index_keys(x: torch.Tensor) -> torch.Tensor:
     """x [..., E, d] (E a multiple of INDEX_KEY_PAGE) -> the int32 key cache [..., E / 64,
     index_key_page_words(d)]: MXFP4 (formats.mxfp4_bytes, the experts' format) in planar pages."""
@@ -222,8 +227,7 @@ class IndexScoreBlock(Block):
         c = self.config
         return [OperandSpec("q", (c.batch, c.q_tokens, c.heads, c.head_dim), "bf16"),
                 OperandSpec("weights", (c.batch, c.q_tokens, c.heads), "fp32"),
-                OperandSpec("keys", (c.batch, c.max_entries // INDEX_KEY_PAGE, index_key_page_words(c.head_dim)),
-                            "int32") if self.mxfp4
+                OperandSpec("keys", index_key_cache_shape(c.batch, c.max_entries, c.head_dim), "int32") if self.mxfp4
                 else OperandSpec("keys", (c.batch, c.max_entries, c.head_dim), "bf16"),
                 OperandSpec("start", (c.batch,), "int32"),
                 OperandSpec("scores", (c.batch, c.q_tokens, c.max_entries), "fp32", output=True)]

@@ -43,15 +43,16 @@ from types import SimpleNamespace
 import torch
 
 from ..blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock, DSV4DecodeConfig,
-                                     DSV4RingWriteBlock, DSV4RingWriteConfig, choose_splits, comp_fp4_round_trip,
-                                     comp_record_words, dequantize_comp_fp4, dequantize_window_fp8,
+                                     DSV4RingWriteBlock, DSV4RingWriteConfig, choose_splits, comp_cache_shape,
+                                     comp_fp4_round_trip, comp_record_words, dequantize_comp_fp4, dequantize_window_fp8,
                                      quantize_comp_fp4, quantize_window_fp8, window_record_words)
 from ..blocks.dsv4_compress import DSV4CompressConfig, compressor_blocks
 from ..blocks.dsv4_prologue import DSV4IndexQBlock, DSV4IndexQConfig, DSV4PrologueBlock, DSV4PrologueConfig
 from ..blocks.gemv import GemvBlock, GemvConfig, balanced_configs, fill_stage
 from ..blocks.formats import mxfp4_round_trip
-from ..blocks.indexer import (INDEX_KEY_PAGE, IndexScoreBlock, IndexScoreConfig, TopKBlock, TopKConfig,
-                              choose_keys_per_tile, dequantize_index_keys, index_key_page_words, quantize_index_keys)
+from ..blocks.indexer import (IndexScoreBlock, IndexScoreConfig, TopKBlock, TopKConfig, choose_keys_per_tile,
+                              dequantize_index_keys, index_key_cache_shape, index_key_page_words,
+                              quantize_index_keys)
 from .mlp_stack import gemv_block
 from .program import Program, first_fitting
 
@@ -199,13 +200,12 @@ class DSV4LayerConfig:
         if self.compressed:
             c, L = (2 * hd, 2 * r) if self.mode == "csa" else (hd, r)
             out.update({"state_kv": ((B, L, c), "bf16"), "state_gate": ((B, L, c), "fp32"),
-                        "comp": ((B, E, comp_record_words(hd)), "int32") if self.comp_dtype == "fp4_e2m1"
+                        "comp": (comp_cache_shape(B, E, hd), "int32") if self.comp_dtype == "fp4_e2m1"
                         else ((B, E, hd), "bf16")})
         if self.mode == "csa":
             ihd = self.index_head_dim
             out.update({"i_state_kv": ((B, 2 * r, 2 * ihd), "bf16"), "i_state_gate": ((B, 2 * r, 2 * ihd), "fp32"),
-                        "index_keys": ((B, E // INDEX_KEY_PAGE, index_key_page_words(ihd)), "int32")
-                        if self.index_dtype == "mxfp4"
+                        "index_keys": (index_key_cache_shape(B, E, ihd), "int32") if self.index_dtype == "mxfp4"
                         else ((B, E, ihd), "bf16")})
         return out
 

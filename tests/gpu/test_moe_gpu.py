@@ -234,9 +234,9 @@ def test_moe_layer_real_shard_one_launch(model, batch):
 
 
 @pytest.mark.parametrize("model,fmt,mma,batches", [
-    ("kimi_k3", "mxfp4", False, (1, 4)), ("deepseek_v41_flash", "mxfp4", False, (1, 4)), ("glm_53", "mxfp4", False, (1, 4)),
-    ("glm_53", "fp8_e4m3", False, (1,)), ("kimi_k3", "bf16", False, (1,)), ("glm_53", "mxfp4", True, (8,)),
-    ("kimi_k3", "mxfp4", True, (8,))])
+    ("kimi_k3", "mxfp4", False, (1, 4)), ("deepseek_v41_flash", "mxfp4", False, (1, 4)),
+    ("glm_53", "mxfp4", False, (1, 4)), ("glm_53", "fp8_e4m3", False, (1,)), ("kimi_k3", "bf16", False, (1,)),
+    ("glm_53", "mxfp4", True, (8,)), ("kimi_k3", "mxfp4", True, (8,))])
 def test_moe_layer_expert_prefetch(model, fmt, mma, batches):
     """ExpertsConfig.prefetch (opt-in): the expert tiles (CUDA-core; tensor-core at batch 8) first
     ask L2 for the lines of the tile's rows of every hit expert - the same math, so the layer

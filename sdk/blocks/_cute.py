@@ -137,19 +137,6 @@ def e2m1_code(y: Float32) -> Int32:
 
 
 @cute.jit
-def e2m1_value(code: Int32) -> Float32:
-    """The value of an E2M1 code (formats.E2M1_VALUES): magnitude index m < 2: m / 2, else
-    2^(m / 2 - 1) (1 + (m % 2) / 2) - built from its bits, exact."""
-    m = code & 7
-    mag = Float32(0.5) * Float32(m)
-    if m >= 2:
-        mag = bits_to_f32(((m >> 1) + 126) << 23) * (Float32(1.0) + Float32(0.5) * Float32(m & 1))
-    if (code & 8) != 0:
-        mag = -mag
-    return mag
-
-
-@cute.jit
 def prefetch_l2(addr: Int64):
     """Ask L2 for the line holding global address `addr` (prefetch.global.L2: no register, no
     wait - the later load of it is an L2 hit instead of a DRAM round trip)."""

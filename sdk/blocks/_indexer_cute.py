@@ -31,7 +31,7 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 
-from ._cute import (TileSmem, bits_to_f32, div_rn, e2m1_code, e2m1_pair, e2m1_value, f16x2_to_f32,
+from ._cute import (TileSmem, bits_to_f32, div_rn, e2m1_code, e2m1_pair, f16x2_to_f32,
                     f32x2_to_bf16x2, gmem_tensor, smem_tensor, stage_rows_async, ue8m0_exponent)
 from .base import NUM_THREADS
 from .formats import MXFP4_AMAX_FLOOR, MXFP4_GROUP
@@ -152,10 +152,14 @@ def build_index_score_tile(block):
                 sc = scale_of(ue8m0_exponent(cute.arch.fmax(a, Float32(MXFP4_AMAX_FLOOR)), 6.0))
                 inv = div_rn(Float32(1.0), sc)          # exact: a power of two
                 for q in cutlass.range_constexpr(4):
-                    out = cute.make_rmem_tensor((8,), Float32)
+                    # the 8 codes packed as a key word, decoded as dequant_page decodes the keys
+                    word = Int32(0)
                     for p in cutlass.range_constexpr(8):
-                        out[p] = e2m1_value(e2m1_code(v[q * 8 + p] * inv)) * sc
-                    sQv[r, gi * 4 + q, None].store(out.load().to(BFloat16))
+                        word = word | (e2m1_code(v[q * 8 + p] * inv) << (4 * p))
+                    out = cute.make_rmem_tensor((8,), Float32)
+                    for p in cutlass.range_constexpr(4):
+                        out[p], out[p + 4] = f16x2_to_f32(e2m1_pair(word, p))
+                    sQv[r, gi * 4 + q, None].store((out.load() * (sc * Float32(16384.0))).to(BFloat16))
 
     @cute.jit
     def tile(ptrs, t: Int32, scratch):

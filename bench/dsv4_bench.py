@@ -209,7 +209,7 @@ def bench_one(c, bw, quick, out_dir):
     splits = c[3] if len(c) > 3 else None
     overrides = c[4] if len(c) > 4 else {}
     if mode.startswith("sublayer:"):
-        tag = (f"_s{splits}" if splits else "") + "".join(f"_{k}{int(v)}" for k, v in overrides.items())
+        tag = (f"_s{splits}" if splits else "") + "".join(f"_{k}{v if isinstance(v, str) else int(v)}" for k, v in overrides.items())
         tl = (os.path.join(out_dir, f"timeline_dsv4_sublayer_{mode[9:]}_b{batch}{tag}.json")
               if out_dir and batch == 1 else None)
         return bench_sublayer(mode[9:], ctx, batch, bw, tl, splits, **overrides)

@@ -135,6 +135,21 @@ def test_csa_past_the_shared_memory_is_refused_clearly():
     build_program(DSV4LayerConfig(mode="csa", batch=64, **v41))
 
 
+@pytest.mark.parametrize("mode,batch,T", [("swa", 64, 1), ("hca", 8, 2)])
+def test_fp8_window_sublayer_falls_back_to_16_key_decode_chunks(mode, batch, T):
+    """V4.1's fp8 window records stage beside each decode chunk: at 32-key chunks and 2 stages the
+    decode tile takes 122 KB, and at batch 64 (or 8 x 2 tokens) the weight ring found 1 stage - the
+    build failed on the H200 (2026-12-05). build_program then takes 16-key chunks; bf16 keeps 32."""
+    from sdk.blocks.base import ring_geometry
+    from sdk.megakernel.program import RECORDS_MARGIN
+    v41 = dict(heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, ratio=128, max_seq_len=16384)
+    for window_dtype, chunk in (("fp8_e4m3", 16), ("bf16", 32)):
+        blocks = build_program(DSV4LayerConfig(mode=mode, batch=batch, tokens=T, window_dtype=window_dtype,
+                                               **v41)).opcodes.blocks
+        assert [b.config.chunk for b in blocks if b.name == "dsv4_decode"] == [chunk]
+        assert ring_geometry(blocks, reserved=RECORDS_MARGIN)[1] >= 2
+
+
 def test_unknown_mode_is_refused_clearly():
     from sdk.errors import UnsupportedConfigError
     with pytest.raises(UnsupportedConfigError, match="mode 'mla'"):

@@ -3,6 +3,8 @@ dispatch table, the expert formats (fp8 blocks, MXFP4 and its in-register decode
 MoE layer's instruction stream run by the PyVM against sdk/reference/moe.py's MoEReference, for
 several steps (counter epochs, no resets) with NaN-poisoned buffers; plus compile checks of the
 MoE blocks and the MoE megakernel for sm_90a, sm_100a and sm_103a (no GPU)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -302,6 +304,31 @@ def test_block_checks_fail_loudly():
             GemvBlock(GemvConfig(n=256, k=1024, **bad))
 
 
+def test_expert_smem_stages_slots_and_checks():
+    """smem_stages: a warp's item is its output row's weight rows (gate and up) and their scale
+    words - GLM-5.3's MXFP4 gate/up: 2 x (128 chunks x 16 B + 32 words x 4 B) = 4352 B; 8 warps x 3
+    slots = 104448 B of the plain tiles' arena, and the batch-1 layer's weight ring keeps 6 of its
+    12 stages. Refused clearly: 1 stage, the tensor-core tile, slots past SMEM_STAGES_MAX_BYTES."""
+    from sdk.blocks.base import ring_geometry
+    from sdk.blocks.experts import SMEM_STAGES_MAX_BYTES
+    from sdk.errors import UnsupportedConfigError
+    from sdk.megakernel.moe_layer import blocks, build_program, preset
+    b = blocks(preset("glm_53", 1, expert_dtype="mxfp4", expert_smem_stages=3))
+    assert b["gateup"].item_words * 4 == 2 * (128 * 16 + 32 * 4) == 4352
+    assert b["gateup"].own_smem_bytes() == 8 * 3 * 4352
+    assert b["down"].item_words * 4 == 64 * 16 + 16 * 4            # K = 2048: 64 chunks, 16 scale words
+    assert blocks(preset("glm_53", 1, expert_dtype="mxfp4"))["gateup"].own_smem_bytes() == 0
+    assert ring_geometry(build_program(preset("glm_53", 1, expert_dtype="mxfp4",
+                                              expert_smem_stages=3)).opcodes.blocks)[1] == 6
+    fp8 = blocks(preset("glm_53", 1, expert_dtype="fp8_e4m3", expert_smem_stages=2))["gateup"]
+    assert fp8.item_words * 4 == 2 * (4096 + 32 * 4)                # fp8: 16 per chunk, the block row's 32 scales
+    base = b["gateup"].config
+    for bad, match in ((dict(smem_stages=1), "2..8"), (dict(smem_stages=2, mma=True, m=8), "CUDA-core"),
+                       (dict(smem_stages=2, weight_dtype="bf16"), f"at most {SMEM_STAGES_MAX_BYTES}")):
+        with pytest.raises(UnsupportedConfigError, match=match):
+            ExpertsBlock(dataclasses.replace(base, **bad))
+
+
 def test_gemv_situ_epilogue_twins_equal_reference_situ():
     """GemvBlock's swiglu epilogue with activation="situ": its fp32 reference and its tile-by-tile
     emulation are sdk/reference/common.py's SiTU (with the config's betas) of the two GEMVs."""
@@ -360,7 +387,7 @@ def test_compile_moe_blocks_and_megakernel(arch):
     from sdk.megakernel.moe_layer import compile_check
     report = compile_check([arch])        # the blocks themselves: sdk.compile.block_cases()
     assert not failures(report), "\n".join(failures(report))
-    assert len(report[arch]) == 2          # the plain layer and the latent + SiTU layer
+    assert len(report[arch]) == 3          # the plain layer, the latent + SiTU layer, the staged experts
 
 
 def _tile_mma_arithmetic(packed: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

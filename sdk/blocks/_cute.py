@@ -19,7 +19,6 @@ only inside functions that build device code (never at `import sdk`).
 from __future__ import annotations
 
 import math
-import os
 
 import cutlass
 import cutlass.cute as cute
@@ -29,15 +28,6 @@ from cutlass.memory import SmemAllocator
 from .allreduce import ERR_PEER_TIMEOUT
 from .base import NUM_THREADS, PRODUCER_FIRST, SCRATCH_WORDS, coresident_stages, ring_geometry
 from .formats import E2M1_STEPS
-
-# When a consumed chunk's stage is refilled (SDK_RING_REFILL; opt-in, not yet measured):
-# "after" - right after the chunk is consumed, behind a second barrier (two barriers a chunk);
-# "lagged" - after the NEXT chunk's barrier, which also says every thread is done with the last
-# stage (one barrier a chunk, one stage less ahead; rings of 3+ stages only), the tile's last
-# chunk behind one more barrier at its end.
-RING_REFILL = os.environ.get("SDK_RING_REFILL", "after")
-if RING_REFILL not in ("after", "lagged"):
-    raise ValueError(f"SDK_RING_REFILL={RING_REFILL!r}: 'after' or 'lagged'")
 
 DTYPE_MAP = {
     "bf16": cutlass.BFloat16,
@@ -134,13 +124,6 @@ def e2m1_code(y: Float32) -> Int32:
     if y < Float32(0.0):
         code = code | 8
     return code
-
-
-@cute.jit
-def prefetch_l2(addr: Int64):
-    """Ask L2 for the line holding global address `addr` (prefetch.global.L2: no register, no
-    wait - the later load of it is an L2 hit instead of a DRAM round trip)."""
-    cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[addr])
 
 
 def redux_u32(x, op: str, dtype=Int32):
@@ -353,11 +336,6 @@ def block_sum_multi(values, scratch: cute.Tensor, op: cutlass.Constexpr = "sum")
     return out
 
 
-def lagged_refill(stages: int) -> bool:
-    """Whether stream_tile refills a stage one chunk late (RING_REFILL "lagged", 3+ stages)."""
-    return RING_REFILL == "lagged" and stages >= 3
-
-
 @cute.jit
 def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
                 ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce):
@@ -368,40 +346,17 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     chunk has landed" for this thread; the barrier after it makes every thread's copies visible.
     `fresh` = 0: the previous streaming tile of this CTA was of the same op (its staged
     activations are still in sx; see sdk/blocks/base.py). Returns the advanced (cseq, producer
-    state p0, p1, p2). With the lagged refill (RING_REFILL) `prep` of a chunk ch > 0 runs while
-    other threads may still consume chunk ch - 1: the CTA syncs first where `faces.restages(ch)`
-    says the prep rewrites what consume reads."""
+    state p0, p1, p2). (Refilling a stage one chunk later, behind the next chunk's barrier - one
+    barrier a chunk - measured slower on the H200: docs/megakernel.md.)"""
     st = faces.begin(ptrs, t, sx, scratch, fresh)
-    if cutlass.const_expr(lagged_refill(stages)):
-        # chunk ch's barrier also says every thread has consumed chunk ch - 1: its stage is
-        # refilled then, so from ch = 1 the ring holds stages - 1 chunks ahead of the one waited
-        # for. Chunk 0 (the ring full: wait for its oldest chunk) is peeled: the loop has no branch
-        faces.prep(ptrs, t, Int32(0), st, sx, scratch, fresh)
+    for ch in cutlass.range(nch, unroll=1):
+        faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
         cute.arch.cp_async_wait_group(stages - 1)
         cute.arch.sync_threads()
-        faces.consume(ptrs, t, Int32(0), ring_base + (cseq % stages) * stage_bytes, st, sx)
-        cseq = cseq + 1
-        for ch in cutlass.range(1, nch, unroll=1):
-            if cutlass.const_expr(faces.restages is not None):
-                if faces.restages(ch):
-                    cute.arch.sync_threads()        # chunk ch - 1 may still be read
-            faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
-            cute.arch.cp_async_wait_group(stages - 2)
-            cute.arch.sync_threads()
-            p0, p1, p2 = produce(p0, p1, p2)
-            faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
-            cseq = cseq + 1
+        faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
         cute.arch.sync_threads()
-        p0, p1, p2 = produce(p0, p1, p2)          # the last chunk's stage: the ring full again
-    else:
-        for ch in cutlass.range(nch, unroll=1):
-            faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
-            cute.arch.cp_async_wait_group(stages - 1)
-            cute.arch.sync_threads()
-            faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
-            cute.arch.sync_threads()
-            p0, p1, p2 = produce(p0, p1, p2)
-            cseq = cseq + 1
+        p0, p1, p2 = produce(p0, p1, p2)
+        cseq = cseq + 1
     faces.end(ptrs, t, st, scratch)
     return cseq, p0, p1, p2
 

@@ -28,10 +28,6 @@ dependency is met: weights never depend on activations). Such a block declares
     consume(ptrs, tile, c, stage_addr, state, sx)   chunk c has landed and is visible
     end(ptrs, tile, state, scratch)             epilogue (reductions, output stores)
 
-and optionally `restages(c) -> bool`: prep of chunk c rewrites shared memory that consume reads
-(the GEMV's next x block). The ring's lagged refill runs prep(c) while other threads may still
-consume chunk c - 1, so stream_tile syncs the CTA before such a prep (None: prep never does).
-
 `fresh` is 0 when the CTA's previous streaming tile belonged to the same op (same operand-table
 entries) and nothing else streamed in between: the activations that tile staged in `sx` are
 still there and still current (every tile of an op waits for the same counters, and a program
@@ -156,7 +152,6 @@ class StreamFaces:
     prep: Any
     consume: Any
     end: Any
-    restages: Any = None    # (c) -> bool: prep(c) rewrites what consume reads (lagged refill: a sync first)
 
 
 @dataclass(frozen=True)

@@ -64,9 +64,8 @@ MAX_LOADS_IN_FLIGHT = 16    # 16-byte weight loads per lane per step (64 registe
 MAX_GROUP_LOADS = 8         # ... x tokens, in the 2..8-token variants: each token adds x values and
                             # partial sums; above this ptxas spilled KBs per thread (local ptxas -v)
 MMA_RED_WORDS = 512         # tile_mma's cross-warp sums live in the tile's scratch (before STATS_OFFSET)
-PREFETCH_AHEAD = 2          # ExpertsConfig.prefetch: hit experts requested ahead of the one computed -
-                            # not all at once: at batch 8+ every SM's share of ~8-36 experts would not
-                            # fit the L2 (50 MB) together, 2 x ~64 KB an SM does
+SMEM_STAGES_MAX_BYTES = 192 * 1024   # ExpertsConfig.smem_stages: the warps' item slots at most (the
+                                     # megakernel's weight ring needs the rest of the shared memory)
 
 
 def balanced_rows(out_rows: int, num_sms: int = 132) -> int:
@@ -97,11 +96,10 @@ class ExpertsConfig:
     unroll: int = 0                      # 16-byte loads per lane in flight per row; 0 = auto
     weight_l1: bool = True               # weight loads allocate in L1 (False: L1::no_allocate)
     mma: bool | None = None              # MXFP4 on the tensor cores (tile_mma); None = auto (use_mma)
-    prefetch: bool = False               # each warp asks L2 for the weight (and scale) lines of its
-                                         # share of the tile's rows, PREFETCH_AHEAD hit experts ahead,
-                                         # so the tile's loads, issued a step or a wave at a time, hit
-                                         # L2 instead of each waiting on DRAM; opt-in, written
-                                         # 2026-12-05, not yet run on a GPU
+    smem_stages: int = 0                 # CUDA-core tile: each warp copies its (row, hit expert) items'
+                                         # weight rows and scales into its own shared-memory slots with
+                                         # cp.async, smem_stages - 1 items ahead of the one it computes
+                                         # (0: loads straight into registers); opt-in, written 2026-12-05
     expected_hits: float = 1.0           # hit local experts per step: for cost() only
     # expert parallelism (sdk/blocks/ep.py): the experts of an owner rank read the rows that the
     # N ranks dispatched to it. rows: rows of x (gateup) and columns of tok/slot (0 = m); act
@@ -244,12 +242,39 @@ class ExpertsBlock(Block):
             self.unsupported(f"experts: rows={c.rows} > 64 needs scatter (the per-token combine holds 64 tokens)")
         if c.scatter and (c.stage != "down" or c.shared):
             self.unsupported("experts: scatter is a down-stage mode without a shared-expert input")
+        if c.smem_stages:
+            if not 2 <= c.smem_stages <= 8:
+                self.unsupported(f"experts: smem_stages={c.smem_stages} (supported: 0, or 2..8 items per warp)")
+            if self.use_mma:
+                self.unsupported("experts: smem_stages is for the CUDA-core tile (the tensor-core tile, mma, "
+                                 "loads its weights itself)")
+            if self.own_smem_bytes() > SMEM_STAGES_MAX_BYTES:
+                self.unsupported(f"experts: smem_stages={c.smem_stages} x {NUM_THREADS // 32} warps x "
+                                 f"{4 * self.item_words} B items = {self.own_smem_bytes()} B of shared memory "
+                                 f"(at most {SMEM_STAGES_MAX_BYTES}): fewer stages")
         if self.use_mma:
             if c.weight_dtype != "mxfp4":
                 self.unsupported(f"experts mma: weight dtype {c.weight_dtype!r} (the tensor-core tile takes mxfp4)")
             if self.mma_red_words > MMA_RED_WORDS:
                 self.unsupported(f"experts mma: {self.config.rows_per_tile} rows x {self.nw} weights x 8 tokens "
                                  f"exceed the {MMA_RED_WORDS}-word cross-warp sum in scratch")
+
+    @property
+    def scale_words(self) -> int:
+        """32-bit scale words of one weight row's K (mxfp4: 4 ue8m0 bytes a word; fp8: the row's 128 x
+        128 block row, one fp32 a block); 0 for bf16."""
+        return 0 if self.config.weight_dtype == "bf16" else self.k_dim // 128
+
+    @property
+    def item_words(self) -> int:
+        """smem_stages: one (row, hit expert) item - the nw weight rows' 16-byte chunks, then their
+        scale words (padded to 16 bytes) - in 32-bit words."""
+        nch = self.k_dim // self.elems_per_load
+        return self.nw * (nch * 4 + -(-self.scale_words // 4) * 4)
+
+    def own_smem_bytes(self) -> int:
+        c = self.config
+        return (NUM_THREADS // 32) * c.smem_stages * 4 * self.item_words if c.smem_stages else 0
 
     def operand_specs(self):
         c = self.config
@@ -361,8 +386,10 @@ class ExpertsBlock(Block):
         from cutlass import Float32, Int32, Int64
         from cutlass._mlir import ir
 
-        from ._cute import (DTYPE_MAP, bits_to_f32, e2m1_pair, f16x2_to_f32, gmem_tensor, mma_m16n8k16, mul_f16x2,
-                            prefetch_l2, swiglu_act)
+        from cutlass.cute.nvgpu import cpasync
+
+        from ._cute import (DTYPE_MAP, TileSmem, bits_to_f32, e2m1_pair, f16x2_to_f32, gmem_tensor, mma_m16n8k16,
+                            mul_f16x2, smem_tensor, swiglu_act)
 
         c = self.config
         fmt = c.weight_dtype
@@ -412,6 +439,23 @@ class ExpertsBlock(Block):
             return s
 
         @cute.jit
+        def load_staged(sW, i, ch):
+            """smem_stages: chunk ch of weight row i of the item in the warp's slot (one LDS.128)."""
+            raw = cute.make_rmem_tensor((4,), Int32)
+            raw.store(sW[i, ch, None].load())
+            return raw
+
+        @cute.jit
+        def staged_scale(sS, i, ch) -> Float32:
+            """smem_stages: chunk_scale of the item's weight row i from its staged scale words."""
+            s = Float32(1.0)
+            if cutlass.const_expr(fmt == "fp8_e4m3"):
+                s = sS[i, (ch * EPL) // 128]
+            elif cutlass.const_expr(fmt == "mxfp4"):
+                s = chunk_scale(sS, i, ch)
+            return s
+
+        @cute.jit
         def unpack(raw):
             """bf16 / fp8: the load's EPL weights as fp32 (rmem); mxfp4: the raw words (decoded
             8 at a time by weights8, which keeps the registers of a whole row's loads free)."""
@@ -432,7 +476,7 @@ class ExpertsBlock(Block):
                 return out
             return [w[8 * q + e] for e in range(8)]
 
-        def make_group(G):
+        def make_group(G, staged=False):
             """Dot products of one output row's weight rows (nw: gate and up, or down) with G
             input rows, for one warp. Per step: every weight load (U_G per weight row per lane)
             and its scale first, so they are in flight together; then per 8 weights one x load per
@@ -440,10 +484,11 @@ class ExpertsBlock(Block):
             was measured on the H200 - bench/results/h200/moe_bench_variants.json - and made the
             MoE layer 1.3-3.4x slower. But ptxas issues a step's loads in U_G waves interleaved
             with the math, not together - SASS of the GLM-5.3 batch-1 gate/up tile - so a row
-            costs several DRAM round trips: `prefetch` asks L2 for all of a warp's lines first,
-            docs/moe.md.) A step past the row's end (the last one when 32 * U_G
-            does not divide the row) re-loads the row's last chunk and weighs it 0, so its loads
-            stay unconditional (hoisted with the others) instead of a branch per load."""
+            costs several DRAM round trips: `staged` reads the item from the warp's smem slot
+            instead - smem_stages, weight row i at index i of mW / mS.) A step past the row's end
+            (the last one when 32 * U_G does not divide the row) re-loads the row's last chunk and
+            weighs it 0, so its loads stay unconditional (hoisted with the others) instead of a
+            branch per load."""
             UG = U if G == 1 else max(1, min(U, MAX_GROUP_LOADS // (nw * G)))
             steps = -(-nch // (32 * UG))
             ragged = nch % (32 * UG) != 0
@@ -455,8 +500,12 @@ class ExpertsBlock(Block):
                     ch_c = ch_l
                     if cutlass.const_expr(ragged):
                         ch_c = [Int32(cutlass.select_(ch < nch, ch, nch - 1)) for ch in ch_l]
-                    raw = [[load_w(mW, row + i * I, ch_c[u]) for u in range(UG)] for i in range(nw)]
-                    scl = [[chunk_scale(mS, row + i * I, ch_c[u]) for u in range(UG)] for i in range(nw)]
+                    if cutlass.const_expr(staged):
+                        raw = [[load_staged(mW, i, ch_c[u]) for u in range(UG)] for i in range(nw)]
+                        scl = [[staged_scale(mS, i, ch_c[u]) for u in range(UG)] for i in range(nw)]
+                    else:
+                        raw = [[load_w(mW, row + i * I, ch_c[u]) for u in range(UG)] for i in range(nw)]
+                        scl = [[chunk_scale(mS, row + i * I, ch_c[u]) for u in range(UG)] for i in range(nw)]
                     if cutlass.const_expr(ragged):
                         scl = [[Float32(cutlass.select_(ch_l[u] < nch, sr[u], Float32(0.0))) for u in range(UG)]
                                for sr in scl]
@@ -480,7 +529,8 @@ class ExpertsBlock(Block):
 
             return group
 
-        group_fns = {G: make_group(G) for G in groups}
+        STAGED = c.smem_stages > 0 and not self.use_mma
+        group_fns = {G: make_group(G, STAGED) for G in groups}
 
         def pick(n):
             return group_fns[min([g for g in groups if g >= n] or [GMAX])]
@@ -508,28 +558,57 @@ class ExpertsBlock(Block):
                 mS = mW          # no scales: never read
             return mW, mS
 
-        PF_CHUNKS = -(-nch // 32)                  # prefetch: a lane's 16-byte chunks of a weight row
-        PF_SCALES = (K // 128) if fmt == "mxfp4" else 0    # mxfp4: scale words of a weight row
+        # -- smem_stages: a warp's items (row r, hit expert h), r over its rows, h inner, in order
+        # j = (r's index among the warp's rows) x hits + h; item j sits in slot j % DS of the warp.
+        # Each lane copies chunks lane, lane + 32, .. of the item's weight rows and scale words
+        # lane, lane + 32, ..: cp.async (LDGSTS, no register, no consumer) issues where it stands,
+        # so an item's copies are all in flight together, DS - 1 items ahead of the one computed -
+        # the loads straight into registers are issued by ptxas in waves through the math (SASS of
+        # the GLM-5.3 batch-1 gate/up tile: a row's 8 loads in 4 waves, ~4 DRAM round trips a row).
+        DS = c.smem_stages
+        SW = self.scale_words
+        SWP = -(-SW // 4) * 4                      # a weight row's staged scale words (16-byte padded)
+        ITEM = 4 * self.item_words                 # bytes of an item's slot
+        OWN = self.own_smem_bytes()
 
         @cute.jit
-        def prefetch_rows(ptrs, t, r0, r1, r_step, h0, h1, lane, mHits):
-            """`prefetch`: L2 requests for the weight rows (and mxfp4 scale rows) r0, r0 + r_step,
-            .. < r1 of the tile, gate and up, of hit experts h0 .. h1 - 1: no register, no wait;
-            issued back to back, they are in flight together, and the tile's loads then hit L2."""
-            for h in cutlass.range(h0, h1, unroll=1):
-                le = Int64(mHits[1 + h])
-                wbase = ptrs[P_W] + le * Int64(W_BYTES)          # expert_views' bases
+        def slot_views(base, s):
+            """(weights [nw, nch, 4] int32, scales [nw, SWP]) of slot s at the warp's slots `base`."""
+            a = base + s * ITEM
+            sW = smem_tensor(a, Int32, (nw, nch, 4))
+            sS = smem_tensor(a + nw * nch * 16, Float32 if fmt == "fp8_e4m3" else Int32, (nw, max(SWP, 4)))
+            return sW, sS
+
+        @cute.jit
+        def issue_item(ptrs, t, jj, n_items, n_hit, warp, lane, mHits, base):
+            """Copy item jj (if it exists) into slot jj % DS; commits one cp.async group either way."""
+            g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Int32,
+                                      num_bits_per_copy=128)
+            g2s4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
+            if jj < n_items:
+                rr = jj // n_hit
+                le = Int64(mHits[1 + jj - rr * n_hit])
+                row = Int64(t * R + warp + NW * rr)
+                a = base + (jj % DS) * ITEM
+                wbase = ptrs[P_W] + le * Int64(W_BYTES)
                 sbase = ptrs[P_S] + le * Int64(S_BYTES)
-                for r in cutlass.range(r0, r1, r_step, unroll=1):
-                    for i in cutlass.range_constexpr(nw):
-                        n = Int64(t * R + r + i * I)
-                        for k in cutlass.range_constexpr(PF_CHUNKS):
-                            ch = lane + 32 * k
-                            if ch < nch:
-                                prefetch_l2(wbase + (n * Int64(nch) + Int64(ch)) * Int64(16))
-                        if cutlass.const_expr(PF_SCALES > 0):
-                            if lane < PF_SCALES:
-                                prefetch_l2(sbase + (n * Int64(PF_SCALES) + Int64(lane)) * Int64(4))
+                for i in cutlass.range_constexpr(nw):
+                    n = row + Int64(i * I)
+                    for k in cutlass.range_constexpr(-(-nch // 32)):
+                        ch = lane + 32 * k
+                        if ch < nch:
+                            cute.copy(g2s, gmem_tensor(wbase + (n * Int64(nch) + Int64(ch)) * Int64(16), Int32, (4,), 16),
+                                      smem_tensor(a + (i * nch + ch) * 16, Int32, (4,)))
+                    if cutlass.const_expr(SW > 0):
+                        srow = n // Int64(128) if fmt == "fp8_e4m3" else n    # fp8: the 128-row block's scales
+                        for k in cutlass.range_constexpr(-(-SW // 32)):
+                            w = lane + 32 * k
+                            if w < SW:
+                                dst = cute.make_ptr(Int32, a + nw * nch * 16 + (i * SWP + w) * 4, cute.AddressSpace.smem,
+                                                    assumed_align=4)
+                                cute.copy(g2s4, gmem_tensor(sbase + (srow * Int64(SW) + Int64(w)) * Int64(4), Int32, (1,), 4),
+                                          cute.make_tensor(dst, cute.make_layout(1)))
+            cute.arch.cp_async_commit_group()
 
         @cute.jit
         def tile(ptrs, t: Int32, scratch):
@@ -548,8 +627,12 @@ class ExpertsBlock(Block):
                 mTw = gmem_tensor(ptrs[7], Float32, (M * KT,), 4)
                 mOut = gmem_tensor(ptrs[9], odt, (M * KT if scatter else M, D), 4 if c.out_dtype == "fp32" else 2)
             n_hit = mHits[0]
-            if cutlass.const_expr(c.prefetch):         # this warp's rows of the first hit experts
-                prefetch_rows(ptrs, t, warp, R, NW, Int32(0), cutlass.min(n_hit, PREFETCH_AHEAD), lane, mHits)
+            if cutlass.const_expr(STAGED):             # the warp's slots; its first DS - 1 items in flight
+                slots = TileSmem(scratch, OWN).allocate_tensor(Int32, cute.make_layout(OWN // 4), 16)
+                sbase = slots.iterator.toint() + warp * (DS * ITEM)
+                n_items = (R // NW) * n_hit
+                for jj in cutlass.range_constexpr(DS - 1):
+                    issue_item(ptrs, t, Int32(jj), n_items, n_hit, warp, lane, mHits, sbase)
             acc = cute.make_rmem_tensor((nw, GMAX), Float32)
             xr = cute.make_rmem_tensor((GMAX,), Int32)       # input rows of the group
             sl = cute.make_rmem_tensor((GMAX,), Int32)       # their assignment slots
@@ -558,12 +641,15 @@ class ExpertsBlock(Block):
                 row = t * R + r
                 osum.fill(0.0)
                 for h in cutlass.range(n_hit, unroll=1):
-                    if cutlass.const_expr(c.prefetch):     # this row of the hit expert PREFETCH_AHEAD on
-                        if h + PREFETCH_AHEAD < n_hit:
-                            prefetch_rows(ptrs, t, r, r + 1, 1, h + PREFETCH_AHEAD, h + PREFETCH_AHEAD + 1, lane,
-                                          mHits)
                     le = mHits[1 + h]
-                    mW, mS = expert_views(ptrs, le)
+                    if cutlass.const_expr(STAGED):
+                        j = ((r - warp) // NW) * n_hit + h
+                        issue_item(ptrs, t, j + (DS - 1), n_items, n_hit, warp, lane, mHits, sbase)
+                        cute.arch.cp_async_wait_group(DS - 1)     # item j has landed (this lane's copies)
+                        cute.arch.sync_warp()                     # ... and every lane's
+                        mW, mS = slot_views(sbase, j % DS)    # the group fns read weight row i there
+                    else:
+                        mW, mS = expert_views(ptrs, le)
                     n = mCnt[le]
                     for g0 in cutlass.range(0, n, GMAX, unroll=1):
                         ng = n - g0
@@ -609,6 +695,8 @@ class ExpertsBlock(Block):
                                         osum[0] = osum[0] + v
                                     if m_tok == lane + 32:
                                         osum[1] = osum[1] + v
+                    if cutlass.const_expr(STAGED):
+                        cute.arch.sync_warp()          # every lane is done with the slot: it is refilled next
                 if cutlass.const_expr(not gateup and not scatter):
                     for half in cutlass.range_constexpr(2):
                         m_out = lane + 32 * half
@@ -618,6 +706,8 @@ class ExpertsBlock(Block):
                                 mSh = gmem_tensor(ptrs[8], Float32, (M, D), 4)
                                 v = v + mSh[m_out, row]
                             mOut[m_out, row] = v.to(odt)
+            if cutlass.const_expr(STAGED):
+                cute.arch.cp_async_wait_group(0)       # no group of this tile outlives it (the ring counts its own)
 
         # -- the tensor-core tile (use_mma, MXFP4) ----------------------------------------------
         # Warp mma.sync m16n8k16 (f16 in, fp32 accumulate), swap-AB: weight rows are the MMA's M
@@ -690,12 +780,7 @@ class ExpertsBlock(Block):
             osum.fill(0.0)
             zero_sums(scratch)
             n_hit = mHits[0]
-            if cutlass.const_expr(c.prefetch):         # the tile's rows of the first hit experts (warps
-                prefetch_rows(ptrs, t, warp, R, NW, Int32(0), cutlass.min(n_hit, PREFETCH_AHEAD), lane, mHits)
-            for hh in cutlass.range(n_hit, unroll=1):  # split the rows), then one expert ahead a time
-                if cutlass.const_expr(c.prefetch):
-                    if hh + PREFETCH_AHEAD < n_hit:
-                        prefetch_rows(ptrs, t, warp, R, NW, hh + PREFETCH_AHEAD, hh + PREFETCH_AHEAD + 1, lane, mHits)
+            for hh in cutlass.range(n_hit, unroll=1):
                 le = mHits[1 + hh]
                 mW, mS = expert_views(ptrs, le)
                 n = mCnt[le]

@@ -64,7 +64,8 @@ class GemvConfig:
     n: int                               # output features (rows of W)
     k: int                               # input features
     m: int = 1                           # tokens (static: the megakernel is built per batch shape)
-    rows_per_tile: int = 8
+    rows_per_tile: int = 0               # 0: auto (standalone_rows; the megakernel programs cut theirs
+                                         # with balanced_configs)
     weight_dtype: str = "bf16"           # "bf16" | "fp8_e4m3"
     swiglu: bool = False
     swiglu_limit: float | None = None
@@ -151,9 +152,44 @@ def fill_stage(config: GemvConfig, stage_bytes: int) -> GemvConfig:
     return best.config
 
 
+STANDALONE_BALANCE_MAX = 1.05       # standalone_rows: the busiest SM's tiles / the mean, at most
+
+
+def standalone_rows(config: GemvConfig, num_sms: int = 132) -> GemvConfig:
+    """`config` with rows_per_tile = the fewest rows (a multiple of 8, legal) whose chunk holds
+    CHUNK_TARGET_BYTES of weights with the tiles still spread within STANDALONE_BALANCE_MAX over
+    `num_sms` SMs; else the fewest legal rows. A ring chunk has a fixed cost (its wait and barriers)
+    beside its bytes: measured on the H200 (2026-12-05, fp8 18432x7168 at batch 1, CUDA cores),
+    8 rows (8 KB chunks: K = 7168 takes 1024-column chunks at most) 65.5% of copy, 16 rows (16 KB)
+    90.2%, 32 rows with 1024-column chunks 91.2%. bf16 reaches the target at 8 rows (96.2%). The
+    tensor-core tile (batch 8+) keeps 8 rows."""
+    import dataclasses
+    legal = []
+    for r in range(8, 129, 8):
+        try:
+            legal.append(GemvBlock(dataclasses.replace(config, rows_per_tile=r)))
+        except UnsupportedConfigError:
+            continue
+    if not legal:        # the config itself is wrong: the check's own error, at 8 rows
+        GemvBlock(dataclasses.replace(config, rows_per_tile=8))
+        raise UnsupportedConfigError(f"gemv: no legal rows_per_tile <= 128 for {config}")
+    if legal[0].use_mma:            # the tensor-core tile's chunks follow its own rules: 8 rows, as measured
+        return legal[0].config
+    for b in legal:
+        if b.nw * b.config.rows_per_tile * b.chunk_k * b.wbytes >= CHUNK_TARGET_BYTES \
+                and b.tile_balance(num_sms) <= STANDALONE_BALANCE_MAX:
+            return b.config
+    return legal[0].config
+
+
 class GemvBlock(Block):
     name = "gemv"
     Config = GemvConfig
+
+    def __init__(self, config: GemvConfig):
+        if isinstance(config, GemvConfig) and config.rows_per_tile == 0:
+            config = standalone_rows(config)
+        super().__init__(config)
 
     # -- static facts --------------------------------------------------------------------------
     @property
@@ -334,7 +370,7 @@ class GemvBlock(Block):
         1.0 is even; the op's time is this much over a perfect spread of its rows. The standalone
         kernel deals tile t to CTA t % grid, and the megakernel's list scheduling spreads one op's
         equal tiles the same way, so the busiest SM runs ceil(tiles / SMs). Rows per tile 8 (the
-        default) puts 7168 / 4096 / 18432 rows at 1.031 on 132 SMs (7 / 4 / 18 tiles on the
+        bf16 default) puts 7168 / 4096 / 18432 rows at 1.031 on 132 SMs (7 / 4 / 18 tiles on the
         busiest SM); 16 rows would put 7168 at 1.179 (448 tiles: 4 on some SMs, 3.39 mean)."""
         t = self.num_tiles()
         return -(-t // num_sms) * num_sms / t
@@ -1143,17 +1179,8 @@ class GemvBlock(Block):
             # the sums are rewritten by the next tile's end: no thread may still be reading them
             cute.arch.sync_threads()
 
-        @cute.jit
-        def restages(ch: Int32):
-            """prep(ch) stages the next x block over the one chunk ch - 1 read (stream_tile's lagged
-            refill syncs first)."""
-            return ch % CPX == 0
-
-        # x staged a block at a time: its prep rewrites sx mid-tile
-        rs = None if (merged_norm or whole_x) else restages
         if wg:
-            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_wgmma, end=end_wgmma, restages=rs)
+            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_wgmma, end=end_wgmma)
         if mma:
-            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma, end=end_mma, restages=rs)
-        return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_hfma2 if hfma2 else consume, end=end,
-                           restages=rs)
+            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma, end=end_mma)
+        return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_hfma2 if hfma2 else consume, end=end)

@@ -211,20 +211,24 @@ class DSV4LayerConfig:
 
 
 def build_program(cfg: DSV4LayerConfig) -> Program:
-    """The sublayer's program with the deepest decode pipeline (its auto, then 4 .. 2 stages) that
-    leaves the projections' weight ring 2 stages of shared memory (the decode tile of 8 heads x 512
-    takes ~187 KB at its auto depth); else the ring's error."""
+    """The sublayer's program with the deepest decode pipeline (its auto, then 4 .. 2 stages; then
+    the same with 16-key chunks) that leaves the projections' weight ring 2 stages of shared memory
+    (the decode tile of 8 heads x 512 takes ~187 KB at its auto depth); else the ring's error."""
     from dataclasses import replace
 
-    def build(st):
-        c = replace(cfg, decode_stages=st)
+    def build(chunk, st):
+        c = replace(cfg, decode_chunk=chunk, decode_stages=st)
         prog = _build(c)
         if cfg.fill_stage:
             # every GEMV's chunk widened to fill the ring's stage (its widest chunk: the indexer's q
             # GEMV's 64 rows make 33 KB stages that the other GEMVs' 17 KB chunks half fill)
             prog = _build(c, max(b.chunk_bytes() for b in prog.opcodes.blocks if b.stream_chunks() > 0))
         return prog
-    return first_fitting(lambda st=st: build(st) for st in ((cfg.decode_stages,) if cfg.decode_stages else (0, 4, 3, 2)))
+    # then the decode's 16-key chunks (V4.1's fp8 window records take the decode tile 122 KB at
+    # 32-key chunks and 2 stages: at batch 64, or 8 x 2 tokens, the ring found 1 stage - GPU run 2026-12-05)
+    chunks = (cfg.decode_chunk,) if cfg.decode_chunk else (0, 16)
+    stages = (cfg.decode_stages,) if cfg.decode_stages else (0, 4, 3, 2)
+    return first_fitting(lambda ch=ch, st=st: build(ch, st) for ch in chunks for st in stages)
 
 
 def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:

@@ -42,7 +42,6 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..blocks import _cute
 from ..blocks._cute import bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile
 from ..blocks.base import NUM_THREADS, ring_geometry
 from ..errors import UnsupportedConfigError
@@ -264,7 +263,7 @@ def compile_megakernel(blocks, num_sms: int, max_len: int, timing: bool = False,
                        pdl: bool = False):
     """Compiled megakernel `fn(pI, pN, pC, pE, pT, pTim, timeout_ns, stream)`, cached in-process on
     (block static configs, num_sms, max_len, timing, arch, pdl, the ring's refill order)."""
-    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, _cute.RING_REFILL)
+    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl)
     if key not in _cache:
         import cuda.bindings.driver as cuda
         host = build(blocks, num_sms, max_len, timing, pdl)

@@ -35,6 +35,8 @@ check it against `MoEReference.forward` itself, with the non-local experts' weig
 """
 from __future__ import annotations
 
+import dataclasses
+
 import types
 from dataclasses import dataclass, replace
 
@@ -85,8 +87,9 @@ class MoELayerConfig:
     expert_weight_l1: bool = True        # expert weight loads allocate in L1 (ExpertsConfig)
     expert_mma: bool | None = None       # MXFP4 expert tiles on the tensor cores (ExpertsConfig.mma);
                                          # None = from batch 8 (ExpertsBlock.use_mma)
-    expert_prefetch: bool = False        # expert tiles ask L2 for all their rows' lines first
-                                         # (ExpertsConfig.prefetch; opt-in, not yet run on a GPU)
+    expert_smem_stages: int = 0          # CUDA-core expert tiles: each warp's (row, expert) items through
+                                         # cp.async into its own smem slots, this many deep (ExpertsConfig.
+                                         # smem_stages; opt-in, written 2026-12-05)
     shared_rows: int = 0                 # ... of the shared expert's GEMVs (and the latent ones)
     op_rows: tuple = ()                  # per-op rows overriding shared_rows: (("shared_down", 32),
                                          # ...) over shared_gateup / shared_down / latent_down /
@@ -182,14 +185,14 @@ def blocks(cfg: MoELayerConfig) -> dict:
                                              num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
                                              swiglu_limit=cfg.swiglu_limit, **cfg.act_fields(),
                                              rows_per_tile=er["gateup"],
-                                             mma=cfg.expert_mma, prefetch=cfg.expert_prefetch,
+                                             mma=cfg.expert_mma, smem_stages=cfg.expert_smem_stages,
                                              weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
         "down": ExpertsBlock(ExpertsConfig(stage="down", hidden=h, intermediate=cfg.intermediate,
                                            num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
                                            # latent: the shared expert (on the hidden) joins in the up GEMV
                                            shared=bool(cfg.shared_intermediate) and not cfg.latent,
                                            out_dtype="fp32" if cfg.latent else "bf16", rows_per_tile=er["down"],
-                                           mma=cfg.expert_mma, prefetch=cfg.expert_prefetch,
+                                           mma=cfg.expert_mma, smem_stages=cfg.expert_smem_stages,
                                            weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
     }
     rows = dict(cfg.op_rows)
@@ -483,10 +486,15 @@ def moe_block_cases() -> list:
         preset("glm_53", 64, expert_dtype="fp8_e4m3")
     b3, b4, bg = blocks(k3), blocks(v4), blocks(glm)
     bm = blocks(preset("kimi_k3", 8, expert_dtype="mxfp4", expert_mma=True))      # the tensor-core tile
-    bp = blocks(preset("glm_53", 1, expert_dtype="mxfp4", expert_prefetch=True))   # the L2 prefetch (opt-in),
-    bq = blocks(preset("glm_53", 8, expert_dtype="mxfp4", expert_prefetch=True))   # both tiles
+    # the staged CUDA-core tiles (opt-in): MXFP4 (GLM-5.3, Kimi K3's ragged latent rows), fp8, bf16
+    bp = blocks(preset("glm_53", 1, expert_dtype="mxfp4", expert_smem_stages=3))
+    bk = blocks(preset("kimi_k3", 1, expert_dtype="mxfp4", expert_smem_stages=3))
+    bf = blocks(preset("glm_53", 4, expert_dtype="fp8_e4m3", expert_smem_stages=2))
+    # bf16 rows are 4x the bytes: the gate/up items of the real shapes do not fit (check() says so)
+    bb = {"down": ExpertsBlock(dataclasses.replace(bp["down"].config, weight_dtype="bf16", smem_stages=2))}
     return [b3["logits"], b3["select"], b4["select"], b3["gateup"], b4["gateup"], b4["down"], bg["gateup"], bg["down"],
-            bm["gateup"], bm["down"], bp["gateup"], bp["down"], bq["gateup"], bq["down"]] + situ_block_cases()
+            bm["gateup"], bm["down"], bp["gateup"], bp["down"], bk["gateup"], bk["down"], bf["gateup"], bf["down"],
+            bb["down"]] + situ_block_cases()
 
 
 def situ_block_cases() -> list:
@@ -500,8 +508,10 @@ def situ_block_cases() -> list:
 def moe_megakernel_cases() -> list:
     base = MoELayerConfig(hidden=1024, num_experts=64, top_k=4, intermediate=256, num_local=16, batch=8,
                           correction_bias=True, shared_intermediate=256, expert_dtype="mxfp4", swiglu_limit=10.0)
-    # Kimi K3's shape of layer: Stable LatentMoE (latent down / up GEMVs) and SiTU
-    return [base, replace(base, swiglu_limit=None, activation="situ", latent=512)]
+    # Kimi K3's shape of layer: Stable LatentMoE (latent down / up GEMVs) and SiTU; the staged
+    # CUDA-core expert tiles (their slots in the plain tiles' arena beside the weight ring)
+    return [base, replace(base, swiglu_limit=None, activation="situ", latent=512),
+            replace(base, batch=1, expert_smem_stages=3)]
 
 
 def compile_check(archs, num_sms: int = 132, blocks_too: bool = False) -> dict:

@@ -233,18 +233,18 @@ def test_moe_layer_real_shard_one_launch(model, batch):
     _check_two_steps(preset(model, batch, expert_dtype=REAL[model]), batch)
 
 
-@pytest.mark.parametrize("model,fmt,mma,batches", [
-    ("kimi_k3", "mxfp4", False, (1, 4)), ("deepseek_v41_flash", "mxfp4", False, (1, 4)),
-    ("glm_53", "mxfp4", False, (1, 4)), ("glm_53", "fp8_e4m3", False, (1,)), ("kimi_k3", "bf16", False, (1,)),
-    ("glm_53", "mxfp4", True, (8,)), ("kimi_k3", "mxfp4", True, (8,))])
-def test_moe_layer_expert_prefetch(model, fmt, mma, batches):
-    """ExpertsConfig.prefetch (opt-in): the expert tiles (CUDA-core; tensor-core at batch 8) first
-    ask L2 for the lines of the tile's rows of every hit expert - the same math, so the layer
-    equals the reference as the plain tiles do; batch 4: several tokens per expert."""
+@pytest.mark.parametrize("model,fmt,stages,batches", [
+    ("kimi_k3", "mxfp4", 3, (1, 4)), ("deepseek_v41_flash", "mxfp4", 3, (1, 4)), ("glm_53", "mxfp4", 3, (1, 4)),
+    ("glm_53", "mxfp4", 2, (1, 8)), ("kimi_k3", "mxfp4", 2, (1,)), ("glm_53", "fp8_e4m3", 2, (1, 4))])
+def test_moe_layer_expert_smem_stages(model, fmt, stages, batches):
+    """ExpertsConfig.smem_stages (opt-in): the CUDA-core expert tiles copy each warp's (row, hit
+    expert) items into its shared-memory slots with cp.async, stages - 1 ahead - the same math, so
+    the layer equals the reference as the plain tiles do; batch 4 / 8: several tokens per expert
+    (the 2..8-token variants read the slot too); at batch 1 some ranks' tiles have no hit."""
     need_gpu()
     from sdk.megakernel.moe_layer import preset
     for batch in batches:
-        _check_two_steps(preset(model, batch, expert_dtype=fmt, expert_mma=mma, expert_prefetch=True), batch)
+        _check_two_steps(preset(model, batch, expert_dtype=fmt, expert_mma=False, expert_smem_stages=stages), batch)
 
 
 @pytest.mark.parametrize("batch", [1, 8, 64])

@@ -35,8 +35,6 @@ check it against `MoEReference.forward` itself, with the non-local experts' weig
 """
 from __future__ import annotations
 
-import dataclasses
-
 import types
 from dataclasses import dataclass, replace
 
@@ -45,7 +43,7 @@ import torch.nn.functional as F
 
 from ..blocks.experts import (ExpertsBlock, ExpertsConfig, balanced_rows, dequant_experts, quantize_fp8_experts,
                               quantize_mxfp4)
-from ..blocks.gemv import GemvConfig
+from ..blocks.gemv import MMA_MIN_M, GemvConfig
 from ..blocks.router import RouterSelectBlock, RouterSelectConfig
 from ..errors import UnsupportedConfigError
 from ..reference.common import swiglu
@@ -87,9 +85,10 @@ class MoELayerConfig:
     expert_weight_l1: bool = True        # expert weight loads allocate in L1 (ExpertsConfig)
     expert_mma: bool | None = None       # MXFP4 expert tiles on the tensor cores (ExpertsConfig.mma);
                                          # None = from batch 8 (ExpertsBlock.use_mma)
-    expert_smem_stages: int = 0          # CUDA-core expert tiles: each warp's (row, expert) items through
-                                         # cp.async into its own smem slots, this many deep (ExpertsConfig.
-                                         # smem_stages; opt-in, written 2026-12-05)
+    expert_smem_stages: int | None = None   # CUDA-core expert tiles: each warp's (row, expert) items
+                                         # through cp.async into its own smem slots, this many deep
+                                         # (ExpertsConfig.smem_stages; 0: loads straight to registers);
+                                         # None: auto_smem_stages (MXFP4: 2 below MMA_MIN_M tokens where it fits)
     shared_rows: int = 0                 # ... of the shared expert's GEMVs (and the latent ones)
     op_rows: tuple = ()                  # per-op rows overriding shared_rows: (("shared_down", 32),
                                          # ...) over shared_gateup / shared_down / latent_down /
@@ -166,7 +165,30 @@ def preset(model: str, batch: int = 1, **overrides) -> MoELayerConfig:
 ROWS_OPS = ("shared_gateup", "shared_down", "latent_down", "latent_up")     # MoELayerConfig.op_rows
 
 
+SMEM_STAGES_AUTO = 2            # the staged expert tiles' depth by default (3 measured the same)
+SMEM_STAGES_RING_MIN = 3        # ... where the layer's weight ring keeps this many stages beside them
+
+
+def auto_smem_stages(cfg: MoELayerConfig) -> int:
+    """The expert tiles' smem_stages when the config leaves it None: SMEM_STAGES_AUTO for MXFP4
+    experts below MMA_MIN_M tokens (the CUDA-core tile's batches) where the slots fit and the
+    layer's weight ring keeps SMEM_STAGES_RING_MIN stages, else 0. Measured on the H200 (2026-12-05,
+    batch 1, MXFP4, plain vs 2 / 3 deep): GLM-5.3 31.2 vs 29.9 / 29.6 us, Kimi K3 74.3 vs 69.9 /
+    70.1, V4.1-Flash 64.6 vs 58.6 / 58.1 (bench/results/h200/moe_bench_v22_*.json). fp8 experts:
+    GPU-tested staged (batch 1 / 4), not yet timed - opt-in."""
+    if cfg.batch >= MMA_MIN_M or cfg.expert_dtype != "mxfp4":
+        return 0
+    from ..blocks.base import ring_geometry
+    try:
+        prog = build_program(replace(cfg, expert_smem_stages=SMEM_STAGES_AUTO))
+        return SMEM_STAGES_AUTO if ring_geometry(prog.opcodes.blocks)[1] >= SMEM_STAGES_RING_MIN else 0
+    except UnsupportedConfigError:      # the slots do not fit (bf16 rows; large x at the batch)
+        return 0
+
+
 def blocks(cfg: MoELayerConfig) -> dict:
+    if cfg.expert_smem_stages is None:
+        cfg = replace(cfg, expert_smem_stages=auto_smem_stages(cfg))
     d, m, L, h = cfg.hidden, cfg.batch, cfg.local, cfg.expert_hidden
     hits = expected_hits(cfg)
     er = {st: cfg.expert_rows or balanced_rows(cfg.intermediate if st == "gateup" else h, cfg.num_sms)
@@ -491,7 +513,7 @@ def moe_block_cases() -> list:
     bk = blocks(preset("kimi_k3", 1, expert_dtype="mxfp4", expert_smem_stages=3))
     bf = blocks(preset("glm_53", 4, expert_dtype="fp8_e4m3", expert_smem_stages=2))
     # bf16 rows are 4x the bytes: the gate/up items of the real shapes do not fit (check() says so)
-    bb = {"down": ExpertsBlock(dataclasses.replace(bp["down"].config, weight_dtype="bf16", smem_stages=2))}
+    bb = {"down": ExpertsBlock(replace(bp["down"].config, weight_dtype="bf16", smem_stages=2))}
     return [b3["logits"], b3["select"], b4["select"], b3["gateup"], b4["gateup"], b4["down"], bg["gateup"], bg["down"],
             bm["gateup"], bm["down"], bp["gateup"], bp["down"], bk["gateup"], bk["down"], bf["gateup"], bf["down"],
             bb["down"]] + situ_block_cases()

@@ -186,3 +186,13 @@ def test_standalone_rows_keeps_the_tiles_balanced():
     assert block.config.rows_per_tile == 8
     assert GemvBlock(GemvConfig(n=7168, k=7168, m=1, weight_dtype="fp8_e4m3", rows_per_tile=16)).tile_balance(SMS) > 1.05
     assert GemvBlock(GemvConfig(n=18432, k=7168, m=1, weight_dtype="fp8_e4m3", rows_per_tile=8)).config.rows_per_tile == 8
+
+
+def test_standalone_whole_k_chunk_at_batch_1():
+    """At batch 1 a standalone tile whose whole K fits CHUNK_MAX_BYTES takes it as one chunk (x staged
+    once a tile; bf16 7168 x 2048: 83.6 -> 85.4% of copy on the H200); not at batch 4, not over an
+    explicit chunk_k, not where K does not fit (7168 columns x 8 rows of bf16 are 112 KB)."""
+    assert GemvBlock(GemvConfig(n=7168, k=2048, m=1)).chunk_k == 2048
+    assert GemvBlock(GemvConfig(n=7168, k=2048, m=4)).chunk_k == 1024
+    assert GemvBlock(GemvConfig(n=7168, k=2048, m=1, chunk_k=1024)).chunk_k == 1024
+    assert GemvBlock(GemvConfig(n=18432, k=7168, m=1)).chunk_k == 1024

@@ -161,8 +161,10 @@ def standalone_rows(config: GemvConfig, num_sms: int = 132) -> GemvConfig:
     `num_sms` SMs; else the fewest legal rows. A ring chunk has a fixed cost (its wait and barriers)
     beside its bytes: measured on the H200 (2026-12-05, fp8 18432x7168 at batch 1, CUDA cores),
     8 rows (8 KB chunks: K = 7168 takes 1024-column chunks at most) 65.5% of copy, 16 rows (16 KB)
-    90.2%, 32 rows with 1024-column chunks 91.2%. bf16 reaches the target at 8 rows (96.2%). The
-    tensor-core tile (batch 8+) keeps 8 rows."""
+    90.2%, 32 rows with 1024-column chunks 91.2%. bf16 reaches the target at 8 rows (96.2%). Then,
+    at batch 1 unless chunk_k is given, one whole-K chunk a tile where it fits CHUNK_MAX_BYTES (x
+    staged once a tile): bf16 7168x2048 83.6 -> 85.4% (2026-12-05), 82.4-83.7 -> 84.5% (2026-12-03). The
+    tensor-core tile (batch 8+) keeps 8 rows and its own chunks."""
     import dataclasses
     legal = []
     for r in range(8, 129, 8):
@@ -175,11 +177,15 @@ def standalone_rows(config: GemvConfig, num_sms: int = 132) -> GemvConfig:
         raise UnsupportedConfigError(f"gemv: no legal rows_per_tile <= 128 for {config}")
     if legal[0].use_mma:            # the tensor-core tile's chunks follow its own rules: 8 rows, as measured
         return legal[0].config
-    for b in legal:
-        if b.nw * b.config.rows_per_tile * b.chunk_k * b.wbytes >= CHUNK_TARGET_BYTES \
-                and b.tile_balance(num_sms) <= STANDALONE_BALANCE_MAX:
-            return b.config
-    return legal[0].config
+    pick = next((b for b in legal if b.nw * b.config.rows_per_tile * b.chunk_k * b.wbytes >= CHUNK_TARGET_BYTES
+                 and b.tile_balance(num_sms) <= STANDALONE_BALANCE_MAX), legal[0])
+    if config.chunk_k == 0 and config.m == 1 and pick.chunk_k < config.k \
+            and pick.nw * pick.config.rows_per_tile * config.k * pick.wbytes <= CHUNK_MAX_BYTES:
+        try:
+            return GemvBlock(dataclasses.replace(pick.config, chunk_k=config.k)).config
+        except UnsupportedConfigError:
+            pass
+    return pick.config
 
 
 class GemvBlock(Block):

@@ -68,8 +68,9 @@ class EPMoEConfig:
 
     def rank_layer(self) -> MoELayerConfig:
         """One rank's expert shard as a MoELayerConfig (rank 0's start: the router's local table,
-        which the EP program does not use, must be the same code on every rank)."""
-        return replace(self.layer, num_local=self.local, rank=0)
+        which the EP program does not use, must be the same code on every rank). Its expert
+        tiles are rebuilt for EP (blocks below: the received rows, scatter) and not staged."""
+        return replace(self.layer, num_local=self.local, rank=0, expert_smem_stages=0)
 
 
 def blocks(cfg: EPMoEConfig) -> dict:

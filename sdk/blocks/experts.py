@@ -547,13 +547,19 @@ class ExpertsBlock(Block):
             W_BYTES, S_BYTES = N * K * 2, 0
 
         @cute.jit
+        def expert_bases(ptrs, le):
+            """Global addresses of local expert le's weights and scales."""
+            return ptrs[P_W] + Int64(le) * Int64(W_BYTES), ptrs[P_S] + Int64(le) * Int64(S_BYTES)
+
+        @cute.jit
         def expert_views(ptrs, le: Int32):
             # every format as 16-byte words of 4 x int32 (load_w); unpack() reinterprets them
-            mW = gmem_tensor(ptrs[P_W] + Int64(le) * Int64(W_BYTES), Int32, (N, nch, 4), 16)
+            wbase, sbase = expert_bases(ptrs, le)
+            mW = gmem_tensor(wbase, Int32, (N, nch, 4), 16)
             if cutlass.const_expr(fmt == "mxfp4"):
-                mS = gmem_tensor(ptrs[P_S] + Int64(le) * Int64(S_BYTES), Int32, (N, K // 128), 4)
+                mS = gmem_tensor(sbase, Int32, (N, K // 128), 4)
             elif cutlass.const_expr(fmt == "fp8_e4m3"):
-                mS = gmem_tensor(ptrs[P_S] + Int64(le) * Int64(S_BYTES), Float32, (N // 128, K // 128), 4)
+                mS = gmem_tensor(sbase, Float32, (N // 128, K // 128), 4)
             else:
                 mS = mW          # no scales: never read
             return mW, mS
@@ -590,8 +596,7 @@ class ExpertsBlock(Block):
                 le = Int64(mHits[1 + jj - rr * n_hit])
                 row = Int64(t * R + warp + NW * rr)
                 a = base + (jj % DS) * ITEM
-                wbase = ptrs[P_W] + le * Int64(W_BYTES)
-                sbase = ptrs[P_S] + le * Int64(S_BYTES)
+                wbase, sbase = expert_bases(ptrs, le)
                 for i in cutlass.range_constexpr(nw):
                     n = row + Int64(i * I)
                     for k in cutlass.range_constexpr(-(-nch // 32)):

@@ -35,6 +35,7 @@ check it against `MoEReference.forward` itself, with the non-local experts' weig
 """
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass, replace
 
@@ -169,6 +170,7 @@ SMEM_STAGES_AUTO = 2            # the staged expert tiles' depth by default (3 m
 SMEM_STAGES_RING_MIN = 3        # ... where the layer's weight ring keeps this many stages beside them
 
 
+@functools.lru_cache(maxsize=64)      # blocks() asks for every build of a config: one trial program each
 def auto_smem_stages(cfg: MoELayerConfig) -> int:
     """The expert tiles' smem_stages when the config leaves it None: SMEM_STAGES_AUTO for MXFP4
     experts below MMA_MIN_M tokens (the CUDA-core tile's batches) where the slots fit and the

@@ -241,7 +241,7 @@ def test_moe_layer_expert_smem_stages(model, fmt, stages, batches):
     """ExpertsConfig.smem_stages (opt-in): the CUDA-core expert tiles copy each warp's (row, hit
     expert) items into its shared-memory slots with cp.async, stages - 1 ahead - the same math, so
     the layer equals the reference as the plain tiles do; batch 4 / 8: several tokens per expert
-    (the 2..8-token variants read the slot too); at batch 1 some ranks' tiles have no hit. (V4.1-Flash
+    (the 2..8-token variants read the slot too); at batch 1 a random step may hit no local expert. (V4.1-Flash
     3 deep at batch 4 is refused at build time: its slots and x leave the weight ring one stage.)"""
     need_gpu()
     from sdk.megakernel.moe_layer import preset

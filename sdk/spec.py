@@ -209,6 +209,9 @@ class ResidualSpec:
     sinkhorn_iters: int = 0
     eps: float = 1e-6
     head: str = "weighted"         # mHC collapse before the final norm: "weighted" (V4) | "mean" (GLM)
+                                   # | "carried" (V4.1: the last sublayer's emitted pre-mix, no weights)
+    lagged_pre: bool = False       # V4.1: a sublayer's input is collapsed with the pre-mix the previous
+                                   # site computed; each site's own pre-mix is carried to the next one
     extra: tuple = ()
 
 

@@ -9,7 +9,7 @@ import copy
 from sdk import ModelEntry, Sharding, hookimpl
 from sdk.spec import QuantSpec
 
-from .config import FULL, TINY, hf_config, spec_from_config
+from .config import FULL, TINY, V41_SWITCH, hf_config, spec_from_config
 from .weights import load_weights
 
 ENTRY = ModelEntry(
@@ -17,7 +17,10 @@ ENTRY = ModelEntry(
     hf_model_type="deepseek_v4",
     summary="DeepSeek-V4.1-Flash (deepseek_v4): SWA + CSA/HCA compressed attention, 384-expert MoE, mHC",
     spec_from_config=spec_from_config,
-    configs={"tiny": lambda: copy.deepcopy(TINY), "full": lambda: copy.deepcopy(FULL)},
+    configs={"tiny": lambda: copy.deepcopy(TINY), "full": lambda: copy.deepcopy(FULL),
+             # V4.1's math where it differs from transformers' deepseek_v4 (config.with_v41_features)
+             "tiny_v41": lambda: {**copy.deepcopy(TINY), V41_SWITCH: True},
+             "full_v41": lambda: {**copy.deepcopy(FULL), V41_SWITCH: True}},
     hf_config=hf_config,
     hf_causal_lm="transformers.DeepseekV4ForCausalLM",
     load_weights=load_weights,

@@ -11,6 +11,7 @@ raises UnsupportedConfigError naming any feature the reference does not implemen
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from sdk.errors import UnsupportedConfigError
 from sdk.reference.common import ACTIVATIONS
@@ -243,7 +244,23 @@ def spec_from_config(config) -> ModelSpec:
         layers.append(LayerSpec(index=i, attention=attention, mlp=mlp))
     residual = ResidualSpec(kind="mhc", hc_mult=_get(config, "hc_mult", 4), sinkhorn_iters=_get(config, "hc_sinkhorn_iters", 20),
                             eps=float(_get(config, "hc_eps", 1e-6)), head="weighted")
-    return ModelSpec(name=MODEL, arch="deepseek_v4", hidden_size=hidden, vocab_size=_get(config, "vocab_size", 129280),
+    spec = ModelSpec(name=MODEL, arch="deepseek_v4", hidden_size=hidden, vocab_size=_get(config, "vocab_size", 129280),
                      layers=tuple(layers), norm_eps=eps, residual=residual,
                      tie_word_embeddings=bool(_get(config, "tie_word_embeddings", False)),
                      max_position_embeddings=_get(config, "max_position_embeddings", 1048576))
+    return with_v41_features(spec) if _get(config, V41_SWITCH, False) else spec
+
+
+# The SDK's own config key (not a checkpoint's: V4.1's is not public) that switches on the V4.1
+# features of the reference which transformers' deepseek_v4 lacks; configs "tiny_v41", "full_v41".
+V41_SWITCH = "sdk_v41_features"
+
+
+def with_v41_features(spec: ModelSpec) -> ModelSpec:
+    """`spec` with V4.1's decode math where it differs from V4 and is known (docs/models/
+    deepseek_v41_flash.md): the lagged mHC pre-mix with the carried head (no hc_head weights), the
+    queries without the per-head RMSNorm. Its logits differ from transformers' deepseek_v4."""
+    layers = tuple(dataclasses.replace(l, attention=dataclasses.replace(l.attention, q_head_norm=False))
+                   for l in spec.layers)
+    residual = dataclasses.replace(spec.residual, lagged_pre=True, head="carried")
+    return dataclasses.replace(spec, layers=layers, residual=residual)

@@ -88,7 +88,7 @@ def build_mix_tile(block):
     return tile
 
 
-def post_mix_helpers(M, N, D, DS, R2, stream_dtype, fn_dtype):
+def post_mix_helpers(M, N, D, DS, R2, stream_dtype, fn_dtype, round_coef=True):
     """(begin, mix_token): the mHC post-mix of one D-slice t, shared by MHCPostBlock's tile (y read
     from memory) and the all-reduce's mHC epilogue (y = the reduced sum, in registers).
 
@@ -110,7 +110,10 @@ def post_mix_helpers(M, N, D, DS, R2, stream_dtype, fn_dtype):
 
     @cute.jit
     def rnd(x):
-        """A scalar as stored in the stream dtype (the reference casts post / comb to it)."""
+        """A scalar as stored in the stream dtype (V4's reference casts post / comb to it; V4.1's
+        post-mix keeps them fp32: round_coef False)."""
+        if cutlass.const_expr(not round_coef):
+            return x
         v = cute.make_rmem_tensor((1,), Float32)
         v[0] = x
         return v.load().to(sdt).to(Float32)[0]
@@ -154,7 +157,7 @@ def build_post_tile(block):
     M, DS = c.m, c.d_slice
     VPL, V = DS // 128, DS // 4
     ydt = DTYPE_MAP[c.y_dtype]
-    begin, mix_token = post_mix_helpers(M, c.n, c.d, DS, c.next_rows, c.stream_dtype, c.fn_dtype)
+    begin, mix_token = post_mix_helpers(M, c.n, c.d, DS, c.next_rows, c.stream_dtype, c.fn_dtype, c.round_coef)
 
     @cute.jit
     def tile(ptrs, t: Int32, scratch):
@@ -179,6 +182,8 @@ def build_pre_tile(block):
     KIND = c.kind
     MEAN = KIND == "mean"
     SUB = KIND == "sublayer"
+    COEF = block.rows > 0                # this tile computes coefficients (not "mean" / "carried")
+    CARRIED = block.uses_carried         # V4.1: the collapse's pre is the previous site's (operand)
     NV = D // (4 * NUM_THREADS)
     LOGN = {1: 0, 2: 1, 4: 2}[N]
     sdt = DTYPE_MAP[c.stream_dtype]
@@ -205,18 +210,54 @@ def build_pre_tile(block):
         return v
 
     @cute.jit
+    def collapse(ptrs, t: Int32, scratch, tid):
+        """The collapse (rounded to the stream dtype) with scratch's pre, and the fused RMSNorm."""
+        mX = gmem_tensor(ptrs[0], sdt, (M, N, D // 4, 4), _align(c.stream_dtype))
+        mO = gmem_tensor(ptrs[7], odt, (M, D // 4, 4), _align(c.out_dtype))
+        pres = [scratch[PRE_AT + n] for n in range(N)]
+        vals = []
+        ss = Float32(0.0)
+        for j in cutlass.range_constexpr(NV):
+            ch = j * NUM_THREADS + tid
+            acc = mX[t, 0, ch, None].load().to(Float32) * pres[0]
+            for n in cutlass.range_constexpr(1, N):
+                acc = acc + mX[t, n, ch, None].load().to(Float32) * pres[n]
+            acc = acc.to(sdt).to(Float32)
+            vals.append(acc)
+            ss = ss + (acc * acc).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        if cutlass.const_expr(NORM):
+            mW = gmem_tensor(ptrs[4], Float32, (D // 4, 4), 16)
+            total = block_sum(ss, scratch)
+            rstd2 = cute.math.rsqrt(total / Float32(D) + Float32(c.out_eps), fastmath=False)
+            for j in cutlass.range_constexpr(NV):
+                ch = j * NUM_THREADS + tid
+                h = (vals[j] * rstd2).to(sdt).to(Float32)
+                mO[t, ch, None].store((h * mW[ch, None].load()).to(odt))
+        else:
+            for j in cutlass.range_constexpr(NV):
+                mO[t, j * NUM_THREADS + tid, None].store(vals[j].to(odt))
+        cute.arch.sync_threads()
+
+    @cute.jit
     def tile(ptrs, t: Int32, scratch):
         tid, _, _ = cute.arch.thread_idx()
         lane = tid % 32
         wid = tid // 32
-        mX = gmem_tensor(ptrs[0], sdt, (M, N, D // 4, 4), _align(c.stream_dtype))
-        mC = gmem_tensor(ptrs[5], Float32, (M, CW), 4)
-        mO = gmem_tensor(ptrs[6], odt, (M, D // 4, 4), _align(c.out_dtype))
+        if cutlass.const_expr(CARRIED):
+            # V4.1: the previous site's pre - the collapse needs nothing of this tile's own work,
+            # so it goes first (the output is what the sublayer waits for)
+            mK = gmem_tensor(ptrs[5], Float32, (M, (2 + N) * N), 4)
+            if tid < N:
+                scratch[PRE_AT + tid] = mK[t, tid]
+            cute.arch.sync_threads()
+            collapse(ptrs, t, scratch, tid)
         if cutlass.const_expr(MEAN):
+            mC = gmem_tensor(ptrs[6], Float32, (M, CW), 4)
             if tid < N:
                 scratch[PRE_AT + tid] = Float32(1.0 / N)
                 mC[t, tid] = Float32(1.0 / N)
-        else:
+        if cutlass.const_expr(COEF):
+            mC = gmem_tensor(ptrs[6], Float32, (M, CW), 4)
             mP = gmem_tensor(ptrs[1], Float32, (S, M, R + 1), 4)
             mB = gmem_tensor(ptrs[2], Float32, (R,), 4)
             mS = gmem_tensor(ptrs[3], Float32, (3 if SUB else 1,), 4)
@@ -253,30 +294,11 @@ def build_pre_tile(block):
                         cm = cm / (col_sum(cm) + Float32(eps))
                     if lane < N * N:
                         mC[t, 2 * N + lane] = cm
-        cute.arch.sync_threads()
-        # 3. collapse (rounded to the stream dtype) and the fused RMSNorm
-        pres = [scratch[PRE_AT + n] for n in range(N)]
-        vals = []
-        ss = Float32(0.0)
-        for j in cutlass.range_constexpr(NV):
-            ch = j * NUM_THREADS + tid
-            acc = mX[t, 0, ch, None].load().to(Float32) * pres[0]
-            for n in cutlass.range_constexpr(1, N):
-                acc = acc + mX[t, n, ch, None].load().to(Float32) * pres[n]
-            acc = acc.to(sdt).to(Float32)
-            vals.append(acc)
-            ss = ss + (acc * acc).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        if cutlass.const_expr(NORM):
-            mW = gmem_tensor(ptrs[4], Float32, (D // 4, 4), 16)
-            total = block_sum(ss, scratch)
-            rstd2 = cute.math.rsqrt(total / Float32(D) + Float32(c.out_eps), fastmath=False)
-            for j in cutlass.range_constexpr(NV):
-                ch = j * NUM_THREADS + tid
-                h = (vals[j] * rstd2).to(sdt).to(Float32)
-                mO[t, ch, None].store((h * mW[ch, None].load()).to(odt))
-        else:
-            for j in cutlass.range_constexpr(NV):
-                mO[t, j * NUM_THREADS + tid, None].store(vals[j].to(odt))
-        cute.arch.sync_threads()
+        if cutlass.const_expr(not CARRIED):
+            # 3. the collapse with this tile's own pre (or the mean's)
+            cute.arch.sync_threads()
+            collapse(ptrs, t, scratch, tid)
+        elif cutlass.const_expr(COEF):
+            cute.arch.sync_threads()       # scratch is reused by the next instruction
 
     return tile

@@ -100,6 +100,7 @@ class AllReduceConfig:
     mhc_d_slice: int = 128      # D columns per tile (all tokens)
     stream_dtype: str = "fp32"  # of streams / streams_out
     fn_dtype: str = "fp32"      # of fn_next
+    mhc_round_coef: bool = True  # post / comb rounded to the stream dtype (V4); False: fp32 (V4.1)
 
 
 def _divisors4(n: int):
@@ -160,7 +161,8 @@ class AllReduceBlock(Block):
         c = self.config
         return MHCPostBlock(MHCPostConfig(d=c.d, n=c.mhc_streams, m=c.m, d_slice=c.mhc_d_slice,
                                           stream_dtype=c.stream_dtype, y_dtype="fp32",
-                                          next_rows=c.mhc_next_rows, fn_dtype=c.fn_dtype))
+                                          next_rows=c.mhc_next_rows, fn_dtype=c.fn_dtype,
+                                          round_coef=c.mhc_round_coef))
 
     def _check_mhc(self):
         c = self.config
@@ -438,7 +440,7 @@ class AllReduceBlock(Block):
             DS = c.mhc_d_slice
             V, VPL = DS // 4, DS // 128              # 4-vectors of a slice row; per lane
             begin, mix_token = post_mix_helpers(M, c.mhc_streams, D, DS, c.mhc_next_rows, c.stream_dtype,
-                                                c.fn_dtype)
+                                                c.fn_dtype, c.mhc_round_coef)
 
         @cute.jit
         def push(ptrs, par: Int32, rank: Int32, m, col, v):

@@ -12,14 +12,22 @@ transformers); this module cuts it into three blocks (docs/mhc.md):
                                      comb = Sinkhorn(softmax_row(mix_comb s2 + b) + eps)  -> coef [M, 2N + N*N]
                     kind "head":     pre = sigmoid(mix s0 + b) + eps                       (V4's weighted head)
                     kind "mean":     pre = 1 / N, no partials, no weights                   (GLM-5.3's head)
+                    kind "carried":  no coefficients: the head collapses with the carried pre (V4.1)
                   and the collapsed input c = sum_n pre_n X_n (rounded to the stream dtype, as the
                   reference), fused with the RMSNorm that follows it (out_norm: the sublayer's pre-norm
                   or the model's final norm, `common.rms_norm`: normalise, cast, times the weight).
+                  V4.1's lagged pre-mix (`lagged`, kind "sublayer"): c = sum_n carried_n X_n with the
+                  pre the PREVIOUS site emitted (operand `carried`: that site's coef, its first N
+                  columns; the model's first site: FIRST_SITE_CARRY's one-hot, stream 0 itself); this
+                  site's own pre goes to coef as always, for the next site (or the "carried" head).
+                  The collapse then needs none of this tile's coefficients and runs first.
     MHCPostBlock  tile = a D-slice (all tokens): X'_n = post_n y + sum_j comb[j, n] X_j  (the residual
                   write, in place allowed), fused with the NEXT pre-mix's partials (next_rows > 0:
                   the next sublayer's or the head's fn), so each layer's second and later mixes cost
                   no extra pass over the streams. Under tensor parallelism the same tile is the
                   all-reduce's mHC epilogue (AllReduceConfig.mhc_streams; y = the reduced sum).
+                  round_coef: post / comb rounded to the stream dtype first (V4, transformers) or
+                  used in fp32 (V4.1's post, one rounding of the sum).
 
 Why this cut: the mix GEMV streams fn ((2+N)N x N D fp32 = 1.97 MB per call at V4.1-Flash, D=5120)
 and is spread over D / d_slice tiles (40 at d_slice 128) - one CTA would take ~60 us to read it;
@@ -39,8 +47,8 @@ threads collapse (D / 1024 4-vectors each) and normalise.
 
 Supported: N in {1, 2, 4} (N*N <= 32 lanes, power of two: V4.1-Flash and GLM-5.3 use 4), D a
 multiple of 1024 (per-token tile) and of d_slice, d_slice a multiple of 128, M = 1..64, streams
-bf16 or fp32, fn fp32 or bf16 (staged as fp32), y bf16 or fp32. Not supported: V4.1's lagged pre-mix
-(each call emitting the next layer's coefficients) beyond the partial fusion above; fp8 streams.
+bf16 or fp32, fn fp32 or bf16 (staged as fp32), y bf16 or fp32, V4.1's lagged pre-mix. Not supported:
+fp8 streams.
 """
 from __future__ import annotations
 
@@ -53,9 +61,21 @@ from .base import NUM_THREADS, Block, Cost, DTYPES, OperandSpec
 NUM_WARPS = NUM_THREADS // 32
 
 
+def first_site_carry(m: int, n: int) -> torch.Tensor:
+    """The `carried` operand of the model's first lagged site: [M, (2+N)N] fp32, pre = one-hot on
+    stream 0 (V4.1 feeds the first sublayer stream 0 itself, the embedding; 1 x X_0 + 0 x X_j is
+    X_0 exactly)."""
+    c = torch.zeros(m, (2 + n) * n)
+    c[:, 0] = 1.0
+    return c
+
+
 def mix_rows(n: int, kind: str = "sublayer") -> int:
     """Rows of fn: (2 + N) N for a sublayer's mix (pre, post, comb), N for the weighted head."""
     return (2 + n) * n if kind == "sublayer" else n
+
+
+PRE_KINDS = ("sublayer", "head", "mean", "carried")
 
 
 def _check_common(blk, c, need_slice=True):
@@ -182,7 +202,7 @@ class MHCPreConfig:
     d: int
     n: int = 4
     m: int = 1
-    kind: str = "sublayer"       # "sublayer" | "head" (weighted) | "mean"
+    kind: str = "sublayer"       # "sublayer" | "head" (weighted) | "mean" | "carried" (V4.1's head)
     slices: int = 40             # partials to sum (the producer's D / d_slice)
     iters: int = 20              # Sinkhorn iterations
     hc_eps: float = 1e-6         # pre floor and Sinkhorn eps
@@ -191,6 +211,7 @@ class MHCPreConfig:
     out_eps: float = 1e-6
     stream_dtype: str = "fp32"
     out_dtype: str = "bf16"
+    lagged: bool = False         # V4.1 (kind "sublayer"): collapse with the previous site's pre
 
 
 class MHCPreBlock(Block):
@@ -200,21 +221,29 @@ class MHCPreBlock(Block):
 
     @property
     def rows(self) -> int:
-        return 0 if self.config.kind == "mean" else mix_rows(self.config.n, self.config.kind)
+        return 0 if self.config.kind in ("mean", "carried") else mix_rows(self.config.n, self.config.kind)
 
     @property
     def coef_width(self) -> int:
         n = self.config.n
         return (2 + n) * n if self.config.kind == "sublayer" else n
 
+    @property
+    def uses_carried(self) -> bool:
+        """The collapse takes the pre from the `carried` operand (V4.1's sites and head)."""
+        return self.config.lagged or self.config.kind == "carried"
+
     def check(self):
         c = self.config
         _check_common(self, c, need_slice=False)
-        if c.kind not in ("sublayer", "head", "mean"):
-            self.unsupported(f"mhc_pre: kind {c.kind!r} (sublayer, head, mean)")
+        if c.kind not in PRE_KINDS:
+            self.unsupported(f"mhc_pre: kind {c.kind!r} ({', '.join(PRE_KINDS)})")
+        if c.lagged and c.kind != "sublayer":
+            self.unsupported(f"mhc_pre: lagged applies to kind 'sublayer' (got {c.kind!r}; V4.1's head "
+                             f"is kind 'carried')")
         if c.d % (4 * NUM_THREADS):
             self.unsupported(f"mhc_pre: d={c.d} must be a multiple of {4 * NUM_THREADS}")
-        if c.kind != "mean" and not 1 <= c.slices <= 1024:
+        if self.rows and not 1 <= c.slices <= 1024:
             self.unsupported(f"mhc_pre: slices={c.slices}")
         if c.kind == "sublayer" and c.iters < 1:
             self.unsupported("mhc_pre: sinkhorn iters >= 1")
@@ -223,13 +252,15 @@ class MHCPreBlock(Block):
 
     def operand_specs(self):
         c = self.config
-        mean = c.kind == "mean"
+        nomix = not self.rows
         return [OperandSpec("streams", (c.m, c.n, c.d), c.stream_dtype),
-                OperandSpec("part", (c.slices, c.m, self.rows + 1), "fp32", optional=mean),
-                OperandSpec("base", (max(self.rows, 1),), "fp32", optional=mean),
-                OperandSpec("scale", (3 if c.kind == "sublayer" else 1,), "fp32", optional=mean),
+                OperandSpec("part", (c.slices, c.m, self.rows + 1), "fp32", optional=nomix),
+                OperandSpec("base", (max(self.rows, 1),), "fp32", optional=nomix),
+                OperandSpec("scale", (3 if c.kind == "sublayer" else 1,), "fp32", optional=nomix),
                 OperandSpec("norm_weight", (c.d,), "fp32", optional=not c.out_norm),
-                OperandSpec("coef", (c.m, self.coef_width), "fp32", output=True),
+                # the previous site's coef: its first N columns are the pre this collapse uses
+                OperandSpec("carried", (c.m, (2 + c.n) * c.n), "fp32", optional=not self.uses_carried),
+                OperandSpec("coef", (c.m, self.coef_width), "fp32", output=True, optional=c.kind == "carried"),
                 OperandSpec("out", (c.m, c.d), c.out_dtype, output=True)]
 
     def num_tiles(self) -> int:
@@ -238,13 +269,16 @@ class MHCPreBlock(Block):
     def cost(self) -> Cost:
         c = self.config
         sb = 4 if c.stream_dtype == "fp32" else 2
-        b = c.n * c.d * sb + c.d * (2 if c.out_dtype == "bf16" else 4) + c.slices * (self.rows + 1) * 4
+        b = c.n * c.d * sb + c.d * (2 if c.out_dtype == "bf16" else 4)
+        b += c.slices * (self.rows + 1) * 4 if self.rows else 0
         return Cost(bytes=b + (4 * c.d if c.out_norm else 0), flops=2 * c.n * c.d + 4 * c.d)
 
     def _coef(self, t, m):
         c = self.config
         if c.kind == "mean":
             return torch.full((len(m), c.n), 1.0 / c.n)
+        if c.kind == "carried":
+            return None
         tot = t["part"][:, m].float().sum(0)                    # [|m|, R + 1]
         return coefficients(tot[:, :-1], tot[:, -1], t["base"], t["scale"], c.n, c.n * c.d, c.kind,
                             c.iters, c.hc_eps, c.norm_eps)
@@ -255,7 +289,8 @@ class MHCPreBlock(Block):
         if c.kind == "mean":
             col = x.sum(1) / c.n
         else:
-            col = (coef[:, :c.n, None] * x).sum(1)
+            pre = t["carried"][m].float()[:, :c.n] if self.uses_carried else coef[:, :c.n]
+            col = (pre[:, :, None] * x).sum(1)
         col = _round(col, c.stream_dtype)                       # the reference's .to(stream dtype)
         if not c.out_norm:
             return col
@@ -265,11 +300,13 @@ class MHCPreBlock(Block):
     def reference(self, **t):
         m = list(range(self.config.m))
         coef = self._coef(t, m)
-        return {"coef": coef, "out": self._collapse(t, m, coef)}
+        out = {"out": self._collapse(t, m, coef)}
+        return out if coef is None else {"coef": coef, **out}
 
     def emulate_tile(self, t, tile):
         coef = self._coef(t, [tile])
-        t["coef"][tile] = coef[0].to(t["coef"].dtype)
+        if coef is not None:
+            t["coef"][tile] = coef[0].to(t["coef"].dtype)
         t["out"][tile] = self._collapse(t, [tile], coef)[0].to(t["out"].dtype)
 
     def _build_device_tile(self):
@@ -288,6 +325,7 @@ class MHCPostConfig:
     y_dtype: str = "bf16"        # the sublayer's output
     next_rows: int = 0           # > 0: fuse the next mix's partials ((2+N)N, or N for the head)
     fn_dtype: str = "fp32"
+    round_coef: bool = True      # post / comb rounded to the stream dtype (V4); False: fp32 (V4.1)
 
 
 class MHCPostBlock(Block):
@@ -339,8 +377,9 @@ class MHCPostBlock(Block):
         c = self.config
         n = c.n
         coef = t["coef"].float()
-        post = _round(coef[:, n:2 * n], c.stream_dtype)                     # the reference's .to(dtype)
-        comb = _round(coef[:, 2 * n:].view(-1, n, n), c.stream_dtype)
+        rnd = (lambda v: _round(v, c.stream_dtype)) if c.round_coef else (lambda v: v)
+        post = rnd(coef[:, n:2 * n])                                        # V4's .to(dtype)
+        comb = rnd(coef[:, 2 * n:].view(-1, n, n))
         x = t["streams"][:, :, lo:hi].float()
         new = post[:, :, None] * y[:, None, :] + torch.einsum("mjn,mjd->mnd", comb, x)
         return _round(new, c.stream_dtype)
@@ -385,7 +424,10 @@ def mhc_compile_cases() -> list:
         MHCPreBlock(MHCPreConfig(d=5120, m=8, slices=40)),
         MHCPreBlock(MHCPreConfig(d=5120, m=1, kind="head", slices=40, stream_dtype="bf16")),
         MHCPreBlock(MHCPreConfig(d=4096, m=64, kind="mean", slices=32, out_dtype="fp32")),
+        MHCPreBlock(MHCPreConfig(d=5120, m=8, slices=40, stream_dtype="bf16", lagged=True)),      # V4.1
+        MHCPreBlock(MHCPreConfig(d=5120, m=1, kind="carried", stream_dtype="bf16")),
         MHCPostBlock(MHCPostConfig(d=5120, m=1, next_rows=24)),
+        MHCPostBlock(MHCPostConfig(d=5120, m=8, next_rows=24, stream_dtype="bf16", round_coef=False)),
         MHCPostBlock(MHCPostConfig(d=4096, m=64, d_slice=256, stream_dtype="bf16", y_dtype="fp32")),
     ]
 

@@ -13,13 +13,22 @@ The residual stream is N = `hc_mult` copies of the hidden state, [B, T, N, D]:
           y = fn_sublayer(sum_n pre_n X_n)                  (the decoder applies the pre-norm)
           X' = post_n * y + sum_j comb[j, n] X_j            (comb is used transposed: comb^T @ X)
   head:   "weighted" (V4): pre = sigmoid((RMSNorm(flatten(X)) @ fn^T) * scale + base) + eps,
-          sum_n pre_n X_n;  "mean" (GLM-5.3): the mean of the N streams, no weights.
+          sum_n pre_n X_n;  "mean" (GLM-5.3): the mean of the N streams, no weights;
+          "carried" (V4.1): sum_n pre_n X_n with the last site's pre (lagged, below), no weights.
+  lagged (V4.1, `lagged_pre`): a site's input is collapsed with the pre-mix the PREVIOUS site
+          computed (the first site of the model: stream 0, the embedding itself); the site's own pre
+          is carried to the next site (and from the last to the head). post / comb are the site's
+          own, as before. The post-mix is computed in fp32 and rounded once (V4's rounds the
+          coefficients to the stream dtype first). Source: vLLM's DeepSeek-V4.1 model
+          (`mhc_pre_delayed_torch`, `mhc_post_torch`, DeepseekV4DecoderLayer.forward: "The reference
+          collapses each sublayer's input with the *previous* sublayer's pre-mix"; the final collapse
+          uses "the pre-mix from the last layer's FFN mixes ... (v4.1 has no learned hc_head)").
 Sinkhorn (`sinkhorn`): divide by the column sums (+eps), then `sinkhorn_iters - 1` times by the row
 sums and the column sums: columns sum to 1 exactly (up to eps), rows approximately.
 The coefficients are computed in fp32; the mixes are cast to the stream's dtype like transformers.
 
 ResidualSpec fields read: kind = "mhc", hc_mult (N), sinkhorn_iters, eps (hc_eps: Sinkhorn and the
-pre floor), head ("weighted" | "mean"). The input RMSNorm's eps is `ModelSpec.norm_eps` (both
+pre floor), head ("weighted" | "mean" | "carried"), lagged_pre. The input RMSNorm's eps is `ModelSpec.norm_eps` (both
 transformers models use rms_norm_eps there).
 
 Canonical weight names (global; N streams, D = hidden):
@@ -29,8 +38,7 @@ Canonical weight names (global; N streams, D = hidden):
 transformers names: V4 `layers.{i}.attn_hc.*`, `layers.{i}.ffn_hc.*`, `hc_head.hc_{fn,base,scale}`;
 GLM-5.3 `layers.{i}.attn_hc.*`, `layers.{i}.ffn_hc.*` (its head has no weights).
 
-Not supported: V4.1's lagged pre-mix (each call emitting the next layer's coefficients), see
-docs/models/deepseek_v41_flash.md.
+The lagged state (the carried pre-mix) lives on the instance for one decode call: `embed` starts it.
 """
 from __future__ import annotations
 
@@ -40,7 +48,7 @@ import torch.nn.functional as F
 from ..errors import UnsupportedConfigError
 from ..spec import ModelSpec
 
-HEADS = ("weighted", "mean")
+HEADS = ("weighted", "mean", "carried")
 SITES = {"attn": "hc_attn", "mlp": "hc_mlp"}
 
 
@@ -66,9 +74,14 @@ class MHCResidual:
             raise UnsupportedConfigError(f"mHC head {r.head!r} is not supported; supported: {HEADS}")
         if r.hc_mult < 1 or r.sinkhorn_iters < 1:
             raise UnsupportedConfigError(f"mHC needs hc_mult >= 1 and sinkhorn_iters >= 1; got {r}")
+        if r.head == "carried" and not r.lagged_pre:
+            raise UnsupportedConfigError("mHC head 'carried' needs lagged_pre (it collapses with the "
+                                         "pre-mix the last site carries)")
         self.n, self.iters, self.eps, self.head_kind = r.hc_mult, r.sinkhorn_iters, r.eps, r.head
+        self.lagged = r.lagged_pre
         self.norm_eps = model.norm_eps
         self.w = weights
+        self.carried = None          # lagged: the pre-mix [B, T, N] the next site collapses with
 
     @staticmethod
     def expected_weights(model: ModelSpec) -> dict[str, tuple]:
@@ -95,18 +108,34 @@ class MHCResidual:
         return pre, post, sinkhorn(comb, self.iters, self.eps)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
+        self.carried = None
         return x.unsqueeze(2).expand(-1, -1, self.n, -1).contiguous()
 
     def around(self, layer: int, site: str, streams: torch.Tensor, fn) -> torch.Tensor:
         dtype = streams.dtype
         pre, post, comb = self.coefficients(f"layers.{layer}.{SITES[site]}.", streams)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(dtype)
+        if not self.lagged:
+            collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(dtype)
+            out = fn(collapsed)
+            return (post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)
+                    + torch.matmul(comb.to(dtype).transpose(-1, -2), streams))
+        collapsed = streams[:, :, 0] if self.carried is None else self._collapse(self.carried, streams)
+        self.carried = pre
         out = fn(collapsed)
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        x = streams.float()
+        return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x)).to(dtype)
+
+    @staticmethod
+    def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        return (pre.unsqueeze(-1) * streams.float()).sum(dim=2).to(streams.dtype)
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:
         if self.head_kind == "mean":
             return streams.mean(dim=2)
+        if self.head_kind == "carried":
+            if self.carried is None:
+                raise RuntimeError("mHC head 'carried': no site ran since embed()")
+            return self._collapse(self.carried, streams)
         mixes = F.linear(_flat_norm(streams, self.norm_eps), self.w["hc_head.fn"].float())
         pre = torch.sigmoid(mixes * self.w["hc_head.scale"].float() + self.w["hc_head.base"].float()) + self.eps
         return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)

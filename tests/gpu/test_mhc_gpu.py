@@ -70,17 +70,21 @@ def test_mhc_layer_on_gpu(d, m, sdt, ds):
     assert rel(th["out"], want["out"]) < 1e-2, f"seed {seed}: mean head"
 
 
-@pytest.mark.parametrize("d,m,sdt", [(5120, 1, "fp32"), (4096, 8, "bf16"), (5120, 64, "fp32")])
-def test_mhc_two_sites_one_launch(d, m, sdt):
-    """The mHC blocks as megakernel instructions: two sublayer sites and the mean head in ONE
-    launch - mix -> pre (collapse + norm) -> [sublayer: identity, y = the normed input] -> post
-    (+ the next site's mix partials) -> pre -> post -> head - each op waiting for the one before;
-    equal to the blocks' emulated twins run in the same order on the CPU (which the CPU tests
-    prove equal to the fp32 reference), fresh random inputs, NaN-poisoned outputs."""
+@pytest.mark.parametrize("d,m,sdt,lagged", [(5120, 1, "fp32", False), (4096, 8, "bf16", False),
+                                            (5120, 64, "fp32", False), (5120, 1, "bf16", True),
+                                            (5120, 8, "fp32", True), (4096, 64, "bf16", True)])
+def test_mhc_two_sites_one_launch(d, m, sdt, lagged):
+    """The mHC blocks as megakernel instructions: two sublayer sites and the head in ONE launch -
+    mix -> pre (collapse + norm) -> [sublayer: identity, y = the normed input] -> post (+ the next
+    site's mix partials) -> pre -> post -> head - each op waiting for the one before; equal to the
+    blocks' emulated twins run in the same order on the CPU (which the CPU tests prove equal to
+    the fp32 reference), fresh random inputs, NaN-poisoned outputs. lagged: V4.1 - the first site
+    collapses stream 0 (first_site_carry), the second with the first's pre, the "carried" head
+    with the second's; fp32 post coefficients (round_coef False). Otherwise the mean head."""
     need_gpu()
     from harness import run_as_program
     from sdk.blocks.mhc import (MHCMixBlock, MHCMixConfig, MHCPostBlock, MHCPostConfig, MHCPreBlock,
-                                MHCPreConfig)
+                                MHCPreConfig, first_site_carry)
     seed = clock_seed()
     g = torch.Generator(device="cuda").manual_seed(seed)
     n, ds = 4, 128
@@ -94,20 +98,27 @@ def test_mhc_two_sites_one_launch(d, m, sdt):
     for i in (1, 2):
         t.update({f"base{i}": r(24) * 0.5, f"scale{i}": 1 + 0.3 * r(3), f"nw{i}": 1 + 0.1 * r(d),
                   f"coef{i}": nan(m, 24), f"h{i}": nan(m, d, dtype=torch.bfloat16)})
+    t["carry0"] = first_site_carry(m, n).cuda()
     mix = MHCMixBlock(MHCMixConfig(d=d, m=m, d_slice=ds, stream_dtype=sdt))
-    pre = MHCPreBlock(MHCPreConfig(d=d, m=m, slices=S, stream_dtype=sdt))
-    post_mix = MHCPostBlock(MHCPostConfig(d=d, m=m, d_slice=ds, stream_dtype=sdt, next_rows=24))
-    post = MHCPostBlock(MHCPostConfig(d=d, m=m, d_slice=ds, stream_dtype=sdt))
-    head = MHCPreBlock(MHCPreConfig(d=d, m=m, kind="mean", stream_dtype=sdt))
+    pre = MHCPreBlock(MHCPreConfig(d=d, m=m, slices=S, stream_dtype=sdt, lagged=lagged))
+    post_mix = MHCPostBlock(MHCPostConfig(d=d, m=m, d_slice=ds, stream_dtype=sdt, next_rows=24,
+                                          round_coef=not lagged))
+    post = MHCPostBlock(MHCPostConfig(d=d, m=m, d_slice=ds, stream_dtype=sdt, round_coef=not lagged))
+    head = MHCPreBlock(MHCPreConfig(d=d, m=m, kind="carried" if lagged else "mean", stream_dtype=sdt))
     ops = [(mix, {"streams": "x0", "fn": "fn1", "part": "part1"}),
            (pre, {"streams": "x0", "part": "part1", "base": "base1", "scale": "scale1", "norm_weight": "nw1",
-                  "coef": "coef1", "out": "h1"}),
+                  "carried": "carry0", "coef": "coef1", "out": "h1"}),
            (post_mix, {"streams": "x0", "y": "h1", "coef": "coef1", "fn_next": "fn2", "streams_out": "x1",
                        "part_next": "part2"}),
            (pre, {"streams": "x1", "part": "part2", "base": "base2", "scale": "scale2", "norm_weight": "nw2",
-                  "coef": "coef2", "out": "h2"}),
+                  "carried": "coef1", "coef": "coef2", "out": "h2"}),
            (post, {"streams": "x1", "y": "h2", "coef": "coef2", "streams_out": "x2"}),
-           (head, {"streams": "x2", "norm_weight": "nw_head", "coef": "coef_head", "out": "out_head"})]
+           (head, {"streams": "x2", "norm_weight": "nw_head", "carried": "coef2", "coef": "coef_head",
+                   "out": "out_head"})]
+    if not lagged:                                 # the unlagged blocks have no `carried` operand bound
+        ops = [(b, {k: v for k, v in names.items() if k != "carried"}) for b, names in ops]
+    else:                                          # the carried head computes no coefficients
+        ops[-1] = (head, {k: v for k, v in ops[-1][1].items() if k != "coef"})
     want = {k: v.cpu().clone() for k, v in t.items()}
     for block, names in ops:                       # the twins, in launch order, on the CPU
         view = {op: want[names.get(op, op)] for op in block.operands() if names.get(op, op) in want}

@@ -6,7 +6,12 @@ The tiny config has a sliding-window layer, two CSA layers (ratio 4, lightning i
 layer (ratio 8 here; 128 in the real model), hash-routed then learned-routed MoE, and the 4-stream
 mHC residual. With real weights, load a transformers `DeepseekV4ForCausalLM` state dict with
 `mk.load_hf_state_dict(model.state_dict())` instead of `load_weights`.
+
+`--v41` takes the config "tiny_v41": V4.1's math where it differs from transformers' V4 (the lagged
+mHC pre-mix with the carried head, queries without the per-head norm; docs/models/deepseek_v41_flash.md).
 """
+import sys
+
 import torch
 
 from sdk import build_megakernel
@@ -14,7 +19,8 @@ from sdk.reference.model import random_weights
 
 
 def main():
-    mk = build_megakernel("deepseek_v41_flash", config="tiny", backend="reference", max_seq_len=128)
+    config = "tiny_v41" if "--v41" in sys.argv[1:] else "tiny"
+    mk = build_megakernel("deepseek_v41_flash", config=config, backend="reference", max_seq_len=128)
     mk.load_weights(random_weights(mk.spec, seed=0))
     print("layers:", [f"{l.attention.kind}/r{l.attention.compress_ratio}+{'hash' if l.mlp.hash_routed else 'topk'}"
                       for l in mk.spec.layers])

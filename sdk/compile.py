@@ -105,8 +105,12 @@ def sublayer_megakernel_cases():
     # CSA with V4.1's serving formats: fp8 ring records, fp4 entries, mxfp4 indexer keys
     csa = DSV4LayerConfig(mode="csa", ratio=4, batch=8, window_dtype="fp8_e4m3", comp_dtype="fp4_e2m1",
                           index_dtype="mxfp4", **tp8)
+    # HCA as V4.1 runs it: its lagged mHC residual around it, queries without the head norm, fp8 / fp4 caches
+    v41 = DSV4LayerConfig(mode="hca", ratio=128, mhc="v41", q_head_norm=False, window_dtype="fp8_e4m3",
+                          comp_dtype="fp4_e2m1", **tp8)
     return [("megakernel dsv4 hca sublayer (V4.1 TP8, 16K)", build_program(hca)),
-            ("megakernel dsv4 csa sublayer, V4.1 cache formats (TP8, 16K, B=8)", build_program(csa))]
+            ("megakernel dsv4 csa sublayer, V4.1 cache formats (TP8, 16K, B=8)", build_program(csa)),
+            ("megakernel dsv4 hca sublayer in V4.1's lagged mHC, V4.1 formats (TP8, 16K)", build_program(v41))]
 
 
 def time_case(res: dict, name: str, build) -> None:

@@ -8,26 +8,35 @@ the folder of tests/conftest.py there, also for the tests under tests/gpu)."""
 
 
 def check_launches(tensors, run, inputs, reference, caches, err, what="", launches=2,
-                   out_tol=2e-2, cache_tol=1e-2, reference_after_run=False):
+                   out_tol=2e-2, cache_tol=1e-2, reference_after_run=False, out=("resid", "x"),
+                   outputs=(), poison=("resid",)):
     """tensors: the runtime's buffers by name; run(launch): one launch; inputs(launch): that
     launch's fresh inputs (caches included: the carried ones replace them); reference(inputs) ->
     {"resid": x + sublayer(x), cache name: updated cache}; err(got, want): relative error.
     The residual's increment (resid - x) is compared, not resid: x would hide the sublayer.
     reference_after_run: the reference is computed after the launch, from the same inputs (it
-    may read what the launch decided: DeepSeek-V4 CSA's index list, checked there)."""
+    may read what the launch decided: DeepSeek-V4 CSA's index list, checked there).
+    out = (output, the input its increment is taken from): mHC sublayers ("streams", "streams":
+    updated in place); `outputs`: more outputs compared whole (with out_tol); `poison`: the
+    buffers NaN-filled before each launch (not an in-place output: it holds the input)."""
     carried = {}
+    out_name, base_name = out
     for launch in range(launches):
         inp = dict(inputs(launch), **carried)
         want = None if reference_after_run else reference(inp)
         for name, v in inp.items():
             tensors[name].copy_(v)
-        tensors["resid"].fill_(float("nan"))
+        for name in poison:
+            tensors[name].fill_(float("nan"))
         run(launch)
         if reference_after_run:
             want = reference(inp)
-        x = inp["x"].float()
-        e = err(tensors["resid"] - x, want["resid"] - x)
+        x = inp[base_name].float()
+        e = err(tensors[out_name].float() - x, want[out_name].float() - x)
         assert e <= out_tol, f"{what}launch {launch}: sublayer output rel err {e:.3e}"
+        for name in outputs:
+            e = err(tensors[name], want[name])
+            assert e <= out_tol, f"{what}launch {launch}: {name} rel err {e:.3e}"
         for name in caches:
             e = err(tensors[name], want[name])
             assert e <= cache_tol, f"{what}launch {launch}: {name} rel err {e:.3e}"

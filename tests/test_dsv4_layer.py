@@ -37,6 +37,32 @@ def test_pyvm_sublayer_equals_model_reference(mode, q_head_norm):
                        ["window"] + list(cfg.cache_shapes()), rel, reference_after_run=True)
 
 
+@pytest.mark.parametrize("mode,mhc", [("swa", "v4"), ("hca", "v41"), ("csa", "v41")])
+def test_pyvm_sublayer_with_mhc_equals_model_reference(mode, mhc):
+    """The sublayer wrapped in its mHC residual (DSV4LayerConfig.mhc): the streams in, the
+    collapse + input norm ("v4": after this site's coefficients; "v41": V4.1's lagged form - with
+    the previous site's pre, its own op, the coefficients beside the sublayer), the attention, the
+    post-mix of the streams in place fused with the next site's mix partials - against the model's
+    MHCResidual.around the model's attention; the coefficients and partials compared too."""
+    from sdk.megakernel.dsv4_layer import mhc_site_fn
+    from sdk.megakernel.pyvm import PyVM
+    cfg = DSV4LayerConfig(mode=mode, mhc=mhc, q_head_norm=mhc != "v41", **{**TINY, "hidden": 1024})
+    prog = build_program(cfg)
+    if mhc == "v41":     # the sublayer's first GEMVs wait for the collapse only, not the coefficients
+        qa = next(op for op in prog.ops if op.label == "v4.q_a")
+        assert {prog.counter_names[c] for i in qa.instructions for c, _ in prog.instructions[i].waits} == {"v4.hc_in"}
+    w = make_weights(cfg, seed=1)
+    fn = mhc_site_fn(cfg, seed=2)
+    vm, _ = PyVM.from_program(prog, 8, w)
+    starts = [0, 5, 30]
+    ref = (lambda inp: reference(cfg, w, inp, index=vm.tensors["index"], hc_fn=fn)) if mode == "csa" else \
+        (lambda inp: reference(cfg, w, inp, hc_fn=fn))
+    check_launches(vm.tensors, lambda call: vm.step(seed=call),
+                   lambda call: make_inputs(cfg, [s + call * cfg.tokens for s in starts], seed=10 + call, hc_fn=fn),
+                   ref, ["window"] + list(cfg.cache_shapes()), rel, reference_after_run=mode == "csa",
+                   out=("streams", "streams"), outputs=("coef", "part_next"), poison=("coef", "part_next", "x", "y"))
+
+
 @pytest.mark.parametrize("mode,window_dtype,comp_dtype,index_dtype", [
     ("swa", "fp8_e4m3", "bf16", "bf16"), ("hca", "fp8_e4m3", "bf16", "bf16"), ("hca", "bf16", "fp4_e2m1", "bf16"),
     ("hca", "fp8_e4m3", "fp4_e2m1", "bf16"), ("csa", "fp8_e4m3", "fp4_e2m1", "bf16"), ("csa", "bf16", "bf16", "mxfp4"),

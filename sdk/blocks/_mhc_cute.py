@@ -184,6 +184,7 @@ def build_pre_tile(block):
     SUB = KIND == "sublayer"
     COEF = block.rows > 0                # this tile computes coefficients (not "mean" / "carried")
     CARRIED = block.uses_carried         # V4.1: the collapse's pre is the previous site's (operand)
+    COLLAPSE = c.collapse                # False: the coefficients only
     NV = D // (4 * NUM_THREADS)
     LOGN = {1: 0, 2: 1, 4: 2}[N]
     sdt = DTYPE_MAP[c.stream_dtype]
@@ -294,7 +295,7 @@ def build_pre_tile(block):
                         cm = cm / (col_sum(cm) + Float32(eps))
                     if lane < N * N:
                         mC[t, 2 * N + lane] = cm
-        if cutlass.const_expr(not CARRIED):
+        if cutlass.const_expr(COLLAPSE and not CARRIED):
             # 3. the collapse with this tile's own pre (or the mean's)
             cute.arch.sync_threads()
             collapse(ptrs, t, scratch, tid)

@@ -20,7 +20,9 @@ transformers); this module cuts it into three blocks (docs/mhc.md):
                   pre the PREVIOUS site emitted (operand `carried`: that site's coef, its first N
                   columns; the model's first site: FIRST_SITE_CARRY's one-hot, stream 0 itself); this
                   site's own pre goes to coef as always, for the next site (or the "carried" head).
-                  The collapse then needs none of this tile's coefficients and runs first.
+                  The collapse then needs none of this tile's coefficients and runs first; or it is
+                  its own op - kind "carried" - and this one computes the coefficients only
+                  (`collapse=False`, no out), so the sublayer need not wait for them.
     MHCPostBlock  tile = a D-slice (all tokens): X'_n = post_n y + sum_j comb[j, n] X_j  (the residual
                   write, in place allowed), fused with the NEXT pre-mix's partials (next_rows > 0:
                   the next sublayer's or the head's fn), so each layer's second and later mixes cost
@@ -212,6 +214,7 @@ class MHCPreConfig:
     stream_dtype: str = "fp32"
     out_dtype: str = "bf16"
     lagged: bool = False         # V4.1 (kind "sublayer"): collapse with the previous site's pre
+    collapse: bool = True        # False: the coefficients only (no out; V4.1 collapses in a "carried" op)
 
 
 class MHCPreBlock(Block):
@@ -238,6 +241,9 @@ class MHCPreBlock(Block):
         _check_common(self, c, need_slice=False)
         if c.kind not in PRE_KINDS:
             self.unsupported(f"mhc_pre: kind {c.kind!r} ({', '.join(PRE_KINDS)})")
+        if not c.collapse and (c.lagged or not self.rows):
+            self.unsupported(f"mhc_pre: collapse=False computes coefficients only: kind 'sublayer' or "
+                             f"'head', not lagged (got kind {c.kind!r}, lagged={c.lagged})")
         if c.lagged and c.kind != "sublayer":
             self.unsupported(f"mhc_pre: lagged applies to kind 'sublayer' (got {c.kind!r}; V4.1's head "
                              f"is kind 'carried')")
@@ -257,11 +263,11 @@ class MHCPreBlock(Block):
                 OperandSpec("part", (c.slices, c.m, self.rows + 1), "fp32", optional=nomix),
                 OperandSpec("base", (max(self.rows, 1),), "fp32", optional=nomix),
                 OperandSpec("scale", (3 if c.kind == "sublayer" else 1,), "fp32", optional=nomix),
-                OperandSpec("norm_weight", (c.d,), "fp32", optional=not c.out_norm),
+                OperandSpec("norm_weight", (c.d,), "fp32", optional=not (c.out_norm and c.collapse)),
                 # the previous site's coef: its first N columns are the pre this collapse uses
                 OperandSpec("carried", (c.m, (2 + c.n) * c.n), "fp32", optional=not self.uses_carried),
                 OperandSpec("coef", (c.m, self.coef_width), "fp32", output=True, optional=c.kind == "carried"),
-                OperandSpec("out", (c.m, c.d), c.out_dtype, output=True)]
+                OperandSpec("out", (c.m, c.d), c.out_dtype, output=True, optional=not c.collapse)]
 
     def num_tiles(self) -> int:
         return self.config.m
@@ -269,8 +275,10 @@ class MHCPreBlock(Block):
     def cost(self) -> Cost:
         c = self.config
         sb = 4 if c.stream_dtype == "fp32" else 2
-        b = c.n * c.d * sb + c.d * (2 if c.out_dtype == "bf16" else 4)
-        b += c.slices * (self.rows + 1) * 4 if self.rows else 0
+        b = c.slices * (self.rows + 1) * 4 if self.rows else 0
+        if not c.collapse:
+            return Cost(bytes=b + self.coef_width * 4, flops=0)
+        b += c.n * c.d * sb + c.d * (2 if c.out_dtype == "bf16" else 4)
         return Cost(bytes=b + (4 * c.d if c.out_norm else 0), flops=2 * c.n * c.d + 4 * c.d)
 
     def _coef(self, t, m):
@@ -300,14 +308,15 @@ class MHCPreBlock(Block):
     def reference(self, **t):
         m = list(range(self.config.m))
         coef = self._coef(t, m)
-        out = {"out": self._collapse(t, m, coef)}
+        out = {"out": self._collapse(t, m, coef)} if self.config.collapse else {}
         return out if coef is None else {"coef": coef, **out}
 
     def emulate_tile(self, t, tile):
         coef = self._coef(t, [tile])
         if coef is not None:
             t["coef"][tile] = coef[0].to(t["coef"].dtype)
-        t["out"][tile] = self._collapse(t, [tile], coef)[0].to(t["out"].dtype)
+        if self.config.collapse:
+            t["out"][tile] = self._collapse(t, [tile], coef)[0].to(t["out"].dtype)
 
     def _build_device_tile(self):
         from ._mhc_cute import build_pre_tile
@@ -426,6 +435,7 @@ def mhc_compile_cases() -> list:
         MHCPreBlock(MHCPreConfig(d=4096, m=64, kind="mean", slices=32, out_dtype="fp32")),
         MHCPreBlock(MHCPreConfig(d=5120, m=8, slices=40, stream_dtype="bf16", lagged=True)),      # V4.1
         MHCPreBlock(MHCPreConfig(d=5120, m=1, kind="carried", stream_dtype="bf16")),
+        MHCPreBlock(MHCPreConfig(d=5120, m=8, slices=40, stream_dtype="bf16", collapse=False)),
         MHCPostBlock(MHCPostConfig(d=5120, m=1, next_rows=24)),
         MHCPostBlock(MHCPostConfig(d=5120, m=8, next_rows=24, stream_dtype="bf16", round_coef=False)),
         MHCPostBlock(MHCPostConfig(d=4096, m=64, d_slice=256, stream_dtype="bf16", y_dtype="fp32")),

@@ -56,3 +56,39 @@ def test_dsv4_sublayer_one_launch(mode, batch, T, formats):
                    lambda inp: reference(cfg, w, inp, index=rt.tensors["index"] if mode == "csa" else None),
                    ["window"] + list(cfg.cache_shapes()), err, what=f"seed {seed}, ",
                    reference_after_run=mode == "csa")
+
+
+@pytest.mark.parametrize("mode,batch,mhc,formats", [
+    ("hca", 1, "v4", BF), ("swa", 8, "v4", BF), ("hca", 1, "v41", BF), ("csa", 8, "v41", BF),
+    ("hca", 64, "v41", ("fp8_e4m3", "fp4_e2m1", "bf16"))])
+def test_dsv4_sublayer_in_mhc_one_launch(mode, batch, mhc, formats):
+    """The sublayer wrapped in its mHC residual (DSV4LayerConfig.mhc, docs/mhc.md): the streams'
+    collapse + input norm first ("v41": V4.1's lagged form, with the previous site's pre, the
+    coefficients beside the sublayer), the post-mix of the streams in place fused with the next
+    site's partials last - against the model's MHCResidual.around the model's attention; this
+    site's coef and the next site's partials compared too."""
+    need_gpu()
+    import random
+
+    from sdk.megakernel.dsv4_layer import (DSV4LayerConfig, build_program, cache_values, make_inputs, make_weights,
+                                           mhc_site_fn, reference)
+    seed = clock_seed()
+    rnd = random.Random(seed)
+    cfg = DSV4LayerConfig(mode=mode, batch=batch, mhc=mhc, q_head_norm=mhc != "v41", window_dtype=formats[0],
+                          comp_dtype=formats[1], index_dtype=formats[2],
+                          **dict(V41_TP8, ratio=4 if mode == "csa" else 128))
+    w = make_weights(cfg, seed=seed, device="cuda")
+    fn = mhc_site_fn(cfg, seed=seed + 7, device="cuda")
+    rt = program_runtime(build_program(cfg), w)
+    starts = [rnd.choice([127, 128, 254, 5, 4000, 15998]) for _ in range(batch)]
+
+    def err(a, b):
+        return rel_err(cache_values(cfg, a.cpu()), cache_values(cfg, b.cpu()))
+    check_launches(rt.tensors, lambda launch: rt.run(),
+                   lambda launch: make_inputs(cfg, [s + launch for s in starts], seed=seed + 1 + launch,
+                                              device="cuda", hc_fn=fn),
+                   lambda inp: reference(cfg, w, inp, index=rt.tensors["index"] if mode == "csa" else None,
+                                         hc_fn=fn),
+                   ["window"] + list(cfg.cache_shapes()), err, what=f"seed {seed}, ",
+                   reference_after_run=mode == "csa", out=("streams", "streams"), outputs=("coef", "part_next"),
+                   poison=("coef", "part_next", "x", "y"))

@@ -136,10 +136,12 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     a compressor window: the compressor's worst step), against DSV4AttentionReference.forward
     (+ input norm, residual; its compressor `capturable`) as PyTorch under a CUDA graph, and the
     floor: weights + the KV rows the attention reads. `overrides`: DSV4LayerConfig fields. Launches alternate over
-    weight copies (rotated_launches: the weights dominate the bytes)."""
+    weight copies (rotated_launches: the weights dominate the bytes). With mhc ("v4" / "v41"): the
+    streams in and out (read twice, written once: in the floor), the output compared is the
+    streams' increment, the torch side the model's MHCResidual around the attention."""
     from bench.common import record_timeline, rotated_launches
     from sdk.blocks.base import ring_geometry
-    from sdk.megakernel.dsv4_layer import build_program, make_inputs, make_weights, reference
+    from sdk.megakernel.dsv4_layer import build_program, make_inputs, make_weights, mhc_site_fn, reference
     from sdk.megakernel.program import RECORDS_MARGIN
     from sdk.megakernel.runtime import program_runtime
     cfg = sublayer_config(mode, ctx, batch, splits, **overrides)
@@ -151,25 +153,30 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     if mode == "csa":       # + the indexer's keys (bf16 or mxfp4 records), all of every sequence's ready entries
         score = next(op.block for op in prog.ops if op.label == "v4.i_scores")
         kvb += sum(min(cfg.max_entries, (s + 1) // cfg.ratio) for s in starts) * score.key_bytes_each
+    if cfg.mhc:         # the streams: read by the collapse (and v4's coefficients) and the post, written once
+        kvb += 3 * prog.bytes_of("streams")
     w = make_weights(cfg, seed=0, device="cuda")
-    inp = make_inputs(cfg, starts, seed=1, device="cuda")
+    hc_fn = mhc_site_fn(cfg, seed=2, device="cuda") if cfg.mhc else None
+    inp = make_inputs(cfg, starts, seed=1, device="cuda", hc_fn=hc_fn)
     rt = program_runtime(prog, w, inputs={k: v.clone() for k, v in inp.items()})
-    rt.tensors["resid"].fill_(float("nan"))
+    out, base = ("streams", "streams") if cfg.mhc else ("resid", "x")
+    for name in ("coef", "part_next") if cfg.mhc else ("resid",):
+        rt.tensors[name].fill_(float("nan"))
     rt.run()
     # CSA: the attention over the program's own index list, after checking it is a top-k of the
     # reference's scores up to near-ties (a near-tie swap moves the output by up to ~5e-2 on
     # random caches and says nothing about the attention; dsv4_layer.reference)
-    want = reference(cfg, w, inp, index=rt.tensors["index"] if mode == "csa" else None)
-    x = inp["x"].float()
-    d = rt.tensors["resid"] - x
-    err = ((d - (want["resid"] - x)).norm() / (want["resid"] - x).norm()).item()
+    want = reference(cfg, w, inp, index=rt.tensors["index"] if mode == "csa" else None, hc_fn=hc_fn)
+    x = inp[base].float()
+    d = rt.tensors[out].float() - x
+    err = ((d - (want[out].float() - x)).norm() / (want[out].float() - x).norm()).item()
     launches, copies = rotated_launches(prog, rt, make_weights, cfg, wb + kvb)
     us, mode_t = timed(launches)
     rt.check()
     case = case_name((f"sublayer:{mode}", ctx, batch, splits, overrides))
     if timeline_path:
         record_timeline(prog, rt.tensors, timeline_path, case, us)
-    torch_us, torch_mode = timed([lambda: reference(cfg, w, inp, capturable=True)])
+    torch_us, torch_mode = timed([lambda: reference(cfg, w, inp, capturable=True, hc_fn=hc_fn)])
     floor_us = (wb + kvb) / (copy_bw * 1e3)
     return {"case": case, "mode": mode, "batch": batch, "context": ctx, "heads": HEADS, "weight_bytes": wb,
             "kv_bytes": kvb, "program_ops": [op.label for op in prog.ops], "decode_stages": dec.stages,

@@ -10,6 +10,12 @@
 #    timeline (57.7-59.0% of copy: which op or phase change takes the time);
 # 3. the MoE layer at batch 1 with its timelines (the staged expert tiles' default): which phase
 #    is now the longest (GLM-5.3 29.9 us = x5.2 the floor).
+# Part 2 (`bash bench/optin_gpu_session.sh 2`, ~300 s), written in the eighteenth session: the V4.1
+# HCA attention sublayer at 32K, batch 1 and 8, plain vs in its mHC residual - "v4" (the collapse
+# after this site's coefficients) and V4.1's lagged "v41" (the collapse its own op, the coefficients
+# beside the sublayer) - with timelines at batch 1: what the mHC ends cost, and whether the lag
+# takes the coefficients off the sublayer's path. Its tests (test_dsv4_sublayer_in_mhc_one_launch,
+# the lagged cases of test_mhc_two_sites_one_launch) run in part 1's suite.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -17,6 +23,14 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-575} TESTS_S=${TESTS_S:-390}
+
+if [ "${1:-1}" = 2 ]; then
+  M='--match "sublayer hca B=1 ctx=32768$" --match "sublayer hca B=8 ctx=32768$"'
+  export BENCH_ARGS_dsv4="$M" BENCH_ARGS_dsv4_v4="$M --set mhc=v4" BENCH_ARGS_dsv4_v41="$M --set mhc=v41,q_head_norm=0"
+  export BENCH_S_dsv4=95 BENCH_S_dsv4_v4=95 BENCH_S_dsv4_v41=95
+  bash bench/device_all.sh bench:dsv4 bench:dsv4@v4 bench:dsv4@v41
+  exit
+fi
 
 OUT="$OUT/tests" DEVICE_ALL_S=$TESTS_S bash bench/device_all.sh tests
 

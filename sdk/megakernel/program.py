@@ -161,13 +161,14 @@ class Program:
         return len(self.counter_names)
 
     def bytes_by_role(self, role: str) -> int:
+        return sum(self.bytes_of(b.name) for b in self.buffers.values() if b.role == role)
+
+    def bytes_of(self, name: str) -> int:
+        """Bytes of one buffer."""
         import torch
         from ..blocks.base import DTYPES
-        total = 0
-        for b in self.buffers.values():
-            if b.role == role:
-                total += int(np.prod(b.shape)) * torch.empty((), dtype=DTYPES[b.dtype]).element_size()
-        return total
+        b = self.buffers[name]
+        return int(np.prod(b.shape)) * torch.empty((), dtype=DTYPES[b.dtype]).element_size()
 
 
 def check_weights(program: Program, weights: dict, what: str = "the program") -> None:

@@ -141,7 +141,8 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     streams' increment, the torch side the model's MHCResidual around the attention."""
     from bench.common import record_timeline, rotated_launches
     from sdk.blocks.base import ring_geometry
-    from sdk.megakernel.dsv4_layer import build_program, make_inputs, make_weights, mhc_site_fn, reference
+    from sdk.megakernel.dsv4_layer import build_program, make_inputs, make_weights, reference
+    from sdk.megakernel.mhc_site import site_fn
     from sdk.megakernel.program import RECORDS_MARGIN
     from sdk.megakernel.runtime import program_runtime
     cfg = sublayer_config(mode, ctx, batch, splits, **overrides)
@@ -156,7 +157,7 @@ def bench_sublayer(mode, ctx, batch, copy_bw, timeline_path=None, splits=None, *
     if cfg.mhc:         # the streams: read by the collapse (and v4's coefficients) and the post, written once
         kvb += 3 * prog.bytes_of("streams")
     w = make_weights(cfg, seed=0, device="cuda")
-    hc_fn = mhc_site_fn(cfg, seed=2, device="cuda") if cfg.mhc else None
+    hc_fn = site_fn(cfg.site, seed=2, device="cuda") if cfg.mhc else None
     inp = make_inputs(cfg, starts, seed=1, device="cuda", hc_fn=hc_fn)
     rt = program_runtime(prog, w, inputs={k: v.clone() for k, v in inp.items()})
     out, base = ("streams", "streams") if cfg.mhc else ("resid", "x")

@@ -44,7 +44,7 @@ def test_pyvm_sublayer_with_mhc_equals_model_reference(mode, mhc):
     the previous site's pre, its own op, the coefficients beside the sublayer), the attention, the
     post-mix of the streams in place fused with the next site's mix partials - against the model's
     MHCResidual.around the model's attention; the coefficients and partials compared too."""
-    from sdk.megakernel.dsv4_layer import mhc_site_fn
+    from sdk.megakernel.mhc_site import site_fn
     from sdk.megakernel.pyvm import PyVM
     cfg = DSV4LayerConfig(mode=mode, mhc=mhc, q_head_norm=mhc != "v41", **{**TINY, "hidden": 1024})
     prog = build_program(cfg)
@@ -52,7 +52,7 @@ def test_pyvm_sublayer_with_mhc_equals_model_reference(mode, mhc):
         qa = next(op for op in prog.ops if op.label == "v4.q_a")
         assert {prog.counter_names[c] for i in qa.instructions for c, _ in prog.instructions[i].waits} == {"v4.hc_in"}
     w = make_weights(cfg, seed=1)
-    fn = mhc_site_fn(cfg, seed=2)
+    fn = site_fn(cfg.site, seed=2)
     vm, _ = PyVM.from_program(prog, 8, w)
     starts = [0, 5, 30]
     ref = (lambda inp: reference(cfg, w, inp, index=vm.tensors["index"], hc_fn=fn)) if mode == "csa" else \

@@ -98,6 +98,43 @@ def test_pyvm_moe_layer_equals_moe_reference(name):
     assert vm.counters[isa.EXIT_COUNTER] == 3 * len(sched.per_sm)
 
 
+@pytest.mark.parametrize("mhc,extra", [("v4", dict(shared_intermediate=256, batch=3)),
+                                       ("v41", dict(expert_dtype="mxfp4", num_local=32, rank=1, batch=5,
+                                                    shared_intermediate=256)),
+                                       ("v41", dict(latent=512, activation="situ", batch=2))])
+def test_pyvm_moe_layer_in_mhc_equals_reference(mhc, extra):
+    """The layer wrapped in the model's mHC residual (MoELayerConfig.mhc, mhc_site.py): the
+    streams' collapse + the layer's input norm first (v41: with the previous site's pre, the
+    coefficients beside the layer; the router and shared expert wait for the collapse), the
+    post-mix of the streams in place from the layer's output, fused with the next site's
+    partials - against MHCResidual.around the layer's reference, three steps, outputs poisoned."""
+    from sdk.megakernel.mhc_site import site_fn, site_inputs
+    from sdk.megakernel.moe_layer import mhc_reference
+    cfg = MoELayerConfig(correction_bias=True, mhc=mhc, **extra)
+    vm, weights, _ = _vm(cfg)
+    prog = vm.program
+    first = "moe.hc_in" if mhc == "v41" else "moe.hc_pre"
+    for label in ("router.logits", "shared.gateup", "latent.down"):
+        op = next((o for o in prog.ops if o.label == label), None)
+        if op is not None:      # x's readers wait for the collapse alone
+            assert {prog.counter_names[c] for i in op.instructions for c, _ in prog.instructions[i].waits} == {first}
+    fn = site_fn(cfg.site, seed=4)
+    g = torch.Generator().manual_seed(5)
+    for step in range(3):
+        inp = site_inputs(cfg.site, g, fn)
+        _poison(vm.tensors)
+        for name in ("coef", "part_next", "x"):
+            vm.tensors[name].fill_(float("nan"))
+        for name, v in inp.items():
+            vm.tensors[name].copy_(v)
+        vm.step(seed=step)
+        want = mhc_reference(cfg, weights, inp, fn)
+        s0 = inp["streams"].float()
+        assert rel(vm.tensors["streams"].float() - s0, want["streams"].float() - s0) <= TOL, f"step {step}"
+        assert rel(vm.tensors["coef"], want["coef"]) <= 1e-5
+        assert rel(vm.tensors["part_next"], want["part_next"]) <= TOL
+
+
 def test_op_rows_set_one_gemv_each():
     """op_rows overrides shared_rows per op; Kimi K3's shared.down / latent.up in 32-row tiles make
     every streaming chunk of its batch-1 layer 16.9 KB (the ring's stage: 12 of them instead of 7
@@ -404,7 +441,7 @@ def test_compile_moe_blocks_and_megakernel(arch):
     from sdk.megakernel.moe_layer import compile_check
     report = compile_check([arch])        # the blocks themselves: sdk.compile.block_cases()
     assert not failures(report), "\n".join(failures(report))
-    assert len(report[arch]) == 3          # the plain layer, the latent + SiTU layer, the staged experts
+    assert len(report[arch]) == 4          # the plain layer, the latent + SiTU layer, the staged experts, in mHC
 
 
 def _tile_mma_arithmetic(packed: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,8 @@ from ..blocks.formats import mxfp4_round_trip
 from ..blocks.indexer import (IndexScoreBlock, IndexScoreConfig, TopKBlock, TopKConfig, choose_keys_per_tile,
                               dequantize_index_keys, index_key_cache_shape, index_key_page_words,
                               quantize_index_keys)
+from .mhc_site import add_collapse, add_post, site_inputs, site_weights
+from .mhc_site import reference as site_reference
 from .mlp_stack import gemv_block
 from .program import Program, first_fitting
 
@@ -167,7 +169,8 @@ class DSV4LayerConfig:
                                                              per_token_groups=self.mode == "csa", rope_dim=self.rope)),
                "ring": DSV4RingWriteBlock(DSV4RingWriteConfig(batch=B, q_tokens=T, head_dim=hd, window=self.window,
                                                               window_dtype=self.window_dtype))}
-        out.update(self.mhc_blocks())
+        if self.site:
+            out.update(self.site.blocks())
         if self.compressed:
             out["compress"], out["compress_norm"] = compressor_blocks(DSV4CompressConfig(
                 dim=hd, ratio=self.ratio, overlap=self.mode == "csa", rope=self.rope, batch=B, tokens=T,
@@ -187,30 +190,14 @@ class DSV4LayerConfig:
         return out
 
     @property
-    def hc_slices(self) -> int:
-        return self.hidden // self.hc_d_slice
-
-    def mhc_blocks(self) -> dict:
-        """The mHC ops around the sublayer (docs/mhc.md): v4 - "hc_pre" (coefficients, then the
-        collapse with their pre and the input norm); v41 - "hc_in" (the collapse with the carried
-        pre and the input norm: all the sublayer waits for) and "hc_coef" (this site's
-        coefficients, beside the sublayer); both - "hc_post" (the streams' update from the
-        sublayer's output, fused with the next site's mix partials)."""
-        from ..blocks.mhc import MHCPostBlock, MHCPostConfig, MHCPreBlock, MHCPreConfig, mix_rows
+    def site(self):
+        """The mHC site around the sublayer (sdk/megakernel/mhc_site.py), or None (plain residual)."""
         from ..errors import UnsupportedConfigError
+        from .mhc_site import MHCSite
         if self.mhc not in ("", "v4", "v41"):
             raise UnsupportedConfigError(f"DSV4 layer: mhc {self.mhc!r} (supported: '', v4, v41)")
-        if not self.mhc:
-            return {}
-        common = dict(d=self.hidden, n=self.hc_mult, m=self.tokens_total, stream_dtype="bf16")
-        pre = dict(common, slices=self.hc_slices, iters=self.hc_iters, hc_eps=self.hc_eps, norm_eps=self.eps,
-                   out_eps=self.eps, out_dtype="bf16")
-        post = MHCPostBlock(MHCPostConfig(**common, d_slice=self.hc_d_slice, next_rows=mix_rows(self.hc_mult),
-                                          round_coef=self.mhc == "v4"))
-        if self.mhc == "v4":
-            return {"hc_pre": MHCPreBlock(MHCPreConfig(**pre)), "hc_post": post}
-        return {"hc_in": MHCPreBlock(MHCPreConfig(**pre, kind="carried")),
-                "hc_coef": MHCPreBlock(MHCPreConfig(**pre, collapse=False)), "hc_post": post}
+        return MHCSite(self.mhc, self.hidden, self.tokens_total, self.hc_mult, self.hc_iters, self.hc_eps, self.eps,
+                       self.hc_d_slice) if self.mhc else None
 
     def weight_shapes(self) -> dict:
         D, H, hd, Q, R = self.hidden, self.heads, self.head_dim, self.q_rank, self.o_rank
@@ -226,23 +213,9 @@ class DSV4LayerConfig:
             w.update({"w_i_kv": ((2 * ihd, D), "bf16"), "w_i_gate": ((2 * ihd, D), "bf16"),
                       "i_position_bias": ((self.ratio, 2 * ihd), "fp32"), "i_kv_norm": ((ihd,), "bf16"),
                       "w_iq": ((ih * ihd, Q), "bf16"), "w_iw": ((ih, D), "bf16")})
-        if self.mhc:            # this site's mix bias / scales, the NEXT site's fn (the post's partials)
-            n = self.hc_mult
-            w.update({"hc_base": (((2 + n) * n,), "fp32"), "hc_scale": ((3,), "fp32"),
-                      "hc_fn_next": (((2 + n) * n, n * D), "fp32")})
+        if self.site:
+            w.update(self.site.weight_shapes())
         return w
-
-    def mhc_shapes(self) -> dict:
-        """mHC: the buffers a call reads beside the caches - the streams (updated in place), this
-        site's mix partials (the previous post's part_next) and, v41, the previous site's coef
-        (`carried`) - and writes: this site's coef, the next site's partials."""
-        if not self.mhc:
-            return {}
-        n, M, R = self.hc_mult, self.tokens_total, (2 + self.hc_mult) * self.hc_mult
-        ins = {"streams": ((M, n, self.hidden), "bf16"), "part": ((self.hc_slices, M, R + 1), "fp32")}
-        if self.mhc == "v41":
-            ins["carried"] = ((M, R), "fp32")
-        return {**ins, "coef": ((M, R), "fp32"), "part_next": ((self.hc_slices, M, R + 1), "fp32")}
 
     def cache_shapes(self) -> dict:
         """The caches a call reads and updates in place (beside the window ring): name -> (shape, dtype)."""
@@ -289,11 +262,7 @@ def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
     csa = cfg.mode == "csa"
     prog = Program()
     mhc = cfg.mhc
-    if mhc:
-        for name, (shape, dtype) in cfg.mhc_shapes().items():
-            prog.buffer(name, shape, dtype, "output" if name in ("coef", "part_next") else "input")
-        prog.buffer("x", (M, D), "bf16")             # the sublayer's input: the collapse, normed
-    else:
+    if not mhc:
         prog.buffer("x", (M, D), "bf16", "input")
     prog.buffer("start", (B,), "int32", "input")
     r2 = max(cfg.rope // 2, 1)
@@ -303,6 +272,9 @@ def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
         prog.buffer(name, (B, T, r2), "bf16", "input")
     for name, (shape, dtype) in cfg.weight_shapes().items():
         prog.buffer(name, shape, dtype, "weight")
+    # mHC: x is the collapse of the streams, normed (the input norm fused there): v4 with this
+    # site's own pre (after its coefficients), v41 with the previous site's (its own op)
+    x_ops, coef_op = add_collapse(prog, cfg.site, blk, "input_norm", label="v4.") if mhc else ([], None)
     prog.buffer("window", *window_shape(cfg), "input")                     # read, then written in place
     for name, (shape, dtype) in cfg.cache_shapes().items():                # compressor windows, entries
         prog.buffer(name, shape, dtype, "input")                            # (updated in place)
@@ -330,21 +302,9 @@ def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
     rows = cfg.x_gemv_rows or balanced_configs([GemvConfig(n=n, k=D, m=M, norm=not mhc, norm_eps=cfg.eps, **kw)
                                                 for n, kw in x_gemvs], cfg.num_sms)[0].rows_per_tile
 
-    # mHC: x is the collapse of the streams, normed (the input norm fused there): v4 with this
-    # site's own pre (after its coefficients), v41 with the previous site's (its own op)
-    x_op = []
-    if mhc == "v4":
-        x_op = [prog.op(blk["hc_pre"], {"streams": "streams", "part": "part", "base": "hc_base", "scale": "hc_scale",
-                                        "norm_weight": "input_norm", "coef": "coef", "out": "x"}, label="v4.hc_pre")]
-    elif mhc == "v41":
-        x_op = [prog.op(blk["hc_in"], {"streams": "streams", "carried": "carried", "norm_weight": "input_norm",
-                                       "out": "x"}, label="v4.hc_in")]
-        hc_coef = prog.op(blk["hc_coef"], {"streams": "streams", "part": "part", "base": "hc_base",
-                                           "scale": "hc_scale", "coef": "coef"}, label="v4.hc_coef")
-
     def from_x(n, w, y, label, **kw):
         if mhc:
-            return prog.op(gemv(n, D, rows, **kw), {"w": w, "x": "x", "y": y}, waits=x_op, label=label)
+            return prog.op(gemv(n, D, rows, **kw), {"w": w, "x": "x", "y": y}, waits=x_ops, label=label)
         return prog.op(gemv(n, D, rows, norm=True, **kw), {"w": w, "x": "x", "norm_weight": "input_norm", "y": y},
                        label=label)
 
@@ -405,10 +365,7 @@ def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
                 {"w": "w_o_b", "x": "o_lat", "res": "x", "y": "resid"}, waits=[oa], label="v4.o_b")
         return prog
     ob = prog.op(gemv(D, cfg.o_rank), {"w": "w_o_b", "x": "o_lat", "y": "y"}, waits=[oa], label="v4.o_b")
-    # the streams are rewritten in place: after every reader (the collapse, the coefficients)
-    prog.op(blk["hc_post"], {"streams": "streams", "y": "y", "coef": "coef", "fn_next": "hc_fn_next",
-                             "streams_out": "streams", "part_next": "part_next"},
-            waits=[ob] + ([hc_coef] if mhc == "v41" else x_op), label="v4.hc_post")
+    add_post(prog, blk, "y", [ob, coef_op], label="v4.")
     return prog
 
 
@@ -439,30 +396,25 @@ def make_weights(cfg: DSV4LayerConfig, seed: int = 0, device="cpu") -> dict[str,
     g = torch.Generator(device=device).manual_seed(seed)
     w = {}
     for name, (shape, dtype) in cfg.weight_shapes().items():
+        if name.startswith("hc_"):          # mHC: mhc_site.site_weights below
+            continue
         if name.endswith("norm"):           # bf16 values (mHC's fp32 input norm too: the model's weight)
             x = (1 + 0.1 * torch.randn(*shape, generator=g, device=device)).to(torch.bfloat16)
-        elif name in ("sinks", "c_position_bias", "i_position_bias", "hc_base"):
+        elif name in ("sinks", "c_position_bias", "i_position_bias"):
             x = 0.5 * torch.randn(*shape, generator=g, device=device)
-        elif name == "hc_scale":
-            x = 1 + 0.3 * torch.randn(*shape, generator=g, device=device)
         else:
             x = torch.randn(*shape, generator=g, device=device) * shape[-1] ** -0.5
         w[name] = x.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    if cfg.site:
+        w.update(site_weights(cfg.site, g, device))
     return w
-
-
-def mhc_site_fn(cfg: DSV4LayerConfig, seed: int = 0, device="cpu") -> torch.Tensor:
-    """mHC: a random fn of THIS site (the program never reads it: its partials come in `part`,
-    make_inputs computes them with it, and `reference` takes it to compute the coefficients)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    n = cfg.hc_mult
-    return torch.randn((2 + n) * n, n * cfg.hidden, generator=g, device=device) * (n * cfg.hidden) ** -0.5
 
 
 def make_inputs(cfg: DSV4LayerConfig, starts, seed: int = 0, device="cpu", hc_fn=None) -> dict[str, torch.Tensor]:
     """x, the caches of sequences with `starts` tokens before this call (random ring rows,
     compressor windows and entries), start and the host's rope tables. mHC: the streams instead of
-    x, this site's partials of them with `hc_fn` (mhc_site_fn) and, v41, a previous site's coef."""
+    x, this site's partials of them with `hc_fn` (mhc_site.site_fn) and, v41, a previous site's
+    coef (mhc_site.site_inputs)."""
     from ..reference.dsv4_attention import Rope
     g = torch.Generator(device=device).manual_seed(seed)
     B, T, hd = cfg.batch, cfg.tokens, cfg.head_dim
@@ -477,16 +429,9 @@ def make_inputs(cfg: DSV4LayerConfig, starts, seed: int = 0, device="cpu", hc_fn
          "window": torch.randn(B, cfg.window, hd, generator=g, device=device).to(torch.bfloat16)}
     if cfg.window_dtype == "fp8_e4m3":
         t["window"] = quantize_window_fp8(t["window"])
-    if cfg.mhc:
-        from ..blocks.mhc import slice_partials
-        M, n, D, ds = cfg.tokens_total, cfg.hc_mult, cfg.hidden, cfg.hc_d_slice
-        streams = torch.randn(M, n, D, generator=g, device=device).to(torch.bfloat16)
+    if cfg.site:
         del t["x"]
-        t["streams"] = streams
-        t["part"] = torch.stack([slice_partials(streams, hc_fn, n, D, s * ds, (s + 1) * ds)
-                                 for s in range(cfg.hc_slices)])
-        if cfg.mhc == "v41":                 # a previous site's coef: its pre in (0.05, 0.95)
-            t["carried"] = 0.05 + 0.9 * torch.rand(M, (2 + n) * n, generator=g, device=device)
+        t.update(site_inputs(cfg.site, g, hc_fn, device))
     if cfg.mode == "csa":
         t["i_cos"], t["i_sin"] = crope.cos_sin(pos, torch.bfloat16)
     for name, (shape, dtype) in cfg.cache_shapes().items():
@@ -512,8 +457,8 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
     updates them). `capturable`: the compressor without host syncs (CUDA graphs).
 
     mHC (cfg.mhc): {streams, coef, part_next, window, caches}: the model's residual
-    (sdk/reference/mhc.py MHCResidual.around, V4.1's lagged form for "v41" with `carried`'s pre)
-    around the same attention, this site's fn = `hc_fn`; coef = this site's coefficients, part_next
+    (sdk/reference/mhc.py MHCResidual.around, V4.1's lagged form for "v41" with `carried`'s pre:
+    mhc_site.reference) around the same attention, this site's fn = `hc_fn`; coef = this site's coefficients, part_next
     = the next site's partials (hc_fn_next) of the new streams.
 
     `index` (CSA): the program's index list [B, T, topk] (-1 padded) - the attention then reads
@@ -560,9 +505,10 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
     start = inputs["start"].long()
     step = StepInfo(start=start, positions=start[:, None] + torch.arange(cfg.tokens, device=start.device),
                     input_ids=torch.zeros(cfg.batch, cfg.tokens, dtype=torch.long, device=start.device))
-    if cfg.mhc:
-        res = _mhc_reference(cfg, w, inputs, hc_fn, lambda y: ref.forward(
-            rms_norm(y, w["input_norm"].to(torch.bfloat16), cfg.eps), cache, step))
+    if cfg.site:
+        B, T, D = cfg.batch, cfg.tokens, cfg.hidden
+        res = site_reference(cfg.site, w, inputs, hc_fn, w["input_norm"],
+                             lambda h: ref.forward(h.view(B, T, D), cache, step).reshape(B * T, D))
     else:
         x = inputs["x"].float()
         h = rms_norm(x, w["input_norm"].float(), cfg.eps).to(torch.bfloat16)
@@ -577,31 +523,6 @@ def reference(cfg: DSV4LayerConfig, weights: dict, inputs: dict, capturable: boo
     res["window"] = window
     res.update({n: cache[CACHE_NAMES[n]] for n in cfg.cache_shapes()})
     return res
-
-
-def _mhc_reference(cfg: DSV4LayerConfig, w: dict, inputs: dict, hc_fn, attention) -> dict:
-    """The model's mHC residual around `attention` (bf16 [B, T, D] -> [B, T, D]) on the streams."""
-    from ..blocks.mhc import slice_partials
-    from ..reference.mhc import MHCResidual
-    from ..spec import ResidualSpec
-    if hc_fn is None:
-        raise ValueError("reference: an mHC sublayer needs this site's fn (hc_fn, mhc_site_fn)")
-    B, T, M, n, D = cfg.batch, cfg.tokens, cfg.tokens_total, cfg.hc_mult, cfg.hidden
-    lagged = cfg.mhc == "v41"
-    model = SimpleNamespace(norm_eps=cfg.eps, residual=ResidualSpec(
-        kind="mhc", hc_mult=n, sinkhorn_iters=cfg.hc_iters, eps=cfg.hc_eps, head="carried" if lagged else "mean",
-        lagged_pre=lagged))
-    p = "layers.0.hc_attn."
-    mres = MHCResidual(model, {p + "fn": hc_fn.float(), p + "base": w["hc_base"], p + "scale": w["hc_scale"]})
-    streams = inputs["streams"].view(B, T, n, D)
-    if lagged:
-        mres.carried = inputs["carried"][:, :n].float().view(B, T, n)
-    pre, post, comb = mres.coefficients(p, streams)
-    new = mres.around(0, "attn", streams, attention).reshape(M, n, D)
-    ds = cfg.hc_d_slice
-    return {"streams": new, "coef": torch.cat([pre, post, comb.flatten(-2)], -1).reshape(M, -1),
-            "part_next": torch.stack([slice_partials(new, w["hc_fn_next"], n, D, s * ds, (s + 1) * ds)
-                                      for s in range(cfg.hc_slices)])}
 
 
 def check_selection(scores: torch.Tensor, ready: torch.Tensor, mask: torch.Tensor, k: int,

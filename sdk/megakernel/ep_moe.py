@@ -98,6 +98,9 @@ def blocks(cfg: EPMoEConfig) -> dict:
 def build_program(cfg: EPMoEConfig) -> tuple[Program, CommProgram]:
     """The per-rank program (identical on every rank) and its symmetric bindings."""
     c = cfg.layer
+    if c.mhc:
+        raise UnsupportedConfigError(f"EP MoE: the mHC residual around the layer (mhc={c.mhc!r}) is the "
+                                     f"single-GPU layer's (moe_layer.build_program) only, not yet expert-parallel")
     b = blocks(cfg)
     N, M, D, k, E, I, L = cfg.ranks, c.batch, c.hidden, c.top_k, c.num_experts, c.intermediate, cfg.local
     T = b["dispatch"].num_tiles()

@@ -32,6 +32,10 @@ partial sum, all-reduced by a later instruction) or replicated, as the preset sa
 `reference(cfg, weights, x, input_ids)` is sdk/reference/moe.py's routing (`route()`) and expert
 math on the dequantised weights, the non-local experts skipped; on tiny configs the tests also
 check it against `MoEReference.forward` itself, with the non-local experts' weights zero.
+
+In the model's mHC residual (`mhc` = "v4" | "v41", DeepSeek-V4(.1), GLM-5.3; sdk/megakernel/mhc_site.py):
+the streams in, x = the collapse normed with `mlp_norm` (the ops reading x wait for it), the
+streams updated in place from `out` (fused with the next site's mix partials) at the end.
 """
 from __future__ import annotations
 
@@ -50,6 +54,8 @@ from ..errors import UnsupportedConfigError
 from ..reference.common import swiglu
 from ..reference.moe import route
 from ..spec import MoESpec
+from .mhc_site import add_collapse, add_post, site_weights
+from .mhc_site import reference as site_reference
 from .mlp_stack import gemv_block
 from .program import Program
 
@@ -95,6 +101,22 @@ class MoELayerConfig:
                                          # ...) over shared_gateup / shared_down / latent_down /
                                          # latent_up (moe_bench --set shared_down_rows=32)
     num_sms: int = 132                   # SMs the balanced tiles are cut for
+    mhc: str = ""                        # the residual around the layer: "" (x in, out out), "v4" / "v41"
+                                         # (mHC: streams in and out, mhc_site.py)
+    hc_mult: int = 4
+    hc_iters: int = 20
+    hc_eps: float = 1e-6
+    hc_d_slice: int = 128
+    norm_eps: float = 1e-6               # mHC: the mix's RMSNorm and the layer's input norm
+
+    @property
+    def site(self):
+        """The mHC site around the layer (sdk/megakernel/mhc_site.py), or None."""
+        from .mhc_site import KINDS, MHCSite
+        if self.mhc and self.mhc not in KINDS:
+            raise UnsupportedConfigError(f"MoE layer: mhc {self.mhc!r} (supported: '', {', '.join(KINDS)})")
+        return MHCSite(self.mhc, self.hidden, self.batch, self.hc_mult, self.hc_iters, self.hc_eps, self.norm_eps,
+                       self.hc_d_slice) if self.mhc else None
 
     @property
     def local(self) -> int:
@@ -237,6 +259,8 @@ def blocks(cfg: MoELayerConfig) -> dict:
                                           shared_rows["shared_gateup"], cfg.num_sms)
         out["shared_down"] = gemv_block(GemvConfig(n=d, k=s, m=m, weight_dtype=cfg.shared_dtype, out_dtype="fp32"),
                                         shared_rows["shared_down"], cfg.num_sms)
+    if cfg.site:
+        out.update(cfg.site.blocks())
     return out
 
 
@@ -252,10 +276,15 @@ def _expert_buffers(prog, name, shape, fmt):
 
 
 def add_inputs_and_weights(prog: Program, cfg: MoELayerConfig, tokens: int, local: int) -> None:
-    """x [tokens, hidden], the router's weights (bias, hash table and input_ids where the layer has
-    them) and the weights of `local` routed experts."""
+    """x [tokens, hidden] (mHC: the site's weights; x comes from its collapse), the router's
+    weights (bias, hash table and input_ids where the layer has them) and the weights of `local`
+    routed experts."""
     d, k, E, I, h = cfg.hidden, cfg.top_k, cfg.num_experts, cfg.intermediate, cfg.expert_hidden
-    prog.buffer("x", (tokens, d), "bf16", "input")
+    if cfg.site:
+        for name, (shape, dt) in {"mlp_norm": ((d,), "fp32"), **cfg.site.weight_shapes()}.items():
+            prog.buffer(name, shape, dt, "weight")
+    else:
+        prog.buffer("x", (tokens, d), "bf16", "input")
     prog.buffer("router.weight", (E, d), cfg.router_dtype, "weight")
     if cfg.correction_bias:
         prog.buffer("router.bias", (E,), "fp32", "weight")
@@ -270,10 +299,11 @@ def add_inputs_and_weights(prog: Program, cfg: MoELayerConfig, tokens: int, loca
         prog.buffer("latent_up.weight", (d, h), "bf16", "weight")
 
 
-def add_router(prog: Program, cfg: MoELayerConfig, b: dict, table: dict) -> int:
+def add_router(prog: Program, cfg: MoELayerConfig, b: dict, table: dict, x_ops=()) -> int:
     """router.logits, then router.select writing topk_ids / topk_w and the dispatch table whose
-    buffer names `table` gives (counts, hits, tok, slot). Returns the select op."""
-    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "y": "logits"}, label="router.logits")
+    buffer names `table` gives (counts, hits, tok, slot). Returns the select op. x_ops: what
+    writes x (mHC's collapse)."""
+    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "y": "logits"}, waits=x_ops, label="router.logits")
     sb = {"logits": "logits", "topk_ids": "topk_ids", "topk_w": "topk_w", **table}
     if cfg.correction_bias:
         sb["bias"] = "router.bias"
@@ -290,9 +320,9 @@ def expert_weights(cfg: MoELayerConfig, name: str) -> dict:
     return out
 
 
-def add_shared_expert(prog: Program, cfg: MoELayerConfig, b: dict) -> int:
+def add_shared_expert(prog: Program, cfg: MoELayerConfig, b: dict, x_ops=()) -> int:
     """The shared expert on x: its weights, shared_act, shared_out [tokens, hidden] fp32 and the
-    two GEMV ops. Returns the down op (what the combining op waits for)."""
+    two GEMV ops. Returns the down op (what the combining op waits for). x_ops: what writes x."""
     m, d = prog.buffers["x"].shape
     s, fp8 = cfg.shared_intermediate, cfg.shared_dtype == "fp8_e4m3"
     for name, shape in (("shared.gate", (s, d)), ("shared.up", (s, d)), ("shared.down", (d, s))):
@@ -306,7 +336,7 @@ def add_shared_expert(prog: Program, cfg: MoELayerConfig, b: dict) -> int:
     if fp8:
         g.update({"w_gate_scale": "shared.gate.scale", "w_up_scale": "shared.up.scale"})
         dn["w_scale"] = "shared.down.scale"
-    sg = prog.op(b["shared_gateup"], g, label="shared.gateup")
+    sg = prog.op(b["shared_gateup"], g, waits=x_ops, label="shared.gateup")
     return prog.op(b["shared_down"], dn, waits=[sg], label="shared.down")
 
 
@@ -315,14 +345,16 @@ def build_program(cfg: MoELayerConfig) -> Program:
     b = blocks(cfg)
     prog = Program()
     add_inputs_and_weights(prog, cfg, m, L)
+    # mHC: x = the streams' collapse, normed with mlp_norm; out feeds the post-mix at the end
+    x_ops, coef_op = add_collapse(prog, cfg.site, b, "mlp_norm", label="moe.") if cfg.site else ((), None)
     for name, shape, dt in (("logits", (m, E), "fp32"), ("topk_ids", (m, k), "int32"), ("topk_w", (m, k), "fp32"),
                             ("counts", (L,), "int32"), ("hits", (L + 1,), "int32"), ("tok", (L, m), "int32"),
                             ("slot", (L, m), "int32"), ("act", (m * k, I), "bf16")):
         prog.buffer(name, shape, dt)
-    prog.buffer("out", (m, d), "bf16", "output")
+    prog.buffer("out", (m, d), "bf16", "scratch" if cfg.site else "output")
 
     table = {"counts": "counts", "hits": "hits", "tok": "tok", "slot": "slot"}
-    sel = add_router(prog, cfg, b, table)
+    sel = add_router(prog, cfg, b, table, x_ops)
     # Stable LatentMoE (cfg.latent): z = latent_down(x) is the experts' input, their sum goes to
     # `routed` [M, L] fp32, then out = shared_out + latent_up(RMSNorm(routed)) in one GEMV
     x_in, out, gu_waits = "x", "out", [sel]
@@ -330,7 +362,7 @@ def build_program(cfg: MoELayerConfig) -> Program:
         prog.buffer("z", (cfg.batch, cfg.expert_hidden), "bf16")
         prog.buffer("routed", (cfg.batch, cfg.expert_hidden), "fp32")
         gu_waits.append(prog.op(b["latent_down"], {"w": "latent_down.weight", "x": "x", "y": "z"},
-                                label="latent.down"))
+                                waits=x_ops, label="latent.down"))
         x_in, out = "z", "routed"
     gu = prog.op(b["gateup"], {**expert_weights(cfg, "experts.gate_up"), **table, "x": x_in, "act": "act"},
                  waits=gu_waits, label="experts.gateup")
@@ -340,10 +372,12 @@ def build_program(cfg: MoELayerConfig) -> Program:
         waits = [prog.op(b["down"], down_b, waits=[gu], label="experts.down")]
         last_b = {"w": "latent_up.weight", "x": "routed", "norm_weight": "latent_norm.weight", "y": "out"}
     if cfg.shared_intermediate:             # the shared expert joins the last op's residual input
-        waits.append(add_shared_expert(prog, cfg, b))
+        waits.append(add_shared_expert(prog, cfg, b, x_ops))
         last_b["res" if cfg.latent else "shared"] = "shared_out"
-    prog.op(b["latent_up"] if cfg.latent else b["down"], last_b, waits=waits,
-            label="latent.up" if cfg.latent else "experts.down")
+    last = prog.op(b["latent_up"] if cfg.latent else b["down"], last_b, waits=waits,
+                   label="latent.up" if cfg.latent else "experts.down")
+    if cfg.site:
+        add_post(prog, b, "out", [last, coef_op], label="moe.")
     return prog
 
 
@@ -390,7 +424,18 @@ def make_weights(cfg: MoELayerConfig, seed: int = 0, device="cpu") -> dict[str, 
                 w[name + ".weight"], w[name + ".scale"] = quantize_fp8(t)
             else:
                 w[name + ".weight"] = t
+    if cfg.site:            # the layer's input norm (bf16 values, fp32) and the site's mix weights
+        w["mlp_norm"] = (1 + 0.1 * rnd(d)).to(torch.bfloat16).float()
+        w.update(site_weights(cfg.site, g, device))
     return w
+
+
+def mhc_reference(cfg: MoELayerConfig, weights: dict, inputs: dict, hc_fn: torch.Tensor,
+                  input_ids: torch.Tensor | None = None) -> dict:
+    """mHC (cfg.mhc): {streams, coef, part_next} - the model's residual around this layer
+    (mhc_site.reference; the layer's output rounded to bf16, the model's dtype)."""
+    return site_reference(cfg.site, weights, inputs, hc_fn, weights["mlp_norm"],
+                          lambda h: reference(cfg, weights, h, input_ids).to(torch.bfloat16))
 
 
 def _shared_dense(cfg, weights, name):
@@ -534,8 +579,9 @@ def moe_megakernel_cases() -> list:
                           correction_bias=True, shared_intermediate=256, expert_dtype="mxfp4", swiglu_limit=10.0)
     # Kimi K3's shape of layer: Stable LatentMoE (latent down / up GEMVs) and SiTU; the staged
     # CUDA-core expert tiles (their slots in the plain tiles' arena beside the weight ring)
+    # and in V4.1's lagged mHC residual (the collapse, the coefficients and the post-mix tiles)
     return [base, replace(base, swiglu_limit=None, activation="situ", latent=512),
-            replace(base, batch=1, expert_smem_stages=3)]
+            replace(base, batch=1, expert_smem_stages=3), replace(base, mhc="v41")]
 
 
 def compile_check(archs, num_sms: int = 132, blocks_too: bool = False) -> dict:

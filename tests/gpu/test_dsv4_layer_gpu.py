@@ -71,14 +71,15 @@ def test_dsv4_sublayer_in_mhc_one_launch(mode, batch, mhc, formats):
     import random
 
     from sdk.megakernel.dsv4_layer import (DSV4LayerConfig, build_program, cache_values, make_inputs, make_weights,
-                                           mhc_site_fn, reference)
+                                           reference)
+    from sdk.megakernel.mhc_site import site_fn
     seed = clock_seed()
     rnd = random.Random(seed)
     cfg = DSV4LayerConfig(mode=mode, batch=batch, mhc=mhc, q_head_norm=mhc != "v41", window_dtype=formats[0],
                           comp_dtype=formats[1], index_dtype=formats[2],
                           **dict(V41_TP8, ratio=4 if mode == "csa" else 128))
     w = make_weights(cfg, seed=seed, device="cuda")
-    fn = mhc_site_fn(cfg, seed=seed + 7, device="cuda")
+    fn = site_fn(cfg.site, seed=seed + 7, device="cuda")
     rt = program_runtime(build_program(cfg), w)
     starts = [rnd.choice([127, 128, 254, 5, 4000, 15998]) for _ in range(batch)]
 

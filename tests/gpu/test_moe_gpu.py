@@ -302,3 +302,36 @@ def test_kimi_k3_latent_shard_one_launch(batch):
     need_gpu()
     from sdk.megakernel.moe_layer import preset
     _check_two_steps(preset("kimi_k3", batch, expert_dtype="mxfp4", activation="situ", latent=3584), batch)
+
+
+@pytest.mark.parametrize("model,batch,mhc", [("deepseek_v41_flash", 1, "v41"), ("deepseek_v41_flash", 8, "v41"),
+                                             ("glm_53", 1, "v4"), ("glm_53", 64, "v4")])
+def test_moe_layer_in_mhc_one_launch(model, batch, mhc):
+    """The real shard in the model's mHC residual (MoELayerConfig.mhc, mhc_site.py): the streams'
+    collapse + input norm first (v41: V4.1's lagged form), the post-mix of the streams in place
+    fused with the next site's partials last; two launches with fresh streams, the outputs
+    poisoned, against MHCResidual.around the layer's reference."""
+    need_gpu()
+    from harness import clock_seed
+    from sdk.megakernel.mhc_site import site_fn, site_inputs
+    from sdk.megakernel.moe_layer import mhc_reference, preset
+    seed = clock_seed()
+    cfg = preset(model, batch, expert_dtype=REAL[model], mhc=mhc)
+    rt, weights = _runtime(cfg, seed=seed)
+    fn = site_fn(cfg.site, seed=seed + 1, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed + 2)
+    for launch in range(2):
+        inp = site_inputs(cfg.site, g, fn, device="cuda")
+        _poison(rt.tensors)
+        for name in ("coef", "part_next", "x"):
+            rt.tensors[name].fill_(float("nan"))
+        for name, v in inp.items():
+            rt.tensors[name].copy_(v)
+        rt.run()
+        want = mhc_reference(cfg, weights, inp, fn)
+        s0 = inp["streams"].float()
+        e = rel_err(rt.tensors["streams"].float() - s0, want["streams"].float() - s0)
+        assert e <= 2 * BF16_TOL, f"seed {seed}, launch {launch}: streams' increment rel err {e:.3e}"
+        for name, tol in (("coef", 1e-4), ("part_next", 2 * BF16_TOL)):
+            e = rel_err(rt.tensors[name], want[name])
+            assert e <= tol, f"seed {seed}, launch {launch}: {name} rel err {e:.3e}"

@@ -27,6 +27,27 @@ def test_pyvm_sublayer_equals_model_reference(kw):
                    lambda inp: reference(cfg, w, inp), ("state", "conv_state"), rel)
 
 
+@pytest.mark.parametrize("mhc", ["v4", "v41"])
+def test_pyvm_sublayer_in_mhc_equals_model_reference(mhc):
+    """GLM-5.3's KDA sublayer in its mHC residual (KDALayerConfig.mhc, mhc_site.py): the streams'
+    collapse + the input norm first (the x GEMVs wait for it alone), the post-mix of the streams in
+    place from o_proj's output last, fused with the next site's partials - against MHCResidual
+    around KDAReference, two launches carrying the caches."""
+    from sdk.megakernel.mhc_site import site_fn
+    from sdk.megakernel.pyvm import PyVM
+    cfg = KDALayerConfig(**{**TINY, "hidden": 1024, "output_gate_full_rank": False, "tokens": 2, "mhc": mhc})
+    prog = build_program(cfg)
+    first = "kda.hc_in" if mhc == "v41" else "kda.hc_pre"
+    qkv = next(op for op in prog.ops if op.label == "kda.qkv")
+    assert {prog.counter_names[c] for i in qkv.instructions for c, _ in prog.instructions[i].waits} == {first}
+    w = make_weights(cfg, seed=1)
+    fn = site_fn(cfg.site, seed=2)
+    vm, _ = PyVM.from_program(prog, 8, w)
+    check_launches(vm.tensors, lambda step: vm.step(seed=step), lambda step: make_inputs(cfg, seed=10 + step, hc_fn=fn),
+                   lambda inp: reference(cfg, w, inp, hc_fn=fn), ("state", "conv_state"), rel,
+                   out=("streams", "streams"), outputs=("coef", "part_next"), poison=("coef", "part_next", "x", "y"))
+
+
 def test_padding():
     """K3 TP8: beta (12 rows) and f_a (rank 128) in one 256-row GEMV, W_f_b's K 256 with zeros
     under the beta columns; GLM-5.3's low-rank output gate padded to 256."""

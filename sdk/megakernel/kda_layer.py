@@ -38,6 +38,8 @@ import torch
 
 from ..blocks.gemv import GemvConfig
 from ..blocks.kda import KDABlock, KDAConfig
+from .mhc_site import add_collapse, add_post, site_inputs, site_weights
+from .mhc_site import reference as site_reference
 from .mlp_stack import gemv_block
 from .program import Program
 
@@ -64,6 +66,23 @@ class KDALayerConfig:
                                          # side by side (0: each balanced as if alone - K3 TP8's qkv
                                          # then took 96 SMs and the gate the other 36; H200: B=1 52.0
                                          # vs 56.0 us, B=8 84.4 vs 98.9, GLM-5.3 34.1 / 50.7 vs 36.2 / 61.3)
+    mhc: str = ""                        # the residual around the sublayer: "" (x in, resid out); "v4"
+                                         # (GLM-5.3's mHC: streams in and out, sdk/megakernel/mhc_site.py)
+                                         # or "v41" (the lagged pre-mix)
+    hc_mult: int = 4
+    hc_iters: int = 20
+    hc_eps: float = 1e-6
+    hc_d_slice: int = 128
+
+    @property
+    def site(self):
+        """The mHC site around the sublayer (sdk/megakernel/mhc_site.py), or None."""
+        from ..errors import UnsupportedConfigError
+        from .mhc_site import KINDS, MHCSite
+        if self.mhc and self.mhc not in KINDS:
+            raise UnsupportedConfigError(f"KDA layer: mhc {self.mhc!r} (supported: '', {', '.join(KINDS)})")
+        return MHCSite(self.mhc, self.hidden, self.tokens_total, self.hc_mult, self.hc_iters, self.hc_eps, self.eps,
+                       self.hc_d_slice) if self.mhc else None
 
     @property
     def rank(self) -> int:
@@ -106,7 +125,7 @@ class KDALayerConfig:
     def weight_shapes(self) -> dict[str, tuple[tuple, str]]:
         """Program weight name -> (shape, dtype)."""
         D, C, H, K, r, P = self.hidden, self.channels, self.heads, self.head_dim, self.rank_padded, self.bfa_width
-        w = {"input_norm": ((D,), "bf16"), "w_qkv": ((3 * C, D), "bf16"), "w_bf_a": ((P, D), "bf16"),
+        w = {"input_norm": ((D,), "fp32" if self.mhc else "bf16"), "w_qkv": ((3 * C, D), "bf16"), "w_bf_a": ((P, D), "bf16"),
              "w_f_b": ((C, P), "bf16"),
              "conv_w": ((3 * C, self.conv_kernel), self.conv_w_dtype), "dt_bias": ((C,), "fp32"),
              "a_log": ((H,), "fp32"), "o_norm": ((K,), "bf16"), "w_o": ((D, C), "bf16")}
@@ -114,6 +133,8 @@ class KDALayerConfig:
             w["w_g"] = ((C, D), "bf16")
         else:
             w.update({"w_g_a": ((r, D), "bf16"), "w_g_b": ((C, r), "bf16")})
+        if self.site:
+            w.update(self.site.weight_shapes())
         return w
 
 
@@ -121,9 +142,13 @@ def build_program(cfg: KDALayerConfig) -> Program:
     D, C, M, r, P = cfg.hidden, cfg.channels, cfg.tokens_total, cfg.rank_padded, cfg.bfa_width
     kda = KDABlock(cfg.kda)
     prog = Program()
-    prog.buffer("x", (M, D), "bf16", "input")
+    site = cfg.site
+    if not site:
+        prog.buffer("x", (M, D), "bf16", "input")
     for name, (shape, dtype) in cfg.weight_shapes().items():
         prog.buffer(name, shape, dtype, "weight")
+    # mHC: x = the streams' collapse with the input norm fused (mhc_site.py); resid -> y + the post-mix
+    x_ops, coef_op = add_collapse(prog, site, site.blocks(), "input_norm", label="kda.") if site else ([], None)
     # the recurrent caches: read and written in place every step
     prog.buffer("conv_state", (cfg.batch, 3 * C, cfg.conv_kernel - 1), "bf16", "input")
     prog.buffer("state", (cfg.batch, cfg.heads, cfg.head_dim, cfg.head_dim), cfg.state_dtype, "input")
@@ -132,14 +157,15 @@ def build_program(cfg: KDALayerConfig) -> Program:
     if not cfg.output_gate_full_rank:
         prog.buffer("g_a", (M, r), "bf16")
     prog.buffer("o", (M, C), "bf16")
-    prog.buffer("resid", (M, D), "fp32", "output")
+    prog.buffer("y" if site else "resid", (M, D), "bf16" if site else "fp32", "scratch" if site else "output")
 
     def gemv(n, k, **kw):
         return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), 0, cfg.num_sms)
 
-    def from_x(n, w, y, waits=(), label=""):
-        blk = gemv_block(GemvConfig(n=n, k=D, m=M, norm=True, norm_eps=cfg.eps), cfg.x_gemv_rows, cfg.num_sms)
-        return prog.op(blk, {"w": w, "x": "x", "norm_weight": "input_norm", "y": y}, waits=waits, label=label)
+    def from_x(n, w, y, label=""):
+        blk = gemv_block(GemvConfig(n=n, k=D, m=M, norm=not site, norm_eps=cfg.eps), cfg.x_gemv_rows, cfg.num_sms)
+        norm = {} if site else {"norm_weight": "input_norm"}
+        return prog.op(blk, {"w": w, "x": "x", **norm, "y": y}, waits=x_ops, label=label)
 
     qkv = from_x(3 * C, "w_qkv", "qkv", label="kda.qkv")
     bf_a = from_x(P, "w_bf_a", "bf_a", label="kda.beta_f_a")
@@ -152,8 +178,12 @@ def build_program(cfg: KDALayerConfig) -> Program:
     core = prog.op(kda, {"qkv": "qkv", "conv_state": "conv_state", "conv_w": "conv_w", "g": "g", "dt_bias": "dt_bias",
                          "a_log": "a_log", "beta": "bf_a", "state": "state", "out_gate": "gate", "norm_w": "o_norm",
                          "o": "o"}, waits=[g, gate], label="kda.core")
-    prog.op(gemv(D, C, out_dtype="fp32", residual="bf16"), {"w": "w_o", "x": "o", "res": "x", "y": "resid"},
-            waits=[core], label="kda.o_proj")
+    if not site:
+        prog.op(gemv(D, C, out_dtype="fp32", residual="bf16"), {"w": "w_o", "x": "o", "res": "x", "y": "resid"},
+                waits=[core], label="kda.o_proj")
+        return prog
+    o_proj = prog.op(gemv(D, C), {"w": "w_o", "x": "o", "y": "y"}, waits=[core], label="kda.o_proj")
+    add_post(prog, site.blocks(), "y", [o_proj, coef_op], label="kda.")
     return prog
 
 
@@ -180,23 +210,32 @@ def make_weights(cfg: KDALayerConfig, seed: int = 0, device="cpu") -> dict[str, 
     w["a_log"] = torch.empty(H, device=device).uniform_(1, 16, generator=g).log()
     w["input_norm"] = (1 + 0.1 * torch.randn(cfg.hidden, generator=g, device=device)).to(torch.bfloat16)
     w["o_norm"] = (1 + 0.1 * torch.randn(cfg.head_dim, generator=g, device=device)).to(torch.bfloat16)
+    if cfg.site:            # the input norm fp32 (bf16 values: the model's), the site's mix weights
+        w["input_norm"] = w["input_norm"].float()
+        w.update(site_weights(cfg.site, g, device))
     return w
 
 
-def make_inputs(cfg: KDALayerConfig, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
-    """x and the two caches (random: a sequence some steps in)."""
+def make_inputs(cfg: KDALayerConfig, seed: int = 0, device="cpu", hc_fn=None) -> dict[str, torch.Tensor]:
+    """x and the two caches (random: a sequence some steps in); mHC: the streams instead of x, with
+    this site's partials of them (`hc_fn`: mhc_site.site_fn) - mhc_site.site_inputs."""
     g = torch.Generator(device=device).manual_seed(seed)
     B, C, H, K = cfg.batch, cfg.channels, cfg.heads, cfg.head_dim
     sdt = torch.float32 if cfg.state_dtype == "fp32" else torch.bfloat16
-    return {"x": torch.randn(cfg.tokens_total, cfg.hidden, generator=g, device=device).to(torch.bfloat16),
-            "conv_state": torch.randn(B, 3 * C, cfg.conv_kernel - 1, generator=g, device=device).to(torch.bfloat16),
-            "state": (0.1 * torch.randn(B, H, K, K, generator=g, device=device)).to(sdt)}
+    out = {"x": torch.randn(cfg.tokens_total, cfg.hidden, generator=g, device=device).to(torch.bfloat16),
+           "conv_state": torch.randn(B, 3 * C, cfg.conv_kernel - 1, generator=g, device=device).to(torch.bfloat16),
+           "state": (0.1 * torch.randn(B, H, K, K, generator=g, device=device)).to(sdt)}
+    if cfg.site:
+        del out["x"]
+        out.update(site_inputs(cfg.site, g, hc_fn, device))
+    return out
 
 
-def reference(cfg: KDALayerConfig, weights: dict, inputs: dict) -> dict[str, torch.Tensor]:
+def reference(cfg: KDALayerConfig, weights: dict, inputs: dict, hc_fn=None) -> dict[str, torch.Tensor]:
     """{resid [M, D] fp32, conv_state, state [B, H, K, K] fp32}: x + KDAReference.forward(bf16(
     rmsnorm(x) * input_norm)) with the checkpoint's weights in bf16 (the model's dtype; the conv
-    in the conv weight's), the caches updated as the model updates them."""
+    in the conv weight's), the caches updated as the model updates them. mHC: {streams, coef,
+    part_next, caches} - the model's residual around it (mhc_site.reference, this site's fn `hc_fn`)."""
     from ..reference.common import rms_norm
     from ..reference.kda import KDAReference
     C, H, r = cfg.channels, cfg.heads, cfg.rank
@@ -213,9 +252,14 @@ def reference(cfg: KDALayerConfig, weights: dict, inputs: dict) -> dict[str, tor
         hf.update({"g_a_proj.weight": w["w_g_a"][:r], "g_b_proj.weight": w["w_g_b"][:, :r]})
     model = SimpleNamespace(norm_eps=cfg.eps, hidden_size=cfg.hidden)
     ref = KDAReference(model, SimpleNamespace(attention=cfg.spec), hf)
-    x = inputs["x"].float()
-    h = rms_norm(x, w["input_norm"].float(), cfg.eps).to(torch.bfloat16)
     cache = {"conv": inputs["conv_state"].clone(), "state": inputs["state"].float().clone()}
-    out = ref.forward(h.view(cfg.batch, cfg.tokens, cfg.hidden), cache, None)
-    return {"resid": x + out.float().reshape(cfg.tokens_total, cfg.hidden), "conv_state": cache["conv"],
-            "state": cache["state"]}
+    B, T, D = cfg.batch, cfg.tokens, cfg.hidden
+    if cfg.site:
+        res = site_reference(cfg.site, w, inputs, hc_fn, w["input_norm"],
+                             lambda h: ref.forward(h.view(B, T, D), cache, None).reshape(B * T, D))
+    else:
+        x = inputs["x"].float()
+        h = rms_norm(x, w["input_norm"].float(), cfg.eps).to(torch.bfloat16)
+        out = ref.forward(h.view(B, T, D), cache, None)
+        res = {"resid": x + out.float().reshape(cfg.tokens_total, cfg.hidden)}
+    return {**res, "conv_state": cache["conv"], "state": cache["state"]}

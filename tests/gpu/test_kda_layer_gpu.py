@@ -28,3 +28,22 @@ def test_kda_sublayer_one_launch(model, batch, tokens):
     check_launches(rt.tensors, lambda launch: rt.run(),
                    lambda launch: make_inputs(cfg, seed=seed + 1 + launch, device="cuda"),
                    lambda inp: reference(cfg, w, inp), ("state", "conv_state"), rel_err, what=f"seed {seed}, ")
+
+
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (8, 2), (32, 2)])
+def test_kda_sublayer_in_mhc_one_launch(batch, tokens):
+    """GLM-5.3's KDA sublayer in its mHC residual (KDALayerConfig.mhc="v4", mhc_site.py): the
+    streams in and out, this site's coefficients and the next site's partials compared too."""
+    need_gpu()
+    from sdk.megakernel.kda_layer import KDALayerConfig, build_program, make_inputs, make_weights, reference
+    from sdk.megakernel.mhc_site import site_fn
+    seed = clock_seed()
+    cfg = KDALayerConfig(batch=batch, tokens=tokens, mhc="v4", **SHARDS["glm53_tp8"])
+    w = make_weights(cfg, seed=seed, device="cuda")
+    fn = site_fn(cfg.site, seed=seed + 7, device="cuda")
+    rt = program_runtime(build_program(cfg), w)
+    check_launches(rt.tensors, lambda launch: rt.run(),
+                   lambda launch: make_inputs(cfg, seed=seed + 1 + launch, device="cuda", hc_fn=fn),
+                   lambda inp: reference(cfg, w, inp, hc_fn=fn), ("state", "conv_state"), rel_err,
+                   what=f"seed {seed}, ", out=("streams", "streams"), outputs=("coef", "part_next"),
+                   poison=("coef", "part_next", "x", "y"))

@@ -15,7 +15,9 @@
 # after this site's coefficients) and V4.1's lagged "v41" (the collapse its own op, the coefficients
 # beside the sublayer) - with timelines at batch 1: what the mHC ends cost, and whether the lag
 # takes the coefficients off the sublayer's path. Its tests (test_dsv4_sublayer_in_mhc_one_launch,
-# the lagged cases of test_mhc_two_sites_one_launch) run in part 1's suite.
+# the lagged cases of test_mhc_two_sites_one_launch) run in part 1's suite. Then the whole V4.1
+# decoder layer in one launch (bench/layer_bench.py: HCA / CSA attention + MoE, each in its lagged
+# mHC site) against the same two programs launched one after the other, PyTorch and the floor.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -27,8 +29,8 @@ export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-575} TESTS
 if [ "${1:-1}" = 2 ]; then
   M='--match "sublayer hca B=1 ctx=32768$" --match "sublayer hca B=8 ctx=32768$"'
   export BENCH_ARGS_dsv4="$M" BENCH_ARGS_dsv4_v4="$M --set mhc=v4" BENCH_ARGS_dsv4_v41="$M --set mhc=v41,q_head_norm=0"
-  export BENCH_S_dsv4=95 BENCH_S_dsv4_v4=95 BENCH_S_dsv4_v41=95
-  bash bench/device_all.sh bench:dsv4 bench:dsv4@v4 bench:dsv4@v41
+  export BENCH_S_dsv4=90 BENCH_S_dsv4_v4=90 BENCH_S_dsv4_v41=90 BENCH_S_layer=240
+  DEVICE_ALL_S=575 bash bench/device_all.sh bench:dsv4 bench:dsv4@v4 bench:dsv4@v41 bench:layer
   exit
 fi
 

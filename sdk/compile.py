@@ -108,9 +108,15 @@ def sublayer_megakernel_cases():
     # HCA as V4.1 runs it: its lagged mHC residual around it, queries without the head norm, fp8 / fp4 caches
     v41 = DSV4LayerConfig(mode="hca", ratio=128, mhc="v41", q_head_norm=False, window_dtype="fp8_e4m3",
                           comp_dtype="fp4_e2m1", **tp8)
+    # the whole V4.1 decoder layer in one launch: that sublayer joined with the MoE layer (EP8 shard)
+    from .megakernel import moe_layer
+    from .megakernel.mhc_layer import join
+    layer = join(build_program(v41), moe_layer.build_program(
+        moe_layer.preset("deepseek_v41_flash", 1, expert_dtype="mxfp4", mhc="v41")))
     return [("megakernel dsv4 hca sublayer (V4.1 TP8, 16K)", build_program(hca)),
             ("megakernel dsv4 csa sublayer, V4.1 cache formats (TP8, 16K, B=8)", build_program(csa)),
-            ("megakernel dsv4 hca sublayer in V4.1's lagged mHC, V4.1 formats (TP8, 16K)", build_program(v41))]
+            ("megakernel dsv4 hca sublayer in V4.1's lagged mHC, V4.1 formats (TP8, 16K)", build_program(v41)),
+            ("megakernel V4.1 decoder layer: that sublayer + the MoE (EP8 shard), one launch", layer)]
 
 
 def time_case(res: dict, name: str, build) -> None:

@@ -65,7 +65,8 @@ def _dsv4_block_cases():
     from .blocks.dsv4_compress import dsv4_compress_compile_cases   # HCA / CSA / indexer compressors
     from .blocks.dsv4_prologue import dsv4_index_q_compile_cases, dsv4_prologue_compile_cases   # norms + RoPE
     from .blocks.mhc import mhc_compile_cases               # mHC mix / pre / post, V4.1-Flash and GLM-5.3
-    return mhc_compile_cases() + dsv4_compile_cases() + dsv4_compress_compile_cases() \
+    from .blocks.embed import embed_compile_cases           # the embedding onto the streams
+    return mhc_compile_cases() + embed_compile_cases() + dsv4_compile_cases() + dsv4_compress_compile_cases() \
         + dsv4_prologue_compile_cases() + dsv4_index_q_compile_cases()
 
 

@@ -20,11 +20,12 @@ def builtin_blocks() -> list[type]:
     from .dsv4_prologue import DSV4IndexQBlock, DSV4PrologueBlock
     from .indexer import IndexScoreBlock, TopKBlock
     from .ep import EPCombineBlock, EPDispatchBlock, EPTableBlock
+    from .embed import EmbedStreamsBlock
     return [RMSNormBlock, GemvBlock, KDABlock, RouterSelectBlock, ExpertsBlock,
             MLADecodeBlock, MLACombineBlock, MLAHeadProjBlock, MLARopeAppendBlock, MHCMixBlock, MHCPreBlock, MHCPostBlock,
             DSV4DecodeBlock, DSV4CombineBlock, DSV4RingWriteBlock, DSV4CompressBlock, DSV4CompressNormBlock, DSV4PrologueBlock,
             DSV4IndexQBlock,
-            IndexScoreBlock, TopKBlock, EPDispatchBlock, EPTableBlock, EPCombineBlock]
+            IndexScoreBlock, TopKBlock, EPDispatchBlock, EPTableBlock, EPCombineBlock, EmbedStreamsBlock]
 
 
 __all__ = ["Block", "Cost", "OperandSpec", "NUM_THREADS", "builtin_blocks"]

@@ -73,6 +73,7 @@ class KDALayerConfig:
     hc_iters: int = 20
     hc_eps: float = 1e-6
     hc_d_slice: int = 128
+    hc_last: bool = False                # mHC: the model's last site (no next site's partials)
 
     @property
     def site(self):
@@ -82,7 +83,7 @@ class KDALayerConfig:
         if self.mhc and self.mhc not in KINDS:
             raise UnsupportedConfigError(f"KDA layer: mhc {self.mhc!r} (supported: '', {', '.join(KINDS)})")
         return MHCSite(self.mhc, self.hidden, self.tokens_total, self.hc_mult, self.hc_iters, self.hc_eps, self.eps,
-                       self.hc_d_slice) if self.mhc else None
+                       self.hc_d_slice, self.hc_last) if self.mhc else None
 
     @property
     def rank(self) -> int:

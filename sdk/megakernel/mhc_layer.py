@@ -33,44 +33,67 @@ def op_waits(prog: Program) -> list[list[int]]:
     return out
 
 
+def site_names(k: int, count: int, prefixes) -> "callable":
+    """Maps site k's (of `count` chained) program buffer names to the chained program's: the
+    chain's ends keep their names (streams; the first site's part / carried; the last's coef /
+    part_next), site k's coef is site k+1's carried and its part_next site k+1's part (under
+    their prefixes), everything else is prefixed."""
+    p = prefixes[k]
+    ends = {"streams": "streams"}
+    ends.update({"part": "part", "carried": "carried"} if k == 0 else
+                {"part": p + "part", "carried": prefixes[k - 1] + "coef"})
+    ends.update({"coef": "coef", "part_next": "part_next"} if k == count - 1 else
+                {"coef": p + "coef", "part_next": prefixes[k + 1] + "part"})
+    return lambda n: ends.get(n, p + n)
+
+
 def layer_names(prefixes=("attn.", "mlp.")):
     """(first, second): each maps a sublayer program's buffer name to the layer program's."""
-    p1, p2 = prefixes
-    ends1 = {"streams": "streams", "part": "part", "carried": "carried", "coef": p1 + "coef", "part_next": p2 + "part"}
-    ends2 = {"streams": "streams", "carried": p1 + "coef", "part": p2 + "part", "coef": "coef", "part_next": "part_next"}
-    return (lambda n: ends1.get(n, p1 + n)), (lambda n: ends2.get(n, p2 + n))
+    return site_names(0, 2, prefixes), site_names(1, 2, prefixes)
 
 
 def join(first: Program, second: Program, prefixes=("attn.", "mlp.")) -> Program:
     """The layer program of two mHC sublayer programs (module docstring)."""
-    p1, p2 = prefixes
-    name1, name2 = layer_names(prefixes)
-    links = {p1 + "coef", p2 + "part"}
-    for prog, names, which in ((first, name1, "first"), (second, name2, "second")):
-        missing = {"streams", "part", "coef", "part_next"} - set(prog.buffers)
+    return chain([first, second], prefixes)[0]
+
+
+def chain(progs: list, prefixes, prologue: Program | None = None) -> tuple[Program, int]:
+    """The program of mHC sublayer programs run one after the other (join's rule, site after
+    site), after `prologue`'s ops (its buffers keep their names; the first site's first ops wait
+    for its last op). Returns (program, the last site's post-mix op)."""
+    count = len(progs)
+    names = [site_names(k, count, prefixes) for k in range(count)]
+    links = {prefixes[k] + "coef" for k in range(count - 1)} | {prefixes[k] + "part" for k in range(1, count)}
+    for k, prog in enumerate(progs):
+        missing = {"streams", "part", "coef"} - set(prog.buffers)
         if missing:
-            raise ValueError(f"mhc_layer.join: the {which} program is not in an mHC site (no {sorted(missing)})")
+            raise ValueError(f"mhc_layer.chain: program {k} is not in an mHC site (no {sorted(missing)})")
     out = Program()
-    for prog, names in ((first, name1), (second, name2)):
+    for prog, name in ([(prologue, lambda n: n)] if prologue else []) + list(zip(progs, names)):
         for b in prog.buffers.values():
-            name = names(b.name)
-            if name in out.buffers:         # streams, the links: one buffer for both sides
-                have = out.buffers[name]
-                if name != "streams" and name not in links or (have.shape, have.dtype) != (b.shape, b.dtype):
-                    raise ValueError(f"mhc_layer.join: buffer {name!r} twice ({have.dtype}{list(have.shape)}, "
+            n = name(b.name)
+            if n in out.buffers:            # streams, the links: one buffer for both sides
+                have = out.buffers[n]
+                if n != "streams" and n not in links or (have.shape, have.dtype) != (b.shape, b.dtype):
+                    raise ValueError(f"mhc_layer.chain: buffer {n!r} twice ({have.dtype}{list(have.shape)}, "
                                      f"{b.dtype}{list(b.shape)})")
                 continue
-            out.buffer(name, b.shape, b.dtype, "scratch" if name in links else b.role)
-    post = None
-    for prog, names, prefix, after in ((first, name1, p1, False), (second, name2, p2, True)):
-        base = len(out.ops)
-        waits = op_waits(prog)
-        for i, op in enumerate(prog.ops):
-            w = [base + j for j in waits[i]]
-            if after and not w:
-                w = [post]
-            bind = {k: names(v) for k, v in op.bindings.items() if v is not None}
-            out.op(op.block, bind, waits=w, label=prefix + op.label)
-        if post is None:         # the first's post-mix: the op writing its part_next
-            post = base + next(i for i, op in enumerate(prog.ops) if op.bindings.get("part_next") == "part_next")
-    return out
+            out.buffer(n, b.shape, b.dtype, "scratch" if n in links else b.role)
+    last = _replay(out, prologue, lambda n: n, "", None)[1] if prologue else None
+    for prog, name, prefix in zip(progs, names, prefixes):
+        base, _ = _replay(out, prog, name, prefix, last)
+        # the site's post-mix: the op rewriting the streams, what the next site starts after
+        last = base + next(i for i, op in enumerate(prog.ops) if op.bindings.get("streams_out") == "streams")
+    return out, last
+
+
+def _replay(out: Program, prog: Program, name, prefix: str, after: int | None) -> tuple[int, int]:
+    """prog's ops appended to `out` (bindings renamed, waits kept; ops waiting for nothing wait
+    for `after`). Returns (index of its first op in out, of its last)."""
+    base = len(out.ops)
+    waits = op_waits(prog)
+    for i, op in enumerate(prog.ops):
+        w = [base + j for j in waits[i]] or ([after] if after is not None else [])
+        out.op(op.block, {k: name(v) for k, v in op.bindings.items() if v is not None}, waits=w,
+               label=prefix + op.label)
+    return base, len(out.ops) - 1

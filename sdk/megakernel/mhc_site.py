@@ -37,6 +37,8 @@ class MHCSite:
     hc_eps: float = 1e-6
     norm_eps: float = 1e-6       # the mix's RMSNorm and the sublayer's norm (the model's norm_eps)
     d_slice: int = 128           # D columns per post-mix tile
+    last: bool = False           # the model's last site: no next site (its post-mix computes no
+                                 # partials: no hc_fn_next, no part_next; the head collapses with coef)
 
     @property
     def slices(self) -> int:
@@ -54,7 +56,7 @@ class MHCSite:
         common = dict(d=self.hidden, n=self.hc_mult, m=self.tokens, stream_dtype="bf16")
         pre = dict(common, slices=self.slices, iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps,
                    out_eps=self.norm_eps, out_dtype="bf16")
-        post = MHCPostBlock(MHCPostConfig(**common, d_slice=self.d_slice, next_rows=self.rows,
+        post = MHCPostBlock(MHCPostConfig(**common, d_slice=self.d_slice, next_rows=0 if self.last else self.rows,
                                           round_coef=self.kind == "v4"))
         if self.kind == "v4":
             return {"hc_pre": MHCPreBlock(MHCPreConfig(**pre)), "hc_post": post}
@@ -63,8 +65,10 @@ class MHCSite:
 
     def weight_shapes(self) -> dict:
         """This site's mix bias / scales and the NEXT site's fn (the post's partials)."""
-        return {"hc_base": ((self.rows,), "fp32"), "hc_scale": ((3,), "fp32"),
-                "hc_fn_next": ((self.rows, self.hc_mult * self.hidden), "fp32")}
+        out = {"hc_base": ((self.rows,), "fp32"), "hc_scale": ((3,), "fp32")}
+        if not self.last:
+            out["hc_fn_next"] = ((self.rows, self.hc_mult * self.hidden), "fp32")
+        return out
 
     def buffer_shapes(self) -> dict:
         """name -> (shape, dtype, role): what a call reads beside the weights and what it writes."""
@@ -73,7 +77,9 @@ class MHCSite:
                "part": ((self.slices, M, R + 1), "fp32", "input")}
         if self.kind == "v41":
             out["carried"] = ((M, R), "fp32", "input")
-        out.update({"coef": ((M, R), "fp32", "output"), "part_next": ((self.slices, M, R + 1), "fp32", "output")})
+        out["coef"] = ((M, R), "fp32", "output")
+        if not self.last:
+            out["part_next"] = ((self.slices, M, R + 1), "fp32", "output")
         return out
 
 
@@ -95,18 +101,21 @@ def add_collapse(prog, site: MHCSite, b: dict, norm_weight: str, x: str = "x", l
 
 
 def add_post(prog, b: dict, y: str, waits: list, label: str = "") -> int:
-    """The streams' update from the sublayer's output `y`, fused with the next site's partials;
-    `waits`: the op writing y and the one writing coef (the streams' last readers)."""
-    return prog.op(b["hc_post"], {"streams": "streams", "y": y, "coef": "coef", "fn_next": "hc_fn_next",
-                                  "streams_out": "streams", "part_next": "part_next"}, waits=waits,
-                   label=label + "hc_post")
+    """The streams' update from the sublayer's output `y`, fused with the next site's partials
+    (but at the last site); `waits`: the op writing y and the one writing coef (the streams' last
+    readers)."""
+    nxt = {"fn_next": "hc_fn_next", "part_next": "part_next"} if b["hc_post"].config.next_rows else {}
+    return prog.op(b["hc_post"], {"streams": "streams", "y": y, "coef": "coef", "streams_out": "streams", **nxt},
+                   waits=waits, label=label + "hc_post")
 
 
 def site_weights(site: MHCSite, g: torch.Generator, device="cpu") -> dict:
     """Random hc_base / hc_scale / hc_fn_next (the scales of tests/test_mhc_block.py)."""
     r = lambda *s: torch.randn(*s, generator=g, device=device)
-    return {"hc_base": 0.5 * r(site.rows), "hc_scale": 1 + 0.3 * r(3),
-            "hc_fn_next": r(site.rows, site.hc_mult * site.hidden) * (site.hc_mult * site.hidden) ** -0.5}
+    out = {"hc_base": 0.5 * r(site.rows), "hc_scale": 1 + 0.3 * r(3)}
+    if not site.last:
+        out["hc_fn_next"] = r(site.rows, site.hc_mult * site.hidden) * (site.hc_mult * site.hidden) ** -0.5
+    return out
 
 
 def site_fn(site: MHCSite, seed: int = 0, device="cpu") -> torch.Tensor:
@@ -156,6 +165,8 @@ def reference(site: MHCSite, weights: dict, inputs: dict, hc_fn: torch.Tensor, n
     norm = norm_weight.to(torch.bfloat16)
     new = mres.around(0, "attn", streams, lambda y: sublayer(rms_norm(y[:, 0], norm, site.norm_eps))[:, None])
     new = new.reshape(M, n, D)
-    return {"streams": new, "coef": torch.cat([pre, post, comb.flatten(-2)], -1).reshape(M, -1),
-            "part_next": torch.stack([slice_partials(new, w["hc_fn_next"], n, D, s * ds, (s + 1) * ds)
-                                      for s in range(site.slices)])}
+    out = {"streams": new, "coef": torch.cat([pre, post, comb.flatten(-2)], -1).reshape(M, -1)}
+    if not site.last:
+        out["part_next"] = torch.stack([slice_partials(new, w["hc_fn_next"], n, D, s * ds, (s + 1) * ds)
+                                        for s in range(site.slices)])
+    return out

@@ -117,7 +117,15 @@ def sublayer_megakernel_cases():
     return [("megakernel dsv4 hca sublayer (V4.1 TP8, 16K)", build_program(hca)),
             ("megakernel dsv4 csa sublayer, V4.1 cache formats (TP8, 16K, B=8)", build_program(csa)),
             ("megakernel dsv4 hca sublayer in V4.1's lagged mHC, V4.1 formats (TP8, 16K)", build_program(v41)),
-            ("megakernel V4.1 decoder layer: that sublayer + the MoE (EP8 shard), one launch", layer)]
+            ("megakernel V4.1 decoder layer: that sublayer + the MoE (EP8 shard), one launch", layer),
+            ("megakernel V4.1 whole model (small_v41: 4 layers, embedding to logits), B=8", _small_v41_model())]
+
+
+def _small_v41_model():
+    from . import plugins
+    from .megakernel.dsv4_model import DSV4ModelConfig, build_program
+    return build_program(DSV4ModelConfig(plugins.get_model("deepseek_v41_flash").spec("small_v41"), batch=8,
+                                         max_seq_len=256))
 
 
 def time_case(res: dict, name: str, build) -> None:

@@ -9,7 +9,7 @@ import copy
 from sdk import ModelEntry, Sharding, hookimpl
 from sdk.spec import QuantSpec
 
-from .config import FULL, TINY, V41_SWITCH, hf_config, spec_from_config
+from .config import FULL, SMALL, TINY, V41_SWITCH, hf_config, spec_from_config
 from .weights import load_weights
 
 ENTRY = ModelEntry(
@@ -20,6 +20,8 @@ ENTRY = ModelEntry(
     configs={"tiny": lambda: copy.deepcopy(TINY), "full": lambda: copy.deepcopy(FULL),
              # V4.1's math where it differs from transformers' deepseek_v4 (config.with_v41_features)
              "tiny_v41": lambda: {**copy.deepcopy(TINY), V41_SWITCH: True},
+             # in the device blocks' shapes: the whole-model program (sdk/megakernel/dsv4_model.py)
+             "small_v41": lambda: {**copy.deepcopy(SMALL), V41_SWITCH: True},
              "full_v41": lambda: {**copy.deepcopy(FULL), V41_SWITCH: True}},
     hf_config=hf_config,
     hf_causal_lm="transformers.DeepseekV4ForCausalLM",

@@ -65,6 +65,13 @@ TINY = {
     "tie_word_embeddings": False,
 }
 
+# Small, and in the device blocks' shapes (hidden a multiple of 1024, head_dim 512, one o_a group):
+# the whole-model program (sdk/megakernel/dsv4_model.py) runs it on the PyVM and the GPU
+SMALL = {**TINY, "vocab_size": 512, "hidden_size": 1024, "num_attention_heads": 2, "head_dim": 512,
+         "partial_rotary_factor": 64 / 512, "q_lora_rank": 256, "o_groups": 1, "o_lora_rank": 256,
+         "index_n_heads": 8, "index_head_dim": 64, "n_routed_experts": 64, "num_experts_per_tok": 6,
+         "moe_intermediate_size": 256}
+
 # DeepSeek-V4.1-Flash. C = stated in MODEL-FACTS.md (source tag), V4 = DeepseekV4Config default
 # (transformers 5.24, [T3]) assumed unchanged in V4.1, A = other assumption.
 FULL = {

@@ -69,6 +69,8 @@ def chain(progs: list, prefixes, prologue: Program | None = None) -> tuple[Progr
         if missing:
             raise ValueError(f"mhc_layer.chain: program {k} is not in an mHC site (no {sorted(missing)})")
     out = Program()
+    # the prologue may produce the first site's inputs (streams, part, carried): its definitions stand
+    links |= set(prologue.buffers) & {"part", "carried"} if prologue else set()
     for prog, name in ([(prologue, lambda n: n)] if prologue else []) + list(zip(progs, names)):
         for b in prog.buffers.values():
             n = name(b.name)
@@ -78,7 +80,7 @@ def chain(progs: list, prefixes, prologue: Program | None = None) -> tuple[Progr
                     raise ValueError(f"mhc_layer.chain: buffer {n!r} twice ({have.dtype}{list(have.shape)}, "
                                      f"{b.dtype}{list(b.shape)})")
                 continue
-            out.buffer(n, b.shape, b.dtype, "scratch" if n in links else b.role)
+            out.buffer(n, b.shape, b.dtype, "scratch" if n in links and prog is not prologue else b.role)
     last = _replay(out, prologue, lambda n: n, "", None)[1] if prologue else None
     for prog, name, prefix in zip(progs, names, prefixes):
         base, _ = _replay(out, prog, name, prefix, last)

@@ -1,0 +1,290 @@
+"""A whole DeepSeek-V4.1 decode step in ONE megakernel launch: every layer of the model on one GPU
+(its own shard: the spec's heads and experts as they are), from the token ids to the logits.
+
+    ids -> EmbedStreamsBlock (the embedding on the N mHC streams) -> MHCMixBlock (the first site's
+           partials: layer 0's attention fn)
+        -> per layer: the attention sublayer (sdk/megakernel/dsv4_layer.py) and the MoE layer
+           (moe_layer.py), each in V4.1's lagged mHC site (mhc_site.py), chained site after site
+           (mhc_layer.chain: a site's coef is the next one's carried pre, its post-mix computes
+           the next site's mix partials)
+        -> the head: the streams' collapse with the last site's pre ("carried") and the final
+           norm (MHCPreBlock kind "carried") -> logits = h @ lm_head^T (fp32, a GEMV)
+
+Every op waits only for what it reads, so each layer's weights stream through the ring while the
+layers before it compute. The caches (sliding-window rings, compressor states, compressed
+entries, indexer keys) are the program's buffers, updated in place step after step.
+
+`DSV4ModelConfig.layers()` derives each sublayer's config from the ModelSpec; `program_weights`
+maps the model's canonical weights (sdk/reference) to the program's names; `DSV4ModelRunner`
+feeds each step (ids, positions, the host's RoPE tables) and runs it on the PyVM (CPU: the blocks'
+torch twins) or the GPU (MegakernelRuntime).
+
+Supported: V4.1's residual (ResidualSpec lagged_pre with the "carried" head: the configs
+"tiny_v41" / "full_v41" switch it on), o_groups = 1 per GPU (the attention programs hold one
+o_a group), the limits of each block (hidden a multiple of 1024, batch x tokens <= 64, ...).
+One token per sequence a step. Not: V4's unlagged residual with the weighted head, tensor /
+expert parallelism across GPUs (the all-reduce and EP programs are separate), Engram.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..blocks.embed import EmbedStreamsBlock, EmbedStreamsConfig
+from ..blocks.gemv import GemvConfig
+from ..blocks.mhc import MHCMixBlock, MHCMixConfig, MHCPreBlock, MHCPreConfig, first_site_carry, mix_rows
+from ..errors import CapacityError, UnsupportedConfigError
+from ..spec import ModelSpec
+from . import dsv4_layer, moe_layer
+from .mhc_layer import chain
+from .mlp_stack import gemv_block
+from .program import Program
+
+
+@dataclass(frozen=True)
+class DSV4ModelConfig:
+    spec: ModelSpec
+    batch: int = 1
+    max_seq_len: int = 64
+    expert_dtype: str = "bf16"           # the routed experts' format ("bf16" = the model's weights)
+    num_sms: int = 132
+
+    def check(self):
+        r = self.spec.residual
+        if r.kind != "mhc" or not r.lagged_pre or r.head != "carried":
+            raise UnsupportedConfigError(
+                f"DSV4 model program: V4.1's lagged mHC residual with the carried head (configs tiny_v41 / "
+                f"full_v41); got {r}")
+        for l in self.spec.layers:
+            if l.attention.o_groups != 1:
+                raise UnsupportedConfigError(f"DSV4 model program: layer {l.index} has o_groups="
+                                             f"{l.attention.o_groups}; the attention program holds one o_a group")
+
+    def layers(self) -> list[tuple]:
+        """(DSV4LayerConfig, MoELayerConfig) per layer, in V4.1's mHC sites (the last one last)."""
+        self.check()
+        s, r = self.spec, self.spec.residual
+        hc = dict(mhc="v41", hc_mult=r.hc_mult, hc_iters=r.sinkhorn_iters, hc_eps=r.eps)
+        out = []
+        for l in s.layers:
+            a, m = l.attention, l.mlp
+            mode = "swa" if not a.compress_ratio else ("csa" if a.indexer else "hca")
+            ix = a.indexer
+            attn = dsv4_layer.DSV4LayerConfig(
+                heads=a.num_heads, mode=mode, batch=self.batch, tokens=1, hidden=s.hidden_size, head_dim=a.head_dim,
+                q_rank=a.q_lora_rank, o_rank=a.o_lora_rank, rope=a.rope_dim, window=a.sliding_window,
+                ratio=a.compress_ratio or 128, max_seq_len=self.max_seq_len, rope_theta=a.rope.theta,
+                compress_rope_theta=a.compress_rope.theta, eps=s.norm_eps, num_sms=self.num_sms,
+                q_head_norm=a.q_head_norm, **(dict(index_heads=ix.num_heads, index_head_dim=ix.head_dim,
+                                                   index_topk=ix.topk) if ix else {}), **hc)
+            moe = moe_layer.MoELayerConfig(
+                hidden=s.hidden_size, num_experts=m.num_experts, top_k=m.top_k, intermediate=m.expert_intermediate_size,
+                shared_intermediate=m.shared_intermediate_size if m.num_shared_experts else 0, scoring=m.scoring,
+                correction_bias=m.correction_bias, n_group=m.n_group, topk_group=m.topk_group,
+                norm_topk_prob=m.norm_topk_prob, routed_scaling_factor=m.routed_scaling_factor,
+                hash_routed=m.hash_routed, vocab=s.vocab_size if m.hash_routed else 0, swiglu_limit=m.swiglu_limit,
+                activation=m.activation, situ_beta=m.situ_beta, situ_linear_beta=m.situ_linear_beta,
+                batch=self.batch, expert_dtype=self.expert_dtype, router_dtype="bf16", num_sms=self.num_sms,
+                norm_eps=s.norm_eps, hc_last=l.index == len(s.layers) - 1, **hc)
+            out.append((attn, moe))
+        return out
+
+    def prefixes(self) -> list[str]:
+        return [f"l{i}.{site}." for i in range(len(self.spec.layers)) for site in ("attn", "mlp")]
+
+
+def build_program(cfg: DSV4ModelConfig) -> Program:
+    s, B = cfg.spec, cfg.batch
+    D, N, V = s.hidden_size, s.residual.hc_mult, s.vocab_size
+    site = cfg.layers()[0][0].site
+    pro = Program()                      # the prologue: ids -> streams, the first site's partials
+    pro.buffer("ids", (B,), "int32", "input")
+    pro.buffer("embed", (V, D), "bf16", "weight")
+    pro.buffer("hc_fn_first", (mix_rows(N), N * D), "fp32", "weight")
+    pro.buffer("streams", (B, N, D), "bf16")
+    pro.buffer("part", (site.slices, B, mix_rows(N) + 1), "fp32")
+    emb = pro.op(EmbedStreamsBlock(EmbedStreamsConfig(vocab=V, d=D, n=N, m=B)),
+                 {"ids": "ids", "table": "embed", "streams": "streams"}, label="embed")
+    pro.op(MHCMixBlock(MHCMixConfig(d=D, n=N, m=B, rows=mix_rows(N), d_slice=site.d_slice, stream_dtype="bf16")),
+           {"streams": "streams", "fn": "hc_fn_first", "part": "part"}, waits=[emb], label="hc_mix_first")
+    sub = []
+    for attn, moe in cfg.layers():
+        sub += [dsv4_layer.build_program(attn), moe_layer.build_program(moe)]
+    prog, last = chain(sub, cfg.prefixes(), prologue=pro)
+    prog.buffer("head_norm", (D,), "fp32", "weight")
+    prog.buffer("lm_head", (V, D), "bf16", "weight")
+    prog.buffer("h", (B, D), "bf16")
+    prog.buffer("logits", (B, V), "fp32", "output")
+    head = prog.op(MHCPreBlock(MHCPreConfig(d=D, n=N, m=B, kind="carried", stream_dtype="bf16", out_dtype="bf16",
+                                            out_eps=s.norm_eps)),
+                   {"streams": "streams", "carried": "coef", "norm_weight": "head_norm", "out": "h"}, waits=[last],
+                   label="head")
+    prog.op(gemv_block(GemvConfig(n=V, k=D, m=B, out_dtype="fp32"), 0, cfg.num_sms),
+            {"w": "lm_head", "x": "h", "y": "logits"}, waits=[head], label="lm_head")
+    return prog
+
+
+# the attention program's weights <- the model's (under layers.{i}.attn.)
+ATTN_WEIGHTS = {"w_q_a": "q_a_proj.weight", "q_a_norm": "q_a_norm.weight", "w_q_b": "q_b_proj.weight",
+                "w_kv": "kv_proj.weight", "kv_norm": "kv_norm.weight", "sinks": "sinks", "w_o_a": "o_a_proj.weight",
+                "w_o_b": "o_b_proj.weight", "w_c_kv": "compressor.kv_proj.weight",
+                "w_c_gate": "compressor.gate_proj.weight", "c_position_bias": "compressor.position_bias",
+                "c_kv_norm": "compressor.kv_norm.weight", "w_i_kv": "indexer.kv_proj.weight",
+                "w_i_gate": "indexer.gate_proj.weight", "i_position_bias": "indexer.position_bias",
+                "i_kv_norm": "indexer.kv_norm.weight", "w_iq": "indexer.q_b_proj.weight",
+                "w_iw": "indexer.weights_proj.weight"}
+# the MoE program's weights <- the model's (under layers.{i}.mlp.)
+MOE_WEIGHTS = {"router.weight": "gate.weight", "router.bias": "gate.e_score_correction_bias",
+               "router.tid2eid": "gate.tid2eid", "experts.gate_up.weight": "experts.gate_up_proj",
+               "experts.down.weight": "experts.down_proj", "shared.gate.weight": "shared_experts.gate_proj.weight",
+               "shared.up.weight": "shared_experts.up_proj.weight", "shared.down.weight": "shared_experts.down_proj.weight"}
+
+
+def program_weights(cfg: DSV4ModelConfig, weights: dict, device="cpu") -> dict:
+    """The program's weights from the model's canonical ones (sdk/reference names), cast to the
+    program's dtypes (the bf16 experts only: quantised experts are not mapped yet)."""
+    from ..blocks.base import DTYPES
+    if cfg.expert_dtype != "bf16":
+        raise UnsupportedConfigError("DSV4 model program: mapping the model's weights to quantised experts "
+                                     f"({cfg.expert_dtype}) is not implemented; use expert_dtype='bf16'")
+    prog_buffers = build_program(cfg).buffers
+    n = len(cfg.spec.layers)
+    src = {"embed": "embed.weight", "hc_fn_first": "layers.0.hc_attn.fn", "head_norm": "norm.weight",
+           "lm_head": "embed.weight" if cfg.spec.tie_word_embeddings else "lm_head.weight"}
+    for i in range(n):
+        a, m = f"l{i}.attn.", f"l{i}.mlp."
+        src.update({a + k: f"layers.{i}.attn.{v}" for k, v in ATTN_WEIGHTS.items()})
+        src.update({m + k: f"layers.{i}.mlp.{v}" for k, v in MOE_WEIGHTS.items()})
+        src.update({a + "input_norm": f"layers.{i}.attn_norm.weight", a + "hc_base": f"layers.{i}.hc_attn.base",
+                    a + "hc_scale": f"layers.{i}.hc_attn.scale", a + "hc_fn_next": f"layers.{i}.hc_mlp.fn",
+                    m + "mlp_norm": f"layers.{i}.mlp_norm.weight", m + "hc_base": f"layers.{i}.hc_mlp.base",
+                    m + "hc_scale": f"layers.{i}.hc_mlp.scale", m + "hc_fn_next": f"layers.{i + 1}.hc_attn.fn"})
+    out = {}
+    for name, b in prog_buffers.items():
+        if b.role != "weight":
+            continue
+        if name not in src or src[name] not in weights:
+            raise UnsupportedConfigError(f"DSV4 model program: no model weight for the program's {name!r}")
+        t = weights[src[name]]
+        out[name] = t.to(device=device, dtype=DTYPES[b.dtype]).reshape(b.shape).contiguous()
+    return out
+
+
+class DSV4ModelRunner:
+    """Decode steps of the model program: `decode(ids [B])` -> logits [B, V] fp32, one launch a
+    step (the caches are the program's buffers, starting empty). device "cpu": the PyVM."""
+
+    def __init__(self, cfg: DSV4ModelConfig, weights: dict, device="cpu", seed: int | None = 0):
+        from .pyvm import PyVM
+        self.cfg, self.device, self.seed = cfg, torch.device(device), seed
+        self.prog = build_program(cfg)
+        w = program_weights(cfg, weights, device)
+        if self.device.type == "cpu":
+            self.vm, _ = PyVM.from_program(self.prog, 8, w)
+            self.tensors = self.vm.tensors
+        else:
+            from .runtime import program_runtime
+            self.rt = program_runtime(self.prog, w)
+            self.tensors = self.rt.tensors
+        N = cfg.spec.residual.hc_mult
+        self.tensors["carried"].copy_(first_site_carry(cfg.batch, N))     # the first site: stream 0 itself
+        self.lengths = torch.zeros(cfg.batch, dtype=torch.long)
+        self.steps = 0
+
+    def _tables(self) -> dict:
+        """The host's inputs of a step beside the ids: each attention layer's start and RoPE tables."""
+        from ..reference.dsv4_attention import Rope
+        out = {}
+        pos = self.lengths[:, None]
+        start = self.lengths.to(torch.int32)
+        for (attn, _), l, p in zip(self.cfg.layers(), self.cfg.spec.layers, self.cfg.prefixes()[::2]):
+            a = l.attention
+            out[p + "start"] = start
+            out[p + "cos"], out[p + "sin"] = Rope(a.rope).cos_sin(pos, torch.bfloat16)
+            if attn.compressed:
+                crope = Rope(a.compress_rope)
+                out[p + "c_cos"], out[p + "c_sin"] = crope.cos_sin(pos + 1 - attn.ratio, torch.bfloat16)
+                if attn.mode == "csa":
+                    out[p + "i_cos"], out[p + "i_sin"] = crope.cos_sin(pos, torch.bfloat16)
+        return out
+
+    def decode(self, ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        ids = ids.reshape(-1)
+        if ids.numel() != cfg.batch:
+            raise CapacityError(f"DSV4 model program: {ids.numel()} ids for the built batch {cfg.batch}")
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.spec.vocab_size:
+            raise ValueError(f"DSV4 model program: token ids outside the vocabulary [0, {cfg.spec.vocab_size})")
+        if int(self.lengths.max()) + 1 > cfg.max_seq_len:
+            raise CapacityError(f"DSV4 model program: sequence length over the built max_seq_len {cfg.max_seq_len}")
+        inputs = {"ids": ids.to(torch.int32), **self._tables()}
+        for i, (_, moe) in enumerate(cfg.layers()):
+            if moe.hash_routed:
+                inputs[f"l{i}.mlp.input_ids"] = ids.to(torch.int32)
+        for name, v in inputs.items():
+            self.tensors[name].copy_(v.to(self.tensors[name].device))
+        self.tensors["logits"].fill_(float("nan"))
+        if self.device.type == "cpu":
+            self.vm.step(seed=None if self.seed is None else self.seed + self.steps)
+        else:
+            self.rt.run()
+        self.lengths += 1
+        self.steps += 1
+        return self.tensors["logits"].clone()
+
+
+class DSV4MegakernelModel:
+    """The "megakernel" backend of build_megakernel for DeepSeek-V4.1 (the reference backend's
+    interface: load_weights / load_hf_state_dict, new_state, decode, generate, last_logits): one
+    launch of the whole-model program per decode step. device "cpu" runs the PyVM (slow: for
+    checking), "cuda" the GPU. A prompt is fed one token per step; ragged prompts are not (yet)."""
+
+    backend = "megakernel"
+
+    def __init__(self, entry, spec, *, device="cpu", dtype=torch.float32, max_seq_len=64, max_batch=64,
+                 expert_dtype="bf16"):
+        from ..reference.model import ReferenceModel
+        DSV4ModelConfig(spec, expert_dtype=expert_dtype).check()
+        self._ref = ReferenceModel(entry, spec, device="cpu", dtype=dtype, max_seq_len=max_seq_len,
+                                   max_batch=max_batch)
+        self._ref._build = lambda: None           # the weights only: the program runs the model
+        self.entry, self.spec, self.device = entry, spec, torch.device(device)
+        self.max_seq_len, self.max_batch, self.expert_dtype = max_seq_len, max_batch, expert_dtype
+        self.last_logits = None
+
+    @property
+    def weights(self):
+        return self._ref.weights
+
+    def load_hf_state_dict(self, state_dict) -> "DSV4MegakernelModel":
+        self._ref.load_hf_state_dict(state_dict)
+        return self
+
+    def load_weights(self, weights: dict) -> "DSV4MegakernelModel":
+        self._ref.load_weights(weights)
+        return self
+
+    def new_state(self, batch: int) -> DSV4ModelRunner:
+        if batch > self.max_batch:
+            raise CapacityError(f"batch {batch} is over the built max_batch {self.max_batch}")
+        self._ref._need_weights()
+        cfg = DSV4ModelConfig(self.spec, batch=batch, max_seq_len=self.max_seq_len, expert_dtype=self.expert_dtype)
+        return DSV4ModelRunner(cfg, self.weights, self.device)
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, state: DSV4ModelRunner) -> torch.Tensor:
+        """[B, T] ids -> logits [B, T, V]: T launches, one token of every sequence each."""
+        input_ids = torch.as_tensor(input_ids)
+        if input_ids.shape[0] != state.cfg.batch:
+            raise CapacityError(f"input batch {input_ids.shape[0]} does not match the state's batch {state.cfg.batch}")
+        return torch.stack([state.decode(input_ids[:, t].cpu()) for t in range(input_ids.shape[1])], dim=1)
+
+    def generate(self, input_ids, max_new_tokens: int, *, prompt_lens=None, eos_token_id=None, pad_token_id=0):
+        """Greedy decoding as the reference backend's (sdk/reference/model.py), prompts of one length."""
+        from ..reference.model import ReferenceModel
+        if prompt_lens is not None and len(set(int(n) for n in prompt_lens)) > 1:
+            raise UnsupportedConfigError("the megakernel backend feeds prompts one token a step for the whole "
+                                         "batch: ragged prompt_lens are not supported yet")
+        return ReferenceModel.generate(self, input_ids, max_new_tokens, prompt_lens=None,
+                                       eos_token_id=eos_token_id, pad_token_id=pad_token_id)

@@ -1,0 +1,34 @@
+"""A whole DeepSeek-V4.1 decode step in ONE megakernel launch on the GPU (sdk/megakernel/dsv4_model.py:
+the embedding, every layer's attention and MoE in V4.1's lagged mHC sites, the head and the logits)
+against the model itself (the reference backend, V4.1's math, on the GPU in bf16 on the same
+weights), step after step from empty caches; the logits NaN-poisoned before each launch.
+Run: `pytest -m gpu tests/gpu/test_dsv4_model_gpu.py`."""
+import pytest
+import torch
+
+from harness import clock_seed, need_gpu, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_v41_model_one_launch_a_step(batch):
+    need_gpu()
+    from test_dsv4_model import bf16_weights, small_model
+    from sdk.megakernel.dsv4_model import DSV4ModelConfig, DSV4ModelRunner
+    seed = clock_seed()
+    ref = small_model()
+    w = bf16_weights(ref.spec, seed=seed % 1000)
+    ref = ref.__class__(ref.entry, ref.spec, device="cuda", dtype=torch.bfloat16, max_seq_len=64, max_batch=8)
+    ref.load_weights({k: v.cuda() for k, v in w.items()})
+    runner = DSV4ModelRunner(DSV4ModelConfig(ref.spec, batch=batch, max_seq_len=64),
+                             {k: v.cuda() for k, v in w.items()}, device="cuda")
+    state = ref.new_state(batch)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(12):
+        ids = torch.randint(0, ref.spec.vocab_size, (batch,), generator=g)
+        want = ref.decode(ids[:, None].cuda(), state)[:, 0]
+        got = runner.decode(ids)
+        e = rel_err(got, want)
+        assert e < 3e-2, f"seed {seed}, step {step}: logits rel err {e:.3e}"
+    runner.rt.check()

@@ -1,0 +1,114 @@
+"""A whole DeepSeek-V4.1 decode step in one program (sdk/megakernel/dsv4_model.py), run by the PyVM
+(the blocks' torch twins in a random valid order), against the model itself: the reference backend
+(sdk/reference, V4.1's math: the lagged mHC, the carried head, queries without the head norm) on
+the same bf16 weights, step after step from empty caches, ragged batch positions shared.
+
+The layers here are a sliding-window and an HCA layer with hash-routed MoE: their outputs are
+continuous in the inputs (no top-k), so the program and the model - bf16 both, rounded in
+different places - stay comparable over many steps; the CSA indexer's and the learned router's
+selections are checked where the selection is pinned (tests/test_dsv4_layer.py, test_moe_blocks.py)."""
+import re
+
+import pytest
+import torch
+
+from sdk import build_megakernel
+from sdk.errors import CapacityError, UnsupportedConfigError
+from sdk.megakernel.dsv4_model import DSV4ModelConfig, DSV4ModelRunner, build_program
+from sdk.reference.model import random_weights
+
+# the model keeps these fp32 in a bf16 checkpoint (models/deepseek_v41_flash/weights.py)
+FP32 = re.compile(r"(\.hc_(attn|mlp)\.|\.attn\.sinks$|position_bias$|q_a_norm\.weight$|kv_norm\.weight$|"
+                  r"e_score_correction_bias$)")
+
+
+def small_model(layers=("sliding_attention", "heavily_compressed_attention"), mlp=("hash_moe", "hash_moe")):
+    from models.deepseek_v41_flash.config import SMALL, V41_SWITCH
+    config = {**SMALL, V41_SWITCH: True, "num_hidden_layers": len(layers), "layer_types": list(layers),
+              "mlp_layer_types": list(mlp)}
+    return build_megakernel("deepseek_v41_flash", config, dtype=torch.bfloat16, max_seq_len=64, max_batch=4)
+
+
+def bf16_weights(spec, seed):
+    """Random weights whose values are bf16 (the program's dtype), fp32 where the model keeps fp32;
+    the mHC scales near 1 and biases O(0.5) (random_weights' 0.02 would leave every coefficient at
+    its sigmoid's midpoint, whatever the streams)."""
+    w = random_weights(spec, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for k in w:
+        if k.endswith(".scale") and ".hc_" in k:
+            w[k] = 1 + 0.3 * torch.randn(w[k].shape, generator=g)
+        elif k.endswith(".base") and ".hc_" in k:
+            w[k] = 0.5 * torch.randn(w[k].shape, generator=g)
+    return {k: (v.to(torch.bfloat16).to(torch.float32 if FP32.search(k) else torch.bfloat16)
+                if v.is_floating_point() else v) for k, v in w.items()}
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    assert torch.isfinite(a).all(), "non-finite logits (a poisoned value survived)"
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_program_equals_the_model_step_after_step():
+    ref = small_model()
+    w = bf16_weights(ref.spec, seed=1)
+    ref.load_weights(w)
+    cfg = DSV4ModelConfig(ref.spec, batch=2, max_seq_len=64)
+    runner = DSV4ModelRunner(cfg, w)
+    state = ref.new_state(2)
+    g = torch.Generator().manual_seed(2)
+    errs = []
+    for step in range(12):                   # the window (8) slides, HCA (ratio 8) closes an entry
+        ids = torch.randint(0, ref.spec.vocab_size, (2,), generator=g)
+        want = ref.decode(ids[:, None], state)[:, 0]
+        got = runner.decode(ids)
+        errs.append(rel(got, want))
+    print("logits rel err per step:", " ".join(f"{e:.1e}" for e in errs))
+    assert max(errs) < 3e-2, errs
+
+
+def test_program_shape_and_refusals():
+    ref = small_model()
+    cfg = DSV4ModelConfig(ref.spec, batch=2)
+    prog = build_program(cfg)
+    labels = [op.label for op in prog.ops]
+    assert labels[:2] == ["embed", "hc_mix_first"] and labels[-2:] == ["head", "lm_head"]
+    assert "l1.mlp.part_next" not in prog.buffers and "part_next" not in prog.buffers   # the last site
+    assert prog.buffers["logits"].role == "output" and prog.buffers["l0.attn.window"].role == "input"
+    v4 = build_megakernel("deepseek_v41_flash", "small_v41").spec
+    import dataclasses
+    with pytest.raises(UnsupportedConfigError, match="lagged"):
+        DSV4ModelConfig(dataclasses.replace(v4, residual=dataclasses.replace(v4.residual, lagged_pre=False,
+                                                                              head="mean"))).layers()
+    w = bf16_weights(ref.spec, seed=1)
+    runner = DSV4ModelRunner(DSV4ModelConfig(ref.spec, batch=2, max_seq_len=2), w)
+    with pytest.raises(ValueError, match="vocabulary"):
+        runner.decode(torch.tensor([0, ref.spec.vocab_size]))
+    runner.decode(torch.tensor([1, 2]))
+    runner.decode(torch.tensor([1, 2]))
+    with pytest.raises(CapacityError, match="max_seq_len"):
+        runner.decode(torch.tensor([1, 2]))
+
+
+def test_megakernel_backend_generates():
+    """build_megakernel(..., backend="megakernel"): the whole-model program behind the reference
+    backend's interface - generate's first token's logits equal the reference's; other models and
+    ragged prompts are refused by name."""
+    ref = small_model()
+    w = bf16_weights(ref.spec, seed=3)
+    ref.load_weights(w)
+    from models.deepseek_v41_flash.config import SMALL, V41_SWITCH
+    config = {**SMALL, V41_SWITCH: True, "num_hidden_layers": 2,
+              "layer_types": ["sliding_attention", "heavily_compressed_attention"], "mlp_layer_types": ["hash_moe"] * 2}
+    mk = build_megakernel("deepseek_v41_flash", config, backend="megakernel", max_seq_len=16, max_batch=2)
+    mk.load_weights(w)
+    prompt = torch.tensor([[5, 17, 3], [9, 1, 200]])
+    out = mk.generate(prompt, 2)
+    want = ref.generate(prompt, 2)
+    assert out.shape == want.shape == (2, 5) and torch.equal(out[:, :3], prompt)
+    assert rel(mk.last_logits[:, 0], ref.last_logits[:, 0]) < 3e-2
+    with pytest.raises(UnsupportedConfigError, match="ragged"):
+        mk.generate(prompt, 1, prompt_lens=[3, 2])
+    with pytest.raises(UnsupportedConfigError, match="deepseek_v41_flash"):
+        build_megakernel("glm_53", "tiny", backend="megakernel")

@@ -89,7 +89,7 @@ def cmd_compile_check(args) -> int:
     return 1 if bad else 0
 
 
-BENCHES = ("megakernel", "moe", "kda", "mla", "dsv4", "indexer", "allreduce", "ep")
+BENCHES = ("megakernel", "moe", "kda", "mla", "dsv4", "indexer", "allreduce", "ep", "layer", "model")
 
 
 def cmd_bench(args) -> int:

@@ -1,0 +1,94 @@
+"""Benchmark of a whole DeepSeek-V4.1 decode step as ONE megakernel launch (sdk/megakernel/dsv4_model.py)
+on the config "small_v41" (4 layers: SWA, CSA, HCA, CSA; hidden 1024, 64 experts of which the
+step reads the hit ones; the blocks' shapes), batch 1 and 8, sequences some steps in - beside the
+reference backend's step (PyTorch; under a CUDA graph if it captures, else eager: said in the
+record) and the floor: the bytes the step must read (every dense weight, the hit experts, the
+embedding rows, the caches' live rows bounded by their buffers) over the copy bandwidth measured
+in this run.
+
+    python -m bench.model_bench --out bench/results/h200
+
+JSON (model_bench.json): per case us per step, the floor and its parts, the reference's us, the
+logits' rel err against the reference on the same step.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from bench.common import add_match_option, arg_parser, record_timeline, run_cases, timed
+
+CASES = [("small_v41", 1, 32), ("small_v41", 8, 32)]      # config, batch, steps before the timed one
+
+
+def bench_model(config, batch, warm_steps, copy_bw, timeline_path=None):
+    from sdk import build_megakernel
+    from sdk.megakernel.dsv4_model import DSV4ModelConfig, DSV4ModelRunner
+    from sdk.reference.model import random_weights
+    ref = build_megakernel("deepseek_v41_flash", config, dtype=torch.bfloat16, device="cuda", max_seq_len=256,
+                           max_batch=batch)
+    w = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).cuda()
+         for k, v in random_weights(ref.spec, seed=0).items()}
+    ref.load_weights(w)
+    cfg = DSV4ModelConfig(ref.spec, batch=batch, max_seq_len=256)
+    runner = DSV4ModelRunner(cfg, w, device="cuda")
+    state = ref.new_state(batch)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(warm_steps):              # the caches some steps in (windows full, entries written)
+        ids = torch.randint(0, ref.spec.vocab_size, (batch,), generator=g)
+        runner.decode(ids)
+        ref.decode(ids[:, None].cuda(), state)
+    ids = torch.randint(0, ref.spec.vocab_size, (batch,), generator=g)
+    got = runner.decode(ids)
+    want = ref.decode(ids[:, None].cuda(), state)[:, 0]
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    # the floor: weights without the unread experts and embedding rows, + the hit experts, + caches
+    prog, t = runner.prog, runner.tensors
+    wbytes = prog.bytes_by_role("weight") - prog.bytes_of("embed") + batch * ref.spec.hidden_size * 2
+    hits = []
+    for i, (_, moe) in enumerate(cfg.layers()):
+        p = f"l{i}.mlp."
+        expert_bytes = sum(prog.bytes_of(p + n) for n in ("experts.gate_up.weight", "experts.down.weight"))
+        h = int(t[p + "hits"][0])
+        hits.append(h)
+        wbytes -= expert_bytes - expert_bytes * h // moe.local
+    cache_bytes = sum(prog.bytes_of(n) for n, b in prog.buffers.items() if b.role == "input" and n.startswith("l"))
+    total = wbytes + cache_bytes
+    # the step again and again (the caches advance: the positions stay inside the built 256)
+    rt = runner.rt
+    us, mode = timed([rt.launch] * 8)
+    rt.check()
+    case = f"v41 {config} whole step B={batch}"
+    if timeline_path:
+        record_timeline(prog, t, timeline_path, case, us)
+    # the reference's step on the warm caches (each call appends a token: ~10 calls, inside the 256)
+    ref_us, ref_mode = timed([lambda: ref.decode(ids[:, None].cuda(), state)])
+    graph = ref_mode == "cuda_graph"
+    floor_us = total / (copy_bw * 1e3)
+    return {"case": case, "batch": batch, "context": warm_steps + 1, "us": us, "timing_mode": mode,
+            "floor_us": floor_us, "floor_bytes": {"weights_read": wbytes, "caches": cache_bytes},
+            "fraction_of_floor": floor_us / us, "gbs": total / (us * 1e3), "hit_experts": hits, "rel_err": err,
+            "reference_us": ref_us, "reference_timing_mode": ref_mode, "torch_graph_us": ref_us if graph else None,
+            "speedup_vs_torch_graph": ref_us / us if graph else None, "program_ops": len(prog.ops),
+            "instructions": len(prog.instructions)}
+
+
+def case_name(c):
+    return f"v41 {c[0]} whole step B={c[1]}"
+
+
+def main(argv=None):
+    ap = arg_parser(out_from_env=False)
+    add_match_option(ap)
+    a = ap.parse_args(argv)
+    todo = [c for c in CASES if not a.match or any(m in case_name(c) for m in a.match)]
+
+    def one(c, bw):
+        tl = os.path.join(a.out, f"timeline_model_{c[0]}_b{c[1]}.json") if a.out and c[1] == 1 else None
+        return bench_model(*c, bw, tl)
+    run_cases("model_bench.json", todo, one, case_name, a.out, case_width=34)
+
+
+if __name__ == "__main__":
+    main()

@@ -32,3 +32,22 @@ def test_v41_model_one_launch_a_step(batch):
         e = rel_err(got, want)
         assert e < 3e-2, f"seed {seed}, step {step}: logits rel err {e:.3e}"
     runner.rt.check()
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_small_v41_all_layer_kinds_one_launch_a_step(batch):
+    """small_v41 whole - SWA, CSA, HCA, CSA, hash-routed then learned-routed MoE - against the
+    model with fp32 router logits (the program's contract; tests/test_dsv4_model.py says why)."""
+    need_gpu()
+    from test_dsv4_model import all_kinds_model
+    from sdk.megakernel.dsv4_model import DSV4ModelConfig, DSV4ModelRunner
+    seed = clock_seed()
+    ref, w = all_kinds_model(seed % 1000, device="cuda", batch=batch)
+    runner = DSV4ModelRunner(DSV4ModelConfig(ref.spec, batch=batch, max_seq_len=32), w, device="cuda")
+    state = ref.new_state(batch)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(6):
+        ids = torch.randint(0, ref.spec.vocab_size, (batch,), generator=g)
+        e = rel_err(runner.decode(ids), ref.decode(ids[:, None].cuda(), state)[:, 0])
+        assert e < 3e-2, f"seed {seed}, step {step}: logits rel err {e:.3e}"
+    runner.rt.check()

@@ -16,7 +16,8 @@ def _megakernel(entry, spec, *, device, dtype, tp, ep, rank, max_seq_len, max_ba
     """The whole-model megakernel (one launch a decode step): DeepSeek-V4.1 for now."""
     from .errors import UnsupportedConfigError
     if entry.name != "deepseek_v41_flash":
-        raise UnsupportedConfigError(f"the megakernel backend runs deepseek_v41_flash (configs small_v41, ...); "
+        raise UnsupportedConfigError(f"the megakernel backend runs deepseek_v41_flash (configs small / small_v41: "
+                                     f"the device blocks' shapes); "
                                      f"not {entry.name!r} yet - its sublayer programs are in sdk/megakernel")
     if tp != 1 or ep != 1:
         raise UnsupportedConfigError("the megakernel backend runs the model's program on one GPU: tp=1, ep=1")

@@ -22,9 +22,10 @@ FP32 = re.compile(r"(\.hc_(attn|mlp)\.|\.attn\.sinks$|position_bias$|q_a_norm\.w
                   r"e_score_correction_bias$)")
 
 
-def small_model(layers=("sliding_attention", "heavily_compressed_attention"), mlp=("hash_moe", "hash_moe")):
+def small_model(layers=("sliding_attention", "heavily_compressed_attention"), mlp=("hash_moe", "hash_moe"),
+                v41=True):
     from models.deepseek_v41_flash.config import SMALL, V41_SWITCH
-    config = {**SMALL, V41_SWITCH: True, "num_hidden_layers": len(layers), "layer_types": list(layers),
+    config = {**SMALL, V41_SWITCH: v41, "num_hidden_layers": len(layers), "layer_types": list(layers),
               "mlp_layer_types": list(mlp)}
     return build_megakernel("deepseek_v41_flash", config, dtype=torch.bfloat16, max_seq_len=64, max_batch=4)
 
@@ -71,8 +72,12 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def test_program_equals_the_model_step_after_step():
-    ref = small_model()
+@pytest.mark.parametrize("v41", [True, False], ids=["v41-lagged-carried-head", "v4-weighted-head"])
+def test_program_equals_the_model_step_after_step(v41):
+    """V4.1's math (lagged mHC, carried head, no q head norm) and V4's (transformers' deepseek_v4:
+    unlagged sites, the weighted head, the q head norm)."""
+    ref = small_model(v41=v41)
+    assert ref.spec.residual.lagged_pre == v41
     w = bf16_weights(ref.spec, seed=1)
     ref.load_weights(w)
     cfg = DSV4ModelConfig(ref.spec, batch=2, max_seq_len=64)
@@ -85,7 +90,7 @@ def test_program_equals_the_model_step_after_step():
         want = ref.decode(ids[:, None], state)[:, 0]
         got = runner.decode(ids)
         errs.append(rel(got, want))
-    print("logits rel err per step:", " ".join(f"{e:.1e}" for e in errs))
+    print(f"v41={v41}: logits rel err per step:", " ".join(f"{e:.1e}" for e in errs))
     assert max(errs) < 3e-2, errs
 
 
@@ -102,6 +107,8 @@ def test_program_shape_and_refusals():
     with pytest.raises(UnsupportedConfigError, match="lagged"):
         DSV4ModelConfig(dataclasses.replace(v4, residual=dataclasses.replace(v4.residual, lagged_pre=False,
                                                                               head="mean"))).layers()
+    with pytest.raises(UnsupportedConfigError, match="o_groups"):
+        DSV4ModelConfig(build_megakernel("deepseek_v41_flash", "tiny_v41").spec).layers()
     w = bf16_weights(ref.spec, seed=1)
     runner = DSV4ModelRunner(DSV4ModelConfig(ref.spec, batch=2, max_seq_len=2), w)
     with pytest.raises(ValueError, match="vocabulary"):

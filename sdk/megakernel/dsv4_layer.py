@@ -110,6 +110,7 @@ class DSV4LayerConfig:
     hc_eps: float = 1e-6
     hc_d_slice: int = 128                # D columns per tile of the post-mix
     hc_last: bool = False                # mHC: the model's last site (no next site's partials)
+    hc_head_rows: int = 0                # mHC, the last site: the head's fn rows whose partials it computes
     fill_stage: bool = False             # every GEMV's chunk widened to fill the ring's stage (gemv.fill_stage):
                                          # measured slower on the H200 (2026-12-04, CSA B=1 32K: the
                                          # x GEMVs' 17 -> 33 KB chunks 97.8 -> 101.6 us; HCA B=1 41.1
@@ -198,7 +199,8 @@ class DSV4LayerConfig:
         if self.mhc not in ("", "v4", "v41"):
             raise UnsupportedConfigError(f"DSV4 layer: mhc {self.mhc!r} (supported: '', v4, v41)")
         return MHCSite(self.mhc, self.hidden, self.tokens_total, self.hc_mult, self.hc_iters, self.hc_eps, self.eps,
-                       self.hc_d_slice, self.hc_last) if self.mhc else None
+                       self.hc_d_slice, self.hc_last,
+                       self.hc_head_rows) if self.mhc else None
 
     def weight_shapes(self) -> dict:
         D, H, hd, Q, R = self.hidden, self.heads, self.head_dim, self.q_rank, self.o_rank

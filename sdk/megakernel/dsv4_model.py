@@ -10,6 +10,11 @@
         -> the head: the streams' collapse with the last site's pre ("carried") and the final
            norm (MHCPreBlock kind "carried") -> logits = h @ lm_head^T (fp32, a GEMV)
 
+V4's residual (transformers' deepseek_v4: configs "tiny", "small", ...) is the same chain with
+unlagged sites ("v4": each collapses with its own pre) and the weighted head: the last post-mix
+computes the head fn's partials, the head (MHCPreBlock kind "head") its coefficients, the
+collapse and the final norm.
+
 Every op waits only for what it reads, so each layer's weights stream through the ring while the
 layers before it compute. The caches (sliding-window rings, compressor states, compressed
 entries, indexer keys) are the program's buffers, updated in place step after step.
@@ -20,10 +25,10 @@ feeds each step (ids, positions, the host's RoPE tables) and runs it on the PyVM
 torch twins) or the GPU (MegakernelRuntime).
 
 Supported: V4.1's residual (ResidualSpec lagged_pre with the "carried" head: the configs
-"tiny_v41" / "full_v41" switch it on), o_groups = 1 per GPU (the attention programs hold one
+"tiny_v41" / "small_v41" / "full_v41") and V4's (unlagged, the weighted head), o_groups = 1 per GPU (the attention programs hold one
 o_a group), the limits of each block (hidden a multiple of 1024, batch x tokens <= 64, ...).
-One token per sequence a step. Not: V4's unlagged residual with the weighted head, tensor /
-expert parallelism across GPUs (the all-reduce and EP programs are separate), Engram.
+One token per sequence a step. Not: tensor / expert parallelism across GPUs (the all-reduce and
+EP programs are separate), Engram, quantised experts from the model's weights.
 """
 from __future__ import annotations
 
@@ -50,12 +55,16 @@ class DSV4ModelConfig:
     expert_dtype: str = "bf16"           # the routed experts' format ("bf16" = the model's weights)
     num_sms: int = 132
 
+    @property
+    def lagged(self) -> bool:
+        return self.spec.residual.lagged_pre
+
     def check(self):
         r = self.spec.residual
-        if r.kind != "mhc" or not r.lagged_pre or r.head != "carried":
+        if r.kind != "mhc" or (r.lagged_pre, r.head) not in ((True, "carried"), (False, "weighted")):
             raise UnsupportedConfigError(
-                f"DSV4 model program: V4.1's lagged mHC residual with the carried head (configs tiny_v41 / "
-                f"full_v41); got {r}")
+                f"DSV4 model program: the mHC residual of V4.1 (lagged, carried head) or V4 (unlagged, "
+                f"weighted head); got {r}")
         for l in self.spec.layers:
             if l.attention.o_groups != 1:
                 raise UnsupportedConfigError(f"DSV4 model program: layer {l.index} has o_groups="
@@ -65,7 +74,7 @@ class DSV4ModelConfig:
         """(DSV4LayerConfig, MoELayerConfig) per layer, in V4.1's mHC sites (the last one last)."""
         self.check()
         s, r = self.spec, self.spec.residual
-        hc = dict(mhc="v41", hc_mult=r.hc_mult, hc_iters=r.sinkhorn_iters, hc_eps=r.eps)
+        hc = dict(mhc="v41" if r.lagged_pre else "v4", hc_mult=r.hc_mult, hc_iters=r.sinkhorn_iters, hc_eps=r.eps)
         out = []
         for l in s.layers:
             a, m = l.attention, l.mlp
@@ -86,7 +95,8 @@ class DSV4ModelConfig:
                 hash_routed=m.hash_routed, vocab=s.vocab_size if m.hash_routed else 0, swiglu_limit=m.swiglu_limit,
                 activation=m.activation, situ_beta=m.situ_beta, situ_linear_beta=m.situ_linear_beta,
                 batch=self.batch, expert_dtype=self.expert_dtype, router_dtype="bf16", num_sms=self.num_sms,
-                norm_eps=s.norm_eps, hc_last=l.index == len(s.layers) - 1, **hc)
+                norm_eps=s.norm_eps, hc_last=l.index == len(s.layers) - 1,
+                hc_head_rows=0 if r.lagged_pre else r.hc_mult, **hc)
             out.append((attn, moe))
         return out
 
@@ -116,10 +126,19 @@ def build_program(cfg: DSV4ModelConfig) -> Program:
     prog.buffer("lm_head", (V, D), "bf16", "weight")
     prog.buffer("h", (B, D), "bf16")
     prog.buffer("logits", (B, V), "fp32", "output")
-    head = prog.op(MHCPreBlock(MHCPreConfig(d=D, n=N, m=B, kind="carried", stream_dtype="bf16", out_dtype="bf16",
-                                            out_eps=s.norm_eps)),
-                   {"streams": "streams", "carried": "coef", "norm_weight": "head_norm", "out": "h"}, waits=[last],
-                   label="head")
+    head_cfg = dict(d=D, n=N, m=B, stream_dtype="bf16", out_dtype="bf16", out_eps=s.norm_eps)
+    if cfg.lagged:      # V4.1: the collapse with the last site's pre
+        head = prog.op(MHCPreBlock(MHCPreConfig(**head_cfg, kind="carried")),
+                       {"streams": "streams", "carried": "coef", "norm_weight": "head_norm", "out": "h"},
+                       waits=[last], label="head")
+    else:               # V4: its own weighted pre, from the partials the last post-mix computed
+        prog.buffer("hc_head_base", (N,), "fp32", "weight")
+        prog.buffer("hc_head_scale", (1,), "fp32", "weight")
+        prog.buffer("head_coef", (B, N), "fp32")
+        head = prog.op(MHCPreBlock(MHCPreConfig(**head_cfg, kind="head", slices=site.slices, iters=s.residual.sinkhorn_iters,
+                                                hc_eps=s.residual.eps, norm_eps=s.norm_eps)),
+                       {"streams": "streams", "part": "part_next", "base": "hc_head_base", "scale": "hc_head_scale",
+                        "norm_weight": "head_norm", "coef": "head_coef", "out": "h"}, waits=[last], label="head")
     prog.op(gemv_block(GemvConfig(n=V, k=D, m=B, out_dtype="fp32"), 0, cfg.num_sms),
             {"w": "lm_head", "x": "h", "y": "logits"}, waits=[head], label="lm_head")
     return prog
@@ -151,7 +170,8 @@ def program_weights(cfg: DSV4ModelConfig, weights: dict, device="cpu") -> dict:
     prog_buffers = build_program(cfg).buffers
     n = len(cfg.spec.layers)
     src = {"embed": "embed.weight", "hc_fn_first": "layers.0.hc_attn.fn", "head_norm": "norm.weight",
-           "lm_head": "embed.weight" if cfg.spec.tie_word_embeddings else "lm_head.weight"}
+           "lm_head": "embed.weight" if cfg.spec.tie_word_embeddings else "lm_head.weight",
+           "hc_head_base": "hc_head.base", "hc_head_scale": "hc_head.scale"}
     for i in range(n):
         a, m = f"l{i}.attn.", f"l{i}.mlp."
         src.update({a + k: f"layers.{i}.attn.{v}" for k, v in ATTN_WEIGHTS.items()})
@@ -159,7 +179,8 @@ def program_weights(cfg: DSV4ModelConfig, weights: dict, device="cpu") -> dict:
         src.update({a + "input_norm": f"layers.{i}.attn_norm.weight", a + "hc_base": f"layers.{i}.hc_attn.base",
                     a + "hc_scale": f"layers.{i}.hc_attn.scale", a + "hc_fn_next": f"layers.{i}.hc_mlp.fn",
                     m + "mlp_norm": f"layers.{i}.mlp_norm.weight", m + "hc_base": f"layers.{i}.hc_mlp.base",
-                    m + "hc_scale": f"layers.{i}.hc_mlp.scale", m + "hc_fn_next": f"layers.{i + 1}.hc_attn.fn"})
+                    m + "hc_scale": f"layers.{i}.hc_mlp.scale",
+                    m + "hc_fn_next": f"layers.{i + 1}.hc_attn.fn" if i + 1 < n else "hc_head.fn"})
     out = {}
     for name, b in prog_buffers.items():
         if b.role != "weight":
@@ -187,8 +208,8 @@ class DSV4ModelRunner:
             from .runtime import program_runtime
             self.rt = program_runtime(self.prog, w)
             self.tensors = self.rt.tensors
-        N = cfg.spec.residual.hc_mult
-        self.tensors["carried"].copy_(first_site_carry(cfg.batch, N))     # the first site: stream 0 itself
+        if "carried" in self.tensors:        # V4.1's first site: stream 0 itself
+            self.tensors["carried"].copy_(first_site_carry(cfg.batch, cfg.spec.residual.hc_mult))
         self.lengths = torch.zeros(cfg.batch, dtype=torch.long)
         self.steps = 0
 

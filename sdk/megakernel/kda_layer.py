@@ -74,6 +74,7 @@ class KDALayerConfig:
     hc_eps: float = 1e-6
     hc_d_slice: int = 128
     hc_last: bool = False                # mHC: the model's last site (no next site's partials)
+    hc_head_rows: int = 0                # mHC, the last site: the head's fn rows whose partials it computes
 
     @property
     def site(self):
@@ -83,7 +84,8 @@ class KDALayerConfig:
         if self.mhc and self.mhc not in KINDS:
             raise UnsupportedConfigError(f"KDA layer: mhc {self.mhc!r} (supported: '', {', '.join(KINDS)})")
         return MHCSite(self.mhc, self.hidden, self.tokens_total, self.hc_mult, self.hc_iters, self.hc_eps, self.eps,
-                       self.hc_d_slice, self.hc_last) if self.mhc else None
+                       self.hc_d_slice, self.hc_last,
+                       self.hc_head_rows) if self.mhc else None
 
     @property
     def rank(self) -> int:

@@ -37,8 +37,15 @@ class MHCSite:
     hc_eps: float = 1e-6
     norm_eps: float = 1e-6       # the mix's RMSNorm and the sublayer's norm (the model's norm_eps)
     d_slice: int = 128           # D columns per post-mix tile
-    last: bool = False           # the model's last site: no next site (its post-mix computes no
-                                 # partials: no hc_fn_next, no part_next; the head collapses with coef)
+    last: bool = False           # the model's last site: no next site - its post-mix computes the
+                                 # head's partials (head_rows > 0: V4's weighted head, its fn as
+                                 # hc_fn_next) or none (V4.1's carried head, GLM-5.3's mean head)
+    head_rows: int = 0
+
+    @property
+    def next_rows(self) -> int:
+        """Rows of the next fn whose partials the post-mix computes (0: none)."""
+        return self.head_rows if self.last else self.rows
 
     @property
     def slices(self) -> int:
@@ -56,7 +63,7 @@ class MHCSite:
         common = dict(d=self.hidden, n=self.hc_mult, m=self.tokens, stream_dtype="bf16")
         pre = dict(common, slices=self.slices, iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps,
                    out_eps=self.norm_eps, out_dtype="bf16")
-        post = MHCPostBlock(MHCPostConfig(**common, d_slice=self.d_slice, next_rows=0 if self.last else self.rows,
+        post = MHCPostBlock(MHCPostConfig(**common, d_slice=self.d_slice, next_rows=self.next_rows,
                                           round_coef=self.kind == "v4"))
         if self.kind == "v4":
             return {"hc_pre": MHCPreBlock(MHCPreConfig(**pre)), "hc_post": post}
@@ -66,8 +73,8 @@ class MHCSite:
     def weight_shapes(self) -> dict:
         """This site's mix bias / scales and the NEXT site's fn (the post's partials)."""
         out = {"hc_base": ((self.rows,), "fp32"), "hc_scale": ((3,), "fp32")}
-        if not self.last:
-            out["hc_fn_next"] = ((self.rows, self.hc_mult * self.hidden), "fp32")
+        if self.next_rows:
+            out["hc_fn_next"] = ((self.next_rows, self.hc_mult * self.hidden), "fp32")
         return out
 
     def buffer_shapes(self) -> dict:
@@ -78,8 +85,8 @@ class MHCSite:
         if self.kind == "v41":
             out["carried"] = ((M, R), "fp32", "input")
         out["coef"] = ((M, R), "fp32", "output")
-        if not self.last:
-            out["part_next"] = ((self.slices, M, R + 1), "fp32", "output")
+        if self.next_rows:
+            out["part_next"] = ((self.slices, M, self.next_rows + 1), "fp32", "output")
         return out
 
 
@@ -113,8 +120,8 @@ def site_weights(site: MHCSite, g: torch.Generator, device="cpu") -> dict:
     """Random hc_base / hc_scale / hc_fn_next (the scales of tests/test_mhc_block.py)."""
     r = lambda *s: torch.randn(*s, generator=g, device=device)
     out = {"hc_base": 0.5 * r(site.rows), "hc_scale": 1 + 0.3 * r(3)}
-    if not site.last:
-        out["hc_fn_next"] = r(site.rows, site.hc_mult * site.hidden) * (site.hc_mult * site.hidden) ** -0.5
+    if site.next_rows:
+        out["hc_fn_next"] = r(site.next_rows, site.hc_mult * site.hidden) * (site.hc_mult * site.hidden) ** -0.5
     return out
 
 
@@ -166,7 +173,7 @@ def reference(site: MHCSite, weights: dict, inputs: dict, hc_fn: torch.Tensor, n
     new = mres.around(0, "attn", streams, lambda y: sublayer(rms_norm(y[:, 0], norm, site.norm_eps))[:, None])
     new = new.reshape(M, n, D)
     out = {"streams": new, "coef": torch.cat([pre, post, comb.flatten(-2)], -1).reshape(M, -1)}
-    if not site.last:
+    if site.next_rows:
         out["part_next"] = torch.stack([slice_partials(new, w["hc_fn_next"], n, D, s * ds, (s + 1) * ds)
                                         for s in range(site.slices)])
     return out

@@ -108,6 +108,7 @@ class MoELayerConfig:
     hc_eps: float = 1e-6
     hc_d_slice: int = 128
     hc_last: bool = False                # mHC: the model's last site (no next site's partials)
+    hc_head_rows: int = 0                # mHC, the last site: the head's fn rows whose partials it computes
     norm_eps: float = 1e-6               # mHC: the mix's RMSNorm and the layer's input norm
 
     @property
@@ -117,7 +118,8 @@ class MoELayerConfig:
         if self.mhc and self.mhc not in KINDS:
             raise UnsupportedConfigError(f"MoE layer: mhc {self.mhc!r} (supported: '', {', '.join(KINDS)})")
         return MHCSite(self.mhc, self.hidden, self.batch, self.hc_mult, self.hc_iters, self.hc_eps, self.norm_eps,
-                       self.hc_d_slice, self.hc_last) if self.mhc else None
+                       self.hc_d_slice, self.hc_last,
+                       self.hc_head_rows) if self.mhc else None
 
     @property
     def local(self) -> int:

@@ -135,6 +135,38 @@ def test_pyvm_moe_layer_in_mhc_equals_reference(mhc, extra):
         assert rel(vm.tensors["part_next"], want["part_next"]) <= TOL
 
 
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_bf16_router_equals_the_models(scoring):
+    """RouterSelectConfig.logits_bf16 (MoELayerConfig.router_logits_bf16): the twin's selection and
+    weights are the model's bf16 router's (sdk/reference/moe.py route() on bf16 logits: scores,
+    renormalisation and scaling in bf16 ops, the bias fp32) - exactly, on the same logits; the fp32
+    rule differs from it (on 64 tokens some selection or weight moves)."""
+    from sdk.spec import MoESpec
+    torch.manual_seed(11)
+    m, e, k = 64, 384, 6
+    logits = torch.randn(m, e) * 3
+    bias = torch.randn(e) * 0.1
+    spec = MoESpec(num_experts=e, top_k=k, expert_intermediate_size=8, scoring=scoring, correction_bias=True,
+                   norm_topk_prob=True, routed_scaling_factor=1.5, extra=(("router_logits_dtype", "model"),))
+    want_w, want_ids = route(spec, logits.to(torch.bfloat16), bias)
+    cfg = RouterSelectConfig(num_experts=e, top_k=k, m=m, scoring=scoring, correction_bias=True,
+                             routed_scaling_factor=1.5, logits_bf16=True)
+    w, ids = route_rule(cfg, logits, bias)
+    order = want_ids.sort(-1)[1]
+    assert torch.equal(ids.sort(-1)[0], want_ids.sort(-1)[0])
+    assert torch.equal(w.gather(1, ids.sort(-1)[1]), want_w.float().gather(1, order))
+    w32, ids32 = route_rule(dataclasses.replace(cfg, logits_bf16=False), logits, bias)
+    assert not torch.equal(w32, w) or not torch.equal(ids32, ids)
+    # the layer's reference takes the same path (bf16 logits from its fp32 GEMV) as the block
+    layer = MoELayerConfig(num_experts=64, top_k=6, batch=4, scoring=scoring, correction_bias=True,
+                           router_logits_bf16=True)
+    assert layer.moe_spec().extra == (("router_logits_dtype", "model"),)
+    vm, weights, _ = _vm(layer)
+    x = torch.randn(4, layer.hidden).to(torch.bfloat16)
+    out = _step(vm, layer, x)
+    assert rel(out, reference(layer, weights, x)) <= TOL
+
+
 def test_op_rows_set_one_gemv_each():
     """op_rows overrides shared_rows per op; Kimi K3's shared.down / latent.up in 32-row tiles make
     every streaming chunk of its batch-1 layer 16.9 KB (the ring's stage: 12 of them instead of 7

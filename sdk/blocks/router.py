@@ -31,8 +31,12 @@ check this rule directly.
 
 Supported: E a multiple of 32 (each lane holds E/32 scores in registers), E <= 1024, top_k <= 32,
 num_local <= 256 (one thread per local expert), M = 1..64, n_group dividing E. Not: a NaN logit
-(undefined order), the bf16 logits of DeepSeek-V4's `router_logits_dtype = "model"` (the kernel
-computes fp32 logits from the bf16 gate weight; only near-ties can select differently).
+(undefined order). DeepSeek-V4's `router_logits_dtype = "model"` (the model computes its router in
+bf16): `logits_bf16` rounds each logit to bf16 and every step after it as torch's bf16 ops do -
+the score (sigmoid; softplus then sqrt; softmax once), the renormalisation's sum and quotient and
+the scaling - so the selection and the weights are the model's (the bias stays fp32, as the
+model keeps it); the GEMV's fp32 logits round to the model's bf16 ones but where the summation
+orders straddle a rounding boundary.
 """
 from __future__ import annotations
 
@@ -67,14 +71,17 @@ class RouterSelectConfig:
                                          # 2 instructions) or "shuffle" (5 butterfly steps of value +
                                          # index, ~300 cycles of latency). H200: K3 select 5.7 vs 7.4 us
                                          # at batch 1, 9.9 vs 10.8 at batch 8 (bench/select_bench.py)
+    logits_bf16: bool = False            # DeepSeek-V4's router in bf16: logits, scores and weights rounded
+                                         # as its bf16 ops round them (module docstring)
 
 
 def route_rule(cfg: RouterSelectConfig, logits: torch.Tensor, bias: torch.Tensor | None,
                hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The selection rule the device implements, in torch (fp32): `route()` of the reference with
     the tie rule made explicit (lower index wins). Returns (weights [M, k] fp32, ids [M, k] int64)
-    with ids of each token in selection order (best first)."""
-    x = logits.float()
+    with ids of each token in selection order (best first). logits_bf16: the scores and weights
+    computed in bf16 ops, as the model's bf16 router (returned as fp32 values)."""
+    x = logits.to(torch.bfloat16) if cfg.logits_bf16 else logits.float()
     if cfg.scoring == "sigmoid":
         scores = x.sigmoid()
     elif cfg.scoring == "softmax":
@@ -85,7 +92,7 @@ def route_rule(cfg: RouterSelectConfig, logits: torch.Tensor, bias: torch.Tensor
     if hash_ids is not None:
         ids = hash_ids.long()
     else:
-        choice = scores + (bias.float() if bias is not None else 0.0)
+        choice = scores.float() + (bias.float() if bias is not None else 0.0)
         # a stable descending sort: among equal values the lower index comes first
         if cfg.n_group > 1:
             g = choice.view(m, cfg.n_group, e // cfg.n_group)
@@ -97,7 +104,7 @@ def route_rule(cfg: RouterSelectConfig, logits: torch.Tensor, bias: torch.Tensor
     w = scores.gather(1, ids)
     if cfg.norm_topk_prob:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return w * cfg.routed_scaling_factor, ids
+    return (w * cfg.routed_scaling_factor).float(), ids
 
 
 class RouterSelectBlock(Block):
@@ -215,7 +222,7 @@ class RouterSelectBlock(Block):
     def _build_device_tile(self):
         import cutlass
         import cutlass.cute as cute
-        from cutlass import Float32, Int32
+        from cutlass import BFloat16, Float32, Int32
 
         from ._cute import TileSmem, bits_to_f32, f32_bits, gmem_tensor, redux_u32, write_hit_list
 
@@ -242,21 +249,34 @@ class RouterSelectBlock(Block):
         def sel_f(cond, a, b):
             return Float32(cutlass.select_(cond, a, b))
 
+        LB = c.logits_bf16
+
+        @cute.jit
+        def bf(x: Float32) -> Float32:
+            """x as a bf16 op stores it (logits_bf16), else x."""
+            r = x
+            if cutlass.const_expr(LB):
+                v = cute.make_rmem_tensor((1,), Float32)
+                v[0] = x
+                r = v.load().to(BFloat16).to(Float32)[0]
+            return r
+
         def sel_i(cond, a, b):
             return Int32(cutlass.select_(cond, a, b))
 
         @cute.jit
         def score_of(x: Float32, mx: Float32, inv_sum: Float32) -> Float32:
             s = Float32(0.0)
+            x = bf(x)
             if cutlass.const_expr(scoring == "sigmoid"):
-                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=False))
+                s = bf(Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=False)))
             elif cutlass.const_expr(scoring == "softmax"):
-                s = cute.math.exp(x - mx, fastmath=False) * inv_sum
+                s = bf(cute.math.exp(x - mx, fastmath=False) * inv_sum)
             else:
                 # softplus, overflow-safe: max(x, 0) + log1p(exp(-|x|)) (= torch's within fp32)
-                sp = cute.arch.fmax(x, Float32(0.0)) + cute.math.log1p(
-                    cute.math.exp(-cute.math.absf(x), fastmath=False), fastmath=False)
-                s = cute.math.sqrt(sp, fastmath=False)
+                sp = bf(cute.arch.fmax(x, Float32(0.0)) + cute.math.log1p(
+                    cute.math.exp(-cute.math.absf(x), fastmath=False), fastmath=False))
+                s = bf(cute.math.sqrt(sp, fastmath=False))
             return s
 
         @cute.jit
@@ -326,8 +346,8 @@ class RouterSelectBlock(Block):
                 my_w = score_of(mLg[m, my_e], mx, inv_sum)
             if cutlass.const_expr(renorm):
                 tot = cute.arch.warp_reduction_sum(my_w)
-                my_w = my_w / (tot + Float32(1e-20))
-            my_w = my_w * Float32(scale)
+                my_w = bf(my_w / bf(bf(tot) + Float32(1e-20)))
+            my_w = bf(my_w * Float32(scale))
             if lane < K:
                 mIds[m, lane] = my_e
                 mTw[m, lane] = my_w
@@ -406,7 +426,7 @@ class RouterSelectBlock(Block):
                 for m in cutlass.range(warp, M, NW):
                     mx = Float32(NEG)
                     for i in cutlass.range_constexpr(NE):
-                        sc[i] = mLg[m, i * 32 + lane]
+                        sc[i] = bf(mLg[m, i * 32 + lane])
                         mx = cute.arch.fmax(mx, sc[i])
                     inv_sum = Float32(1.0)
                     if cutlass.const_expr(scoring == "softmax"):

@@ -95,6 +95,7 @@ class DSV4ModelConfig:
                 hash_routed=m.hash_routed, vocab=s.vocab_size if m.hash_routed else 0, swiglu_limit=m.swiglu_limit,
                 activation=m.activation, situ_beta=m.situ_beta, situ_linear_beta=m.situ_linear_beta,
                 batch=self.batch, expert_dtype=self.expert_dtype, router_dtype="bf16", num_sms=self.num_sms,
+                router_logits_bf16=dict(m.extra).get("router_logits_dtype") == "model",
                 norm_eps=s.norm_eps, hc_last=l.index == len(s.layers) - 1,
                 hc_head_rows=0 if r.lagged_pre else r.hc_mult, **hc)
             out.append((attn, moe))

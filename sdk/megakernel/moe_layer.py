@@ -86,6 +86,8 @@ class MoELayerConfig:
     batch: int = 1
     expert_dtype: str = "bf16"           # "bf16" | "fp8_e4m3" | "mxfp4"
     router_dtype: str = "fp32"           # "fp32" | "bf16"
+    router_logits_bf16: bool = False     # DeepSeek-V4's router in bf16 (router_logits_dtype "model"): the
+                                         # logits, scores and weights rounded as its bf16 ops round them
     shared_dtype: str = "bf16"           # "bf16" | "fp8_e4m3" (GemvBlock's formats)
     router_rows: int = 0                 # rows per tile of the router GEMV; 0 = balanced
     expert_rows: int = 0                 # ... of the experts (one tile per SM where possible)
@@ -143,7 +145,8 @@ class MoELayerConfig:
                        norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.routed_scaling_factor,
                        hash_routed=self.hash_routed, activation=self.activation, swiglu_limit=self.swiglu_limit,
                        situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
-                       latent_size=self.latent, latent_norm_eps=self.latent_norm_eps)
+                       latent_size=self.latent, latent_norm_eps=self.latent_norm_eps,
+                       extra=(("router_logits_dtype", "model"),) if self.router_logits_bf16 else ())
 
     def act_fields(self) -> dict:
         """The gated activation's fields of GemvConfig / ExpertsConfig."""
@@ -229,7 +232,8 @@ def blocks(cfg: MoELayerConfig) -> dict:
             num_experts=cfg.num_experts, top_k=cfg.top_k, m=m, scoring=cfg.scoring,
             correction_bias=cfg.correction_bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
             norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
-            hash_routed=cfg.hash_routed, vocab=cfg.vocab, local_start=cfg.local_start, num_local=L)),
+            hash_routed=cfg.hash_routed, vocab=cfg.vocab, local_start=cfg.local_start, num_local=L,
+            logits_bf16=cfg.router_logits_bf16)),
         "gateup": ExpertsBlock(ExpertsConfig(stage="gateup", hidden=h, intermediate=cfg.intermediate,
                                              num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
                                              swiglu_limit=cfg.swiglu_limit, **cfg.act_fields(),
@@ -460,7 +464,10 @@ def local_expert_weights(cfg: MoELayerConfig, weights: dict, e: int) -> tuple[to
 
 
 def router_logits(cfg: MoELayerConfig, weights: dict, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.float(), weights["router.weight"].float())
+    """fp32 logits; router_logits_bf16: rounded to bf16 (the model's bf16 linear: fp32 sums, one
+    rounding), which route() then scores in bf16 as the model does."""
+    logits = F.linear(x.float(), weights["router.weight"].float())
+    return logits.to(torch.bfloat16) if cfg.router_logits_bf16 else logits
 
 
 def reference(cfg: MoELayerConfig, weights: dict, x: torch.Tensor, input_ids: torch.Tensor | None = None,

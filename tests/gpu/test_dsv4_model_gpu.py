@@ -36,8 +36,8 @@ def test_v41_model_one_launch_a_step(batch):
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_small_v41_all_layer_kinds_one_launch_a_step(batch):
-    """small_v41 whole - SWA, CSA, HCA, CSA, hash-routed then learned-routed MoE - against the
-    model with fp32 router logits (the program's contract; tests/test_dsv4_model.py says why)."""
+    """small_v41 whole - SWA, CSA, HCA, CSA, hash-routed then learned-routed MoE with V4's bf16
+    router - against the model (tests/test_dsv4_model.py: test_small_v41_all_layer_kinds)."""
     need_gpu()
     from test_dsv4_model import all_kinds_model
     from sdk.megakernel.dsv4_model import DSV4ModelConfig, DSV4ModelRunner

@@ -53,14 +53,14 @@ from ..blocks.formats import mxfp4_round_trip
 from ..blocks.indexer import (IndexScoreBlock, IndexScoreConfig, TopKBlock, TopKConfig, choose_keys_per_tile,
                               dequantize_index_keys, index_key_cache_shape, index_key_page_words,
                               quantize_index_keys)
-from .mhc_site import add_collapse, add_post, site_inputs, site_weights
+from .mhc_site import MHCSiteFields, add_collapse, add_post, site_inputs, site_weights
 from .mhc_site import reference as site_reference
 from .mlp_stack import gemv_block
 from .program import Program, first_fitting
 
 
 @dataclass(frozen=True)
-class DSV4LayerConfig:
+class DSV4LayerConfig(MHCSiteFields):
     heads: int = 8                       # this GPU's query heads (V4.1-Flash TP8: 8)
     mode: str = "hca"                    # "swa" | "hca" | "csa"
     batch: int = 1
@@ -101,16 +101,6 @@ class DSV4LayerConfig:
                                          # through MXFP4, the score's BF16 stages; opt-in, written 2026-12-05
                                          # / 06, not yet run on a GPU
     q_head_norm: bool = True             # V4's per-head q RMSNorm; False: V4.1's queries (RoPE only)
-    mhc: str = ""                        # the residual around the sublayer: "" plain (x in, resid = x + out);
-                                         # "v4" mHC (streams in and out, the sublayer's input = its own pre's
-                                         # collapse); "v41" V4.1's lagged mHC (the collapse with the previous
-                                         # site's pre, `carried`, its own op; the coefficients beside the sublayer)
-    hc_mult: int = 4
-    hc_iters: int = 20                   # Sinkhorn iterations
-    hc_eps: float = 1e-6
-    hc_d_slice: int = 128                # D columns per tile of the post-mix
-    hc_last: bool = False                # mHC: the model's last site (no next site's partials)
-    hc_head_rows: int = 0                # mHC, the last site: the head's fn rows whose partials it computes
     fill_stage: bool = False             # every GEMV's chunk widened to fill the ring's stage (gemv.fill_stage):
                                          # measured slower on the H200 (2026-12-04, CSA B=1 32K: the
                                          # x GEMVs' 17 -> 33 KB chunks 97.8 -> 101.6 us; HCA B=1 41.1
@@ -194,13 +184,8 @@ class DSV4LayerConfig:
     @property
     def site(self):
         """The mHC site around the sublayer (sdk/megakernel/mhc_site.py), or None (plain residual)."""
-        from ..errors import UnsupportedConfigError
-        from .mhc_site import MHCSite
-        if self.mhc not in ("", "v4", "v41"):
-            raise UnsupportedConfigError(f"DSV4 layer: mhc {self.mhc!r} (supported: '', v4, v41)")
-        return MHCSite(self.mhc, self.hidden, self.tokens_total, self.hc_mult, self.hc_iters, self.hc_eps, self.eps,
-                       self.hc_d_slice, self.hc_last,
-                       self.hc_head_rows) if self.mhc else None
+        from .mhc_site import site_of
+        return site_of(self, "DSV4 layer", self.tokens_total, self.eps)
 
     def weight_shapes(self) -> dict:
         D, H, hd, Q, R = self.hidden, self.heads, self.head_dim, self.q_rank, self.o_rank

@@ -38,7 +38,7 @@ import torch
 
 from ..blocks.gemv import GemvConfig
 from ..blocks.kda import KDABlock, KDAConfig
-from .mhc_site import add_collapse, add_post, site_inputs, site_weights
+from .mhc_site import MHCSiteFields, add_collapse, add_post, site_inputs, site_weights
 from .mhc_site import reference as site_reference
 from .mlp_stack import gemv_block
 from .program import Program
@@ -47,7 +47,7 @@ GEMV_K_GROUP = 256          # a GEMV's K in multiples of 32 lanes x 8 bf16
 
 
 @dataclass(frozen=True)
-class KDALayerConfig:
+class KDALayerConfig(MHCSiteFields):
     heads: int                           # this GPU's KDA heads (Kimi K3 TP8: 12, GLM-5.3 TP8: 8)
     batch: int = 1
     tokens: int = 1                      # T per sequence
@@ -66,26 +66,12 @@ class KDALayerConfig:
                                          # side by side (0: each balanced as if alone - K3 TP8's qkv
                                          # then took 96 SMs and the gate the other 36; H200: B=1 52.0
                                          # vs 56.0 us, B=8 84.4 vs 98.9, GLM-5.3 34.1 / 50.7 vs 36.2 / 61.3)
-    mhc: str = ""                        # the residual around the sublayer: "" (x in, resid out); "v4"
-                                         # (GLM-5.3's mHC: streams in and out, sdk/megakernel/mhc_site.py)
-                                         # or "v41" (the lagged pre-mix)
-    hc_mult: int = 4
-    hc_iters: int = 20
-    hc_eps: float = 1e-6
-    hc_d_slice: int = 128
-    hc_last: bool = False                # mHC: the model's last site (no next site's partials)
-    hc_head_rows: int = 0                # mHC, the last site: the head's fn rows whose partials it computes
 
     @property
     def site(self):
-        """The mHC site around the sublayer (sdk/megakernel/mhc_site.py), or None."""
-        from ..errors import UnsupportedConfigError
-        from .mhc_site import KINDS, MHCSite
-        if self.mhc and self.mhc not in KINDS:
-            raise UnsupportedConfigError(f"KDA layer: mhc {self.mhc!r} (supported: '', {', '.join(KINDS)})")
-        return MHCSite(self.mhc, self.hidden, self.tokens_total, self.hc_mult, self.hc_iters, self.hc_eps, self.eps,
-                       self.hc_d_slice, self.hc_last,
-                       self.hc_head_rows) if self.mhc else None
+        """The mHC site around the sublayer (sdk/megakernel/mhc_site.py), or None (plain residual)."""
+        from .mhc_site import site_of
+        return site_of(self, "KDA layer", self.tokens_total, self.eps)
 
     @property
     def rank(self) -> int:

@@ -27,6 +27,23 @@ import torch
 KINDS = ("v4", "v41")
 
 
+@dataclass(frozen=True, kw_only=True)
+class MHCSiteFields:
+    """The mHC fields of a sublayer config (DSV4LayerConfig, MoELayerConfig, KDALayerConfig inherit
+    them; keyword-only), which `site_of` turns into its MHCSite."""
+    mhc: str = ""                # the residual around the sublayer: "" plain (x in, the sublayer's
+                                 # residual out); "v4" mHC (streams in and out, the input = the
+                                 # collapse with this site's pre); "v41" V4.1's lagged mHC (the
+                                 # collapse with the previous site's pre `carried`, its own op; the
+                                 # coefficients beside the sublayer)
+    hc_mult: int = 4
+    hc_iters: int = 20           # Sinkhorn iterations
+    hc_eps: float = 1e-6
+    hc_d_slice: int = 128        # D columns per tile of the post-mix
+    hc_last: bool = False        # the model's last site (no next site's partials)
+    hc_head_rows: int = 0        # the last site: the head fn's rows whose partials it computes
+
+
 @dataclass(frozen=True)
 class MHCSite:
     kind: str                    # "v4" | "v41"
@@ -88,6 +105,19 @@ class MHCSite:
         if self.next_rows:
             out["part_next"] = ((self.slices, M, self.next_rows + 1), "fp32", "output")
         return out
+
+
+def site_of(cfg, layer: str, tokens: int, norm_eps: float) -> MHCSite | None:
+    """The site of a sublayer config with the fields mhc, hidden, hc_mult, hc_iters, hc_eps,
+    hc_d_slice, hc_last, hc_head_rows (DSV4LayerConfig, MoELayerConfig, KDALayerConfig), or None
+    where mhc is "" (the plain residual); `layer` names it in the error."""
+    from ..errors import UnsupportedConfigError
+    if not cfg.mhc:
+        return None
+    if cfg.mhc not in KINDS:
+        raise UnsupportedConfigError(f"{layer}: mhc {cfg.mhc!r} (supported: '', {', '.join(KINDS)})")
+    return MHCSite(cfg.mhc, cfg.hidden, tokens, cfg.hc_mult, cfg.hc_iters, cfg.hc_eps, norm_eps, cfg.hc_d_slice,
+                   cfg.hc_last, cfg.hc_head_rows)
 
 
 def add_collapse(prog, site: MHCSite, b: dict, norm_weight: str, x: str = "x", label: str = "") -> tuple:

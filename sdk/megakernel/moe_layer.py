@@ -54,14 +54,14 @@ from ..errors import UnsupportedConfigError
 from ..reference.common import swiglu
 from ..reference.moe import route
 from ..spec import MoESpec
-from .mhc_site import add_collapse, add_post, site_weights
+from .mhc_site import MHCSiteFields, add_collapse, add_post, site_weights
 from .mhc_site import reference as site_reference
 from .mlp_stack import gemv_block
 from .program import Program
 
 
 @dataclass(frozen=True)
-class MoELayerConfig:
+class MoELayerConfig(MHCSiteFields):
     hidden: int = 1024
     num_experts: int = 64
     top_k: int = 4
@@ -103,25 +103,13 @@ class MoELayerConfig:
                                          # ...) over shared_gateup / shared_down / latent_down /
                                          # latent_up (moe_bench --set shared_down_rows=32)
     num_sms: int = 132                   # SMs the balanced tiles are cut for
-    mhc: str = ""                        # the residual around the layer: "" (x in, out out), "v4" / "v41"
-                                         # (mHC: streams in and out, mhc_site.py)
-    hc_mult: int = 4
-    hc_iters: int = 20
-    hc_eps: float = 1e-6
-    hc_d_slice: int = 128
-    hc_last: bool = False                # mHC: the model's last site (no next site's partials)
-    hc_head_rows: int = 0                # mHC, the last site: the head's fn rows whose partials it computes
     norm_eps: float = 1e-6               # mHC: the mix's RMSNorm and the layer's input norm
 
     @property
     def site(self):
-        """The mHC site around the layer (sdk/megakernel/mhc_site.py), or None."""
-        from .mhc_site import KINDS, MHCSite
-        if self.mhc and self.mhc not in KINDS:
-            raise UnsupportedConfigError(f"MoE layer: mhc {self.mhc!r} (supported: '', {', '.join(KINDS)})")
-        return MHCSite(self.mhc, self.hidden, self.batch, self.hc_mult, self.hc_iters, self.hc_eps, self.norm_eps,
-                       self.hc_d_slice, self.hc_last,
-                       self.hc_head_rows) if self.mhc else None
+        """The mHC site around the layer (sdk/megakernel/mhc_site.py), or None (plain residual)."""
+        from .mhc_site import site_of
+        return site_of(self, "MoE layer", self.batch, self.norm_eps)
 
     @property
     def local(self) -> int:

@@ -44,7 +44,9 @@ if [ "${1:-1}" = 2 ]; then
   exit
 fi
 
-OUT="$OUT/tests" DEVICE_ALL_S=$TESTS_S bash bench/device_all.sh tests
+# the whole-model and layer-join tests (long compiles) run in part 3
+GPU_TESTS=$(ls tests/gpu/test_*.py | grep -v -e test_dsv4_model_gpu -e test_mhc_layer_gpu | tr '\n' ' ') \
+  OUT="$OUT/tests" DEVICE_ALL_S=$TESTS_S bash bench/device_all.sh tests
 
 S="[{'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'}]"
 export BENCH_ARGS_megakernel="--quick --parts gemv,stack --stack-cases \"$S\"" BENCH_S_megakernel=90

@@ -108,7 +108,8 @@ class DSV4ModelConfig:
 def build_program(cfg: DSV4ModelConfig) -> Program:
     s, B = cfg.spec, cfg.batch
     D, N, V = s.hidden_size, s.residual.hc_mult, s.vocab_size
-    site = cfg.layers()[0][0].site
+    layers = cfg.layers()
+    site = layers[0][0].site
     pro = Program()                      # the prologue: ids -> streams, the first site's partials
     pro.buffer("ids", (B,), "int32", "input")
     pro.buffer("embed", (V, D), "bf16", "weight")
@@ -120,7 +121,7 @@ def build_program(cfg: DSV4ModelConfig) -> Program:
     pro.op(MHCMixBlock(MHCMixConfig(d=D, n=N, m=B, rows=mix_rows(N), d_slice=site.d_slice, stream_dtype="bf16")),
            {"streams": "streams", "fn": "hc_fn_first", "part": "part"}, waits=[emb], label="hc_mix_first")
     sub = []
-    for attn, moe in cfg.layers():
+    for attn, moe in layers:
         sub += [dsv4_layer.build_program(attn), moe_layer.build_program(moe)]
     prog, last = chain(sub, cfg.prefixes(), prologue=pro)
     prog.buffer("head_norm", (D,), "fp32", "weight")
@@ -161,14 +162,15 @@ MOE_WEIGHTS = {"router.weight": "gate.weight", "router.bias": "gate.e_score_corr
                "shared.up.weight": "shared_experts.up_proj.weight", "shared.down.weight": "shared_experts.down_proj.weight"}
 
 
-def program_weights(cfg: DSV4ModelConfig, weights: dict, device="cpu") -> dict:
+def program_weights(cfg: DSV4ModelConfig, weights: dict, device="cpu", prog: Program | None = None) -> dict:
     """The program's weights from the model's canonical ones (sdk/reference names), cast to the
-    program's dtypes (the bf16 experts only: quantised experts are not mapped yet)."""
+    program's dtypes (the bf16 experts only: quantised experts are not mapped yet). `prog`: the
+    program if already built (build_program(cfg) otherwise)."""
     from ..blocks.base import DTYPES
     if cfg.expert_dtype != "bf16":
         raise UnsupportedConfigError("DSV4 model program: mapping the model's weights to quantised experts "
                                      f"({cfg.expert_dtype}) is not implemented; use expert_dtype='bf16'")
-    prog_buffers = build_program(cfg).buffers
+    prog_buffers = (prog or build_program(cfg)).buffers
     n = len(cfg.spec.layers)
     src = {"embed": "embed.weight", "hc_fn_first": "layers.0.hc_attn.fn", "head_norm": "norm.weight",
            "lm_head": "embed.weight" if cfg.spec.tie_word_embeddings else "lm_head.weight",
@@ -201,7 +203,7 @@ class DSV4ModelRunner:
         from .pyvm import PyVM
         self.cfg, self.device, self.seed = cfg, torch.device(device), seed
         self.prog = build_program(cfg)
-        w = program_weights(cfg, weights, device)
+        w = program_weights(cfg, weights, device, self.prog)
         if self.device.type == "cpu":
             self.vm, _ = PyVM.from_program(self.prog, 8, w)
             self.tensors = self.vm.tensors
@@ -213,19 +215,23 @@ class DSV4ModelRunner:
             self.tensors["carried"].copy_(first_site_carry(cfg.batch, cfg.spec.residual.hc_mult))
         self.lengths = torch.zeros(cfg.batch, dtype=torch.long)
         self.steps = 0
+        # what each step's host inputs need, once: per attention layer (prefix, config, its ropes),
+        # the hash-routed MoE layers' ids buffers
+        from ..reference.dsv4_attention import Rope
+        layers = cfg.layers()
+        self._attn = [(p, attn, Rope(l.attention.rope), Rope(l.attention.compress_rope) if attn.compressed else None)
+                      for (attn, _), l, p in zip(layers, cfg.spec.layers, cfg.prefixes()[::2])]
+        self._hash_ids = [f"l{i}.mlp.input_ids" for i, (_, moe) in enumerate(layers) if moe.hash_routed]
 
     def _tables(self) -> dict:
         """The host's inputs of a step beside the ids: each attention layer's start and RoPE tables."""
-        from ..reference.dsv4_attention import Rope
         out = {}
         pos = self.lengths[:, None]
         start = self.lengths.to(torch.int32)
-        for (attn, _), l, p in zip(self.cfg.layers(), self.cfg.spec.layers, self.cfg.prefixes()[::2]):
-            a = l.attention
+        for p, attn, rope, crope in self._attn:
             out[p + "start"] = start
-            out[p + "cos"], out[p + "sin"] = Rope(a.rope).cos_sin(pos, torch.bfloat16)
-            if attn.compressed:
-                crope = Rope(a.compress_rope)
+            out[p + "cos"], out[p + "sin"] = rope.cos_sin(pos, torch.bfloat16)
+            if crope is not None:
                 out[p + "c_cos"], out[p + "c_sin"] = crope.cos_sin(pos + 1 - attn.ratio, torch.bfloat16)
                 if attn.mode == "csa":
                     out[p + "i_cos"], out[p + "i_sin"] = crope.cos_sin(pos, torch.bfloat16)
@@ -241,9 +247,8 @@ class DSV4ModelRunner:
         if int(self.lengths.max()) + 1 > cfg.max_seq_len:
             raise CapacityError(f"DSV4 model program: sequence length over the built max_seq_len {cfg.max_seq_len}")
         inputs = {"ids": ids.to(torch.int32), **self._tables()}
-        for i, (_, moe) in enumerate(cfg.layers()):
-            if moe.hash_routed:
-                inputs[f"l{i}.mlp.input_ids"] = ids.to(torch.int32)
+        for name in self._hash_ids:
+            inputs[name] = ids.to(torch.int32)
         for name, v in inputs.items():
             self.tensors[name].copy_(v.to(self.tensors[name].device))
         self.tensors["logits"].fill_(float("nan"))

@@ -1,6 +1,8 @@
-"""Benchmark of a whole DeepSeek-V4.1 decode step as ONE megakernel launch (sdk/megakernel/dsv4_model.py)
+"""Benchmark of a whole decode step as ONE megakernel launch: DeepSeek-V4.1 (sdk/megakernel/dsv4_model.py)
 on the config "small_v41" (4 layers: SWA, CSA, HCA, CSA; hidden 1024, 64 experts of which the
-step reads the hit ones; the blocks' shapes), batch 1 and 8, sequences some steps in - beside the
+step reads the hit ones) and Kimi K3 (sdk/megakernel/plain_model.py) on "small" (4 layers: KDA,
+MLA, KDA, MLA; a dense MLP then the latent MoE, 32 experts) - the blocks' shapes - at batch 1 and
+8, sequences some steps in - beside the
 reference backend's step (PyTorch; under a CUDA graph if it captures, else eager: said in the
 record) and the floor: the bytes the step must read (every dense weight, the hit experts, the
 embedding rows, the caches' live rows bounded by their buffers) over the copy bandwidth measured
@@ -19,20 +21,23 @@ import torch
 
 from bench.common import add_match_option, arg_parser, record_timeline, run_cases, timed
 
-CASES = [("small_v41", 1, 32), ("small_v41", 8, 32)]      # config, batch, steps before the timed one
+# model, config, batch, steps before the timed one
+CASES = [("deepseek_v41_flash", "small_v41", 1, 32), ("deepseek_v41_flash", "small_v41", 8, 32),
+         ("kimi_k3", "small", 1, 32), ("kimi_k3", "small", 8, 32)]
+SHORT = {"deepseek_v41_flash": "v41", "kimi_k3": "k3"}
 
 
-def bench_model(config, batch, warm_steps, copy_bw, timeline_path=None):
+def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None):
     from sdk import build_megakernel
-    from sdk.megakernel.dsv4_model import DSV4ModelConfig, DSV4ModelRunner
+    from sdk.megakernel.moe_layer import MoELayerConfig
     from sdk.reference.model import random_weights
-    ref = build_megakernel("deepseek_v41_flash", config, dtype=torch.bfloat16, device="cuda", max_seq_len=256,
-                           max_batch=batch)
+    ref = build_megakernel(model, config, dtype=torch.bfloat16, device="cuda", max_seq_len=256, max_batch=batch)
     w = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).cuda()
          for k, v in random_weights(ref.spec, seed=0).items()}
     ref.load_weights(w)
-    cfg = DSV4ModelConfig(ref.spec, batch=batch, max_seq_len=256)
-    runner = DSV4ModelRunner(cfg, w, device="cuda")
+    backend = build_megakernel(model, config, backend="megakernel", max_seq_len=256, max_batch=batch)
+    cfg = backend.Config(ref.spec, batch=batch, max_seq_len=256)
+    runner = backend.Runner(cfg, w, device="cuda")
     state = ref.new_state(batch)
     g = torch.Generator().manual_seed(1)
     for _ in range(warm_steps):              # the caches some steps in (windows full, entries written)
@@ -48,6 +53,8 @@ def bench_model(config, batch, warm_steps, copy_bw, timeline_path=None):
     wbytes = prog.bytes_by_role("weight") - prog.bytes_of("embed") + batch * ref.spec.hidden_size * 2
     hits = []
     for i, (_, moe) in enumerate(cfg.layers()):
+        if not isinstance(moe, MoELayerConfig):       # a dense MLP: all its weights are read
+            continue
         p = f"l{i}.mlp."
         expert_bytes = sum(prog.bytes_of(p + n) for n in ("experts.gate_up.weight", "experts.down.weight"))
         h = int(t[p + "hits"][0])
@@ -59,7 +66,7 @@ def bench_model(config, batch, warm_steps, copy_bw, timeline_path=None):
     rt = runner.rt
     us, mode = timed([rt.launch] * 8)
     rt.check()
-    case = f"v41 {config} whole step B={batch}"
+    case = case_name((model, config, batch))
     if timeline_path:
         record_timeline(prog, t, timeline_path, case, us)
     # the reference's step on the warm caches (each call appends a token: ~10 calls, inside the 256)
@@ -75,7 +82,7 @@ def bench_model(config, batch, warm_steps, copy_bw, timeline_path=None):
 
 
 def case_name(c):
-    return f"v41 {c[0]} whole step B={c[1]}"
+    return f"{SHORT[c[0]]} {c[1]} whole step B={c[2]}"
 
 
 def main(argv=None):
@@ -85,7 +92,7 @@ def main(argv=None):
     todo = [c for c in CASES if not a.match or any(m in case_name(c) for m in a.match)]
 
     def one(c, bw):
-        tl = os.path.join(a.out, f"timeline_model_{c[0]}_b{c[1]}.json") if a.out and c[1] == 1 else None
+        tl = os.path.join(a.out, f"timeline_model_{c[1]}_b{c[2]}.json") if a.out and c[2] == 1 else None
         return bench_model(*c, bw, tl)
     run_cases("model_bench.json", todo, one, case_name, a.out, case_width=34)
 

@@ -12,18 +12,25 @@ def _reference(entry, spec, *, device, dtype, tp, ep, rank, max_seq_len, max_bat
     return ReferenceModel(entry, spec, device=device, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch)
 
 
+# the whole-model programs: model -> (module, backend class)
+MEGAKERNEL_MODELS = {"deepseek_v41_flash": ("dsv4_model", "DSV4MegakernelModel"),
+                     "kimi_k3": ("plain_model", "PlainMegakernelModel")}
+
+
 def _megakernel(entry, spec, *, device, dtype, tp, ep, rank, max_seq_len, max_batch, **options):
-    """The whole-model megakernel (one launch a decode step): DeepSeek-V4.1 for now."""
+    """The whole-model megakernel (one launch a decode step): DeepSeek-V4.1 and Kimi K3 for now."""
+    import importlib
+
     from .errors import UnsupportedConfigError
-    if entry.name != "deepseek_v41_flash":
-        raise UnsupportedConfigError(f"the megakernel backend runs deepseek_v41_flash (configs small / small_v41: "
-                                     f"the device blocks' shapes); "
-                                     f"not {entry.name!r} yet - its sublayer programs are in sdk/megakernel")
+    if entry.name not in MEGAKERNEL_MODELS:
+        raise UnsupportedConfigError(f"the megakernel backend runs {', '.join(MEGAKERNEL_MODELS)} (configs small / "
+                                     f"small_v41: the device blocks' shapes); not {entry.name!r} yet - its "
+                                     "sublayer programs are in sdk/megakernel")
     if tp != 1 or ep != 1:
         raise UnsupportedConfigError("the megakernel backend runs the model's program on one GPU: tp=1, ep=1")
-    from .megakernel.dsv4_model import DSV4MegakernelModel
-    return DSV4MegakernelModel(entry, spec, device=device, dtype=dtype, max_seq_len=max_seq_len,
-                               max_batch=max_batch, **options)
+    module, cls = MEGAKERNEL_MODELS[entry.name]
+    model = getattr(importlib.import_module(f".megakernel.{module}", __package__), cls)
+    return model(entry, spec, device=device, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch, **options)
 
 
 @hookimpl

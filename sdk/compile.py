@@ -118,7 +118,25 @@ def sublayer_megakernel_cases():
             ("megakernel dsv4 csa sublayer, V4.1 cache formats (TP8, 16K, B=8)", build_program(csa)),
             ("megakernel dsv4 hca sublayer in V4.1's lagged mHC, V4.1 formats (TP8, 16K)", build_program(v41)),
             ("megakernel V4.1 decoder layer: that sublayer + the MoE (EP8 shard), one launch", layer),
-            ("megakernel V4.1 whole model (small_v41: 4 layers, embedding to logits), B=8", _small_v41_model())]
+            ("megakernel V4.1 whole model (small_v41: 4 layers, embedding to logits), B=8", _small_v41_model()),
+            ("megakernel Kimi K3 decoder layer: KDA (TP8) + latent MoE (EP16 shard), in place, one launch",
+             _k3_layer()),
+            ("megakernel Kimi K3 whole model (small: KDA, MLA, dense, latent MoE; embedding to logits), B=8",
+             _small_k3_model())]
+
+
+def _k3_layer():
+    from .megakernel import kda_layer, moe_layer
+    from .megakernel.plain_model import chain
+    return chain([kda_layer.build_program(kda_layer.KDALayerConfig(heads=12, eps=1e-5, resid_in_place=True)),
+                  moe_layer.build_program(moe_layer.preset("kimi_k3", 1, expert_dtype="mxfp4", norm_eps=1e-5,
+                                                           resid_in_place=True))], ["attn.", "mlp."])[0]
+
+
+def _small_k3_model():
+    from . import plugins
+    from .megakernel.plain_model import PlainModelConfig, build_program
+    return build_program(PlainModelConfig(plugins.get_model("kimi_k3").spec("small"), batch=8, max_seq_len=256))
 
 
 def _small_v41_model():

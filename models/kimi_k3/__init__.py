@@ -12,7 +12,9 @@ ENTRY = ModelEntry(
     summary="Kimi K3: KDA + NoPE MLA hybrid, 896-expert top-16 latent MoE with SiTU (transformers kimi_linear "
             "+ K3's sigmoid KDA gate, Stable LatentMoE and SiTU)",
     spec_from_config=_config.spec_from_config,
-    configs={"tiny": _config.tiny, "tiny_k3": _config.tiny_k3, "full": _config.full},
+    configs={"tiny": _config.tiny, "tiny_k3": _config.tiny_k3, "full": _config.full,
+             # in the device blocks' shapes: the whole-model program (sdk/megakernel/plain_model.py)
+             "small": _config.small},
     hf_config=_config.hf_config,
     hf_causal_lm="transformers.KimiLinearForCausalLM",
     load_weights=_weights.load_weights,

@@ -107,6 +107,18 @@ TINY_K3 = dict(TINY, routed_expert_hidden_size=48, hidden_act="situ", situ_beta=
                n_group=1, topk_group=1, routed_scaling_factor=1.0)
 
 
+# TINY_K3 in the device blocks' shapes (hidden a multiple of 1024, 128-wide KDA heads, MLA's
+# 512 + 64 latent, 32 experts for the router's select, 256-multiples of every GEMV's K): the
+# whole-model megakernel program (sdk/megakernel/plain_model.py) runs it on the PyVM and the GPU.
+# KDA, MLA, KDA, MLA; a dense first layer, then the latent MoE.
+SMALL = dict(TINY_K3, vocab_size=1024, hidden_size=1024, intermediate_size=512, moe_intermediate_size=256,
+             routed_expert_hidden_size=512, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=512,
+             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True,
+             linear_num_heads=4, linear_head_dim=128,
+             linear_attn_config={"gate_lower_bound": -5.0, "use_full_rank_gate": True},
+             num_local_experts=32, num_experts_per_tok=4)
+
+
 def _full_layer_types(n: int = 61) -> list[str]:
     # ASSUMED (not stated [F3]): Kimi-Linear's 3:1 pattern as in its checkpoint, MLA on every 4th
     # layer (1-indexed 4, 8, ...) and on the last one.
@@ -164,6 +176,10 @@ def tiny() -> dict:
 
 def tiny_k3() -> dict:
     return _copy(TINY_K3)
+
+
+def small() -> dict:
+    return _copy(SMALL)
 
 
 def full() -> dict:

@@ -210,6 +210,8 @@ class DSALayerConfig:
     keys_per_tile: int = 0              # IndexScore entries per tile; 0 = choose_keys_per_tile
     index_stages: int = 4               # IndexScore cp.async depth (stepped down to fit the ring)
     decode_chunk: int = 0               # sparse decode tokens per pipeline stage; 0 = the block's (32)
+    shared: bool = False                # a "shared" indexer layer: no indexer, the decode over the list
+                                        # the previous DSA layer wrote (`index`, an input)
 
     def __post_init__(self):
         from ..errors import UnsupportedConfigError
@@ -307,13 +309,20 @@ def _build(cfg: DSALayerConfig, gemv_rows: int = 0) -> Program:
     return mla_layer._build(cfg.mla, gemv_rows, extend=lambda *a: _extend(cfg, *a))
 
 
-def _extend(cfg: DSALayerConfig, prog: Program, dec: MLADecodeBlock, ops: dict, gemv):
-    """The indexer's buffers and ops; returns the sparse decode block and its waits."""
+def _extend(cfg: DSALayerConfig, prog: Program, dec: MLADecodeBlock, ops: dict, gemv, from_x):
+    """The indexer's buffers and ops; returns the sparse decode block and its waits. A "shared"
+    layer has none: its decode reads the list `index` the previous layer's indexer wrote (an
+    input here; the model's chain links it)."""
     a = cfg.mla.attn
     B, T, M, D = a.batch, a.q_tokens, a.tokens, cfg.mla.hidden
     Hi, d, P = cfg.index_heads, cfg.index_head_dim, cfg.kpool
     score, topk = cfg.blocks()
     E = cfg.max_entries
+    sparse = MLADecodeBlock(replace(dec.config, index_width=cfg.width, **({"chunk": cfg.decode_chunk}
+                                                                           if cfg.decode_chunk else {})))
+    if cfg.shared:
+        prog.buffer("index", (B, T, cfg.width), "int32", "input")
+        return sparse, [ops["rope_append"], ops["w_uk"]]
     for name, shape in (("index_wq_b", (Hi * d, cfg.mla.q_lora)), ("index_k_gate", (2 * d, D)),
                         ("index_weights_proj", (Hi, D)), ("index_k_norm_w", (d,)), ("index_k_norm_b", (d,)),
                         ("index_ape", (P, d))):
@@ -326,11 +335,8 @@ def _extend(cfg: DSALayerConfig, prog: Program, dec: MLADecodeBlock, ops: dict, 
     prog.buffer("index_start", (B,), "int32")
     prog.buffer("index_scores", (B, T, E), "fp32")
     prog.buffer("index", (B, T, cfg.width), "int32", "output")
-    kg = prog.op(gemv(2 * d, D, norm=True, out_dtype="fp32"),
-                 {"w": "index_k_gate", "x": "x", "norm_weight": "input_norm", "y": "index_kg"}, label="index.k_gate")
-    wp = prog.op(gemv(Hi, D, norm=True, out_dtype="fp32"),
-                 {"w": "index_weights_proj", "x": "x", "norm_weight": "input_norm", "y": "index_w"},
-                 label="index.weights")
+    kg = from_x(2 * d, "index_k_gate", "index_kg", "index.k_gate", out_dtype="fp32")
+    wp = from_x(Hi, "index_weights_proj", "index_w", "index.weights", out_dtype="fp32")
     iq = prog.op(gemv(Hi * d, cfg.mla.q_lora, norm=True),
                  {"w": "index_wq_b", "x": "q_a", "norm_weight": "q_a_norm", "y": "index_q"}, waits=[ops["q_a"]],
                  label="index.q")
@@ -343,8 +349,6 @@ def _extend(cfg: DSALayerConfig, prog: Program, dec: MLADecodeBlock, ops: dict, 
                          "scores": "index_scores"}, waits=[app, iq], label="index.score")
     tk = prog.op(topk, {"scores": "index_scores", "start": "index_start", "index": "index"},
                  waits=[sc, ops["w_uk"]], label="index.topk")
-    sparse = MLADecodeBlock(replace(dec.config, index_width=cfg.width, **({"chunk": cfg.decode_chunk}
-                                                                           if cfg.decode_chunk else {})))
     return sparse, [ops["rope_append"], tk]
 
 

@@ -21,8 +21,8 @@ entries, indexer keys) are the program's buffers, updated in place step after st
 
 `DSV4ModelConfig.layers()` derives each sublayer's config from the ModelSpec; `program_weights`
 maps the model's canonical weights (sdk/reference) to the program's names; `DSV4ModelRunner`
-feeds each step (ids, positions, the host's RoPE tables) and runs it on the PyVM (CPU: the blocks'
-torch twins) or the GPU (MegakernelRuntime).
+(sdk/megakernel/model_runner.py) feeds each step (ids, positions, the host's RoPE tables) and runs
+it on the PyVM (CPU: the blocks' torch twins) or the GPU (MegakernelRuntime).
 
 Supported: V4.1's residual (ResidualSpec lagged_pre with the "carried" head: the configs
 "tiny_v41" / "small_v41" / "full_v41") and V4's (unlagged, the weighted head), o_groups = 1 per GPU (the attention programs hold one
@@ -39,11 +39,12 @@ import torch
 from ..blocks.embed import EmbedStreamsBlock, EmbedStreamsConfig
 from ..blocks.gemv import GemvConfig
 from ..blocks.mhc import MHCMixBlock, MHCMixConfig, MHCPreBlock, MHCPreConfig, first_site_carry, mix_rows
-from ..errors import CapacityError, UnsupportedConfigError
+from ..errors import UnsupportedConfigError
 from ..spec import ModelSpec
 from . import dsv4_layer, moe_layer
 from .mhc_layer import chain
 from .mlp_stack import gemv_block
+from .model_runner import MegakernelModel, ModelRunner, weights_from
 from .program import Program
 
 
@@ -155,22 +156,13 @@ ATTN_WEIGHTS = {"w_q_a": "q_a_proj.weight", "q_a_norm": "q_a_norm.weight", "w_q_
                 "w_i_gate": "indexer.gate_proj.weight", "i_position_bias": "indexer.position_bias",
                 "i_kv_norm": "indexer.kv_norm.weight", "w_iq": "indexer.q_b_proj.weight",
                 "w_iw": "indexer.weights_proj.weight"}
-# the MoE program's weights <- the model's (under layers.{i}.mlp.)
-MOE_WEIGHTS = {"router.weight": "gate.weight", "router.bias": "gate.e_score_correction_bias",
-               "router.tid2eid": "gate.tid2eid", "experts.gate_up.weight": "experts.gate_up_proj",
-               "experts.down.weight": "experts.down_proj", "shared.gate.weight": "shared_experts.gate_proj.weight",
-               "shared.up.weight": "shared_experts.up_proj.weight", "shared.down.weight": "shared_experts.down_proj.weight"}
-
-
 def program_weights(cfg: DSV4ModelConfig, weights: dict, device="cpu", prog: Program | None = None) -> dict:
     """The program's weights from the model's canonical ones (sdk/reference names), cast to the
     program's dtypes (the bf16 experts only: quantised experts are not mapped yet). `prog`: the
     program if already built (build_program(cfg) otherwise)."""
-    from ..blocks.base import DTYPES
     if cfg.expert_dtype != "bf16":
         raise UnsupportedConfigError("DSV4 model program: mapping the model's weights to quantised experts "
                                      f"({cfg.expert_dtype}) is not implemented; use expert_dtype='bf16'")
-    prog_buffers = (prog or build_program(cfg)).buffers
     n = len(cfg.spec.layers)
     src = {"embed": "embed.weight", "hc_fn_first": "layers.0.hc_attn.fn", "head_norm": "norm.weight",
            "lm_head": "embed.weight" if cfg.spec.tie_word_embeddings else "lm_head.weight",
@@ -178,43 +170,27 @@ def program_weights(cfg: DSV4ModelConfig, weights: dict, device="cpu", prog: Pro
     for i in range(n):
         a, m = f"l{i}.attn.", f"l{i}.mlp."
         src.update({a + k: f"layers.{i}.attn.{v}" for k, v in ATTN_WEIGHTS.items()})
-        src.update({m + k: f"layers.{i}.mlp.{v}" for k, v in MOE_WEIGHTS.items()})
+        src.update({m + k: f"layers.{i}.mlp.{v}" for k, v in moe_layer.MODEL_WEIGHTS.items()})
         src.update({a + "input_norm": f"layers.{i}.attn_norm.weight", a + "hc_base": f"layers.{i}.hc_attn.base",
                     a + "hc_scale": f"layers.{i}.hc_attn.scale", a + "hc_fn_next": f"layers.{i}.hc_mlp.fn",
                     m + "mlp_norm": f"layers.{i}.mlp_norm.weight", m + "hc_base": f"layers.{i}.hc_mlp.base",
                     m + "hc_scale": f"layers.{i}.hc_mlp.scale",
                     m + "hc_fn_next": f"layers.{i + 1}.hc_attn.fn" if i + 1 < n else "hc_head.fn"})
-    out = {}
-    for name, b in prog_buffers.items():
-        if b.role != "weight":
-            continue
-        if name not in src or src[name] not in weights:
-            raise UnsupportedConfigError(f"DSV4 model program: no model weight for the program's {name!r}")
-        t = weights[src[name]]
-        out[name] = t.to(device=device, dtype=DTYPES[b.dtype]).reshape(b.shape).contiguous()
-    return out
+    return weights_from(src, weights, prog or build_program(cfg), device, "DSV4 model program")
 
 
-class DSV4ModelRunner:
-    """Decode steps of the model program: `decode(ids [B])` -> logits [B, V] fp32, one launch a
-    step (the caches are the program's buffers, starting empty). device "cpu": the PyVM."""
+class DSV4ModelRunner(ModelRunner):
+    """Decode steps of the model program (model_runner.ModelRunner): the ids, each attention
+    layer's start and RoPE tables, the hash-routed layers' ids; V4.1's first site carries stream 0."""
+
+    name = "DSV4 model program"
+    build_program = staticmethod(build_program)
+    program_weights = staticmethod(program_weights)
 
     def __init__(self, cfg: DSV4ModelConfig, weights: dict, device="cpu", seed: int | None = 0):
-        from .pyvm import PyVM
-        self.cfg, self.device, self.seed = cfg, torch.device(device), seed
-        self.prog = build_program(cfg)
-        w = program_weights(cfg, weights, device, self.prog)
-        if self.device.type == "cpu":
-            self.vm, _ = PyVM.from_program(self.prog, 8, w)
-            self.tensors = self.vm.tensors
-        else:
-            from .runtime import program_runtime
-            self.rt = program_runtime(self.prog, w)
-            self.tensors = self.rt.tensors
+        super().__init__(cfg, weights, device, seed)
         if "carried" in self.tensors:        # V4.1's first site: stream 0 itself
             self.tensors["carried"].copy_(first_site_carry(cfg.batch, cfg.spec.residual.hc_mult))
-        self.lengths = torch.zeros(cfg.batch, dtype=torch.long)
-        self.steps = 0
         # what each step's host inputs need, once: per attention layer (prefix, config, its ropes),
         # the hash-routed MoE layers' ids buffers
         from ..reference.dsv4_attention import Rope
@@ -223,9 +199,9 @@ class DSV4ModelRunner:
                       for (attn, _), l, p in zip(layers, cfg.spec.layers, cfg.prefixes()[::2])]
         self._hash_ids = [f"l{i}.mlp.input_ids" for i, (_, moe) in enumerate(layers) if moe.hash_routed]
 
-    def _tables(self) -> dict:
-        """The host's inputs of a step beside the ids: each attention layer's start and RoPE tables."""
-        out = {}
+    def step_inputs(self, ids: torch.Tensor) -> dict:
+        """Each attention layer's start and RoPE tables, the hash-routed layers' ids."""
+        out = {name: ids.to(torch.int32) for name in self._hash_ids}
         pos = self.lengths[:, None]
         start = self.lengths.to(torch.int32)
         for p, attn, rope, crope in self._attn:
@@ -237,81 +213,8 @@ class DSV4ModelRunner:
                     out[p + "i_cos"], out[p + "i_sin"] = crope.cos_sin(pos, torch.bfloat16)
         return out
 
-    def decode(self, ids: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        ids = ids.reshape(-1)
-        if ids.numel() != cfg.batch:
-            raise CapacityError(f"DSV4 model program: {ids.numel()} ids for the built batch {cfg.batch}")
-        if int(ids.min()) < 0 or int(ids.max()) >= cfg.spec.vocab_size:
-            raise ValueError(f"DSV4 model program: token ids outside the vocabulary [0, {cfg.spec.vocab_size})")
-        if int(self.lengths.max()) + 1 > cfg.max_seq_len:
-            raise CapacityError(f"DSV4 model program: sequence length over the built max_seq_len {cfg.max_seq_len}")
-        inputs = {"ids": ids.to(torch.int32), **self._tables()}
-        for name in self._hash_ids:
-            inputs[name] = ids.to(torch.int32)
-        for name, v in inputs.items():
-            self.tensors[name].copy_(v.to(self.tensors[name].device))
-        self.tensors["logits"].fill_(float("nan"))
-        if self.device.type == "cpu":
-            self.vm.step(seed=None if self.seed is None else self.seed + self.steps)
-        else:
-            self.rt.run()
-        self.lengths += 1
-        self.steps += 1
-        return self.tensors["logits"].clone()
 
-
-class DSV4MegakernelModel:
-    """The "megakernel" backend of build_megakernel for DeepSeek-V4.1 (the reference backend's
-    interface: load_weights / load_hf_state_dict, new_state, decode, generate, last_logits): one
-    launch of the whole-model program per decode step. device "cpu" runs the PyVM (slow: for
-    checking), "cuda" the GPU. A prompt is fed one token per step; ragged prompts are not (yet)."""
-
-    backend = "megakernel"
-
-    def __init__(self, entry, spec, *, device="cpu", dtype=torch.float32, max_seq_len=64, max_batch=64,
-                 expert_dtype="bf16"):
-        from ..reference.model import ReferenceModel
-        DSV4ModelConfig(spec, expert_dtype=expert_dtype).check()
-        self._ref = ReferenceModel(entry, spec, device="cpu", dtype=dtype, max_seq_len=max_seq_len,
-                                   max_batch=max_batch)
-        self._ref._build = lambda: None           # the weights only: the program runs the model
-        self.entry, self.spec, self.device = entry, spec, torch.device(device)
-        self.max_seq_len, self.max_batch, self.expert_dtype = max_seq_len, max_batch, expert_dtype
-        self.last_logits = None
-
-    @property
-    def weights(self):
-        return self._ref.weights
-
-    def load_hf_state_dict(self, state_dict) -> "DSV4MegakernelModel":
-        self._ref.load_hf_state_dict(state_dict)
-        return self
-
-    def load_weights(self, weights: dict) -> "DSV4MegakernelModel":
-        self._ref.load_weights(weights)
-        return self
-
-    def new_state(self, batch: int) -> DSV4ModelRunner:
-        if batch > self.max_batch:
-            raise CapacityError(f"batch {batch} is over the built max_batch {self.max_batch}")
-        self._ref._need_weights()
-        cfg = DSV4ModelConfig(self.spec, batch=batch, max_seq_len=self.max_seq_len, expert_dtype=self.expert_dtype)
-        return DSV4ModelRunner(cfg, self.weights, self.device)
-
-    @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, state: DSV4ModelRunner) -> torch.Tensor:
-        """[B, T] ids -> logits [B, T, V]: T launches, one token of every sequence each."""
-        input_ids = torch.as_tensor(input_ids)
-        if input_ids.shape[0] != state.cfg.batch:
-            raise CapacityError(f"input batch {input_ids.shape[0]} does not match the state's batch {state.cfg.batch}")
-        return torch.stack([state.decode(input_ids[:, t].cpu()) for t in range(input_ids.shape[1])], dim=1)
-
-    def generate(self, input_ids, max_new_tokens: int, *, prompt_lens=None, eos_token_id=None, pad_token_id=0):
-        """Greedy decoding as the reference backend's (sdk/reference/model.py), prompts of one length."""
-        from ..reference.model import ReferenceModel
-        if prompt_lens is not None and len(set(int(n) for n in prompt_lens)) > 1:
-            raise UnsupportedConfigError("the megakernel backend feeds prompts one token a step for the whole "
-                                         "batch: ragged prompt_lens are not supported yet")
-        return ReferenceModel.generate(self, input_ids, max_new_tokens, prompt_lens=None,
-                                       eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+class DSV4MegakernelModel(MegakernelModel):
+    """The "megakernel" backend of build_megakernel for DeepSeek-V4.1 (model_runner.MegakernelModel)."""
+    Config = DSV4ModelConfig
+    Runner = DSV4ModelRunner

@@ -12,6 +12,8 @@ the input RMSNorm fused into the projections, the short conv + delta rule + gate
     o     = KDA(conv, out_norm)(qkv, conv_state, g, beta = bf_a, state, gate)  [B, T, H, K]; conv_state
                                                                               and state updated in place
     resid = x + o @ W_o^T       (fp32: the o_proj GEMV's residual epilogue)
+          | x += o @ W_o^T      (`resid_in_place`: a plain-residual model's chain, bf16 in place -
+                                 the hidden state the next sublayer reads; sdk/megakernel/plain_model.py)
 
 Why beta and f_a share one GEMV: a GEMV's K comes in 256s (32 lanes x 16 bytes), so the forget
 gate's rank (128 in both models) is padded to 256 anyway (zero columns in W_f_b), and the beta
@@ -62,6 +64,7 @@ class KDALayerConfig(MHCSiteFields):
     eps: float = 1e-6                    # the model's norm_eps: the input and the output norms
     state_dtype: str = "fp32"
     num_sms: int = 132
+    resid_in_place: bool = False         # plain residual: x += o_proj(o) (bf16, in place) instead of resid
     x_gemv_rows: int = 32                # rows per tile of the GEMVs that read x, cut alike: they run
                                          # side by side (0: each balanced as if alone - K3 TP8's qkv
                                          # then took 96 SMs and the gate the other 36; H200: B=1 52.0
@@ -146,7 +149,10 @@ def build_program(cfg: KDALayerConfig) -> Program:
     if not cfg.output_gate_full_rank:
         prog.buffer("g_a", (M, r), "bf16")
     prog.buffer("o", (M, C), "bf16")
-    prog.buffer("y" if site else "resid", (M, D), "bf16" if site else "fp32", "scratch" if site else "output")
+    if site:
+        prog.buffer("y", (M, D), "bf16")
+    elif not cfg.resid_in_place:
+        prog.buffer("resid", (M, D), "fp32", "output")
 
     def gemv(n, k, **kw):
         return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), 0, cfg.num_sms)
@@ -168,7 +174,9 @@ def build_program(cfg: KDALayerConfig) -> Program:
                          "a_log": "a_log", "beta": "bf_a", "state": "state", "out_gate": "gate", "norm_w": "o_norm",
                          "o": "o"}, waits=[g, gate], label="kda.core")
     if not site:
-        prog.op(gemv(D, C, out_dtype="fp32", residual="bf16"), {"w": "w_o", "x": "o", "res": "x", "y": "resid"},
+        # every reader of x is done (the KDA op waits for all of them): o_proj may rewrite it
+        y, out = ("x", "bf16") if cfg.resid_in_place else ("resid", "fp32")
+        prog.op(gemv(D, C, out_dtype=out, residual="bf16"), {"w": "w_o", "x": "o", "res": "x", "y": y},
                 waits=[core], label="kda.o_proj")
         return prog
     o_proj = prog.op(gemv(D, C), {"w": "w_o", "x": "o", "y": "y"}, waits=[core], label="kda.o_proj")
@@ -202,6 +210,28 @@ def make_weights(cfg: KDALayerConfig, seed: int = 0, device="cpu") -> dict[str, 
     if cfg.site:            # the input norm fp32 (bf16 values: the model's), the site's mix weights
         w["input_norm"] = w["input_norm"].float()
         w.update(site_weights(cfg.site, g, device))
+    return w
+
+
+def weights_from_model(cfg: KDALayerConfig, get) -> dict[str, torch.Tensor]:
+    """The program's weights but the input norm from the model's: get(name) -> its weight under
+    the HF name (sdk/reference/kda.py). The inverse of `reference`'s mapping: bf_a's rows are
+    b_proj | f_a | zeros, f_b's columns zeros | f_b | zeros, the low-rank gate's padding zero."""
+    C, H, r, P, D = cfg.channels, cfg.heads, cfg.rank, cfg.bfa_width, cfg.hidden
+    f_a = get("forget_gate.f_a_proj.weight")
+    zeros = f_a.new_zeros
+    w = {"w_qkv": torch.cat([get(n + "_proj.weight") for n in "qkv"]),
+         "w_bf_a": torch.cat([get("b_proj.weight").to(f_a.dtype), f_a, zeros(P - H - r, D)]),
+         "w_f_b": torch.cat([zeros(C, H), get("forget_gate.f_b_proj.weight").to(f_a.dtype), zeros(C, P - H - r)], 1),
+         "conv_w": get("conv1d.weight"), "dt_bias": get("forget_gate.dt_bias"), "a_log": get("forget_gate.A_log"),
+         "o_norm": get("o_norm.weight"), "w_o": get("o_proj.weight")}
+    if cfg.output_gate_full_rank:
+        w["w_g"] = get("g_proj.weight")
+    else:
+        pad = cfg.rank_padded - r
+        g_a, g_b = get("g_a_proj.weight"), get("g_b_proj.weight")
+        w["w_g_a"] = torch.cat([g_a, g_a.new_zeros(pad, D)])
+        w["w_g_b"] = torch.cat([g_b, g_b.new_zeros(C, pad)], 1)
     return w
 
 

@@ -81,15 +81,15 @@ def chain(progs: list, prefixes, prologue: Program | None = None) -> tuple[Progr
                                      f"{b.dtype}{list(b.shape)})")
                 continue
             out.buffer(n, b.shape, b.dtype, "scratch" if n in links and prog is not prologue else b.role)
-    last = _replay(out, prologue, lambda n: n, "", None)[1] if prologue else None
+    last = replay(out, prologue, lambda n: n, "", None)[1] if prologue else None
     for prog, name, prefix in zip(progs, names, prefixes):
-        base, _ = _replay(out, prog, name, prefix, last)
+        base, _ = replay(out, prog, name, prefix, last)
         # the site's post-mix: the op rewriting the streams, what the next site starts after
         last = base + next(i for i, op in enumerate(prog.ops) if op.bindings.get("streams_out") == "streams")
     return out, last
 
 
-def _replay(out: Program, prog: Program, name, prefix: str, after: int | None) -> tuple[int, int]:
+def replay(out: Program, prog: Program, name, prefix: str, after: int | None) -> tuple[int, int]:
     """prog's ops appended to `out` (bindings renamed, waits kept; ops waiting for nothing wait
     for `after`). Returns (index of its first op in out, of its last)."""
     base = len(out.ops)

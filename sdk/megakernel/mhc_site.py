@@ -114,6 +114,9 @@ def site_of(cfg, layer: str, tokens: int, norm_eps: float) -> MHCSite | None:
     from ..errors import UnsupportedConfigError
     if not cfg.mhc:
         return None
+    if getattr(cfg, "resid_in_place", False):
+        raise UnsupportedConfigError(f"{layer}: resid_in_place is the plain residual's chain; mhc={cfg.mhc!r} "
+                                     "sites update the streams instead")
     if cfg.mhc not in KINDS:
         raise UnsupportedConfigError(f"{layer}: mhc {cfg.mhc!r} (supported: '', {', '.join(KINDS)})")
     return MHCSite(cfg.mhc, cfg.hidden, tokens, cfg.hc_mult, cfg.hc_iters, cfg.hc_eps, norm_eps, cfg.hc_d_slice,

@@ -11,11 +11,18 @@ split-KV attention and the output projection with the residual add.
     W_UK:        q[..., :L] = q_raw[..., :nope] @ W_UK                   (waits q_raw)
     decode -> combine -> W_UV                                            (sdk/megakernel/mla_attention.py)
     resid = x + o @ W_o^T        (fp32; the o_proj GEMV's residual epilogue)
+          | x += o @ W_o^T       (`resid_in_place`: a plain-residual model's chain, bf16 in place -
+                                  the hidden state the next sublayer reads; sdk/megakernel/plain_model.py)
 
 Ops wait only for what they read, so the q and kv branches and the GEMVs stream their weights
 concurrently. `reference()` is sdk/reference/mla.py's MLAReference.forward (expanded keys and
 values, its own RoPE and norms) on the same cache, plus the residual: the program is checked
 against the model's definition, not against its own pieces.
+
+In an mHC residual (`mhc` "v4" / "v41": GLM-5.3's DSA layers; sdk/megakernel/mhc_site.py) the
+streams come in instead of x: x = the collapse normed with the fp32 input_norm (its own op), the
+GEMVs read it as it is (no fused norm) and wait for it, o_proj writes y and the post-mix updates
+the streams (fused with the next site's partials).
 
 RoPE scaling (YaRN, DeepSeek-V3 style) needs no device code: the host's cos / sin tables
 (`rope_tables`) come from the reference's rope_cos_sin (YaRN frequencies, times its attention
@@ -31,12 +38,13 @@ import torch
 from ..blocks.gemv import GemvConfig
 from ..blocks.mla_prologue import MLARopeAppendBlock, MLARopeAppendConfig
 from . import mla_attention as mla
+from .mhc_site import MHCSiteFields, add_collapse, add_post
 from .mlp_stack import gemv_block
 from .program import Program, first_fitting
 
 
 @dataclass(frozen=True)
-class MLALayerConfig:
+class MLALayerConfig(MHCSiteFields):
     # the shard's heads, cache geometry, batch, splits; softmax_scale * scale_factor is the base
     # scale, before YaRN's mscale ** 2 (see `decode_attn`)
     attn: mla.MLAAttentionConfig
@@ -44,7 +52,9 @@ class MLALayerConfig:
     q_lora: int = 1536
     rope_theta: float = 50000.0
     rope_mode: str = "interleaved"      # MLARopeAppendConfig.rope_mode
-    eps: float = 1e-6
+    eps: float = 1e-6                   # the q_a / kv_a norms' (MLASpec.latent_norm_eps)
+    input_eps: float = 0.0              # the input norm's (the model's norm_eps; Kimi K3 1e-5); 0: eps
+    resid_in_place: bool = False        # x += o_proj(o) (bf16, in place) instead of resid (fp32)
     rope_scaling: tuple = ()            # RopeSpec.scaling: sorted (key, value) pairs of the HF rope_parameters
     gemv_rows: int = 0                  # rows per tile of every projection (0: build_program's choice)
 
@@ -55,6 +65,16 @@ class MLALayerConfig:
             raise UnsupportedConfigError(f"MLA layer: rope_scaling {dict(self.rope_scaling)} without rope "
                                          f"(rope_mode={self.rope_mode!r}, rope={self.attn.rope})")
         MLAReference.check(self.spec)   # an unsupported rope type fails here, naming it
+
+    @property
+    def x_eps(self) -> float:
+        return self.input_eps or self.eps
+
+    @property
+    def site(self):
+        """The mHC site around the sublayer (sdk/megakernel/mhc_site.py), or None (plain residual)."""
+        from .mhc_site import site_of
+        return site_of(self, "MLA layer", self.attn.tokens, self.x_eps)
 
     @property
     def q_width(self) -> int:
@@ -118,33 +138,49 @@ def build_program(cfg: MLALayerConfig, builder=None) -> Program:
 
 def _build(cfg: MLALayerConfig, gemv_rows: int = 0, extend=None) -> Program:
     """gemv_rows: rows per tile of every projection (0: balanced over the SMs). extend (DSA,
-    sdk/megakernel/dsa_layer.py): extend(prog, dec, ops, gemv) -> (decode block, decode waits),
-    called before the attention core with the ops so far {"q_a", "kv_a", "q_b", "rope_append",
-    "w_uk"} and the GEMV block factory."""
+    sdk/megakernel/dsa_layer.py): extend(prog, dec, ops, gemv, from_x) -> (decode block, decode
+    waits), called before the attention core with the ops so far {"q_a", "kv_a", "q_b",
+    "rope_append", "w_uk"}, the GEMV block factory and from_x(n, w, y, label, **gemv kw) -> op:
+    a GEMV reading x (its norm fused, or the mHC collapse waited for)."""
     a, D = cfg.decode_attn, cfg.hidden
     H, L, M = a.heads, a.kv_lora, a.tokens
+    site = cfg.site
     prog = Program()
-    prog.buffer("x", (M, D), "bf16", "input")
+    if not site:
+        prog.buffer("x", (M, D), "bf16", "input")
     prog.buffer("cos", (M, max(a.rope, 1)), "bf16", "input")
     prog.buffer("sin", (M, max(a.rope, 1)), "bf16", "input")
     dec = mla.add_cache_inputs(prog, a)           # the new tokens' rows are written into the cache
-    for name, shape in (("input_norm", (D,)), ("q_a_proj", (cfg.q_lora, D)), ("q_a_norm", (cfg.q_lora,)),
+    prog.buffer("input_norm", (D,), "fp32" if site else "bf16", "weight")
+    for name, shape in (("q_a_proj", (cfg.q_lora, D)), ("q_a_norm", (cfg.q_lora,)),
                         ("q_b_proj", (H * cfg.q_width, cfg.q_lora)), ("kv_a_proj", (L + a.rope, D)),
                         ("kv_a_norm", (L,)), ("w_uk_t", (H, L, a.nope)), ("o_proj", (D, H * a.v))):
         prog.buffer(name, shape, "bf16", "weight")
+    if site:
+        for name, (shape, dtype) in site.weight_shapes().items():
+            prog.buffer(name, shape, dtype, "weight")
+    # mHC: x = the streams' collapse with the input norm (mhc_site.py); o_proj -> y + the post-mix
+    x_ops, coef_op = add_collapse(prog, site, site.blocks(), "input_norm", label="attn.") if site else ([], None)
     prog.buffer("q_a", (M, cfg.q_lora), "bf16")
     prog.buffer("ckv", (M, L + a.rope), "fp32")
     prog.buffer("q_raw", (M, H, cfg.q_width), "bf16")
     prog.buffer("q", (a.batch, a.q_tokens, H, a.d_qk), "bf16")
-    prog.buffer("resid", (M, D), "fp32", "output")
+    if site:
+        prog.buffer("y", (M, D), "bf16")
+    elif not cfg.resid_in_place:
+        prog.buffer("resid", (M, D), "fp32", "output")
 
-    def gemv(n, k, **kw):
-        return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=cfg.eps, **kw), gemv_rows, a.num_sms)
+    def gemv(n, k, eps=cfg.eps, **kw):
+        return gemv_block(GemvConfig(n=n, k=k, m=M, norm_eps=eps, **kw), gemv_rows, a.num_sms)
 
-    qa = prog.op(gemv(cfg.q_lora, D, norm=True), {"w": "q_a_proj", "x": "x", "norm_weight": "input_norm", "y": "q_a"},
-                 label="attn.q_a")
-    kva = prog.op(gemv(L + a.rope, D, norm=True, out_dtype="fp32"),
-                  {"w": "kv_a_proj", "x": "x", "norm_weight": "input_norm", "y": "ckv"}, label="attn.kv_a")
+    def from_x(n, w, y, label, **kw):
+        """A GEMV of x: the input norm fused (plain), or after the mHC collapse (normed already)."""
+        norm = {} if site else {"norm_weight": "input_norm"}
+        return prog.op(gemv(n, D, norm=not site, eps=cfg.x_eps, **kw), {"w": w, "x": "x", **norm, "y": y},
+                       waits=x_ops, label=label)
+
+    qa = from_x(cfg.q_lora, "q_a_proj", "q_a", "attn.q_a")
+    kva = from_x(L + a.rope, "kv_a_proj", "ckv", "attn.kv_a", out_dtype="fp32")
     qb = prog.op(gemv(H * cfg.q_width, cfg.q_lora, norm=True),
                  {"w": "q_b_proj", "x": "q_a", "norm_weight": "q_a_norm", "y": "q_raw"}, waits=[qa], label="attn.q_b")
     rope = MLARopeAppendBlock(MLARopeAppendConfig(
@@ -162,9 +198,16 @@ def _build(cfg: MLALayerConfig, gemv_rows: int = 0, extend=None) -> Program:
                  {"x": "q_raw", "w": "w_uk_t", "y": "q"}, waits=[qb], label="attn.w_uk")
     waits = [ra, uk]
     if extend is not None:
-        dec, waits = extend(prog, dec, {"q_a": qa, "kv_a": kva, "q_b": qb, "rope_append": ra, "w_uk": uk}, gemv)
+        dec, waits = extend(prog, dec, {"q_a": qa, "kv_a": kva, "q_b": qb, "rope_append": ra, "w_uk": uk}, gemv,
+                            from_x)
     uv = mla.add_attention_core(prog, a, dec, waits)
-    prog.op(gemv(D, H * a.v, out_dtype="fp32", residual="bf16"), {"w": "o_proj", "x": "o", "res": "x", "y": "resid"},
+    if site:
+        o_proj = prog.op(gemv(D, H * a.v), {"w": "o_proj", "x": "o", "y": "y"}, waits=[uv], label="attn.o_proj")
+        add_post(prog, site.blocks(), "y", [o_proj, coef_op], label="attn.")
+        return prog
+    # every reader of x (q_a, kv_a) is done before W_UV: o_proj may rewrite it in place
+    y, out = ("x", "bf16") if cfg.resid_in_place else ("resid", "fp32")
+    prog.op(gemv(D, H * a.v, out_dtype=out, residual="bf16"), {"w": "o_proj", "x": "o", "res": "x", "y": y},
             waits=[uv], label="attn.o_proj")
     return prog
 
@@ -186,6 +229,17 @@ def make_weights(cfg: MLALayerConfig, seed: int = 0, device="cpu") -> dict[str, 
               "q_b_proj": rnd(a.heads * cfg.q_width, cfg.q_lora), "kv_a_proj": rnd(a.kv_lora + a.rope, D),
               "kv_a_norm": norm(a.kv_lora), "o_proj": rnd(D, a.heads * a.v)})
     return w
+
+
+def weights_from_model(cfg: MLALayerConfig, get) -> dict[str, torch.Tensor]:
+    """The program's weights but the input norm from the model's: get(name) -> its weight under
+    the HF name (sdk/reference/mla.py); W_UK / W_UV absorbed from kv_b_proj (absorb_weights)."""
+    from ..blocks.mla_decode import absorb_weights
+    a = cfg.attn
+    w_uk_t, w_uv = absorb_weights(get("kv_b_proj.weight"), a.heads, a.nope, a.v)
+    return {"q_a_proj": get("q_a_proj.weight"), "q_a_norm": get("q_a_layernorm.weight"),
+            "q_b_proj": get("q_b_proj.weight"), "kv_a_proj": get("kv_a_proj_with_mqa.weight"),
+            "kv_a_norm": get("kv_a_layernorm.weight"), "w_uk_t": w_uk_t, "w_uv": w_uv, "o_proj": get("o_proj.weight")}
 
 
 def rope_tables(cfg: MLALayerConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +308,7 @@ def reference(cfg: MLALayerConfig, weights: dict, inputs: dict, stored: dict | N
     step = StepInfo(start=start, positions=start[:, None] + torch.arange(a.q_tokens, device=dev),
                     input_ids=torch.zeros(a.batch, a.q_tokens, dtype=torch.long, device=dev))
     x = inputs["x"].float().view(a.batch, a.q_tokens, cfg.hidden)
-    h = rms_norm(x, f["input_norm"], cfg.eps)
+    h = rms_norm(x, f["input_norm"], cfg.x_eps)
     # MLAReference.forward, with the new rows stored in the cache's format (bf16, or the fp8 row's
     # value bf16(e4m3 * scale), what the decode core reads back)
     q_nope, q_pe, _ = ref.project_q(h, step)

@@ -33,6 +33,11 @@ partial sum, all-reduced by a later instruction) or replicated, as the preset sa
 math on the dequantised weights, the non-local experts skipped; on tiny configs the tests also
 check it against `MoEReference.forward` itself, with the non-local experts' weights zero.
 
+In a plain-residual model's chain (`resid_in_place`, Kimi K3; sdk/megakernel/plain_model.py) x is
+the hidden state itself: the GEMVs reading it (router logits, latent down, shared gate/up) norm it
+with `mlp_norm` in their prologues, the shared down adds it (shared_out = x + shared, fp32) and the
+up GEMV writes x = shared_out + latent_up(...) in place (bf16) - every reader of x is done by then.
+
 In the model's mHC residual (`mhc` = "v4" | "v41", DeepSeek-V4(.1), GLM-5.3; sdk/megakernel/mhc_site.py):
 the streams in, x = the collapse normed with `mlp_norm` (the ops reading x wait for it), the
 streams updated in place from `out` (fused with the next site's mix partials) at the end.
@@ -103,7 +108,9 @@ class MoELayerConfig(MHCSiteFields):
                                          # ...) over shared_gateup / shared_down / latent_down /
                                          # latent_up (moe_bench --set shared_down_rows=32)
     num_sms: int = 132                   # SMs the balanced tiles are cut for
-    norm_eps: float = 1e-6               # mHC: the mix's RMSNorm and the layer's input norm
+    norm_eps: float = 1e-6               # mHC: the mix's RMSNorm and the layer's input norm (also resid_in_place's)
+    resid_in_place: bool = False         # plain residual chain: x normed in the readers' prologues, the
+                                         # output added onto x in place (the latent MoE: module docstring)
 
     @property
     def site(self):
@@ -208,6 +215,10 @@ def blocks(cfg: MoELayerConfig) -> dict:
     if cfg.expert_smem_stages is None:
         cfg = replace(cfg, expert_smem_stages=auto_smem_stages(cfg))
     d, m, L, h = cfg.hidden, cfg.batch, cfg.local, cfg.expert_hidden
+    if cfg.resid_in_place and not cfg.latent:
+        raise UnsupportedConfigError("MoE layer: resid_in_place needs the latent MoE (Kimi K3's: every reader of x "
+                                     "a GEMV with the input norm fused); the plain layer's experts read x directly")
+    norm_x = dict(norm=True, norm_eps=cfg.norm_eps) if cfg.resid_in_place else {}
     hits = expected_hits(cfg)
     er = {st: cfg.expert_rows or balanced_rows(cfg.intermediate if st == "gateup" else h, cfg.num_sms)
           for st in ("gateup", "down")}
@@ -215,7 +226,7 @@ def blocks(cfg: MoELayerConfig) -> dict:
         # the router GEMV streams its (fp32 or bf16) weights through the smem ring: issued at the
         # launch's start, before x is ready
         "logits": gemv_block(GemvConfig(n=cfg.num_experts, k=d, m=m, weight_dtype=cfg.router_dtype,
-                                        out_dtype="fp32"), cfg.router_rows, cfg.num_sms),
+                                        out_dtype="fp32", **norm_x), cfg.router_rows, cfg.num_sms),
         "select": RouterSelectBlock(RouterSelectConfig(
             num_experts=cfg.num_experts, top_k=cfg.top_k, m=m, scoring=cfg.scoring,
             correction_bias=cfg.correction_bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
@@ -242,17 +253,19 @@ def blocks(cfg: MoELayerConfig) -> dict:
         raise UnsupportedConfigError(f"MoELayerConfig.op_rows: unknown op(s) {sorted(unknown)} (known: {ROWS_OPS})")
     shared_rows = {op: rows.get(op, cfg.shared_rows) for op in ROWS_OPS}
     if cfg.latent:
-        out["latent_down"] = gemv_block(GemvConfig(n=h, k=d, m=m), shared_rows["latent_down"], cfg.num_sms)
+        out["latent_down"] = gemv_block(GemvConfig(n=h, k=d, m=m, **norm_x), shared_rows["latent_down"], cfg.num_sms)
+        # the residual: the shared expert's output (x added there when in place), else x itself
+        res = "fp32" if cfg.shared_intermediate else "bf16" if cfg.resid_in_place else None
         out["latent_up"] = gemv_block(GemvConfig(n=d, k=h, m=m, x_dtype="fp32", norm=True,
-                                                 norm_eps=cfg.latent_norm_eps,
-                                                 residual="fp32" if cfg.shared_intermediate else None),
+                                                 norm_eps=cfg.latent_norm_eps, residual=res),
                                       shared_rows["latent_up"], cfg.num_sms)
     if cfg.shared_intermediate:
         s = cfg.shared_intermediate
         out["shared_gateup"] = gemv_block(GemvConfig(n=s, k=d, m=m, weight_dtype=cfg.shared_dtype, swiglu=True,
-                                                     swiglu_limit=cfg.swiglu_limit, **cfg.act_fields()),
+                                                     swiglu_limit=cfg.swiglu_limit, **cfg.act_fields(), **norm_x),
                                           shared_rows["shared_gateup"], cfg.num_sms)
-        out["shared_down"] = gemv_block(GemvConfig(n=d, k=s, m=m, weight_dtype=cfg.shared_dtype, out_dtype="fp32"),
+        out["shared_down"] = gemv_block(GemvConfig(n=d, k=s, m=m, weight_dtype=cfg.shared_dtype, out_dtype="fp32",
+                                                   residual="bf16" if cfg.resid_in_place else None),
                                         shared_rows["shared_down"], cfg.num_sms)
     if cfg.site:
         out.update(cfg.site.blocks())
@@ -280,6 +293,8 @@ def add_inputs_and_weights(prog: Program, cfg: MoELayerConfig, tokens: int, loca
             prog.buffer(name, shape, dt, "weight")
     else:
         prog.buffer("x", (tokens, d), "bf16", "input")
+    if cfg.resid_in_place:
+        prog.buffer("mlp_norm", (d,), "bf16", "weight")
     prog.buffer("router.weight", (E, d), cfg.router_dtype, "weight")
     if cfg.correction_bias:
         prog.buffer("router.bias", (E,), "fp32", "weight")
@@ -298,13 +313,19 @@ def add_router(prog: Program, cfg: MoELayerConfig, b: dict, table: dict, x_ops=(
     """router.logits, then router.select writing topk_ids / topk_w and the dispatch table whose
     buffer names `table` gives (counts, hits, tok, slot). Returns the select op. x_ops: what
     writes x (mHC's collapse)."""
-    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "y": "logits"}, waits=x_ops, label="router.logits")
+    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "y": "logits", **x_norm(cfg)}, waits=x_ops,
+                 label="router.logits")
     sb = {"logits": "logits", "topk_ids": "topk_ids", "topk_w": "topk_w", **table}
     if cfg.correction_bias:
         sb["bias"] = "router.bias"
     if cfg.hash_routed:
         sb.update({"tid2eid": "router.tid2eid", "input_ids": "input_ids"})
     return prog.op(b["select"], sb, waits=[lg], label="router.select")
+
+
+def x_norm(cfg: MoELayerConfig) -> dict:
+    """The norm weight binding of a GEMV reading x (resid_in_place: the layer's input norm fused)."""
+    return {"norm_weight": "mlp_norm"} if cfg.resid_in_place else {}
 
 
 def expert_weights(cfg: MoELayerConfig, name: str) -> dict:
@@ -326,8 +347,10 @@ def add_shared_expert(prog: Program, cfg: MoELayerConfig, b: dict, x_ops=()) -> 
             prog.buffer(name + ".scale", (shape[0] // 128, shape[1] // 128), "fp32", "weight")
     prog.buffer("shared_act", (m, s), "bf16")
     prog.buffer("shared_out", (m, d), "fp32")
-    g = {"w_gate": "shared.gate.weight", "w_up": "shared.up.weight", "x": "x", "y": "shared_act"}
+    g = {"w_gate": "shared.gate.weight", "w_up": "shared.up.weight", "x": "x", "y": "shared_act", **x_norm(cfg)}
     dn = {"w": "shared.down.weight", "x": "shared_act", "y": "shared_out"}
+    if cfg.resid_in_place:                  # shared_out = x + shared: the layer's residual
+        dn["res"] = "x"
     if fp8:
         g.update({"w_gate_scale": "shared.gate.scale", "w_up_scale": "shared.up.scale"})
         dn["w_scale"] = "shared.down.scale"
@@ -346,7 +369,8 @@ def build_program(cfg: MoELayerConfig) -> Program:
                             ("counts", (L,), "int32"), ("hits", (L + 1,), "int32"), ("tok", (L, m), "int32"),
                             ("slot", (L, m), "int32"), ("act", (m * k, I), "bf16")):
         prog.buffer(name, shape, dt)
-    prog.buffer("out", (m, d), "bf16", "scratch" if cfg.site else "output")
+    if not cfg.resid_in_place:
+        prog.buffer("out", (m, d), "bf16", "scratch" if cfg.site else "output")
 
     table = {"counts": "counts", "hits": "hits", "tok": "tok", "slot": "slot"}
     sel = add_router(prog, cfg, b, table, x_ops)
@@ -356,7 +380,7 @@ def build_program(cfg: MoELayerConfig) -> Program:
     if cfg.latent:
         prog.buffer("z", (cfg.batch, cfg.expert_hidden), "bf16")
         prog.buffer("routed", (cfg.batch, cfg.expert_hidden), "fp32")
-        gu_waits.append(prog.op(b["latent_down"], {"w": "latent_down.weight", "x": "x", "y": "z"},
+        gu_waits.append(prog.op(b["latent_down"], {"w": "latent_down.weight", "x": "x", "y": "z", **x_norm(cfg)},
                                 waits=x_ops, label="latent.down"))
         x_in, out = "z", "routed"
     gu = prog.op(b["gateup"], {**expert_weights(cfg, "experts.gate_up"), **table, "x": x_in, "act": "act"},
@@ -365,7 +389,11 @@ def build_program(cfg: MoELayerConfig) -> Program:
     last_b, waits = down_b, [gu]
     if cfg.latent:
         waits = [prog.op(b["down"], down_b, waits=[gu], label="experts.down")]
-        last_b = {"w": "latent_up.weight", "x": "routed", "norm_weight": "latent_norm.weight", "y": "out"}
+        # in place: x = shared_out (x + shared) + up(...), or x + up(...) without a shared expert
+        last_b = {"w": "latent_up.weight", "x": "routed", "norm_weight": "latent_norm.weight",
+                  "y": "x" if cfg.resid_in_place else "out"}
+        if cfg.resid_in_place and not cfg.shared_intermediate:
+            last_b["res"] = "x"
     if cfg.shared_intermediate:             # the shared expert joins the last op's residual input
         waits.append(add_shared_expert(prog, cfg, b, x_ops))
         last_b["res" if cfg.latent else "shared"] = "shared_out"
@@ -377,6 +405,15 @@ def build_program(cfg: MoELayerConfig) -> Program:
 
 
 # -- weights and reference ---------------------------------------------------------------------
+# the program's weights <- the model's (sdk/reference/moe.py names, under the layer's mlp.)
+MODEL_WEIGHTS = {"router.weight": "gate.weight", "router.bias": "gate.e_score_correction_bias",
+                 "router.tid2eid": "gate.tid2eid", "experts.gate_up.weight": "experts.gate_up_proj",
+                 "experts.down.weight": "experts.down_proj", "shared.gate.weight": "shared_experts.gate_proj.weight",
+                 "shared.up.weight": "shared_experts.up_proj.weight",
+                 "shared.down.weight": "shared_experts.down_proj.weight", "latent_down.weight": "latent_down.weight",
+                 "latent_norm.weight": "latent_norm.weight", "latent_up.weight": "latent_up.weight"}
+
+
 def make_weights(cfg: MoELayerConfig, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
     """Random weights of this rank in the kernel's layout (generated on `device`), scaled so
     that logits and activations are O(1)."""

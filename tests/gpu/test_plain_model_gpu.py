@@ -1,0 +1,35 @@
+"""A whole Kimi K3 decode step in ONE megakernel launch on the GPU (sdk/megakernel/plain_model.py: the
+embedding, KDA and NoPE MLA attention, the dense MLP and the latent MoE with SiTU, each adding onto
+the bf16 hidden state in place, the final norm and the logits) against the model itself (the
+reference backend in fp32 on the GPU, same weights), step after step from empty caches - 70 steps,
+so the MLA caches cross a page; the logits NaN-poisoned before each launch. The correction bias
+(std 100) is far wider than the scores: the selection is the bias's, never a near-tie that the
+two sides' ~2e-2 difference could flip (tests/test_plain_model.py checks the selection near ties).
+Run: `pytest -m gpu tests/gpu/test_plain_model_gpu.py`."""
+import pytest
+import torch
+
+from harness import clock_seed, need_gpu, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_k3_model_one_launch_a_step(batch):
+    need_gpu()
+    from test_plain_model import SPEC, reference, small_weights
+    from sdk.megakernel.plain_model import PlainModelConfig, PlainModelRunner
+    seed = clock_seed()
+    w = {k: v.cuda() for k, v in small_weights(SPEC, seed % 1000, bias_std=100.0).items()}
+    ref = reference(SPEC, w, torch.float32, max_batch=batch, device="cuda")
+    runner = PlainModelRunner(PlainModelConfig(SPEC, batch=batch, max_seq_len=80), w, device="cuda")
+    state = ref.new_state(batch)
+    g = torch.Generator().manual_seed(seed)
+    errs = []
+    for step in range(70):
+        ids = torch.randint(0, SPEC.vocab_size, (batch,), generator=g)
+        want = ref.decode(ids[:, None].cuda(), state)[:, 0]
+        errs.append(rel_err(runner.decode(ids), want))
+        assert errs[-1] < 5e-2, f"seed {seed}, step {step}: logits rel err {errs[-1]:.3e}"
+    assert sum(errs) / len(errs) < 3e-2, (seed, errs)     # the bf16 model itself: ~3e-2 from the fp32 one
+    runner.rt.check()

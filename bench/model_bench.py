@@ -1,8 +1,9 @@
-"""Benchmark of a whole decode step as ONE megakernel launch: DeepSeek-V4.1 (sdk/megakernel/dsv4_model.py)
+"""Benchmark of a whole decode step as ONE megakernel launch: DeepSeek-V4.1 (sdk/megakernel/mhc_model.py)
 on the config "small_v41" (4 layers: SWA, CSA, HCA, CSA; hidden 1024, 64 experts of which the
-step reads the hit ones) and Kimi K3 (sdk/megakernel/plain_model.py) on "small" (4 layers: KDA,
-MLA, KDA, MLA; a dense MLP then the latent MoE, 32 experts) - the blocks' shapes - at batch 1 and
-8, sequences some steps in - beside the
+step reads the hit ones), Kimi K3 (sdk/megakernel/plain_model.py) on "small" (4 layers: KDA, MLA,
+KDA, MLA; a dense MLP then the latent MoE, 32 experts) and GLM-5.3 (mhc_model.py) on "small" (5
+layers: KDA, DSA, shared DSA, KDA, DSA; dense MLPs then the MoE) - the blocks' shapes - at batch 1
+and 8, sequences some steps in - beside the
 reference backend's step (PyTorch; under a CUDA graph if it captures, else eager: said in the
 record) and the floor: the bytes the step must read (every dense weight, the hit experts, the
 embedding rows, the caches' live rows bounded by their buffers) over the copy bandwidth measured
@@ -23,11 +24,11 @@ from bench.common import add_match_option, arg_parser, record_timeline, run_case
 
 # model, config, batch, steps before the timed one
 CASES = [("deepseek_v41_flash", "small_v41", 1, 32), ("deepseek_v41_flash", "small_v41", 8, 32),
-         ("kimi_k3", "small", 1, 32), ("kimi_k3", "small", 8, 32)]
-SHORT = {"deepseek_v41_flash": "v41", "kimi_k3": "k3"}
+         ("kimi_k3", "small", 1, 32), ("kimi_k3", "small", 8, 32), ("glm_53", "small", 1, 32), ("glm_53", "small", 8, 32)]
+SHORT = {"deepseek_v41_flash": "v41", "kimi_k3": "k3", "glm_53": "glm"}
 
 
-def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None):
+def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, expert_dtype="bf16"):
     from sdk import build_megakernel
     from sdk.megakernel.moe_layer import MoELayerConfig
     from sdk.reference.model import random_weights
@@ -35,8 +36,9 @@ def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None):
     w = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).cuda()
          for k, v in random_weights(ref.spec, seed=0).items()}
     ref.load_weights(w)
-    backend = build_megakernel(model, config, backend="megakernel", max_seq_len=256, max_batch=batch)
-    cfg = backend.Config(ref.spec, batch=batch, max_seq_len=256)
+    backend = build_megakernel(model, config, backend="megakernel", max_seq_len=256, max_batch=batch,
+                               expert_dtype=expert_dtype)
+    cfg = backend.Config(ref.spec, batch=batch, max_seq_len=256, expert_dtype=expert_dtype)
     runner = backend.Runner(cfg, w, device="cuda")
     state = ref.new_state(batch)
     g = torch.Generator().manual_seed(1)
@@ -56,7 +58,9 @@ def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None):
         if not isinstance(moe, MoELayerConfig):       # a dense MLP: all its weights are read
             continue
         p = f"l{i}.mlp."
-        expert_bytes = sum(prog.bytes_of(p + n) for n in ("experts.gate_up.weight", "experts.down.weight"))
+        expert_bytes = sum(prog.bytes_of(p + n) for n in ("experts.gate_up.weight", "experts.down.weight",
+                                                          "experts.gate_up.scale", "experts.down.scale")
+                           if p + n in prog.buffers)
         h = int(t[p + "hits"][0])
         hits.append(h)
         wbytes -= expert_bytes - expert_bytes * h // moe.local
@@ -66,7 +70,7 @@ def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None):
     rt = runner.rt
     us, mode = timed([rt.launch] * 8)
     rt.check()
-    case = case_name((model, config, batch))
+    case = case_name((model, config, batch)) + ("" if expert_dtype == "bf16" else f" {expert_dtype}")
     if timeline_path:
         record_timeline(prog, t, timeline_path, case, us)
     # the reference's step on the warm caches (each call appends a token: ~10 calls, inside the 256)
@@ -88,12 +92,16 @@ def case_name(c):
 def main(argv=None):
     ap = arg_parser(out_from_env=False)
     add_match_option(ap)
+    ap.add_argument("--expert-dtype", default="bf16", help="the routed experts' format: bf16 (the model's "
+                    "weights; the logits compared with the reference), fp8_e4m3 or mxfp4 (quantised at load: "
+                    "the logits differ by the quantisation)")
     a = ap.parse_args(argv)
     todo = [c for c in CASES if not a.match or any(m in case_name(c) for m in a.match)]
 
     def one(c, bw):
-        tl = os.path.join(a.out, f"timeline_model_{c[1]}_b{c[2]}.json") if a.out and c[2] == 1 else None
-        return bench_model(*c, bw, tl)
+        tag = "" if a.expert_dtype == "bf16" else "_" + a.expert_dtype
+        tl = os.path.join(a.out, f"timeline_model_{c[1]}_b{c[2]}{tag}.json") if a.out and c[2] == 1 else None
+        return bench_model(*c, bw, tl, expert_dtype=a.expert_dtype)
     run_cases("model_bench.json", todo, one, case_name, a.out, case_width=34)
 
 

@@ -18,10 +18,13 @@
 # the lagged cases of test_mhc_two_sites_one_launch) run in part 1's suite. Then the whole V4.1
 # decoder layer in one launch (bench/layer_bench.py: HCA / CSA attention + MoE, each in its lagged
 # mHC site) against the same two programs launched one after the other, PyTorch and the floor.
-# Part 3 (`bash bench/optin_gpu_session.sh 3`): the whole DeepSeek-V4.1 model (small_v41) and the
-# whole Kimi K3 model (small; nineteenth session: the plain residual chain) as ONE launch a decode
-# step - their GPU tests (test_dsv4_model_gpu.py, test_mhc_layer_gpu.py, test_plain_model_gpu.py)
-# and bench/model_bench.py (us per step vs the reference and the floor, timeline at batch 1).
+# Part 3 (`bash bench/optin_gpu_session.sh 3`): the whole DeepSeek-V4.1 model (small_v41), the
+# whole Kimi K3 model (small; nineteenth session: the plain residual chain) and the whole GLM-5.3
+# model (small; nineteenth session: KDA / DSA / dense sites, the shared indexer, the mean head) as
+# ONE launch a decode step - their GPU tests (test_sublayer_modes_gpu.py: the in-place and site
+# sublayer forms alone first, then test_plain_model_gpu.py, test_glm_model_gpu.py,
+# test_dsv4_model_gpu.py, test_mhc_layer_gpu.py). Part 4 (`bash bench/optin_gpu_session.sh 4`):
+# bench/model_bench.py on the three (us per step vs the reference and the floor, timeline at batch 1).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -30,10 +33,14 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-575} TESTS_S=${TESTS_S:-390}
 
-if [ "${1:-1}" = 3 ]; then   # the whole V4.1 model in one launch a step: its tests, then its bench
-  GPU_TESTS="tests/gpu/test_plain_model_gpu.py tests/gpu/test_dsv4_model_gpu.py tests/gpu/test_mhc_layer_gpu.py" \
-    TESTS_S=260 OUT="$OUT/tests" DEVICE_ALL_S=260 bash bench/device_all.sh tests
-  BENCH_S_model=290 DEVICE_ALL_S=300 bash bench/device_all.sh bench:model
+if [ "${1:-1}" = 3 ]; then   # the whole models in one launch a step: their tests
+  GPU_TESTS="tests/gpu/test_sublayer_modes_gpu.py tests/gpu/test_plain_model_gpu.py tests/gpu/test_glm_model_gpu.py \
+    tests/gpu/test_dsv4_model_gpu.py tests/gpu/test_mhc_layer_gpu.py" TESTS_S=550 OUT="$OUT/tests" DEVICE_ALL_S=560 bash bench/device_all.sh tests
+  exit
+fi
+
+if [ "${1:-1}" = 4 ]; then   # ... and their bench
+  BENCH_S_model=550 DEVICE_ALL_S=560 bash bench/device_all.sh bench:model
   exit
 fi
 
@@ -46,7 +53,8 @@ if [ "${1:-1}" = 2 ]; then
 fi
 
 # the whole-model and layer-join tests (long compiles) run in part 3
-GPU_TESTS=$(ls tests/gpu/test_*.py | grep -v -e test_dsv4_model_gpu -e test_mhc_layer_gpu -e test_plain_model_gpu | tr '\n' ' ') \
+GPU_TESTS=$(ls tests/gpu/test_*.py | grep -v -e test_dsv4_model_gpu -e test_mhc_layer_gpu -e test_plain_model_gpu \
+  -e test_glm_model_gpu -e test_sublayer_modes_gpu | tr '\n' ' ') \
   OUT="$OUT/tests" DEVICE_ALL_S=$TESTS_S bash bench/device_all.sh tests
 
 S="[{'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'}]"

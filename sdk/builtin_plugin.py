@@ -13,19 +13,19 @@ def _reference(entry, spec, *, device, dtype, tp, ep, rank, max_seq_len, max_bat
 
 
 # the whole-model programs: model -> (module, backend class)
-MEGAKERNEL_MODELS = {"deepseek_v41_flash": ("dsv4_model", "DSV4MegakernelModel"),
+MEGAKERNEL_MODELS = {"deepseek_v41_flash": ("mhc_model", "MHCMegakernelModel"),
+                     "glm_53": ("mhc_model", "MHCMegakernelModel"),
                      "kimi_k3": ("plain_model", "PlainMegakernelModel")}
 
 
 def _megakernel(entry, spec, *, device, dtype, tp, ep, rank, max_seq_len, max_batch, **options):
-    """The whole-model megakernel (one launch a decode step): DeepSeek-V4.1 and Kimi K3 for now."""
+    """The whole-model megakernel (one launch a decode step) of each model in MEGAKERNEL_MODELS."""
     import importlib
 
     from .errors import UnsupportedConfigError
     if entry.name not in MEGAKERNEL_MODELS:
         raise UnsupportedConfigError(f"the megakernel backend runs {', '.join(MEGAKERNEL_MODELS)} (configs small / "
-                                     f"small_v41: the device blocks' shapes); not {entry.name!r} yet - its "
-                                     "sublayer programs are in sdk/megakernel")
+                                     f"small_v41: the device blocks' shapes), not {entry.name!r}")
     if tp != 1 or ep != 1:
         raise UnsupportedConfigError("the megakernel backend runs the model's program on one GPU: tp=1, ep=1")
     module, cls = MEGAKERNEL_MODELS[entry.name]

@@ -118,11 +118,15 @@ def sublayer_megakernel_cases():
             ("megakernel dsv4 csa sublayer, V4.1 cache formats (TP8, 16K, B=8)", build_program(csa)),
             ("megakernel dsv4 hca sublayer in V4.1's lagged mHC, V4.1 formats (TP8, 16K)", build_program(v41)),
             ("megakernel V4.1 decoder layer: that sublayer + the MoE (EP8 shard), one launch", layer),
-            ("megakernel V4.1 whole model (small_v41: 4 layers, embedding to logits), B=8", _small_v41_model()),
+            ("megakernel V4.1 whole model (small_v41: 4 layers, embedding to logits), B=8", _small_model("deepseek_v41_flash", "small_v41")),
             ("megakernel Kimi K3 decoder layer: KDA (TP8) + latent MoE (EP16 shard), in place, one launch",
              _k3_layer()),
+            ("megakernel GLM-5.3 decoder layer: DSA (TP8, 32K) + MoE (EP8 shard), each in its mHC site, one launch",
+             _glm_layer()),
             ("megakernel Kimi K3 whole model (small: KDA, MLA, dense, latent MoE; embedding to logits), B=8",
-             _small_k3_model())]
+             _small_k3_model()),
+            ("megakernel GLM-5.3 whole model (small: KDA, DSA, shared DSA, dense, MoE, mHC; embedding to logits), "
+             "B=8", _small_model("glm_53"))]
 
 
 def _k3_layer():
@@ -133,17 +137,25 @@ def _k3_layer():
                                                            resid_in_place=True))], ["attn.", "mlp."])[0]
 
 
+def _glm_layer():
+    from . import plugins
+    from .megakernel import dsa_layer, moe_layer
+    from .megakernel.mhc_layer import join
+    spec = plugins.get_model("glm_53").spec("full")
+    return join(dsa_layer.build_program(dsa_layer.shard_config(spec, max_seq_len=32768, mhc="v4")),
+                moe_layer.build_program(moe_layer.preset("glm_53", 1, expert_dtype="mxfp4", mhc="v4", norm_eps=1e-5)))
+
+
 def _small_k3_model():
     from . import plugins
     from .megakernel.plain_model import PlainModelConfig, build_program
     return build_program(PlainModelConfig(plugins.get_model("kimi_k3").spec("small"), batch=8, max_seq_len=256))
 
 
-def _small_v41_model():
+def _small_model(model: str, config: str = "small"):
     from . import plugins
-    from .megakernel.dsv4_model import DSV4ModelConfig, build_program
-    return build_program(DSV4ModelConfig(plugins.get_model("deepseek_v41_flash").spec("small_v41"), batch=8,
-                                         max_seq_len=256))
+    from .megakernel.mhc_model import MHCModelConfig, build_program
+    return build_program(MHCModelConfig(plugins.get_model(model).spec(config), batch=8, max_seq_len=256))
 
 
 def time_case(res: dict, name: str, build) -> None:

@@ -1,4 +1,4 @@
-"""A whole DeepSeek-V4.1 decode step in one program (sdk/megakernel/dsv4_model.py), run by the PyVM
+"""A whole DeepSeek-V4.1 decode step in one program (sdk/megakernel/mhc_model.py), run by the PyVM
 (the blocks' torch twins in a random valid order), against the model itself: the reference backend
 (sdk/reference, V4.1's math: the lagged mHC, the carried head, queries without the head norm) on
 the same bf16 weights, step after step from empty caches, ragged batch positions shared.
@@ -14,7 +14,7 @@ import torch
 
 from sdk import build_megakernel, plugins
 from sdk.errors import CapacityError, UnsupportedConfigError
-from sdk.megakernel.dsv4_model import DSV4ModelConfig, DSV4ModelRunner, build_program
+from sdk.megakernel.mhc_model import MHCModelConfig, MHCModelRunner, build_program
 from sdk.reference.model import random_weights
 
 # the model keeps these fp32 in a bf16 checkpoint (models/deepseek_v41_flash/weights.py)
@@ -76,8 +76,8 @@ def test_program_equals_the_model_step_after_step(v41):
     assert ref.spec.residual.lagged_pre == v41
     w = bf16_weights(ref.spec, seed=1)
     ref.load_weights(w)
-    cfg = DSV4ModelConfig(ref.spec, batch=2, max_seq_len=64)
-    runner = DSV4ModelRunner(cfg, w)
+    cfg = MHCModelConfig(ref.spec, batch=2, max_seq_len=64)
+    runner = MHCModelRunner(cfg, w)
     state = ref.new_state(2)
     g = torch.Generator().manual_seed(2)
     errs = []
@@ -92,7 +92,7 @@ def test_program_equals_the_model_step_after_step(v41):
 
 def test_program_shape_and_refusals():
     ref = small_model()
-    cfg = DSV4ModelConfig(ref.spec, batch=2)
+    cfg = MHCModelConfig(ref.spec, batch=2)
     prog = build_program(cfg)
     labels = [op.label for op in prog.ops]
     assert labels[:2] == ["embed", "hc_mix_first"] and labels[-2:] == ["head", "lm_head"]
@@ -100,13 +100,13 @@ def test_program_shape_and_refusals():
     assert prog.buffers["logits"].role == "output" and prog.buffers["l0.attn.window"].role == "input"
     v4 = build_megakernel("deepseek_v41_flash", "small_v41").spec
     import dataclasses
-    with pytest.raises(UnsupportedConfigError, match="lagged"):
-        DSV4ModelConfig(dataclasses.replace(v4, residual=dataclasses.replace(v4.residual, lagged_pre=False,
+    with pytest.raises(UnsupportedConfigError, match="lagged"):     # V4.1's lag with GLM-5.3's head
+        MHCModelConfig(dataclasses.replace(v4, residual=dataclasses.replace(v4.residual, lagged_pre=True,
                                                                               head="mean"))).layers()
     with pytest.raises(UnsupportedConfigError, match="o_groups"):
-        DSV4ModelConfig(build_megakernel("deepseek_v41_flash", "tiny_v41").spec).layers()
+        MHCModelConfig(build_megakernel("deepseek_v41_flash", "tiny_v41").spec).layers()
     w = bf16_weights(ref.spec, seed=1)
-    runner = DSV4ModelRunner(DSV4ModelConfig(ref.spec, batch=2, max_seq_len=2), w)
+    runner = MHCModelRunner(MHCModelConfig(ref.spec, batch=2, max_seq_len=2), w)
     with pytest.raises(ValueError, match="vocabulary"):
         runner.decode(torch.tensor([0, ref.spec.vocab_size]))
     runner.decode(torch.tensor([1, 2]))
@@ -132,10 +132,18 @@ def test_megakernel_backend_generates():
     want = ref.generate(prompt, 2)
     assert out.shape == want.shape == (2, 5) and torch.equal(out[:, :3], prompt)
     assert rel(mk.last_logits[:, 0], ref.last_logits[:, 0]) < 3e-2
-    with pytest.raises(UnsupportedConfigError, match="ragged"):
-        mk.generate(prompt, 1, prompt_lens=[3, 2])
-    with pytest.raises(UnsupportedConfigError, match="deepseek_v41_flash"):
+    # ragged prompts: the short one generates while the long one is still read (model_runner.generate)
+    out, want = mk.generate(prompt, 2, prompt_lens=[3, 2]), ref.generate(prompt, 2, prompt_lens=[3, 2])
+    assert out.shape == want.shape and torch.equal(out[0, :3], prompt[0]) and torch.equal(out[1, :2], prompt[1, :2])
+    assert rel(mk.last_logits, ref.last_logits) < 3e-2
+    with pytest.raises(UnsupportedConfigError, match="multiple of 1024"):      # not the blocks' shapes
         build_megakernel("glm_53", "tiny", backend="megakernel")
+    from types import SimpleNamespace
+
+    from sdk.builtin_plugin import _megakernel
+    with pytest.raises(UnsupportedConfigError, match="deepseek_v41_flash, glm_53, kimi_k3.*not 'dummy'"):
+        _megakernel(SimpleNamespace(name="dummy"), None, device="cpu", dtype=torch.float32, tp=1, ep=1, rank=0,
+                    max_seq_len=16, max_batch=2)
 
 
 def test_small_v41_all_layer_kinds():
@@ -150,8 +158,8 @@ def test_small_v41_all_layer_kinds():
     ref, w = all_kinds_model(seed=5)
     spec = ref.spec
     assert {l.attention.compress_ratio for l in spec.layers} == {0, 4, 8} and any(not l.mlp.hash_routed for l in spec.layers)
-    assert all(moe.router_logits_bf16 for _, moe in DSV4ModelConfig(spec).layers())
-    runner = DSV4ModelRunner(DSV4ModelConfig(spec, batch=2, max_seq_len=32), w)
+    assert all(moe.router_logits_bf16 for _, moe in MHCModelConfig(spec).layers())
+    runner = MHCModelRunner(MHCModelConfig(spec, batch=2, max_seq_len=32), w)
     state = ref.new_state(2)
     g = torch.Generator().manual_seed(6)
     errs = []

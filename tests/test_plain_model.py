@@ -68,33 +68,46 @@ SPEC = build_megakernel("kimi_k3", "small").spec
 
 
 # -- each sublayer in place ---------------------------------------------------------------------
-def test_sublayers_in_place_equal_their_references():
-    """resid_in_place: x += f(norm(x)) in bf16 equals the fp32 residual version's reference,
-    within bf16's rounding of the result - dense, KDA, NoPE MLA (its own input eps), the latent
-    MoE with and without a shared expert."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 1024, generator=g).to(torch.bfloat16)
+def in_place_cases(seed=0, only=None, device="cpu"):
+    """(name, program, weights, inputs, the reference's x + f(norm(x)) fp32) of each sublayer with
+    resid_in_place: dense, KDA, NoPE MLA (its own input eps), the latent MoE with and without a
+    shared expert. only: that case alone (the GPU test's)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(2, 1024, generator=g, device=device).to(torch.bfloat16)
     cases = []
-    dense = dense_layer.DenseLayerConfig(hidden=1024, intermediate=512, batch=2, activation="situ", eps=1e-5,
-                                         resid_in_place=True)
-    dw = dense_layer.make_weights(dense)
-    cases.append(("dense", dense_layer.build_program(dense), dw, {"x": x}, dense_layer.reference(dense, dw, x)))
-    kda = kda_layer.KDALayerConfig(heads=2, batch=2, hidden=1024, eps=1e-5, resid_in_place=True)
-    kw, ki = kda_layer.make_weights(kda), kda_layer.make_inputs(kda)
-    cases.append(("kda", kda_layer.build_program(kda), kw, ki, kda_layer.reference(kda, kw, ki)["resid"]))
-    mla = mla_layer.MLALayerConfig(MLAAttentionConfig(heads=4, batch=2, num_pages=8, max_seq_len=128), hidden=1024,
-                                   q_lora=512, rope_mode="none", eps=1e-6, input_eps=1e-5, resid_in_place=True)
-    mw, mi = mla_layer.make_weights(mla), mla_layer.make_inputs(mla, [5, 70])
-    cases.append(("mla", mla_layer.build_program(mla), mw, mi, mla_layer.reference(mla, mw, mi)))
+    if only in (None, "dense"):
+        cfg = dense_layer.DenseLayerConfig(hidden=1024, intermediate=512, batch=2, activation="situ", eps=1e-5,
+                                           resid_in_place=True)
+        w = dense_layer.make_weights(cfg, seed, device)
+        cases.append(("dense", dense_layer.build_program(cfg), w, {"x": x}, dense_layer.reference(cfg, w, {"x": x})))
+    if only in (None, "kda"):
+        cfg = kda_layer.KDALayerConfig(heads=2, batch=2, hidden=1024, eps=1e-5, resid_in_place=True)
+        w, inp = kda_layer.make_weights(cfg, seed, device), kda_layer.make_inputs(cfg, seed, device)
+        cases.append(("kda", kda_layer.build_program(cfg), w, inp, kda_layer.reference(cfg, w, inp)["resid"]))
+    if only in (None, "mla"):
+        cfg = mla_layer.MLALayerConfig(MLAAttentionConfig(heads=4, batch=2, num_pages=8, max_seq_len=128),
+                                       hidden=1024, q_lora=512, rope_mode="none", eps=1e-6, input_eps=1e-5,
+                                       resid_in_place=True)
+        w, inp = mla_layer.make_weights(cfg, seed, device), mla_layer.make_inputs(cfg, [5, 70], seed, device)
+        cases.append(("mla", mla_layer.build_program(cfg), w, inp, mla_layer.reference(cfg, w, inp)))
     for shared in (256, 0):
-        moe = moe_layer.MoELayerConfig(hidden=1024, num_experts=32, top_k=4, intermediate=256, correction_bias=True,
+        if only not in (None, f"moe shared={shared}"):
+            continue
+        cfg = moe_layer.MoELayerConfig(hidden=1024, num_experts=32, top_k=4, intermediate=256, correction_bias=True,
                                        shared_intermediate=shared, activation="situ", latent=512, batch=2,
                                        norm_eps=1e-5, resid_in_place=True)
-        ew = {**moe_layer.make_weights(moe), "mlp_norm": (1 + 0.1 * torch.randn(1024, generator=g)).to(torch.bfloat16)}
-        h = rms_norm(x.float(), ew["mlp_norm"].float(), 1e-5).to(torch.bfloat16)
-        want = x.float() + moe_layer.reference(dataclasses.replace(moe, resid_in_place=False), ew, h).float()
-        cases.append((f"moe shared={shared}", moe_layer.build_program(moe), ew, {"x": x}, want))
-    for name, prog, w, inputs, want in cases:
+        w = {**moe_layer.make_weights(cfg, seed, device),
+             "mlp_norm": (1 + 0.1 * torch.randn(1024, generator=g, device=device)).to(torch.bfloat16)}
+        h = rms_norm(x.float(), w["mlp_norm"].float(), 1e-5).to(torch.bfloat16)
+        want = x.float() + moe_layer.reference(dataclasses.replace(cfg, resid_in_place=False), w, h).float()
+        cases.append((f"moe shared={shared}", moe_layer.build_program(cfg), w, {"x": x}, want))
+    return cases
+
+
+def test_sublayers_in_place_equal_their_references():
+    """resid_in_place: x += f(norm(x)) in bf16 equals the fp32 residual version's reference,
+    within bf16's rounding of the result (in_place_cases)."""
+    for name, prog, w, inputs, want in in_place_cases():
         assert "resid" not in prog.buffers and "out" not in prog.buffers, name
         got = run(prog, w, {k: v.clone() for k, v in inputs.items()})["x"]
         err = rel(got, want)
@@ -198,14 +211,16 @@ def test_program_shape_and_refusals():
         PlainModelConfig(build_megakernel("deepseek_v41_flash", "small_v41").spec).layers()
     with pytest.raises(UnsupportedConfigError, match="latent"):
         PlainModelConfig(build_megakernel("kimi_k3", "tiny").spec).layers()
+    with pytest.raises(UnsupportedConfigError, match="whole model on one GPU: kimi_k3's bf16 weights are"):
+        build_megakernel("kimi_k3", "full", backend="megakernel")
     mla = SPEC.layers[1].attention
     roped = dataclasses.replace(SPEC, layers=tuple(dataclasses.replace(l, attention=dataclasses.replace(
         mla, output_gate=True)) if l.index == 1 else l for l in SPEC.layers))
     with pytest.raises(UnsupportedConfigError, match="output_gate"):
         PlainModelConfig(roped).layers()
     w = small_weights(SPEC, 0)
-    with pytest.raises(UnsupportedConfigError, match="quantised"):
-        program_weights(dataclasses.replace(cfg, expert_dtype="mxfp4"), w)
+    with pytest.raises(UnsupportedConfigError, match="nvfp4"):
+        program_weights(dataclasses.replace(cfg, expert_dtype="nvfp4"), w)
     with pytest.raises(UnsupportedConfigError, match="layers.3.attn.kv_b_proj.weight"):
         program_weights(cfg, {k: v for k, v in w.items() if k != "layers.3.attn.kv_b_proj.weight"})
     runner = PlainModelRunner(PlainModelConfig(SPEC, batch=2, max_seq_len=2), w)
@@ -221,12 +236,47 @@ def test_program_shape_and_refusals():
 
 def test_megakernel_backend_generates():
     """build_megakernel("kimi_k3", "small", backend="megakernel"): greedy generation through the
-    program; its first new token's logits equal the (fp32) reference backend's."""
-    w = small_weights(SPEC, seed=4)
+    program equals the (fp32) reference backend's - the same tokens, the logits within bf16's
+    distance - for prompts of one length and ragged ones (a short prompt starts generating while
+    the longer one is still read: one token of every row a launch). The correction bias (std 100)
+    keeps the experts' choice off near-ties."""
+    w = small_weights(SPEC, seed=4, bias_std=100.0)
     ref = reference(SPEC, w, torch.float32, max_seq_len=16)
     mk = build_megakernel("kimi_k3", "small", backend="megakernel", max_seq_len=16, max_batch=2)
     mk.load_weights(w)
-    prompt = torch.tensor([[5, 17, 3], [9, 1, 200]])
-    out, want = mk.generate(prompt, 2), ref.generate(prompt, 2)
-    assert out.shape == want.shape == (2, 5) and torch.equal(out[:, :3], prompt)
-    assert rel(mk.last_logits[:, 0], ref.last_logits[:, 0]) < 5e-2
+    prompt = torch.tensor([[5, 17, 3, 8], [9, 1, 200, 0]])
+    for lens in (None, [4, 2]):
+        out, want = mk.generate(prompt, 3, prompt_lens=lens), ref.generate(prompt, 3, prompt_lens=lens)
+        assert out.shape == want.shape == (2, 7) and torch.equal(out, want), (lens, out, want)
+        assert mk.last_logits.shape == ref.last_logits.shape == (2, 3, SPEC.vocab_size)
+        assert rel(mk.last_logits, ref.last_logits) < 5e-2, lens
+    with pytest.raises(CapacityError, match="max_seq_len"):
+        mk.generate(prompt, 13)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "mxfp4"])
+def test_quantised_experts_from_the_models_weights(fmt):
+    """expert_dtype fp8 / MXFP4: the program's experts quantised from the model's bf16 weights at
+    load (moe_layer.experts_from_model); the program equals the model run on the experts'
+    quantised values (a 1e-2 difference: bf16's), and differs from the bf16 model by the
+    quantisation itself (fp8 ~6e-2, MXFP4 ~0.2 on these random weights)."""
+    from sdk.blocks.experts import dequant_experts
+    from sdk.megakernel.moe_layer import in_expert_format
+    w = small_weights(SPEC, 5, bias_std=100.0)
+    wq = dict(w)
+    for k in w:
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            q = in_expert_format(w[k], fmt)
+            wq[k] = dequant_experts(q["weight"], q.get("scale"), fmt).to(torch.bfloat16)
+    ref, ref_bf16 = reference(SPEC, wq, torch.float32), reference(SPEC, w, torch.float32)
+    runner = PlainModelRunner(PlainModelConfig(SPEC, batch=2, max_seq_len=80, expert_dtype=fmt), w)
+    assert runner.tensors["l1.mlp.experts.down.weight"].dtype == (torch.float8_e4m3fn if fmt == "fp8_e4m3"
+                                                                  else torch.int32)
+    s, s16 = ref.new_state(2), ref_bf16.new_state(2)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        ids = torch.randint(0, SPEC.vocab_size, (2,), generator=g)
+        got = runner.decode(ids)
+        err, err16 = rel(got, ref.decode(ids[:, None], s)[:, 0]), rel(got, ref_bf16.decode(ids[:, None], s16)[:, 0])
+        print(f"{fmt} step {step}: vs the model on the quantised experts {err:.1e}, vs the bf16 model {err16:.1e}")
+        assert err < 3e-2 and err16 > 2 * err

@@ -20,7 +20,7 @@ ENTRY = ModelEntry(
     configs={"tiny": lambda: copy.deepcopy(TINY), "full": lambda: copy.deepcopy(FULL),
              # V4.1's math where it differs from transformers' deepseek_v4 (config.with_v41_features)
              "tiny_v41": lambda: {**copy.deepcopy(TINY), V41_SWITCH: True},
-             # in the device blocks' shapes: the whole-model program (sdk/megakernel/dsv4_model.py)
+             # in the device blocks' shapes: the whole-model program (sdk/megakernel/mhc_model.py)
              "small": lambda: copy.deepcopy(SMALL),
              "small_v41": lambda: {**copy.deepcopy(SMALL), V41_SWITCH: True},
              "full_v41": lambda: {**copy.deepcopy(FULL), V41_SWITCH: True}},

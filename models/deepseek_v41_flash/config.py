@@ -66,7 +66,7 @@ TINY = {
 }
 
 # Small, and in the device blocks' shapes (hidden a multiple of 1024, head_dim 512, one o_a group):
-# the whole-model program (sdk/megakernel/dsv4_model.py) runs it on the PyVM and the GPU
+# the whole-model program (sdk/megakernel/mhc_model.py) runs it on the PyVM and the GPU
 SMALL = {**TINY, "vocab_size": 512, "hidden_size": 1024, "num_attention_heads": 2, "head_dim": 512,
          "partial_rotary_factor": 64 / 512, "q_lora_rank": 256, "o_groups": 1, "o_lora_rank": 256,
          "index_n_heads": 8, "index_head_dim": 64, "n_routed_experts": 64, "num_experts_per_tok": 6,

@@ -5,7 +5,7 @@ See docs/models/glm_53.md for the architecture, the source of every number and t
 from sdk import ModelEntry, Sharding, hookimpl
 from sdk.spec import QuantSpec
 
-from .config import full, full_nonflash, hf_config, spec_from_config, tiny
+from .config import full, full_nonflash, hf_config, small, spec_from_config, tiny
 from .weights import load_weights
 
 ENTRY = ModelEntry(
@@ -13,7 +13,8 @@ ENTRY = ModelEntry(
     hf_model_type="glm5_next",
     summary="GLM-5.3(-Flash): KDA + DSA k-pool sparse MLA (3:1), 288-expert top-8 MoE, mHC x4",
     spec_from_config=spec_from_config,
-    configs={"tiny": tiny, "full": full, "full-nonflash": full_nonflash},
+    # "small": in the device blocks' shapes (the whole-model program, sdk/megakernel/mhc_model.py)
+    configs={"tiny": tiny, "small": small, "full": full, "full-nonflash": full_nonflash},
     hf_config=hf_config,
     # transformers 5.24 has no text-only causal-LM class for glm5_next: the multimodal model, fed
     # text-only input ids, is the oracle (its vision tower never runs).

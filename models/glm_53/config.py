@@ -69,6 +69,16 @@ TINY_TEXT: dict[str, Any] = {
     "hidden_act": "silu", "rms_norm_eps": 1e-5, "swiglu_limit": 10.0, "max_position_embeddings": 4096,
     "pad_token_id": 0, "tie_word_embeddings": False,
 }
+# TINY in the device blocks' shapes (hidden a multiple of 1024, 128-wide KDA heads, MLA's 512
+# latent, 32 experts for the router's select, 256-multiples of every GEMV's K): the whole-model
+# megakernel program (sdk/megakernel/mhc_model.py) runs it on the PyVM and the GPU. The layers are
+# TINY's: KDA + dense, DSA + dense, shared DSA + MoE, KDA + MoE, DSA + MoE.
+SMALL_TEXT: dict[str, Any] = dict(
+    TINY_TEXT, vocab_size=1024, hidden_size=1024, intermediate_size=512, moe_intermediate_size=256,
+    n_routed_experts=32, num_experts_per_tok=4, q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=128,
+    v_head_dim=128, index_n_heads=8, index_head_dim=64, index_topk=16, index_kpool=4, linear_num_heads=4,
+    linear_head_dim=128)
+
 # Only there so that the multimodal checkpoint's `model.visual.*` keys exist (and are ignored).
 TINY_VISION: dict[str, Any] = {
     "depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 16, "out_hidden_size": 64,
@@ -99,6 +109,11 @@ FULL_NONFLASH: dict[str, Any] = {"model_type": ARCH, "text_config": FULL_NONFLAS
 
 def tiny() -> dict:
     return copy.deepcopy(TINY)
+
+
+def small() -> dict:
+    return {"model_type": ARCH, "text_config": copy.deepcopy(SMALL_TEXT), "vision_config": {},
+            "tie_word_embeddings": False}
 
 
 def full() -> dict:
@@ -202,7 +217,9 @@ def spec_from_config(config: Any) -> ModelSpec:
                   conv_kernel=c["linear_conv_kernel_dim"],
                   gate_kind="softplus" if c["linear_lower_bound"] is None else "sigmoid",
                   gate_lower_bound=-5.0 if c["linear_lower_bound"] is None else float(c["linear_lower_bound"]),
-                  a_log_flat=True, gate_rank=c["linear_head_dim"], conv_activation=c["hidden_act"])
+                  a_log_flat=True, gate_rank=c["linear_head_dim"], conv_activation=c["hidden_act"],
+                  # the checkpoint keeps the short conv's weight fp32 (weights.py keep_fp32)
+                  extra=(("conv_weight_dtype", "fp32"),))
     layers = []
     for i in range(c["num_hidden_layers"]):
         if c["layer_types"][i] == "linear_attention":

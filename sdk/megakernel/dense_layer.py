@@ -111,10 +111,29 @@ def make_weights(cfg: DenseLayerConfig, seed: int = 0, device="cpu") -> dict[str
     return w
 
 
-def reference(cfg: DenseLayerConfig, weights: dict, x: torch.Tensor) -> torch.Tensor:
-    """x + the model's dense MLP on bf16(rmsnorm(x) * mlp_norm), in fp32 from the bf16 weights: [M, D] fp32."""
+def make_inputs(cfg: DenseLayerConfig, seed: int = 0, device="cpu", hc_fn=None) -> dict[str, torch.Tensor]:
+    """x [M, D] bf16; mHC: the streams instead, with this site's partials of them (`hc_fn`:
+    mhc_site.site_fn)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    if cfg.site:
+        from .mhc_site import site_inputs
+        return site_inputs(cfg.site, g, hc_fn, device)
+    return {"x": torch.randn(cfg.batch, cfg.hidden, generator=g, device=device).to(torch.bfloat16)}
+
+
+def reference(cfg: DenseLayerConfig, weights: dict, inputs: dict, hc_fn=None):
+    """x + the model's dense MLP on bf16(rmsnorm(x) * mlp_norm), in fp32 from the bf16 weights:
+    resid [M, D] fp32; mHC: {streams, coef, part_next} - the model's residual around it
+    (mhc_site.reference, this site's fn `hc_fn`)."""
     from ..reference.common import rms_norm
     from ..reference.moe import spec_dense_mlp
     f = {k + ".weight": v.float() for k, v in weights.items() if not k.startswith("hc_")}
-    h = rms_norm(x.float(), f["mlp_norm.weight"], cfg.eps).to(torch.bfloat16).float()
-    return x.float() + spec_dense_mlp(h, f, "", cfg.spec)
+
+    def mlp(h):
+        return spec_dense_mlp(h.float(), f, "", cfg.spec)
+
+    if cfg.site:
+        from .mhc_site import reference as site_reference
+        return site_reference(cfg.site, weights, inputs, hc_fn, weights["mlp_norm"], mlp)
+    x = inputs["x"].float()
+    return x + mlp(rms_norm(x, f["mlp_norm.weight"], cfg.eps).to(torch.bfloat16))

@@ -254,11 +254,12 @@ class DSALayerConfig:
 
 
 def shard_config(spec, batch: int = 1, max_seq_len: int = 8192, num_pages: int = 0, q_tokens: int = 1, tp: int = 8,
-                 num_sms: int = 132, **attn_kw) -> DSALayerConfig:
+                 num_sms: int = 132, mhc: str = "", **attn_kw) -> DSALayerConfig:
     """The DSA sublayer of a model's spec (a ModelSpec with "dsa_mla" layers: GLM-5.3, models/glm_53)
     at its TP shard: num_heads / tp MLA heads (GLM-5.3 TP8: 8 heads, kv_lora 512, nope 256, v 256,
     NoPE, q_lora 1536, hidden 4096 Flash / 6144), the indexer replicated (32 x 128, top-k 2048,
-    kpool 16). Splits of the sparse decode: choose_splits over the list width (2063), not max_seq_len."""
+    kpool 16). Splits of the sparse decode: choose_splits over the list width (2063), not max_seq_len.
+    mhc: the layer's mHC site ("v4": GLM-5.3's residual; "" the plain residual)."""
     s = next(l.attention for l in spec.layers if l.attention.kind == "dsa_mla" and not l.attention.indexer.shared)
     ix = s.indexer
     # the sparse decode walks each query's list, not the context: its splits cut topk + kpool - 1,
@@ -271,7 +272,7 @@ def shard_config(spec, batch: int = 1, max_seq_len: int = 8192, num_pages: int =
                               batch=batch, q_tokens=q_tokens, max_seq_len=max_seq_len,
                               num_pages=num_pages or batch * -(-max_seq_len // 64) + 4, num_sms=num_sms, **attn_kw)
     mla = MLALayerConfig(attn, hidden=spec.hidden_size, q_lora=s.q_lora_rank, rope_mode="none",
-                         eps=s.latent_norm_eps)
+                         eps=s.latent_norm_eps, input_eps=spec.norm_eps, mhc=mhc)
     return DSALayerConfig(mla, index_heads=ix.num_heads, index_head_dim=ix.head_dim, index_topk=ix.topk,
                           kpool=ix.kpool, select_tail=ix.select_tail)
 
@@ -369,6 +370,23 @@ def make_weights(cfg: DSALayerConfig, seed: int = 0, device="cpu") -> dict[str, 
               "index_k_norm_w": (1.0 + 0.1 * torch.randn(d, generator=g, device=device)).to(torch.bfloat16),
               "index_k_norm_b": (0.1 * torch.randn(d, generator=g, device=device)).to(torch.bfloat16),
               "index_ape": (0.5 * torch.randn(P, d, generator=g, device=device)).to(torch.bfloat16)})
+    return w
+
+
+# the indexer's program weights <- the model's (sdk/reference/dsa.py names, under the layer's attn.)
+INDEXER_WEIGHTS = {"index_wq_b": "indexer.wq_b.weight", "index_weights_proj": "indexer.weights_proj.weight",
+                   "index_k_norm_w": "indexer.k_norm.weight", "index_k_norm_b": "indexer.k_norm.bias",
+                   "index_ape": "indexer.index_kpool_compress_ape"}
+
+
+def weights_from_model(cfg: DSALayerConfig, get) -> dict[str, torch.Tensor]:
+    """The program's weights but the input norm from the model's: get(name) -> its weight under
+    the HF name - mla_layer's, and the indexer's (none in a "shared" layer) with k_gate = [wk;
+    the pool gate] stacked (the program's one GEMV)."""
+    w = mla_layer.weights_from_model(cfg.mla, get)
+    if not cfg.shared:
+        w.update({k: get(v) for k, v in INDEXER_WEIGHTS.items()})
+        w["index_k_gate"] = torch.cat([get("indexer.wk.weight"), get("indexer.index_kpool_compress_gate")])
     return w
 
 

@@ -130,6 +130,15 @@ class KDALayerConfig(MHCSiteFields):
         return w
 
 
+def from_spec(a, hidden: int, eps: float, batch: int, num_sms: int = 132, **kw) -> KDALayerConfig:
+    """The sublayer of a model's KDA layer (a: KDASpec; kw: the site's or resid_in_place). The short
+    conv's weight keeps the checkpoint's dtype (KDASpec extra conv_weight_dtype: GLM-5.3's fp32)."""
+    return KDALayerConfig(heads=a.num_heads, batch=batch, head_dim=a.head_dim, hidden=hidden, gate_rank=a.gate_rank,
+                          output_gate_full_rank=a.output_gate_full_rank, gate_kind=a.gate_kind,
+                          gate_lower_bound=a.gate_lower_bound, conv_kernel=a.conv_kernel,
+                          conv_w_dtype=dict(a.extra).get("conv_weight_dtype", "bf16"), eps=eps, num_sms=num_sms, **kw)
+
+
 def build_program(cfg: KDALayerConfig) -> Program:
     D, C, M, r, P = cfg.hidden, cfg.channels, cfg.tokens_total, cfg.rank_padded, cfg.bfa_width
     kda = KDABlock(cfg.kda)

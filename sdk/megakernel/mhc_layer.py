@@ -57,13 +57,17 @@ def join(first: Program, second: Program, prefixes=("attn.", "mlp.")) -> Program
     return chain([first, second], prefixes)[0]
 
 
-def chain(progs: list, prefixes, prologue: Program | None = None) -> tuple[Program, int]:
+def chain(progs: list, prefixes, prologue: Program | None = None, aliases: dict | None = None) -> tuple[Program, int]:
     """The program of mHC sublayer programs run one after the other (join's rule, site after
     site), after `prologue`'s ops (its buffers keep their names; the first site's first ops wait
-    for its last op). Returns (program, the last site's post-mix op)."""
+    for its last op). aliases: further links, {a chained name: the earlier buffer it is} (GLM-5.3's
+    shared indexer: a layer's `index` is the previous layer's). Returns (program, the last site's
+    post-mix op)."""
     count = len(progs)
-    names = [site_names(k, count, prefixes) for k in range(count)]
+    aliases = aliases or {}
+    names = [lambda n, f=site_names(k, count, prefixes): aliases.get(f(n), f(n)) for k in range(count)]
     links = {prefixes[k] + "coef" for k in range(count - 1)} | {prefixes[k] + "part" for k in range(1, count)}
+    links |= set(aliases.values())
     for k, prog in enumerate(progs):
         missing = {"streams", "part", "coef"} - set(prog.buffers)
         if missing:

@@ -228,6 +228,10 @@ def make_weights(cfg: MLALayerConfig, seed: int = 0, device="cpu") -> dict[str, 
     w.update({"input_norm": norm(D), "q_a_proj": rnd(cfg.q_lora, D), "q_a_norm": norm(cfg.q_lora),
               "q_b_proj": rnd(a.heads * cfg.q_width, cfg.q_lora), "kv_a_proj": rnd(a.kv_lora + a.rope, D),
               "kv_a_norm": norm(a.kv_lora), "o_proj": rnd(D, a.heads * a.v)})
+    if cfg.site:            # the input norm fp32 (bf16 values: the model's), the site's mix weights
+        from .mhc_site import site_weights
+        w["input_norm"] = w["input_norm"].float()
+        w.update(site_weights(cfg.site, g, device))
     return w
 
 
@@ -256,8 +260,9 @@ def rope_tables(cfg: MLALayerConfig, positions: torch.Tensor) -> tuple[torch.Ten
     return cos.reshape(-1, rope.dim), sin.reshape(-1, rope.dim)
 
 
-def make_inputs(cfg: MLALayerConfig, lens, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
-    """x, the cache (random rows for the tokens before the new ones), table, lengths, cos / sin."""
+def make_inputs(cfg: MLALayerConfig, lens, seed: int = 0, device="cpu", hc_fn=None) -> dict[str, torch.Tensor]:
+    """x, the cache (random rows for the tokens before the new ones), table, lengths, cos / sin;
+    mHC: the streams instead of x, with this site's partials of them (`hc_fn`: mhc_site.site_fn)."""
     a = cfg.attn
     base = mla.make_inputs(a, lens, seed=seed, device=device)
     g = torch.Generator(device=device).manual_seed(seed + 1)
@@ -268,6 +273,10 @@ def make_inputs(cfg: MLALayerConfig, lens, seed: int = 0, device="cpu") -> dict[
            "kv": base["kv"], "block_table": base["block_table"], "seq_lens": base["seq_lens"], "cos": cos, "sin": sin}
     if "kv_scale" in base:
         out["kv_scale"] = base["kv_scale"]
+    if cfg.site:
+        from .mhc_site import site_inputs
+        del out["x"]
+        out.update(site_inputs(cfg.site, g, hc_fn, device))
     return out
 
 
@@ -280,9 +289,10 @@ def stored_rows(cfg: MLALayerConfig, tensors: dict) -> torch.Tensor:
 
 
 def reference(cfg: MLALayerConfig, weights: dict, inputs: dict, stored: dict | None = None,
-              with_rows: bool = False):
+              with_rows: bool = False, hc_fn=None):
     """x + MLAReference.forward(rmsnorm(x) * input_norm) over the cache's earlier rows (fp32):
-    resid [M, D]. The new tokens' rows are the reference's own, in the cache's format - or, with
+    resid [M, D]; mHC: {streams, coef, part_next} - the model's residual around it
+    (mhc_site.reference, this site's fn `hc_fn`). The new tokens' rows are the reference's own, in the cache's format - or, with
     `stored` (a runtime's tensors after its launch), read back from the cache that launch wrote
     (`stored_rows`): an fp8 row's e4m3 rounding follows the device's bf16 projections, and a 1-ulp
     difference there moves an element by a whole e4m3 step, so the attention core is compared over
@@ -299,7 +309,7 @@ def reference(cfg: MLALayerConfig, weights: dict, inputs: dict, stored: dict | N
         "kv_b_proj.weight": f["kv_b_proj"], "o_proj.weight": f["o_proj"]})
     dec = mla.decode_block(a)
     lens = [int(x) for x in inputs["seq_lens"]]
-    dev = inputs["x"].device
+    dev = inputs["seq_lens"].device
     dense = torch.zeros(a.batch, max(lens), a.d_qk, device=dev)
     for b, n in enumerate(lens):                 # the rows before the new tokens
         if n > a.q_tokens:
@@ -307,21 +317,29 @@ def reference(cfg: MLALayerConfig, weights: dict, inputs: dict, stored: dict | N
     start = torch.tensor(lens, device=dev) - a.q_tokens
     step = StepInfo(start=start, positions=start[:, None] + torch.arange(a.q_tokens, device=dev),
                     input_ids=torch.zeros(a.batch, a.q_tokens, dtype=torch.long, device=dev))
-    x = inputs["x"].float().view(a.batch, a.q_tokens, cfg.hidden)
-    h = rms_norm(x, f["input_norm"], cfg.x_eps)
-    # MLAReference.forward, with the new rows stored in the cache's format (bf16, or the fp8 row's
-    # value bf16(e4m3 * scale), what the decode core reads back)
-    q_nope, q_pe, _ = ref.project_q(h, step)
-    rows = ref.project_kv(h, step).to(torch.bfloat16)
-    if dec.fp8:
-        from ..blocks.mla_decode import quantize_kv_fp8
-        q8, sc = quantize_kv_fp8(rows.float(), dec.config.scale_group)
-        rows = (q8.float() * sc.repeat_interleave(dec.config.scale_group, dim=-1)).to(torch.bfloat16)
-    own_rows = rows.float()
-    if stored is not None:
-        rows = stored_rows(cfg, stored)
-    cache = {"latent": dense}
-    ref.write_cache(cache, step, rows.float())
-    out = ref.project_out(h, ref.attend(q_nope, q_pe, cache, step))
-    resid = (x + out).reshape(a.tokens, cfg.hidden)
-    return (resid, own_rows) if with_rows else resid
+    own = []
+
+    def sublayer(h):
+        """MLAReference.forward on the normed input h, with the new rows stored in the cache's
+        format (bf16, or the fp8 row's value bf16(e4m3 * scale), what the decode core reads back)."""
+        h = h.float().view(a.batch, a.q_tokens, cfg.hidden)
+        q_nope, q_pe, _ = ref.project_q(h, step)
+        rows = ref.project_kv(h, step).to(torch.bfloat16)
+        if dec.fp8:
+            from ..blocks.mla_decode import quantize_kv_fp8
+            q8, sc = quantize_kv_fp8(rows.float(), dec.config.scale_group)
+            rows = (q8.float() * sc.repeat_interleave(dec.config.scale_group, dim=-1)).to(torch.bfloat16)
+        own.append(rows.float())
+        if stored is not None:
+            rows = stored_rows(cfg, stored)
+        cache = {"latent": dense}
+        ref.write_cache(cache, step, rows.float())
+        return ref.project_out(h, ref.attend(q_nope, q_pe, cache, step)).reshape(a.tokens, cfg.hidden)
+
+    if cfg.site:
+        from .mhc_site import reference as site_reference
+        res = site_reference(cfg.site, weights, inputs, hc_fn, weights["input_norm"], sublayer)
+    else:
+        x = inputs["x"].float()
+        res = x + sublayer(rms_norm(x, f["input_norm"], cfg.x_eps))
+    return (res, own[0]) if with_rows else res

@@ -406,9 +406,9 @@ def build_program(cfg: MoELayerConfig) -> Program:
 
 # -- weights and reference ---------------------------------------------------------------------
 # the program's weights <- the model's (sdk/reference/moe.py names, under the layer's mlp.)
+# (the experts: experts_from_model, in the program's format)
 MODEL_WEIGHTS = {"router.weight": "gate.weight", "router.bias": "gate.e_score_correction_bias",
-                 "router.tid2eid": "gate.tid2eid", "experts.gate_up.weight": "experts.gate_up_proj",
-                 "experts.down.weight": "experts.down_proj", "shared.gate.weight": "shared_experts.gate_proj.weight",
+                 "router.tid2eid": "gate.tid2eid", "shared.gate.weight": "shared_experts.gate_proj.weight",
                  "shared.up.weight": "shared_experts.up_proj.weight",
                  "shared.down.weight": "shared_experts.down_proj.weight", "latent_down.weight": "latent_down.weight",
                  "latent_norm.weight": "latent_norm.weight", "latent_up.weight": "latent_up.weight"}
@@ -438,14 +438,7 @@ def make_weights(cfg: MoELayerConfig, seed: int = 0, device="cpu") -> dict[str, 
         full = torch.empty(shape, dtype=torch.bfloat16, device=device)
         for e in range(L):
             full[e] = rnd(*shape[1:], std=fan_in ** -0.5).to(torch.bfloat16)
-        if cfg.expert_dtype == "fp8_e4m3":
-            w[name + ".weight"], w[name + ".scale"] = quantize_fp8_experts(full)
-        elif cfg.expert_dtype == "mxfp4":
-            q = [quantize_mxfp4(full[e]) for e in range(L)]
-            w[name + ".weight"] = torch.stack([a for a, _ in q])
-            w[name + ".scale"] = torch.stack([s for _, s in q])
-        else:
-            w[name + ".weight"] = full
+        w.update({f"{name}.{k}": v for k, v in in_expert_format(full, cfg.expert_dtype).items()})
         del full
     if cfg.shared_intermediate:
         from .mlp_stack import quantize_fp8
@@ -460,6 +453,33 @@ def make_weights(cfg: MoELayerConfig, seed: int = 0, device="cpu") -> dict[str, 
         w["mlp_norm"] = (1 + 0.1 * rnd(d)).to(torch.bfloat16).float()
         w.update(site_weights(cfg.site, g, device))
     return w
+
+
+def in_expert_format(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """Experts' weights [E, N, K] (bf16 values) in the kernel's format `fmt`: {"weight"} for bf16,
+    + {"scale"}: fp8 e4m3 with 128 x 128 block scales (amax / 448), MXFP4 (e2m1 codes packed 8 to
+    an int32, a power-of-two scale per 32 along K; quantised one expert at a time)."""
+    if fmt == "bf16":
+        return {"weight": w.to(torch.bfloat16)}
+    if fmt == "fp8_e4m3":
+        q, scale = quantize_fp8_experts(w)
+        return {"weight": q, "scale": scale}
+    if fmt == "mxfp4":
+        q = [quantize_mxfp4(w[e].float()) for e in range(w.shape[0])]
+        return {"weight": torch.stack([a for a, _ in q]), "scale": torch.stack([sc for _, sc in q])}
+    raise UnsupportedConfigError(f"experts format {fmt!r} (supported: bf16, fp8_e4m3, mxfp4)")
+
+
+def experts_from_model(cfg: MoELayerConfig, get) -> dict[str, torch.Tensor]:
+    """The program's expert buffers (this rank's experts, in cfg.expert_dtype: `in_expert_format`)
+    from the model's [E, 2I, h] / [E, h, I] weights: get(name) -> its weight (sdk/reference/moe.py
+    names). A quantised format is quantised here, from the weights' bf16 values."""
+    out = {}
+    local = slice(cfg.local_start, cfg.local_start + cfg.local)
+    for name, model_name in (("experts.gate_up", "experts.gate_up_proj"), ("experts.down", "experts.down_proj")):
+        w = get(model_name)[local].to(torch.bfloat16)
+        out.update({f"{name}.{k}": v for k, v in in_expert_format(w, cfg.expert_dtype).items()})
+    return out
 
 
 def mhc_reference(cfg: MoELayerConfig, weights: dict, inputs: dict, hc_fn: torch.Tensor,

@@ -23,46 +23,34 @@ GPU; `PlainMegakernelModel` is the `megakernel` backend for kimi_k3.
 
 Supported: the plain residual, KDA and NoPE MLA attention (with q_lora, no bias, no output gate),
 dense MLPs and the latent MoE (Kimi K3's Stable LatentMoE; learned routing), the limits of each
-block (hidden a multiple of 1024, batch <= 64, ...), one token per sequence a step. Not: RoPE'd
-MLA, the non-latent MoE in place (its experts read x unnormed), tensor / expert parallelism
-across GPUs (the all-reduce and EP programs are separate), quantised experts from the model's
-weights.
+block (hidden a multiple of 1024, batch <= 64, ...), one token per sequence a step; the routed
+experts in bf16, fp8 or MXFP4 (`expert_dtype`: quantised from the model's weights at load). Not:
+RoPE'd MLA, the non-latent MoE in place (its experts read x unnormed), tensor / expert
+parallelism across GPUs (the all-reduce and EP programs are separate).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-
-import torch
 
 from ..blocks.embed import EmbedStreamsBlock, EmbedStreamsConfig
 from ..blocks.gemv import GemvConfig
 from ..errors import UnsupportedConfigError
-from ..spec import ModelSpec
 from . import dense_layer, kda_layer, mla_layer, moe_layer
 from .mhc_layer import replay
-from .mla_attention import MLAAttentionConfig
 from .mlp_stack import gemv_block
-from .model_runner import MegakernelModel, ModelRunner, weights_from
+from .model_runner import MegakernelModel, ModelConfig, ModelRunner, getter, mlp_sources, weights_from
 from .program import Program
 
-PAGE_SIZE = 64              # the MLA layers' cache pages (tokens)
 WHAT = "plain model program"
 
 
 @dataclass(frozen=True)
-class PlainModelConfig:
-    spec: ModelSpec
-    batch: int = 1
-    max_seq_len: int = 64
-    expert_dtype: str = "bf16"           # the routed experts' format ("bf16" = the model's weights)
-    num_sms: int = 132
-
+class PlainModelConfig(ModelConfig):
     def check(self):
         s = self.spec
         if s.residual.kind != "plain":
             raise UnsupportedConfigError(f"{WHAT}: the plain residual (Kimi K3); got {s.residual.kind!r} "
-                                         "(mHC models: sdk/megakernel/dsv4_model.py)")
+                                         "(mHC models: sdk/megakernel/mhc_model.py)")
         for l in s.layers:
             a, m = l.attention, l.mlp
             if a.kind not in ("kda", "mla"):
@@ -82,10 +70,6 @@ class PlainModelConfig:
             if m.kind not in ("moe", "dense"):
                 raise UnsupportedConfigError(f"{WHAT}: layer {l.index} MLP {m.kind!r} (supported: dense, moe)")
 
-    @property
-    def pages_per_seq(self) -> int:
-        return math.ceil(self.max_seq_len / PAGE_SIZE)
-
     def layers(self) -> list[tuple]:
         """(attention config, MLP config) per layer, each with resid_in_place."""
         self.check()
@@ -94,17 +78,9 @@ class PlainModelConfig:
         for l in s.layers:
             a, m = l.attention, l.mlp
             if a.kind == "kda":
-                attn = kda_layer.KDALayerConfig(
-                    heads=a.num_heads, batch=B, head_dim=a.head_dim, hidden=s.hidden_size, gate_rank=a.gate_rank,
-                    output_gate_full_rank=a.output_gate_full_rank, gate_kind=a.gate_kind,
-                    gate_lower_bound=a.gate_lower_bound, conv_kernel=a.conv_kernel, eps=s.norm_eps,
-                    num_sms=self.num_sms, resid_in_place=True)
+                attn = kda_layer.from_spec(a, s.hidden_size, s.norm_eps, B, self.num_sms, resid_in_place=True)
             else:
-                core = MLAAttentionConfig(heads=a.num_heads, kv_lora=a.kv_lora_rank, nope=a.qk_nope_head_dim,
-                                          rope=a.qk_rope_head_dim, v=a.v_head_dim, softmax_scale=a.softmax_scale,
-                                          batch=B, page_size=PAGE_SIZE, num_pages=B * self.pages_per_seq,
-                                          max_seq_len=self.pages_per_seq * PAGE_SIZE, num_sms=self.num_sms)
-                attn = mla_layer.MLALayerConfig(core, hidden=s.hidden_size, q_lora=a.q_lora_rank, rope_mode="none",
+                attn = mla_layer.MLALayerConfig(self.paged_attention(a, rope=a.qk_rope_head_dim), hidden=s.hidden_size, q_lora=a.q_lora_rank, rope_mode="none",
                                                 eps=a.latent_norm_eps, input_eps=s.norm_eps, resid_in_place=True)
             act = dict(activation=m.activation, situ_beta=m.situ_beta, situ_linear_beta=m.situ_linear_beta,
                        swiglu_limit=m.swiglu_limit)
@@ -123,8 +99,6 @@ class PlainModelConfig:
             out.append((attn, mlp))
         return out
 
-    def prefixes(self) -> list[str]:
-        return [f"l{i}.{site}." for i in range(len(self.spec.layers)) for site in ("attn", "mlp")]
 
 
 def chain(progs: list, prefixes, prologue: Program | None = None) -> tuple[Program, int]:
@@ -179,35 +153,25 @@ def build_program(cfg: PlainModelConfig) -> Program:
 
 def program_weights(cfg: PlainModelConfig, weights: dict, device="cpu", prog: Program | None = None) -> dict:
     """The program's weights from the model's canonical ones (sdk/reference names), cast to the
-    program's dtypes (bf16 experts only: quantised experts are not mapped yet). `prog`: the
-    program if already built (build_program(cfg) otherwise)."""
-    if cfg.expert_dtype != "bf16":
-        raise UnsupportedConfigError(f"{WHAT}: mapping the model's weights to quantised experts "
-                                     f"({cfg.expert_dtype}) is not implemented; use expert_dtype='bf16'")
+    program's dtypes, the routed experts in cfg.expert_dtype (quantised from the model's weights
+    when the program's are: fp8 e4m3 or MXFP4). `prog`: the program if already built
+    (build_program(cfg) otherwise)."""
     src = {"embed": "embed.weight", "head_norm": "norm.weight",
            "lm_head": "embed.weight" if cfg.spec.tie_word_embeddings else "lm_head.weight"}
     for i, (attn, mlp) in enumerate(cfg.layers()):
         a, m, layer = f"l{i}.attn.", f"l{i}.mlp.", f"layers.{i}."
-
-        def get(name, under=layer + "attn."):
-            if under + name not in weights:
-                raise UnsupportedConfigError(f"{WHAT}: the model's weight {under + name!r} is missing")
-            return weights[under + name]
-
+        get = getter(weights, layer + "attn.", WHAT)
         src[a + "input_norm"] = layer + "attn_norm.weight"
         module = kda_layer if isinstance(attn, kda_layer.KDALayerConfig) else mla_layer
         src.update({a + k: v for k, v in module.weights_from_model(attn, get).items()})
         src[m + "mlp_norm"] = layer + "mlp_norm.weight"
-        names = ({n: n + ".weight" for n in ("gate_proj", "up_proj", "down_proj")}
-                 if isinstance(mlp, dense_layer.DenseLayerConfig) else moe_layer.MODEL_WEIGHTS)
-        src.update({m + k: layer + "mlp." + v for k, v in names.items()})
+        src.update({m + k: v for k, v in mlp_sources(mlp, weights, layer, WHAT).items()})
     return weights_from(src, weights, prog or build_program(cfg), device, WHAT)
 
 
 class PlainModelRunner(ModelRunner):
-    """Decode steps of the model program (model_runner.ModelRunner): the ids and each MLA layer's
-    lengths; its block table (each sequence's pages in a row) and NoPE's identity rotation are
-    set once."""
+    """Decode steps of the model program (model_runner.ModelRunner): the ids, the MLA layers' paged
+    caches (ModelRunner.set_paged); NoPE's identity rotation is set once."""
 
     name = WHAT
     build_program = staticmethod(build_program)
@@ -215,20 +179,11 @@ class PlainModelRunner(ModelRunner):
 
     def __init__(self, cfg: PlainModelConfig, weights: dict, device="cpu", seed: int | None = 0):
         super().__init__(cfg, weights, device, seed)
-        self._mla = [p for (attn, _), p in zip(cfg.layers(), cfg.prefixes()[::2])
-                     if isinstance(attn, mla_layer.MLALayerConfig)]
-        n = cfg.pages_per_seq
-        table = torch.arange(cfg.batch * n, dtype=torch.int32).view(cfg.batch, n)
-        for p in self._mla:
-            bt = self.tensors[p + "block_table"]
-            bt.fill_(2 ** 30)                    # past a sequence's pages: never read
-            bt[:, :n] = table.to(bt.device)
+        self.set_paged([p for (attn, _), p in zip(cfg.layers(), cfg.prefixes()[::2])
+                        if isinstance(attn, mla_layer.MLALayerConfig)])
+        for p in self.paged:
             self.tensors[p + "cos"].fill_(1)
             self.tensors[p + "sin"].zero_()
-
-    def step_inputs(self, ids: torch.Tensor) -> dict:
-        lens = (self.lengths + 1).to(torch.int32)       # the new token included
-        return {p + "seq_lens": lens for p in self._mla}
 
 
 class PlainMegakernelModel(MegakernelModel):

@@ -86,6 +86,29 @@ def rel_err(got, ref, *, check_finite=True, min_norm=0.0):
     return ((got - ref).norm() / ref.norm().clamp_min(min_norm)).item()
 
 
+def compare_model_steps(runner, ref, steps: int, seed: int, tol: float, mean_tol: float | None = None,
+                        after_decode=None) -> list:
+    """`steps` decode steps of random ids through a whole-model program's runner (on the GPU) and
+    the reference backend `ref` (a fresh state), the logits compared each step: rel err < tol,
+    their mean < mean_tol. after_decode(): called between the program's step and the reference's
+    (GLM-5.3: the program's index lists handed to the reference). Returns the errors."""
+    batch, vocab = runner.cfg.batch, runner.cfg.spec.vocab_size
+    state = ref.new_state(batch)
+    g = torch.Generator().manual_seed(seed)
+    errs = []
+    for step in range(steps):
+        ids = torch.randint(0, vocab, (batch,), generator=g)
+        got = runner.decode(ids)
+        if after_decode is not None:
+            after_decode()
+        errs.append(rel_err(got, ref.decode(ids[:, None].cuda(), state)[:, 0]))
+        assert errs[-1] < tol, f"seed {seed}, step {step}: logits rel err {errs[-1]:.3e}"
+    if mean_tol is not None:
+        assert sum(errs) / len(errs) < mean_tol, (seed, errs)
+    runner.rt.check()
+    return errs
+
+
 def clock_seed() -> int:
     """A fresh seed from the clock: every run tests new inputs; the tests print it on failure."""
     return int(time.time() * 1000) % (2 ** 31)

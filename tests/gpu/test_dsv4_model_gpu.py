@@ -1,4 +1,4 @@
-"""A whole DeepSeek-V4.1 decode step in ONE megakernel launch on the GPU (sdk/megakernel/dsv4_model.py:
+"""A whole DeepSeek-V4.1 decode step in ONE megakernel launch on the GPU (sdk/megakernel/mhc_model.py:
 the embedding, every layer's attention and MoE in V4.1's lagged mHC sites, the head and the logits)
 against the model itself (the reference backend, V4.1's math, on the GPU in bf16 on the same
 weights), step after step from empty caches; the logits NaN-poisoned before each launch.
@@ -6,7 +6,7 @@ Run: `pytest -m gpu tests/gpu/test_dsv4_model_gpu.py`."""
 import pytest
 import torch
 
-from harness import clock_seed, need_gpu, rel_err
+from harness import clock_seed, compare_model_steps, need_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -15,23 +15,15 @@ pytestmark = pytest.mark.gpu
 def test_v41_model_one_launch_a_step(batch):
     need_gpu()
     from test_dsv4_model import bf16_weights, small_model
-    from sdk.megakernel.dsv4_model import DSV4ModelConfig, DSV4ModelRunner
+    from sdk.megakernel.mhc_model import MHCModelConfig, MHCModelRunner
     seed = clock_seed()
     ref = small_model()
     w = bf16_weights(ref.spec, seed=seed % 1000)
     ref = ref.__class__(ref.entry, ref.spec, device="cuda", dtype=torch.bfloat16, max_seq_len=64, max_batch=8)
     ref.load_weights({k: v.cuda() for k, v in w.items()})
-    runner = DSV4ModelRunner(DSV4ModelConfig(ref.spec, batch=batch, max_seq_len=64),
-                             {k: v.cuda() for k, v in w.items()}, device="cuda")
-    state = ref.new_state(batch)
-    g = torch.Generator().manual_seed(seed)
-    for step in range(12):
-        ids = torch.randint(0, ref.spec.vocab_size, (batch,), generator=g)
-        want = ref.decode(ids[:, None].cuda(), state)[:, 0]
-        got = runner.decode(ids)
-        e = rel_err(got, want)
-        assert e < 3e-2, f"seed {seed}, step {step}: logits rel err {e:.3e}"
-    runner.rt.check()
+    runner = MHCModelRunner(MHCModelConfig(ref.spec, batch=batch, max_seq_len=64),
+                            {k: v.cuda() for k, v in w.items()}, device="cuda")
+    compare_model_steps(runner, ref, 12, seed, tol=3e-2)
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -40,14 +32,8 @@ def test_small_v41_all_layer_kinds_one_launch_a_step(batch):
     router - against the model (tests/test_dsv4_model.py: test_small_v41_all_layer_kinds)."""
     need_gpu()
     from test_dsv4_model import all_kinds_model
-    from sdk.megakernel.dsv4_model import DSV4ModelConfig, DSV4ModelRunner
+    from sdk.megakernel.mhc_model import MHCModelConfig, MHCModelRunner
     seed = clock_seed()
     ref, w = all_kinds_model(seed % 1000, device="cuda", batch=batch)
-    runner = DSV4ModelRunner(DSV4ModelConfig(ref.spec, batch=batch, max_seq_len=32), w, device="cuda")
-    state = ref.new_state(batch)
-    g = torch.Generator().manual_seed(seed)
-    for step in range(6):
-        ids = torch.randint(0, ref.spec.vocab_size, (batch,), generator=g)
-        e = rel_err(runner.decode(ids), ref.decode(ids[:, None].cuda(), state)[:, 0])
-        assert e < 3e-2, f"seed {seed}, step {step}: logits rel err {e:.3e}"
-    runner.rt.check()
+    runner = MHCModelRunner(MHCModelConfig(ref.spec, batch=batch, max_seq_len=32), w, device="cuda")
+    compare_model_steps(runner, ref, 6, seed, tol=3e-2)

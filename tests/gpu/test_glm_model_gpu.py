@@ -1,0 +1,31 @@
+"""A whole GLM-5.3 decode step in ONE megakernel launch on the GPU (sdk/megakernel/mhc_model.py: the
+embedding onto the mHC streams, KDA, the DSA MLA with its k-pool indexer and a shared-indexer
+layer, dense MLPs and the MoE, each in its mHC site, the mean head and the logits) against the model
+itself (the reference backend in fp32 on the GPU, same weights), 36 steps from empty caches (the
+indexers select from step 19 on); the logits NaN-poisoned before each launch. Where the device's
+indexer list differs from the model's, every swapped pool must be a near-tie of the model's own
+scores and the model then attends over the device's list (tests/test_glm_model.py: ProgramLists).
+Run: `pytest -m gpu tests/gpu/test_glm_model_gpu.py`."""
+import pytest
+import torch
+
+from harness import clock_seed, compare_model_steps, need_gpu
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_glm_model_one_launch_a_step(batch, monkeypatch):
+    need_gpu()
+    from test_glm_model import SPEC, ProgramLists, glm_weights, reference
+    from sdk.megakernel.mhc_model import MHCModelConfig, MHCModelRunner
+    seed = clock_seed()
+    w = {k: v.cuda() for k, v in glm_weights(seed % 1000).items()}
+    ref = reference(w, torch.float32, max_batch=batch, device="cuda")
+    lists = ProgramLists(ref, monkeypatch)
+    runner = MHCModelRunner(MHCModelConfig(SPEC, batch=batch, max_seq_len=64), w, device="cuda")
+
+    def hand_lists():
+        lists.lists = {i: runner.tensors[f"l{i}.attn.index"] for i in (1, 4)}
+
+    compare_model_steps(runner, ref, 36, seed, tol=5e-2, mean_tol=3e-2, after_decode=hand_lists)

@@ -34,7 +34,7 @@ mkdir -p "$OUT"
 export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-575} TESTS_S=${TESTS_S:-390}
 
 if [ "${1:-1}" = 3 ]; then   # the whole models in one launch a step: their tests
-  GPU_TESTS="tests/gpu/test_sublayer_modes_gpu.py tests/gpu/test_plain_model_gpu.py tests/gpu/test_glm_model_gpu.py \
+  GPU_TESTS="tests/gpu/test_sublayer_modes_gpu.py tests/gpu/test_plain_model_gpu.py tests/gpu/test_tp_model_gpu.py tests/gpu/test_glm_model_gpu.py \
     tests/gpu/test_dsv4_model_gpu.py tests/gpu/test_mhc_layer_gpu.py" TESTS_S=550 OUT="$OUT/tests" DEVICE_ALL_S=560 bash bench/device_all.sh tests
   exit
 fi

@@ -17,11 +17,13 @@ def build_megakernel(model: str, config: Any = "tiny", *, backend: str = "refere
     model     a registered model id (`megakernel models` lists them).
     config    the model's top-level transformers config (object or dict), or the name of one of
               the package's configs ("tiny", "full", ...).
-    backend   a registered backend: the SDK registers "reference" (plain PyTorch); plugins may
-              register others (`register_backends`). The whole-model megakernel is not a backend
-              yet: its blocks and per-layer one-launch programs are in sdk/blocks and
-              sdk/megakernel (docs/megakernel.md), each checked against this reference.
-    tp, ep, rank   tensor / expert parallel degrees and this GPU's rank.
+    backend   a registered backend: the SDK registers "reference" (plain PyTorch) and "megakernel"
+              (the whole-model program, one launch a decode step: device "cpu" runs it on the
+              PyVM, "cuda" on the GPU; docs/megakernel.md); plugins may register others
+              (`register_backends`).
+    tp, ep, rank   tensor / expert parallel degrees and this GPU's rank. The megakernel backend:
+              tp=N for Kimi K3 runs N tensor-parallel ranks, all driven from this process (the
+              CPU, or N virtual ranks on one GPU).
     max_seq_len, max_batch   the built limits; work over them raises `CapacityError` up front.
 
     Returns an object with `load_hf_state_dict`, `new_state`, `decode`, `generate`, `last_logits`.

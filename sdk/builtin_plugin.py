@@ -12,10 +12,11 @@ def _reference(entry, spec, *, device, dtype, tp, ep, rank, max_seq_len, max_bat
     return ReferenceModel(entry, spec, device=device, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch)
 
 
-# the whole-model programs: model -> (module, backend class)
+# the whole-model programs: model -> (module, backend class); tensor parallel (tp > 1): TP_MODELS
 MEGAKERNEL_MODELS = {"deepseek_v41_flash": ("mhc_model", "MHCMegakernelModel"),
                      "glm_53": ("mhc_model", "MHCMegakernelModel"),
                      "kimi_k3": ("plain_model", "PlainMegakernelModel")}
+TP_MODELS = {"kimi_k3": ("tp_model", "TPMegakernelModel")}
 
 
 def _megakernel(entry, spec, *, device, dtype, tp, ep, rank, max_seq_len, max_batch, **options):
@@ -26,10 +27,15 @@ def _megakernel(entry, spec, *, device, dtype, tp, ep, rank, max_seq_len, max_ba
     if entry.name not in MEGAKERNEL_MODELS:
         raise UnsupportedConfigError(f"the megakernel backend runs {', '.join(MEGAKERNEL_MODELS)} (configs small / "
                                      f"small_v41: the device blocks' shapes), not {entry.name!r}")
-    if tp != 1 or ep != 1:
-        raise UnsupportedConfigError("the megakernel backend runs the model's program on one GPU: tp=1, ep=1")
-    module, cls = MEGAKERNEL_MODELS[entry.name]
+    if ep != 1 or rank != 0 or (tp != 1 and entry.name not in TP_MODELS):
+        raise UnsupportedConfigError(
+            f"the megakernel backend runs {entry.name}'s program on one GPU (tp=1, ep=1)"
+            + (f", or tensor parallel (tp=N) for {', '.join(TP_MODELS)} with every rank driven from this "
+               "process (rank=0)" if TP_MODELS else ""))
+    module, cls = (TP_MODELS if tp != 1 else MEGAKERNEL_MODELS)[entry.name]
     model = getattr(importlib.import_module(f".megakernel.{module}", __package__), cls)
+    if tp != 1:
+        options["ranks"] = tp
     return model(entry, spec, device=device, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch, **options)
 
 

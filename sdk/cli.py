@@ -136,17 +136,18 @@ def whole_model_check(steps: int = 4) -> int:
     """The whole-model megakernel programs (one launch a step) on the PyVM beside the reference
     backend, on the same bf16 random weights: the logits' relative difference per step. DeepSeek-V4.1
     (2 layers in the blocks' shapes: SWA + HCA, hash-routed MoE), Kimi K3 ("small": KDA, MLA, KDA,
-    MLA; dense then latent MoE) and GLM-5.3 ("small": KDA, DSA, shared DSA, KDA, DSA; dense then MoE)."""
+    MLA; dense then latent MoE; also over 2 tensor-parallel ranks: one program per rank, the
+    multi-rank PyVM) and GLM-5.3 ("small": KDA, DSA, shared DSA, KDA, DSA; dense then MoE)."""
     import torch
     from .api import build_megakernel
     from .reference.model import random_weights
     v41 = {**plugins.get_model("deepseek_v41_flash").configs["small_v41"](), "num_hidden_layers": 2,
            "mlp_layer_types": ["hash_moe"] * 2, "layer_types": ["sliding_attention", "heavily_compressed_attention"]}
     rc = 0
-    for name, config, layers in (("deepseek_v41_flash", v41, "2 layers"), ("kimi_k3", "small", "4 layers"),
-                                 ("glm_53", "small", "5 layers")):
+    for name, config, layers, tp in (("deepseek_v41_flash", v41, "2 layers", 1), ("kimi_k3", "small", "4 layers", 1),
+                                     ("kimi_k3", "small", "4 layers", 2), ("glm_53", "small", "5 layers", 1)):
         ref = build_megakernel(name, config, dtype=torch.bfloat16, max_seq_len=16, max_batch=2)
-        mk = build_megakernel(name, config, backend="megakernel", max_seq_len=16, max_batch=2)
+        mk = build_megakernel(name, config, backend="megakernel", tp=tp, max_seq_len=16, max_batch=2)
         w = random_weights(ref.spec)
         if name != "deepseek_v41_flash":      # a correction bias (std 100) far wider than the scores (0..1): the
             # selection is the bias's, so the two sides' ~1e-2 bf16 differences cannot flip a near-tie
@@ -155,8 +156,9 @@ def whole_model_check(steps: int = 4) -> int:
         ref.load_weights(w)
         mk.load_weights(w)
         prog = mk.new_state(2).prog
-        print(f"{name} whole-model megakernel program ({layers}, batch 2): {len(prog.ops)} ops, "
-              f"{len(prog.instructions)} instructions, one launch a step; run by the PyVM (the blocks' torch twins)")
+        where = (f"over {tp} tensor-parallel ranks, one launch per rank a step, {len(prog.ops)} ops a rank; run by the "
+                 "multi-rank PyVM" if tp > 1 else f"{len(prog.ops)} ops, one launch a step; run by the PyVM")
+        print(f"{name} whole-model megakernel program ({layers}, batch 2) {where} (the blocks' torch twins)")
         s_ref, s_mk = ref.new_state(2), mk.new_state(2)
         g = torch.Generator().manual_seed(0)
         errs = []

@@ -126,7 +126,9 @@ def sublayer_megakernel_cases():
             ("megakernel Kimi K3 whole model (small: KDA, MLA, dense, latent MoE; embedding to logits), B=8",
              _small_k3_model()),
             ("megakernel GLM-5.3 whole model (small: KDA, DSA, shared DSA, dense, MoE, mHC; embedding to logits), "
-             "B=8", _small_model("glm_53"))]
+             "B=8", _small_model("glm_53")),
+            ("megakernel Kimi K3 TP8 rank program (its first 4 layers at full width: KDA / MLA heads, dense, latent "
+             "MoE with the K-sharded up, the all-reduces; the vocabulary-parallel head), B=1", _k3_tp8_program())]
 
 
 def _k3_layer():
@@ -144,6 +146,16 @@ def _glm_layer():
     spec = plugins.get_model("glm_53").spec("full")
     return join(dsa_layer.build_program(dsa_layer.shard_config(spec, max_seq_len=32768, mhc="v4")),
                 moe_layer.build_program(moe_layer.preset("glm_53", 1, expert_dtype="mxfp4", mhc="v4", norm_eps=1e-5)))
+
+
+def _k3_tp8_program():
+    import dataclasses
+
+    from . import plugins
+    from .megakernel.tp_model import TPModelConfig, build_program
+    spec = plugins.get_model("kimi_k3").spec("full")
+    return build_program(TPModelConfig(dataclasses.replace(spec, layers=spec.layers[:4]), batch=1,
+                                       max_seq_len=4096, ranks=8))[0]
 
 
 def _small_k3_model():

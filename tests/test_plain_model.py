@@ -131,27 +131,6 @@ def test_in_place_refusals():
 TIE_MARGIN = 0.02      # a top-k margin (sigmoid score + bias units) under which bf16 noise may flip it
 
 
-@pytest.fixture
-def margins(monkeypatch):
-    """The fp32 reference's top-k margins while `margins.on`: per MoE layer call, the smallest
-    (k-th choice - (k+1)-th) over its tokens. Learned routing: a 1e-2 difference of the
-    activations may swap experts whose choice values are that close, and then the step's logits
-    differ by ~0.4 - a near-tie, not a bug."""
-    import sdk.reference.moe as moe_ref
-    route = moe_ref.route
-
-    def recording(spec, logits, bias, hash_experts=None):
-        if recording.on:
-            choice = logits.float().sigmoid() + (0 if bias is None else bias.float())
-            top = choice.topk(spec.top_k + 1, dim=-1)[0]
-            recording.values.append((top[:, -2] - top[:, -1]).min().item())
-        return route(spec, logits, bias, hash_experts)
-
-    recording.on, recording.values = False, []
-    monkeypatch.setattr(moe_ref, "route", recording)
-    return recording
-
-
 def test_program_equals_the_model_step_after_step(margins):
     """70 steps of small (KDA, MLA, KDA, MLA; dense then latent MoE with SiTU) at batch 2: the MLA
     caches cross their first 64-token page. The program's logits against the fp32 model, beside

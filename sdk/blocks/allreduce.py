@@ -92,6 +92,11 @@ class AllReduceConfig:
     wire: str = "bf16"          # dtype of the partials and of everything that crosses to peers
     residual: str = "fp32"      # dtype of `res` ("" = none: resid_out = the reduced sum)
     norm: bool = True           # out = rmsnorm(resid_out) * norm_weight (bf16)
+    resid_dtype: str = "fp32"   # of resid_out: "bf16" is a plain-residual model's hidden state x,
+                                # updated in place (res = resid_out = x; the norm reads it rounded)
+    out_shard: int = 0          # > 0: `out` [M, out_shard] holds only this rank's D / N columns of the
+                                # normed row (columns [rank * D/N, (rank+1) * D/N) at 0..D/N-1; the
+                                # rest of the row, padding, untouched): the input of a K-sharded GEMV
     eps: float = 1e-6
     tile_elems: int = 0         # oneshot: columns per tile; rs/ag: elements of a shard per rs tile; 0 = auto
     # the mHC epilogue (oneshot, ag): post-mix the sum into mhc_streams residual streams (0: off)
@@ -190,6 +195,11 @@ class AllReduceBlock(Block):
             self.unsupported(f"allreduce: wire dtype {c.wire!r} (bf16, fp32)")
         if c.residual not in ("", "bf16", "fp32"):
             self.unsupported(f"allreduce: residual dtype {c.residual!r} ('', bf16, fp32)")
+        if c.resid_dtype not in ("bf16", "fp32"):
+            self.unsupported(f"allreduce: resid_out dtype {c.resid_dtype!r} (bf16, fp32)")
+        if c.out_shard and (not c.norm or c.d % (4 * c.ranks) or c.out_shard < c.d // c.ranks):
+            self.unsupported(f"allreduce: out_shard={c.out_shard} needs the norm, d={c.d} in 4-vector shards of "
+                             f"{c.ranks} ranks, and a row of at least d / ranks")
         if c.d % 4 or c.m < 1:
             self.unsupported(f"allreduce: d={c.d} must be a multiple of 4, m={c.m} >= 1")
         if c.norm and c.d > 16 * 4 * NUM_THREADS:
@@ -248,9 +258,9 @@ class AllReduceBlock(Block):
                 specs.append(OperandSpec("res", (M, D), c.residual))
             if c.norm:
                 specs.append(OperandSpec("norm_weight", (D,), "bf16"))
-            specs.append(OperandSpec("resid_out", (M, D), "fp32", output=True))
+            specs.append(OperandSpec("resid_out", (M, D), c.resid_dtype, output=True))
             if c.norm:
-                specs.append(OperandSpec("out", (M, D), "bf16", output=True))
+                specs.append(OperandSpec("out", (M, c.out_shard or D), "bf16", output=True))
         return specs
 
     def num_tiles(self) -> int:
@@ -295,6 +305,8 @@ class AllReduceBlock(Block):
             return self.mhc_post.reference(y=r, **mhc_inputs)
         if c.residual:
             r = res.float() + r
+        if c.resid_dtype == "bf16":
+            r = r.to(torch.bfloat16).float()
         out = {"resid_out": r}
         if c.norm:
             out["out"] = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + c.eps) * norm_weight.float()
@@ -316,7 +328,13 @@ class AllReduceBlock(Block):
     def _norm_row(self, t, m):
         c = self.config
         r = t["resid_out"][m].float()
-        t["out"][m] = (r * torch.rsqrt(r.pow(2).mean() + c.eps) * t["norm_weight"].float()).to(torch.bfloat16)
+        o = (r * torch.rsqrt(r.pow(2).mean() + c.eps) * t["norm_weight"].float()).to(torch.bfloat16)
+        if c.out_shard:
+            w = c.d // c.ranks
+            rank = int(t["params"][0])
+            t["out"][m, :w] = o[rank * w:(rank + 1) * w]
+        else:
+            t["out"][m] = o
 
     def _cut(self, tile):
         """(rows, cols) of the [M, D] message that a one-shot tile (or an ag tile with the mHC
@@ -426,6 +444,9 @@ class AllReduceBlock(Block):
         phase, norm, eps = c.phase, c.norm, c.eps
         rdt = DTYPE_MAP[c.residual] if c.residual else None
         RA = 4 * _WIRE_BYTES.get(c.residual, 4)
+        odt, OA = DTYPE_MAP[c.resid_dtype], 4 * _WIRE_BYTES[c.resid_dtype]
+        SH4 = D // N // 4 if c.out_shard else 0       # out_shard: this rank's 4-vectors of a row
+        O4 = c.out_shard // 4 if c.out_shard else D4
         C = self.chunks if phase == "oneshot" else 1
         W4 = self.cols // 4 if phase == "oneshot" else 0
         S4 = self.shard // 4 if phase != "oneshot" else 0
@@ -492,25 +513,34 @@ class AllReduceBlock(Block):
                 cute.arch.store(fb + idx, e, sem="release", scope="sys")
 
         @cute.jit
-        def norm_row(ptrs, m: Int32, scratch):
+        def norm_row(ptrs, m: Int32, scratch, rank: Int32):
             tid, _, _ = cute.arch.thread_idx()
-            mRo = gmem_tensor(ptrs[ix["resid_out"]], Float32, (M, D4, 4), 16)
+            mRo = gmem_tensor(ptrs[ix["resid_out"]], odt, (M, D4, 4), OA)
             mW = gmem_tensor(ptrs[ix["norm_weight"]], BFloat16, (D4, 4), 8)
-            mO = gmem_tensor(ptrs[ix["out"]], BFloat16, (M, D4, 4), 8)
+            mO = gmem_tensor(ptrs[ix["out"]], BFloat16, (M, O4, 4), 8)
+            lo = rank * SH4
             ss = Float32(0.0)
             for j in cutlass.range_constexpr(nv(D4)):
                 u = tid + NT * j
                 if u < D4:
-                    v = mRo[m, u, None].load()
+                    v = mRo[m, u, None].load().to(Float32)
                     ss = ss + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             tot = block_sum(ss, scratch)
             rstd = cute.math.rsqrt(tot / Float32(D) + Float32(eps), fastmath=False)
             for j in cutlass.range_constexpr(nv(D4)):
                 u = tid + NT * j
                 if u < D4:
-                    v = mRo[m, u, None].load()
-                    w = mW[u, None].load().to(Float32)
-                    mO[m, u, None].store((v * rstd * w).to(BFloat16))
+                    if cutlass.const_expr(SH4 > 0):
+                        # only this rank's columns, at the start of its out row
+                        if u >= lo:
+                            if u < lo + SH4:
+                                v = mRo[m, u, None].load().to(Float32)
+                                w = mW[u, None].load().to(Float32)
+                                mO[m, u - lo, None].store((v * rstd * w).to(BFloat16))
+                    else:
+                        v = mRo[m, u, None].load().to(Float32)
+                        w = mW[u, None].load().to(Float32)
+                        mO[m, u, None].store((v * rstd * w).to(BFloat16))
 
         @cute.jit
         def prologue(ptrs, t: Int32):
@@ -538,7 +568,7 @@ class AllReduceBlock(Block):
                 raise_flags(ptrs, "flags", t * N + rank, e)
             if wait_flags(ptrs[ix["flags_self"]], t * N, N, e, tmo, ebase, t, scratch):
                 mS = gmem_tensor(ptrs[ix["recv_self"]], wdt, (2, N, M, D4, 4), VA)
-                mRo = gmem_tensor(ptrs[ix["resid_out"]], Float32, (M, D4, 4), 16)
+                mRo = gmem_tensor(ptrs[ix["resid_out"]], odt, (M, D4, 4), OA)
                 for j in cutlass.range_constexpr(nv(W4)):
                     u = tid + NT * j
                     if u < W4:
@@ -547,7 +577,7 @@ class AllReduceBlock(Block):
                         if cutlass.const_expr(rdt is not None):
                             mRes = gmem_tensor(ptrs[ix["res"]], rdt, (M, D4, 4), RA)
                             acc = acc + mRes[m, col, None].load().to(Float32)
-                        mRo[m, col, None].store(acc)
+                        mRo[m, col, None].store(acc.to(odt))
                 if cutlass.const_expr(norm):
                     cute.arch.sync_threads()
                     if cutlass.const_expr(C > 1):
@@ -561,9 +591,9 @@ class AllReduceBlock(Block):
                                 scratch[_LAST] = Float32(1.0)
                         cute.arch.sync_threads()
                         if scratch[_LAST] > Float32(0.5):
-                            norm_row(ptrs, m, scratch)
+                            norm_row(ptrs, m, scratch, rank)
                     else:
-                        norm_row(ptrs, m, scratch)
+                        norm_row(ptrs, m, scratch, rank)
                 if tid == 0:
                     mSt[t] = e
 
@@ -604,7 +634,7 @@ class AllReduceBlock(Block):
             rank, e, par, tmo, ebase, mSt = prologue(ptrs, t)
             if wait_flags(ptrs[ix["ag_flags_self"]], Int32(0), TRS * N, e, tmo, ebase, t, scratch):
                 mA = gmem_tensor(ptrs[ix["ag_recv_self"]], wdt, (2, N, S4, 4), VA)
-                mRo = gmem_tensor(ptrs[ix["resid_out"]], Float32, (M, D4, 4), 16)
+                mRo = gmem_tensor(ptrs[ix["resid_out"]], odt, (M, D4, 4), OA)
                 for j in cutlass.range_constexpr(nv(D4)):
                     u = tid + NT * j
                     if u < D4:
@@ -612,10 +642,10 @@ class AllReduceBlock(Block):
                         if cutlass.const_expr(rdt is not None):
                             mRes = gmem_tensor(ptrs[ix["res"]], rdt, (M, D4, 4), RA)
                             g = g + mRes[t, u, None].load().to(Float32)
-                        mRo[t, u, None].store(g)
+                        mRo[t, u, None].store(g.to(odt))
                 if cutlass.const_expr(norm):
                     cute.arch.sync_threads()
-                    norm_row(ptrs, t, scratch)
+                    norm_row(ptrs, t, scratch, rank)
                 if tid == 0:
                     mSt[t] = e
 
@@ -680,6 +710,14 @@ def allreduce_compile_cases() -> list[AllReduceBlock]:
     return [
         AllReduceBlock(AllReduceConfig(ranks=8, m=1, d=7168)),                            # 4 tiles per row
         AllReduceBlock(AllReduceConfig(ranks=2, m=8, d=1024, residual="bf16", wire="fp32")),
+        # a plain-residual model's x updated in place (bf16), one-shot and ag, no norm
+        AllReduceBlock(AllReduceConfig(ranks=8, m=1, d=7168, residual="bf16", resid_dtype="bf16", norm=False)),
+        AllReduceBlock(AllReduceConfig(ranks=8, m=64, d=7168, phase="ag", residual="bf16", resid_dtype="bf16",
+                                       norm=False)),
+        # Kimi K3's latent MoE at TP8: the experts' partial sums (fp32) reduced, normed, each rank
+        # keeping its 448 columns in a 512-wide row (the K-sharded latent up reads it)
+        AllReduceBlock(AllReduceConfig(ranks=8, m=1, d=3584, wire="fp32", residual="", out_shard=512)),
+        AllReduceBlock(AllReduceConfig(ranks=8, m=64, d=3584, phase="ag", wire="fp32", residual="", out_shard=512)),
         AllReduceBlock(AllReduceConfig(ranks=4, m=4, d=4096, residual="", norm=False)),
         AllReduceBlock(AllReduceConfig(ranks=8, m=64, d=7168, phase="rs")),
         AllReduceBlock(AllReduceConfig(ranks=8, m=64, d=7168, phase="ag")),

@@ -157,8 +157,12 @@ class CommProgram:
     def allreduce(self, partial: str, resid_out: str | None = None, *, res: str | None = None,
                   norm_weight: str | None = None, out: str | None = None, mhc: MHCEpilogue | None = None,
                   waits=(), label: str, algo: str = "auto", eps: float = 1e-6, tile_elems: int = 0,
-                  oneshot_max_bytes: float | None = None) -> int:
+                  oneshot_max_bytes: float | None = None, out_shard: bool = False) -> int:
         """resid_out = (res +) sum over ranks of partial; out = rmsnorm(resid_out) * norm_weight.
+        resid_out's dtype is its buffer's: fp32, or bf16 (a plain-residual model's hidden state x,
+        res = resid_out = x: updated in place). out_shard: `out` holds this rank's D / N columns of
+        the normed rows only (at the start of its rows, which may be wider: zero padding for a
+        K-sharded GEMV reading it).
         Or, with `mhc` (and none of resid_out / res / norm_weight / out): the mHC post-mix of the
         sum into the residual streams (MHCEpilogue). Returns the index of the (last) op, for
         later ops' waits."""
@@ -179,7 +183,9 @@ class CommProgram:
         color = len(self.records) % 2
         region = f"comm.data.c{color}"
         base = dict(ranks=N, m=m, d=d, wire=wire, residual=p.buffers[res].dtype if res else "",
-                    norm=norm_weight is not None, eps=eps, tile_elems=tile_elems)
+                    norm=norm_weight is not None, eps=eps, tile_elems=tile_elems,
+                    resid_dtype=p.buffers[resid_out].dtype if resid_out else "fp32",
+                    out_shard=p.buffers[out].shape[-1] if out_shard else 0)
         # the epilogue's fields go to the phase that has the epilogue (oneshot, ag), not to rs
         epi = mhc.config_fields(p, m, d) if mhc else {}
         tail = {"params": PARAMS, "err": ERR,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blocks.gemv import GemvConfig
-from .mhc_site import MHCSiteFields, add_collapse, add_post
+from .mhc_site import MHCSiteFields, add_collapse, add_post, partial_output
 from .mlp_stack import gemv_block
 from .program import Program
 
@@ -38,6 +38,9 @@ class DenseLayerConfig(MHCSiteFields):
     swiglu_limit: float | None = None
     eps: float = 1e-6                    # the input norm's (the model's norm_eps)
     resid_in_place: bool = False         # x += down(act) (bf16, in place) instead of resid (fp32)
+    partial_out: bool = False            # with resid_in_place, tensor parallel: the last GEMV writes this
+                                         # rank's partial (bf16 `partial`, no residual); the model's
+                                         # all-reduce adds the ranks' partials onto x (tp_model.py)
     gateup_rows: int = 0                 # rows per tile (0: balanced over num_sms)
     down_rows: int = 0
     num_sms: int = 132
@@ -91,6 +94,10 @@ def build_program(cfg: DenseLayerConfig) -> Program:
         down = gemv_block(GemvConfig(n=D, k=I, m=M), cfg.down_rows, cfg.num_sms)
         dn = prog.op(down, {"w": "down_proj", "x": "act", "y": "y"}, waits=[gu], label="mlp.down")
         add_post(prog, site.blocks(), "y", [dn, coef_op], label="mlp.")
+        return prog
+    if partial_output(prog, cfg, M, D):
+        prog.op(gemv_block(GemvConfig(n=D, k=I, m=M), cfg.down_rows, cfg.num_sms),
+                {"w": "down_proj", "x": "act", "y": "partial"}, waits=[gu], label="mlp.down")
         return prog
     y, out = ("x", "bf16") if cfg.resid_in_place else ("resid", "fp32")
     down = gemv_block(GemvConfig(n=D, k=I, m=M, out_dtype=out, residual="bf16"), cfg.down_rows, cfg.num_sms)

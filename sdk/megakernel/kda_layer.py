@@ -40,7 +40,7 @@ import torch
 
 from ..blocks.gemv import GemvConfig
 from ..blocks.kda import KDABlock, KDAConfig
-from .mhc_site import MHCSiteFields, add_collapse, add_post, site_inputs, site_weights
+from .mhc_site import MHCSiteFields, add_collapse, add_post, partial_output, site_inputs, site_weights
 from .mhc_site import reference as site_reference
 from .mlp_stack import gemv_block
 from .program import Program
@@ -65,6 +65,9 @@ class KDALayerConfig(MHCSiteFields):
     state_dtype: str = "fp32"
     num_sms: int = 132
     resid_in_place: bool = False         # plain residual: x += o_proj(o) (bf16, in place) instead of resid
+    partial_out: bool = False            # with resid_in_place, tensor parallel: the last GEMV writes this
+                                         # rank's partial (bf16 `partial`, no residual); the model's
+                                         # all-reduce adds the ranks' partials onto x (tp_model.py)
     x_gemv_rows: int = 32                # rows per tile of the GEMVs that read x, cut alike: they run
                                          # side by side (0: each balanced as if alone - K3 TP8's qkv
                                          # then took 96 SMs and the gate the other 36; H200: B=1 52.0
@@ -184,6 +187,9 @@ def build_program(cfg: KDALayerConfig) -> Program:
                          "o": "o"}, waits=[g, gate], label="kda.core")
     if not site:
         # every reader of x is done (the KDA op waits for all of them): o_proj may rewrite it
+        if partial_output(prog, cfg, M, D):
+            prog.op(gemv(D, C), {"w": "w_o", "x": "o", "y": "partial"}, waits=[core], label="kda.o_proj")
+            return prog
         y, out = ("x", "bf16") if cfg.resid_in_place else ("resid", "fp32")
         prog.op(gemv(D, C, out_dtype=out, residual="bf16"), {"w": "w_o", "x": "o", "res": "x", "y": y},
                 waits=[core], label="kda.o_proj")

@@ -123,6 +123,20 @@ def site_of(cfg, layer: str, tokens: int, norm_eps: float) -> MHCSite | None:
                    cfg.hc_last, cfg.hc_head_rows)
 
 
+def partial_output(prog, cfg, tokens: int, hidden: int) -> bool:
+    """Whether a plain-residual sublayer (`resid_in_place`) ends in a tensor-parallel partial
+    (`partial_out`): then its `partial` [tokens, hidden] bf16 buffer is declared here, for the last
+    GEMV to write without the residual (sdk/megakernel/tp_model.py all-reduces it onto x)."""
+    from ..errors import UnsupportedConfigError
+    if not getattr(cfg, "partial_out", False):
+        return False
+    if not cfg.resid_in_place:
+        raise UnsupportedConfigError(f"{type(cfg).__name__}: partial_out is the plain residual chain's "
+                                     "tensor-parallel form; set resid_in_place too")
+    prog.buffer("partial", (tokens, hidden), "bf16")
+    return True
+
+
 def add_collapse(prog, site: MHCSite, b: dict, norm_weight: str, x: str = "x", label: str = "") -> tuple:
     """The site's buffers and its first op(s): `x` [M, D] bf16 = the collapse, normed with the fp32
     weight `norm_weight`. Returns (x_ops: what x's readers wait for, the op writing coef)."""

@@ -38,7 +38,7 @@ import torch
 from ..blocks.gemv import GemvConfig
 from ..blocks.mla_prologue import MLARopeAppendBlock, MLARopeAppendConfig
 from . import mla_attention as mla
-from .mhc_site import MHCSiteFields, add_collapse, add_post
+from .mhc_site import MHCSiteFields, add_collapse, add_post, partial_output
 from .mlp_stack import gemv_block
 from .program import Program, first_fitting
 
@@ -55,6 +55,9 @@ class MLALayerConfig(MHCSiteFields):
     eps: float = 1e-6                   # the q_a / kv_a norms' (MLASpec.latent_norm_eps)
     input_eps: float = 0.0              # the input norm's (the model's norm_eps; Kimi K3 1e-5); 0: eps
     resid_in_place: bool = False        # x += o_proj(o) (bf16, in place) instead of resid (fp32)
+    partial_out: bool = False            # with resid_in_place, tensor parallel: the last GEMV writes this
+                                         # rank's partial (bf16 `partial`, no residual); the model's
+                                         # all-reduce adds the ranks' partials onto x (tp_model.py)
     rope_scaling: tuple = ()            # RopeSpec.scaling: sorted (key, value) pairs of the HF rope_parameters
     gemv_rows: int = 0                  # rows per tile of every projection (0: build_program's choice)
 
@@ -206,6 +209,9 @@ def _build(cfg: MLALayerConfig, gemv_rows: int = 0, extend=None) -> Program:
         add_post(prog, site.blocks(), "y", [o_proj, coef_op], label="attn.")
         return prog
     # every reader of x (q_a, kv_a) is done before W_UV: o_proj may rewrite it in place
+    if partial_output(prog, cfg, M, D):
+        prog.op(gemv(D, H * a.v), {"w": "o_proj", "x": "o", "y": "partial"}, waits=[uv], label="attn.o_proj")
+        return prog
     y, out = ("x", "bf16") if cfg.resid_in_place else ("resid", "fp32")
     prog.op(gemv(D, H * a.v, out_dtype=out, residual="bf16"), {"w": "o_proj", "x": "o", "res": "x", "y": y},
             waits=[uv], label="attn.o_proj")

@@ -79,10 +79,15 @@ class ModelRunner:
         self.paged = prefixes
         n = self.cfg.pages_per_seq
         table = torch.arange(self.cfg.batch * n, dtype=torch.int32).view(self.cfg.batch, n)
-        for p in prefixes:
-            bt = self.tensors[p + "block_table"]
-            bt.fill_(2 ** 30)                    # past a sequence's pages: never read
-            bt[:, :n] = table.to(bt.device)
+        for t in self.rank_tensors():
+            for p in prefixes:
+                bt = t[p + "block_table"]
+                bt.fill_(2 ** 30)                # past a sequence's pages: never read
+                bt[:, :n] = table.to(bt.device)
+
+    def rank_tensors(self) -> list[dict]:
+        """The program's tensors of every rank this runner drives (one: the whole model on one GPU)."""
+        return [self.tensors]
 
     # the model's parts ---------------------------------------------------------------------------
     @staticmethod
@@ -111,15 +116,23 @@ class ModelRunner:
             raise CapacityError(f"{self.name}: sequence length over the built max_seq_len {cfg.max_seq_len}")
         lens = (self.lengths + 1).to(torch.int32)          # the new token included
         inputs = {"ids": ids.to(torch.int32), **{p + "seq_lens": lens for p in self.paged}, **self.step_inputs(ids)}
-        for name, v in inputs.items():
-            self.tensors[name].copy_(v.to(self.tensors[name].device))
-        self.tensors["logits"].fill_(float("nan"))
+        for t in self.rank_tensors():
+            for name, v in inputs.items():
+                t[name].copy_(v.to(t[name].device))
+            t["logits"].fill_(float("nan"))
+        self.launch()
+        self.lengths += 1
+        self.steps += 1
+        return self.logits()
+
+    def launch(self) -> None:
+        """Run the step's launch (the inputs are in place)."""
         if self.device.type == "cpu":
             self.vm.step(seed=None if self.seed is None else self.seed + self.steps)
         else:
             self.rt.run()
-        self.lengths += 1
-        self.steps += 1
+
+    def logits(self) -> torch.Tensor:
         return self.tensors["logits"].clone()
 
 
@@ -193,11 +206,12 @@ class MegakernelModel:
     Runner = ModelRunner
 
     def __init__(self, entry, spec, *, device="cpu", dtype=torch.float32, max_seq_len=64, max_batch=64,
-                 expert_dtype="bf16"):
+                 expert_dtype="bf16", **config_fields):
         from ..reference.model import ReferenceModel
         check_fits_one_gpu(spec)
+        self.config_fields = config_fields          # the Config's own fields (TPModelConfig: ranks)
         # an unsupported spec or shape fails here, by name (the program at batch 1: ~0.1 s)
-        self.Runner.build_program(self.Config(spec, max_seq_len=max_seq_len, expert_dtype=expert_dtype))
+        self.Runner.build_program(self.Config(spec, max_seq_len=max_seq_len, expert_dtype=expert_dtype, **config_fields))
         self._ref = ReferenceModel(entry, spec, device="cpu", dtype=dtype, max_seq_len=max_seq_len,
                                    max_batch=max_batch)
         self._ref._build = lambda: None           # the weights only: the program runs the model
@@ -221,7 +235,8 @@ class MegakernelModel:
         if batch > self.max_batch:
             raise CapacityError(f"batch {batch} is over the built max_batch {self.max_batch}")
         self._ref._need_weights()
-        cfg = self.Config(self.spec, batch=batch, max_seq_len=self.max_seq_len, expert_dtype=self.expert_dtype)
+        cfg = self.Config(self.spec, batch=batch, max_seq_len=self.max_seq_len, expert_dtype=self.expert_dtype,
+                          **self.config_fields)
         return self.Runner(cfg, self.weights, self.device)
 
     @torch.no_grad()

@@ -111,6 +111,12 @@ class MoELayerConfig(MHCSiteFields):
     norm_eps: float = 1e-6               # mHC: the mix's RMSNorm and the layer's input norm (also resid_in_place's)
     resid_in_place: bool = False         # plain residual chain: x normed in the readers' prologues, the
                                          # output added onto x in place (the latent MoE: module docstring)
+    partial_out: bool = False            # with resid_in_place, tensor parallel (sdk/megakernel/tp_model.py):
+                                         # the program ends at the rank's partials - `routed` (its experts)
+                                         # and `shared_out` (its shard of the shared expert, no residual);
+                                         # the model adds the all-reduces and the K-sharded latent up
+    latent_shard: int = 0                # partial_out: K of this rank's latent up (its latent / N columns,
+                                         # padded to the GEMV's 256s)
 
     @property
     def site(self):
@@ -218,6 +224,9 @@ def blocks(cfg: MoELayerConfig) -> dict:
     if cfg.resid_in_place and not cfg.latent:
         raise UnsupportedConfigError("MoE layer: resid_in_place needs the latent MoE (Kimi K3's: every reader of x "
                                      "a GEMV with the input norm fused); the plain layer's experts read x directly")
+    if cfg.partial_out and not (cfg.resid_in_place and cfg.latent and cfg.latent_shard):
+        raise UnsupportedConfigError("MoE layer: partial_out (tensor parallel) is the in-place latent MoE's "
+                                     "(resid_in_place, latent, latent_shard > 0)")
     norm_x = dict(norm=True, norm_eps=cfg.norm_eps) if cfg.resid_in_place else {}
     hits = expected_hits(cfg)
     er = {st: cfg.expert_rows or balanced_rows(cfg.intermediate if st == "gateup" else h, cfg.num_sms)
@@ -252,7 +261,13 @@ def blocks(cfg: MoELayerConfig) -> dict:
     if unknown:
         raise UnsupportedConfigError(f"MoELayerConfig.op_rows: unknown op(s) {sorted(unknown)} (known: {ROWS_OPS})")
     shared_rows = {op: rows.get(op, cfg.shared_rows) for op in ROWS_OPS}
-    if cfg.latent:
+    if cfg.latent and cfg.partial_out:
+        out["latent_down"] = gemv_block(GemvConfig(n=h, k=d, m=m, **norm_x), shared_rows["latent_down"], cfg.num_sms)
+        # the rank's partial: its latent columns of up(norm(routed)) + its shared expert shard
+        out["latent_up"] = gemv_block(GemvConfig(n=d, k=cfg.latent_shard, m=m, out_dtype="fp32",
+                                                 residual="fp32" if cfg.shared_intermediate else None),
+                                      shared_rows["latent_up"], cfg.num_sms)
+    elif cfg.latent:
         out["latent_down"] = gemv_block(GemvConfig(n=h, k=d, m=m, **norm_x), shared_rows["latent_down"], cfg.num_sms)
         # the residual: the shared expert's output (x added there when in place), else x itself
         res = "fp32" if cfg.shared_intermediate else "bf16" if cfg.resid_in_place else None
@@ -265,7 +280,7 @@ def blocks(cfg: MoELayerConfig) -> dict:
                                                      swiglu_limit=cfg.swiglu_limit, **cfg.act_fields(), **norm_x),
                                           shared_rows["shared_gateup"], cfg.num_sms)
         out["shared_down"] = gemv_block(GemvConfig(n=d, k=s, m=m, weight_dtype=cfg.shared_dtype, out_dtype="fp32",
-                                                   residual="bf16" if cfg.resid_in_place else None),
+                                                   residual="bf16" if adds_x(cfg) else None),
                                         shared_rows["shared_down"], cfg.num_sms)
     if cfg.site:
         out.update(cfg.site.blocks())
@@ -306,7 +321,7 @@ def add_inputs_and_weights(prog: Program, cfg: MoELayerConfig, tokens: int, loca
     if cfg.latent:
         prog.buffer("latent_down.weight", (h, d), "bf16", "weight")
         prog.buffer("latent_norm.weight", (h,), "bf16", "weight")
-        prog.buffer("latent_up.weight", (d, h), "bf16", "weight")
+        prog.buffer("latent_up.weight", (d, cfg.latent_shard if cfg.partial_out else h), "bf16", "weight")
 
 
 def add_router(prog: Program, cfg: MoELayerConfig, b: dict, table: dict, x_ops=()) -> int:
@@ -321,6 +336,11 @@ def add_router(prog: Program, cfg: MoELayerConfig, b: dict, table: dict, x_ops=(
     if cfg.hash_routed:
         sb.update({"tid2eid": "router.tid2eid", "input_ids": "input_ids"})
     return prog.op(b["select"], sb, waits=[lg], label="router.select")
+
+
+def adds_x(cfg: MoELayerConfig) -> bool:
+    """Whether the layer adds its output onto x itself (in place; not a tensor-parallel partial)."""
+    return cfg.resid_in_place and not cfg.partial_out
 
 
 def x_norm(cfg: MoELayerConfig) -> dict:
@@ -349,7 +369,7 @@ def add_shared_expert(prog: Program, cfg: MoELayerConfig, b: dict, x_ops=()) -> 
     prog.buffer("shared_out", (m, d), "fp32")
     g = {"w_gate": "shared.gate.weight", "w_up": "shared.up.weight", "x": "x", "y": "shared_act", **x_norm(cfg)}
     dn = {"w": "shared.down.weight", "x": "shared_act", "y": "shared_out"}
-    if cfg.resid_in_place:                  # shared_out = x + shared: the layer's residual
+    if adds_x(cfg):                         # shared_out = x + shared: the layer's residual
         dn["res"] = "x"
     if fp8:
         g.update({"w_gate_scale": "shared.gate.scale", "w_up_scale": "shared.up.scale"})
@@ -389,6 +409,10 @@ def build_program(cfg: MoELayerConfig) -> Program:
     last_b, waits = down_b, [gu]
     if cfg.latent:
         waits = [prog.op(b["down"], down_b, waits=[gu], label="experts.down")]
+        if cfg.partial_out:                 # tp_model.py adds the all-reduces and the latent up
+            if cfg.shared_intermediate:
+                add_shared_expert(prog, cfg, b, x_ops)
+            return prog
         # in place: x = shared_out (x + shared) + up(...), or x + up(...) without a shared expert
         last_b = {"w": "latent_up.weight", "x": "routed", "norm_weight": "latent_norm.weight",
                   "y": "x" if cfg.resid_in_place else "out"}

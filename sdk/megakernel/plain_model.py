@@ -156,8 +156,10 @@ def program_weights(cfg: PlainModelConfig, weights: dict, device="cpu", prog: Pr
     program's dtypes, the routed experts in cfg.expert_dtype (quantised from the model's weights
     when the program's are: fp8 e4m3 or MXFP4). `prog`: the program if already built
     (build_program(cfg) otherwise)."""
-    src = {"embed": "embed.weight", "head_norm": "norm.weight",
-           "lm_head": "embed.weight" if cfg.spec.tie_word_embeddings else "lm_head.weight"}
+    # a tied model's head is its embedding, unless the weights hold the head apart (a tensor-
+    # parallel rank's vocabulary shard: tp_model.py)
+    tied = cfg.spec.tie_word_embeddings and "lm_head.weight" not in weights
+    src = {"embed": "embed.weight", "head_norm": "norm.weight", "lm_head": "embed.weight" if tied else "lm_head.weight"}
     for i, (attn, mlp) in enumerate(cfg.layers()):
         a, m, layer = f"l{i}.attn.", f"l{i}.mlp.", f"layers.{i}."
         get = getter(weights, layer + "attn.", WHAT)
@@ -181,9 +183,10 @@ class PlainModelRunner(ModelRunner):
         super().__init__(cfg, weights, device, seed)
         self.set_paged([p for (attn, _), p in zip(cfg.layers(), cfg.prefixes()[::2])
                         if isinstance(attn, mla_layer.MLALayerConfig)])
-        for p in self.paged:
-            self.tensors[p + "cos"].fill_(1)
-            self.tensors[p + "sin"].zero_()
+        for t in self.rank_tensors():
+            for p in self.paged:
+                t[p + "cos"].fill_(1)
+                t[p + "sin"].zero_()
 
 
 class PlainMegakernelModel(MegakernelModel):

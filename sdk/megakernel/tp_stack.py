@@ -132,13 +132,13 @@ def rank_tensors(cfg: TPStackConfig, prog: Program, comm: CommProgram, bufs, ran
 
 
 def build_allreduce_chain(ranks: int, m: int, d: int, ops: int, algo: str = "auto", wire: str = "bf16",
-                          norm: bool = True, tile_elems: int = 0) -> tuple[Program, CommProgram]:
+                          norm: bool = True, tile_elems: int = 0, resid_dtype: str = "fp32") -> tuple[Program, CommProgram]:
     """`ops` fused all-reduces in a chain: resid += sum_r partial_r (in place), out = norm(resid).
-    Buffers: partial (wire, input), resid (fp32), norm.weight, out."""
+    Buffers: partial (wire, input), resid (fp32, or bf16: a plain-residual model's x), norm.weight, out."""
     prog = Program()
     comm = CommProgram(prog, ranks)
     prog.buffer("partial", (m, d), wire, "input")
-    prog.buffer("resid", (m, d), "fp32")
+    prog.buffer("resid", (m, d), resid_dtype)
     prog.buffer("norm.weight", (d,), "bf16", "weight")
     prog.buffer("out", (m, d), "bf16", "output")
     prev = None

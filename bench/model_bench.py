@@ -13,6 +13,11 @@ in this run.
 
 JSON (model_bench.json): per case us per step, the floor and its parts, the reference's us, the
 logits' rel err against the reference on the same step.
+
+`--tp N`: the tensor-parallel program (sdk/megakernel/tp_model.py) as N virtual ranks
+on this one GPU, 132 / N SMs each, one launch per rank a step: what the ranks' collectives and
+shards cost beside the one-GPU program (not NVLink: the peers' buffers are local HBM); its floor
+is every rank's bytes over this GPU's bandwidth.
 """
 from __future__ import annotations
 
@@ -26,9 +31,10 @@ from bench.common import add_match_option, arg_parser, record_timeline, run_case
 CASES = [("deepseek_v41_flash", "small_v41", 1, 32), ("deepseek_v41_flash", "small_v41", 8, 32),
          ("kimi_k3", "small", 1, 32), ("kimi_k3", "small", 8, 32), ("glm_53", "small", 1, 32), ("glm_53", "small", 8, 32)]
 SHORT = {"deepseek_v41_flash": "v41", "kimi_k3": "k3", "glm_53": "glm"}
+TP_MODELS = ("deepseek_v41_flash", "kimi_k3", "glm_53")   # every model has a tensor-parallel program (tp_model.py)
 
 
-def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, expert_dtype="bf16"):
+def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, expert_dtype="bf16", tp=1):
     from sdk import build_megakernel
     from sdk.megakernel.moe_layer import MoELayerConfig
     from sdk.reference.model import random_weights
@@ -37,8 +43,9 @@ def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, e
          for k, v in random_weights(ref.spec, seed=0).items()}
     ref.load_weights(w)
     backend = build_megakernel(model, config, backend="megakernel", max_seq_len=256, max_batch=batch,
-                               expert_dtype=expert_dtype)
-    cfg = backend.Config(ref.spec, batch=batch, max_seq_len=256, expert_dtype=expert_dtype)
+                               expert_dtype=expert_dtype, tp=tp)
+    cfg = backend.Config(ref.spec, batch=batch, max_seq_len=256, expert_dtype=expert_dtype,
+                         **({"ranks": tp, "num_sms": 132 // tp} if tp > 1 else {}))
     runner = backend.Runner(cfg, w, device="cuda")
     state = ref.new_state(batch)
     g = torch.Generator().manual_seed(1)
@@ -51,27 +58,31 @@ def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, e
     want = ref.decode(ids[:, None].cuda(), state)[:, 0]
     err = ((got.float() - want.float()).norm() / want.float().norm()).item()
     # the floor: weights without the unread experts and embedding rows, + the hit experts, + caches
+    # (every rank's, over this one GPU's bandwidth)
     prog, t = runner.prog, runner.tensors
-    wbytes = prog.bytes_by_role("weight") - prog.bytes_of("embed") + batch * ref.spec.hidden_size * 2
-    hits = []
-    for i, (_, moe) in enumerate(cfg.layers()):
-        if not isinstance(moe, MoELayerConfig):       # a dense MLP: all its weights are read
-            continue
-        p = f"l{i}.mlp."
-        expert_bytes = sum(prog.bytes_of(p + n) for n in ("experts.gate_up.weight", "experts.down.weight",
-                                                          "experts.gate_up.scale", "experts.down.scale")
-                           if p + n in prog.buffers)
-        h = int(t[p + "hits"][0])
-        hits.append(h)
-        wbytes -= expert_bytes - expert_bytes * h // moe.local
-    cache_bytes = sum(prog.bytes_of(n) for n, b in prog.buffers.items() if b.role == "input" and n.startswith("l"))
+    wbytes, hits = 0, []
+    for rank_t in runner.rank_tensors():
+        wbytes += prog.bytes_by_role("weight") - prog.bytes_of("embed") + batch * ref.spec.hidden_size * 2
+        for i, (_, moe) in enumerate(cfg.layers()):
+            if not isinstance(moe, MoELayerConfig):       # a dense MLP: all its weights are read
+                continue
+            p = f"l{i}.mlp."
+            expert_bytes = sum(prog.bytes_of(p + n) for n in ("experts.gate_up.weight", "experts.down.weight",
+                                                              "experts.gate_up.scale", "experts.down.scale")
+                               if p + n in prog.buffers)
+            h = int(rank_t[p + "hits"][0])
+            hits.append(h)
+            wbytes -= expert_bytes - expert_bytes * h // moe.local
+    cache_bytes = len(runner.rank_tensors()) * sum(prog.bytes_of(n) for n, b in prog.buffers.items()
+                                                   if b.role == "input" and n.startswith("l"))
     total = wbytes + cache_bytes
     # the step again and again (the caches advance: the positions stay inside the built 256)
     rt = runner.rt
     us, mode = timed([rt.launch] * 8)
     rt.check()
-    case = case_name((model, config, batch)) + ("" if expert_dtype == "bf16" else f" {expert_dtype}")
-    if timeline_path:
+    case = case_name((model, config, batch)) + ("" if expert_dtype == "bf16" else f" {expert_dtype}") \
+        + (f" TP{tp} virtual ranks" if tp > 1 else "")
+    if timeline_path and tp == 1:
         record_timeline(prog, t, timeline_path, case, us)
     # the reference's step on the warm caches (each call appends a token: ~10 calls, inside the 256)
     ref_us, ref_mode = timed([lambda: ref.decode(ids[:, None].cuda(), state)])
@@ -82,7 +93,7 @@ def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, e
             "fraction_of_floor": floor_us / us, "gbs": total / (us * 1e3), "hit_experts": hits, "rel_err": err,
             "reference_us": ref_us, "reference_timing_mode": ref_mode, "torch_graph_us": ref_us if graph else None,
             "speedup_vs_torch_graph": ref_us / us if graph else None, "program_ops": len(prog.ops),
-            "instructions": len(prog.instructions)}
+            "instructions": len(prog.instructions), "tp_virtual_ranks": tp}
 
 
 def case_name(c):
@@ -95,13 +106,15 @@ def main(argv=None):
     ap.add_argument("--expert-dtype", default="bf16", help="the routed experts' format: bf16 (the model's "
                     "weights; the logits compared with the reference), fp8_e4m3 or mxfp4 (quantised at load: "
                     "the logits differ by the quantisation)")
+    ap.add_argument("--tp", type=int, default=1, help="the models over this many tensor-parallel ranks, "
+                    "as virtual ranks on this GPU (132 / N SMs each)")
     a = ap.parse_args(argv)
-    todo = [c for c in CASES if not a.match or any(m in case_name(c) for m in a.match)]
+    todo = [c for c in CASES if (a.tp == 1 or c[0] in TP_MODELS) and (not a.match or any(m in case_name(c) for m in a.match))]
 
     def one(c, bw):
         tag = "" if a.expert_dtype == "bf16" else "_" + a.expert_dtype
         tl = os.path.join(a.out, f"timeline_model_{c[1]}_b{c[2]}{tag}.json") if a.out and c[2] == 1 else None
-        return bench_model(*c, bw, tl, expert_dtype=a.expert_dtype)
+        return bench_model(*c, bw, tl, expert_dtype=a.expert_dtype, tp=a.tp)
     run_cases("model_bench.json", todo, one, case_name, a.out, case_width=34)
 
 

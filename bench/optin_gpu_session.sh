@@ -23,8 +23,9 @@
 # model (small; nineteenth session: KDA / DSA / dense sites, the shared indexer, the mean head) as
 # ONE launch a decode step - their GPU tests (test_sublayer_modes_gpu.py: the in-place and site
 # sublayer forms alone first, then test_plain_model_gpu.py, test_glm_model_gpu.py,
-# test_dsv4_model_gpu.py, test_mhc_layer_gpu.py). Part 4 (`bash bench/optin_gpu_session.sh 4`):
-# bench/model_bench.py on the three (us per step vs the reference and the floor, timeline at batch 1).
+# test_dsv4_model_gpu.py, test_mhc_layer_gpu.py; twentieth session: test_plain_model_gpu.py also runs Kimi K3 over
+# 2 tensor-parallel virtual ranks). Part 4 (`bash bench/optin_gpu_session.sh 4`): bench/model_bench.py on
+# the three (us per step vs the reference and the floor, timeline at batch 1), then K3 with --tp 2.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -34,13 +35,14 @@ mkdir -p "$OUT"
 export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-575} TESTS_S=${TESTS_S:-390}
 
 if [ "${1:-1}" = 3 ]; then   # the whole models in one launch a step: their tests
-  GPU_TESTS="tests/gpu/test_sublayer_modes_gpu.py tests/gpu/test_plain_model_gpu.py tests/gpu/test_tp_model_gpu.py tests/gpu/test_glm_model_gpu.py \
+  GPU_TESTS="tests/gpu/test_sublayer_modes_gpu.py tests/gpu/test_plain_model_gpu.py tests/gpu/test_glm_model_gpu.py \
     tests/gpu/test_dsv4_model_gpu.py tests/gpu/test_mhc_layer_gpu.py" TESTS_S=550 OUT="$OUT/tests" DEVICE_ALL_S=560 bash bench/device_all.sh tests
   exit
 fi
 
-if [ "${1:-1}" = 4 ]; then   # ... and their bench
-  BENCH_S_model=550 DEVICE_ALL_S=560 bash bench/device_all.sh bench:model
+if [ "${1:-1}" = 4 ]; then   # ... and their bench; then Kimi K3 and GLM-5.3 over 2 TP ranks (virtual, 66 SMs each)
+  BENCH_S_model=380 BENCH_S_model_tp2=170 BENCH_ARGS_model_tp2="--tp 2" DEVICE_ALL_S=560 \
+    bash bench/device_all.sh bench:model bench:model@tp2
   exit
 fi
 

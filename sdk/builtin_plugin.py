@@ -16,7 +16,8 @@ def _reference(entry, spec, *, device, dtype, tp, ep, rank, max_seq_len, max_bat
 MEGAKERNEL_MODELS = {"deepseek_v41_flash": ("mhc_model", "MHCMegakernelModel"),
                      "glm_53": ("mhc_model", "MHCMegakernelModel"),
                      "kimi_k3": ("plain_model", "PlainMegakernelModel")}
-TP_MODELS = {"kimi_k3": ("tp_model", "TPMegakernelModel")}
+TP_MODELS = {"kimi_k3": ("tp_model", "TPMegakernelModel"), "glm_53": ("tp_model", "TPMHCMegakernelModel"),
+             "deepseek_v41_flash": ("tp_model", "TPMHCMegakernelModel")}
 
 
 def _megakernel(entry, spec, *, device, dtype, tp, ep, rank, max_seq_len, max_batch, **options):

@@ -55,14 +55,16 @@ def cmd_run(args) -> int:
     from .api import build_megakernel
     from .reference.model import random_weights
     config = "tiny" if args.tiny else args.config
-    mk = build_megakernel(args.model, config=config, backend=args.backend, max_seq_len=args.prompt + args.tokens)
+    mk = build_megakernel(args.model, config=config, backend=args.backend, tp=args.tp,
+                          max_seq_len=args.prompt + args.tokens)
     mk.load_weights(random_weights(mk.spec, seed=args.seed))
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, mk.spec.vocab_size, (args.batch, args.prompt), generator=g)
     t0 = time.perf_counter()
     out = mk.generate(ids, args.tokens)
     dt = time.perf_counter() - t0
-    print(f"{args.model} ({config}, random weights, backend {args.backend}): {mk.spec.num_layers} layers "
+    print(f"{args.model} ({config}, random weights, backend {args.backend}"
+          f"{f', {args.tp} tensor-parallel ranks' if args.tp > 1 else ''}): {mk.spec.num_layers} layers "
           f"[{', '.join(sorted(set(mk.spec.layer_kinds())))}]")
     print(f"  batch {args.batch}, prompt {args.prompt}, {args.tokens} new tokens in {dt:.2f} s: "
           f"{args.batch * args.tokens / dt:.1f} tok/s")
@@ -136,8 +138,8 @@ def whole_model_check(steps: int = 4) -> int:
     """The whole-model megakernel programs (one launch a step) on the PyVM beside the reference
     backend, on the same bf16 random weights: the logits' relative difference per step. DeepSeek-V4.1
     (2 layers in the blocks' shapes: SWA + HCA, hash-routed MoE), Kimi K3 ("small": KDA, MLA, KDA,
-    MLA; dense then latent MoE; also over 2 tensor-parallel ranks: one program per rank, the
-    multi-rank PyVM) and GLM-5.3 ("small": KDA, DSA, shared DSA, KDA, DSA; dense then MoE)."""
+    MLA; dense then latent MoE) and GLM-5.3 ("small": KDA, DSA, shared DSA, KDA, DSA; dense then
+    MoE); each also over 2 tensor-parallel ranks (one program per rank, the multi-rank PyVM)."""
     import torch
     from .api import build_megakernel
     from .reference.model import random_weights
@@ -145,7 +147,8 @@ def whole_model_check(steps: int = 4) -> int:
            "mlp_layer_types": ["hash_moe"] * 2, "layer_types": ["sliding_attention", "heavily_compressed_attention"]}
     rc = 0
     for name, config, layers, tp in (("deepseek_v41_flash", v41, "2 layers", 1), ("kimi_k3", "small", "4 layers", 1),
-                                     ("kimi_k3", "small", "4 layers", 2), ("glm_53", "small", "5 layers", 1)):
+                                     ("kimi_k3", "small", "4 layers", 2), ("glm_53", "small", "5 layers", 1),
+                                     ("glm_53", "small", "5 layers", 2), ("deepseek_v41_flash", v41, "2 layers", 2)):
         ref = build_megakernel(name, config, dtype=torch.bfloat16, max_seq_len=16, max_batch=2)
         mk = build_megakernel(name, config, backend="megakernel", tp=tp, max_seq_len=16, max_batch=2)
         w = random_weights(ref.spec)
@@ -195,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tiny", action="store_true")
     r.add_argument("--config", default="tiny")
     r.add_argument("--backend", default="reference")
+    r.add_argument("--tp", type=int, default=1, help="megakernel backend: tensor-parallel ranks")
     r.add_argument("--batch", type=int, default=2)
     r.add_argument("--prompt", type=int, default=8)
     r.add_argument("--tokens", type=int, default=16)

@@ -128,7 +128,13 @@ def sublayer_megakernel_cases():
             ("megakernel GLM-5.3 whole model (small: KDA, DSA, shared DSA, dense, MoE, mHC; embedding to logits), "
              "B=8", _small_model("glm_53")),
             ("megakernel Kimi K3 TP8 rank program (its first 4 layers at full width: KDA / MLA heads, dense, latent "
-             "MoE with the K-sharded up, the all-reduces; the vocabulary-parallel head), B=1", _k3_tp8_program())]
+             "MoE with the K-sharded up, the all-reduces and gathers; the vocabulary-parallel head), B=1",
+             _tp8_program("kimi_k3")),
+            ("megakernel GLM-5.3 TP8 rank program (its first 4 layers at full width: KDA / DSA heads, dense, MoE, "
+             "each post-mix the all-reduce's mHC epilogue; the vocabulary-parallel head), B=1", _tp8_program("glm_53")),
+            ("megakernel DeepSeek-V4.1 TP8 rank program (its first 4 layers at full width: HCA x3 + CSA, 8 query "
+             "heads and one o_a group a rank, hash-routed then learned MoE; lagged mHC epilogues), B=1",
+             _tp8_program("deepseek_v41_flash", "full_v41"))]
 
 
 def _k3_layer():
@@ -148,14 +154,15 @@ def _glm_layer():
                 moe_layer.build_program(moe_layer.preset("glm_53", 1, expert_dtype="mxfp4", mhc="v4", norm_eps=1e-5)))
 
 
-def _k3_tp8_program():
+def _tp8_program(model: str, config: str = "full"):
     import dataclasses
 
     from . import plugins
-    from .megakernel.tp_model import TPModelConfig, build_program
-    spec = plugins.get_model("kimi_k3").spec("full")
-    return build_program(TPModelConfig(dataclasses.replace(spec, layers=spec.layers[:4]), batch=1,
-                                       max_seq_len=4096, ranks=8))[0]
+    from .megakernel import tp_model
+    spec = plugins.get_model(model).spec(config)
+    cfg, build = ((tp_model.TPModelConfig, tp_model.build_program) if model == "kimi_k3" else
+                  (tp_model.TPMHCModelConfig, tp_model.build_mhc_program))
+    return build(cfg(dataclasses.replace(spec, layers=spec.layers[:4]), batch=1, max_seq_len=4096, ranks=8))[0]
 
 
 def _small_k3_model():

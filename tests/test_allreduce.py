@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from sdk.blocks.allreduce import AllReduceBlock, AllReduceConfig
-from sdk.comm import SymmetricLayout, VirtualRanks, choose_algo, crossover_bytes
+from sdk.comm import CommProgram, SymmetricLayout, VirtualRanks, choose_algo, crossover_bytes
 from sdk.comm.vm import MultiRankVM
 from sdk.megakernel.mlp_stack import MLPStackConfig, make_weights, reference
-from sdk.megakernel.program import encode
+from sdk.megakernel.program import Program, encode
 from sdk.megakernel.tp_stack import TPStackConfig, build_allreduce_chain, build_program, rank_tensors
 from sdk.schedule import ScheduleError, schedule, validate
 
@@ -214,6 +214,56 @@ def test_program_alternates_buffer_colors_and_sizes_regions():
     assert all(r.offset % 256 == 0 for r in lay.regions.values())
     with pytest.raises(ValueError, match="layout was already used"):
         comm.allreduce("partial", "resid", label="late")
+
+
+def test_collectives_must_chain():
+    """Two all-reduces side by side (neither waiting for the other) could overwrite a color's
+    receive slots a peer still reads: refused when the layout is fixed, naming the pair."""
+    prog = Program()
+    comm = CommProgram(prog, 2)
+    for n in "ab":
+        prog.buffer(n, (1, 1024), "bf16")
+        prog.buffer(n + ".sum", (1, 1024), "fp32")
+    comm.allreduce("a", "a.sum", label="one")
+    comm.allreduce("b", "b.sum", label="two")
+    with pytest.raises(ValueError, match="'two' does not wait for 'one'"):
+        comm.layout
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_allgather_chain(rotate):
+    """An all-gather then an all-reduce of its output, 3 ranks, 3 unsynchronised steps: every rank
+    gathers every rank's shard (rotate: its own first) and the reduce sums them."""
+    n, m, w = 3, 2, 256
+    prog = Program()
+    comm = CommProgram(prog, n)
+    prog.buffer("shard", (m, w), "fp32", "input")
+    prog.buffer("all", (m, n * w), "fp32")
+    prog.buffer("sum", (m, n * w), "fp32")
+    g_op = comm.allgather("shard", "all", rotate=rotate, label="gather")
+    comm.allreduce("all", "sum", waits=[g_op], label="reduce")
+    vm, T, _ = _vm(prog, comm, n, 3, lambda bufs, r: comm.alloc_rank_tensors(bufs, r, "cpu"))
+    g = torch.Generator().manual_seed(7)
+    shards = [[torch.randn(m, w, generator=g) for _ in range(n)] for _ in range(3)]
+    got = {}
+
+    def before(r, s):
+        T[r]["shard"].copy_(shards[s][r])
+        T[r]["all"].fill_(float("nan"))
+
+    def after(r, s):
+        got[r, s] = (T[r]["all"].clone(), T[r]["sum"].clone())
+
+    vm.run(3, before, after, seed=1, favor=0.7)
+    for s in range(3):
+        for r in range(n):
+            order = [(r + j) % n for j in range(n)] if rotate else list(range(n))
+            assert torch.equal(got[r, s][0], torch.cat([shards[s][k] for k in order], 1)), (r, s)
+            # the reduce of the ranks' gathered rows: block j sums shard j over the ranks (n x it),
+            # or, rotated, every rank's block j is another shard: each block the sum of all shards
+            want = [sum(shards[s]) if rotate else n * shards[s][j] for j in range(n)]
+            assert torch.allclose(got[r, s][1], torch.cat(want, 1), atol=1e-5), (r, s)
+            assert torch.equal(got[r, s][1], got[0, s][1]), "ranks disagree"
 
 
 def test_virtual_ranks_views_alias_the_owner():

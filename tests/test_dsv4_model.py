@@ -45,11 +45,11 @@ def bf16_weights(spec, seed):
                 if v.is_floating_point() else v) for k, v in w.items()}
 
 
-def all_kinds_model(seed, device="cpu", batch=2):
-    """(the reference backend on small_v41, its bf16 weights with a wide correction bias) -
-    test_small_v41_all_layer_kinds says why."""
+def all_kinds_model(seed, device="cpu", batch=2, spec=None):
+    """(the reference backend on small_v41 - or `spec`, a variant of it - its bf16 weights with a
+    wide correction bias) - test_small_v41_all_layer_kinds says why."""
     from sdk.reference.model import ReferenceModel
-    spec = build_megakernel("deepseek_v41_flash", "small_v41").spec
+    spec = spec or build_megakernel("deepseek_v41_flash", "small_v41").spec
     ref = ReferenceModel(plugins.get_model("deepseek_v41_flash"), spec, device=device, dtype=torch.bfloat16,
                          max_seq_len=32, max_batch=batch)
     w = bf16_weights(spec, seed=seed)

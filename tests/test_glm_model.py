@@ -112,21 +112,30 @@ def test_program_equals_the_model_step_after_step(monkeypatch):
     2: the indexers select 4 pools (+ the tail) of up to 9 from step 19 on, the shared layer
     attends over its predecessor's list."""
     w = glm_weights(seed=1)
+    steps_against_the_model(MHCModelRunner(MHCModelConfig(SPEC, batch=2, max_seq_len=64), w), w, monkeypatch,
+                            "program")
+
+
+def steps_against_the_model(runner, w, monkeypatch, label, steps=36, after_step=None):
+    """`steps` steps of runner (batch 2) against the fp32 model on the weights w (the model taking
+    the program's index lists where they differ by near-ties: ProgramLists), beside the bf16
+    model's own distance; after_step(step): more checks per step."""
     ref32, ref16 = reference(w, torch.float32), reference(w, torch.bfloat16)
     lists = ProgramLists(ref32, monkeypatch)
-    runner = MHCModelRunner(MHCModelConfig(SPEC, batch=2, max_seq_len=64), w)
     s32, s16 = ref32.new_state(2), ref16.new_state(2)
     g = torch.Generator().manual_seed(2)
     errs, errs16 = [], []
-    for step in range(36):
+    for step in range(steps):
         ids = torch.randint(0, SPEC.vocab_size, (2,), generator=g)
         got = runner.decode(ids)
+        if after_step is not None:
+            after_step(step)
         lists.lists = {i: runner.tensors[f"l{i}.attn.index"] for i in (1, 4)}
         want = ref32.decode(ids[:, None], s32)[:, 0]
         errs.append(rel(got, want))
         if step < 8:
             errs16.append(rel(ref16.decode(ids[:, None], s16)[:, 0], want))
-    print("program vs fp32 model, per step:", " ".join(f"{e:.1e}" for e in errs))
+    print(f"{label} vs fp32 model, per step:", " ".join(f"{e:.1e}" for e in errs))
     print("bf16 model vs fp32 model, first steps:", " ".join(f"{e:.1e}" for e in errs16))
     print(f"near-tie pool swaps taken from the program ({len(lists.forced)}):",
           " ".join(f"l{l}/b{b}:{g:.3f}" for l, b, g in lists.forced))

@@ -58,8 +58,11 @@ def small_weights(spec, seed, bias_std=10.0):
 
 
 def reference(spec, w, dtype, max_seq_len=80, max_batch=2, device="cpu"):
-    ref = build_megakernel("kimi_k3", "small", dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
-                           device=device)
+    """The reference backend of `spec` (kimi_k3's, or a variant of it) in `dtype` on the weights w."""
+    from sdk import plugins
+    from sdk.reference.model import ReferenceModel
+    ref = ReferenceModel(plugins.get_model("kimi_k3"), spec, device=device, dtype=dtype, max_seq_len=max_seq_len,
+                         max_batch=max_batch)
     return ref.load_weights({k: v.to(dtype) if v.is_floating_point() and not FP32.search(k) else v
                              for k, v in w.items()})
 
@@ -137,8 +140,14 @@ def test_program_equals_the_model_step_after_step(margins):
     the bf16 model's own distance to it (the program's is smaller); steps where the model's expert choice is a near-tie
     (margin < TIE_MARGIN) are counted and left out (at most 10 of the 70)."""
     w = small_weights(SPEC, seed=1)
+    steps_against_the_model(PlainModelRunner(PlainModelConfig(SPEC, batch=2, max_seq_len=80), w), w, margins,
+                            "program")
+
+
+def steps_against_the_model(runner, w, margins, label, after_step=None):
+    """70 steps of runner (batch 2) against the fp32 model on the weights w, beside the bf16
+    model's own distance; near-tie steps counted apart; after_step(step): more checks per step."""
     ref32, ref16 = reference(SPEC, w, torch.float32), reference(SPEC, w, torch.bfloat16)
-    runner = PlainModelRunner(PlainModelConfig(SPEC, batch=2, max_seq_len=80), w)
     s32, s16 = ref32.new_state(2), ref16.new_state(2)
     g = torch.Generator().manual_seed(2)
     errs, errs16, ties = [], [], []
@@ -149,9 +158,11 @@ def test_program_equals_the_model_step_after_step(margins):
         margins.on = False
         err = rel(runner.decode(ids), want)
         (ties if min(margins.values) < TIE_MARGIN else errs).append(err)
+        if after_step is not None:
+            after_step(step)
         if step < 8:
             errs16.append(rel(ref16.decode(ids[:, None], s16)[:, 0], want))
-    print("program vs fp32 model, per step:", " ".join(f"{e:.1e}" for e in errs))
+    print(f"{label} vs fp32 model, per step:", " ".join(f"{e:.1e}" for e in errs))
     print(f"near-tie steps ({len(ties)}):", " ".join(f"{e:.1e}" for e in ties))
     print("bf16 model vs fp32 model, first steps:", " ".join(f"{e:.1e}" for e in errs16))
     # the bf16 model itself is 2.6-3.7e-2 from the fp32 one here; the program ~2e-2 (at most 4.3e-2)
@@ -259,3 +270,39 @@ def test_quantised_experts_from_the_models_weights(fmt):
         err, err16 = rel(got, ref.decode(ids[:, None], s)[:, 0]), rel(got, ref_bf16.decode(ids[:, None], s16)[:, 0])
         print(f"{fmt} step {step}: vs the model on the quantised experts {err:.1e}, vs the bf16 model {err16:.1e}")
         assert err < 3e-2 and err16 > 2 * err
+
+
+@pytest.mark.parametrize("interleaved,yarn", [(True, True), (False, False)])
+def test_roped_mla_in_the_chain(interleaved, yarn):
+    """MLA with RoPE (DeepSeek-V3 style: interleaved pairs with YaRN scaling, or halves without) in
+    the plain chain: the runner feeds each step's rotation tables; 20 steps against the fp32 model
+    within bf16's distance. Run as NoPE instead (the identity rotation left in place) it is far off:
+    the rotation is what is checked."""
+    from sdk.spec import RopeSpec
+    scaling = (("factor", 4.0), ("original_max_position_embeddings", 8), ("rope_type", "yarn")) if yarn else ()
+    rope = RopeSpec(dim=64, theta=10000.0, interleaved=interleaved, scaling=scaling)
+    spec = dataclasses.replace(SPEC, layers=tuple(
+        dataclasses.replace(l, attention=dataclasses.replace(l.attention, rope=rope)) if l.attention.kind == "mla"
+        else l for l in SPEC.layers))
+    w = small_weights(spec, seed=4, bias_std=100.0)
+    ref = reference(spec, w, torch.float32, max_seq_len=32)
+    runner = PlainModelRunner(PlainModelConfig(spec, batch=2, max_seq_len=32), w)
+    assert [a.rope_mode for a, _ in runner.cfg.layers()[1::2]] == ["interleaved" if interleaved else "halves"] * 2
+    nope = PlainModelRunner(PlainModelConfig(spec, batch=2, max_seq_len=32), w)
+    nope.roped = []                                   # the identity rotation: NoPE
+    for t in nope.rank_tensors():
+        for _, p in runner.roped:
+            t[p + "cos"].fill_(1)
+            t[p + "sin"].zero_()
+    state = ref.new_state(2)
+    g = torch.Generator().manual_seed(5)
+    errs, nope_errs = [], []
+    for _ in range(20):
+        ids = torch.randint(0, spec.vocab_size, (2,), generator=g)
+        want = ref.decode(ids[:, None], state)[:, 0]
+        errs.append(rel(runner.decode(ids), want))
+        nope_errs.append(rel(nope.decode(ids), want))
+    print("RoPE'd MLA program vs fp32 model:", " ".join(f"{e:.1e}" for e in errs))
+    print("the same as NoPE:", " ".join(f"{e:.1e}" for e in nope_errs[-5:]))
+    assert max(errs) < 5e-2 and sum(errs) / len(errs) < 3e-2, errs
+    assert sum(nope_errs[5:]) > 4 * sum(errs[5:]), nope_errs

@@ -97,6 +97,10 @@ class AllReduceConfig:
     out_shard: int = 0          # > 0: `out` [M, out_shard] holds only this rank's D / N columns of the
                                 # normed row (columns [rank * D/N, (rank+1) * D/N) at 0..D/N-1; the
                                 # rest of the row, padding, untouched): the input of a K-sharded GEMV
+    gather: bool = False        # oneshot all-GATHER instead: `partial` [M, D] is this rank's shard,
+                                # `gathered` [M, N * D] (wire dtype) every rank's, rank k's at columns
+                                # k * D (gather_rotate: (k - rank) mod N, this rank's own first)
+    gather_rotate: bool = False
     eps: float = 1e-6
     tile_elems: int = 0         # oneshot: columns per tile; rs/ag: elements of a shard per rs tile; 0 = auto
     # the mHC epilogue (oneshot, ag): post-mix the sum into mhc_streams residual streams (0: off)
@@ -200,6 +204,8 @@ class AllReduceBlock(Block):
         if c.out_shard and (not c.norm or c.d % (4 * c.ranks) or c.out_shard < c.d // c.ranks):
             self.unsupported(f"allreduce: out_shard={c.out_shard} needs the norm, d={c.d} in 4-vector shards of "
                              f"{c.ranks} ranks, and a row of at least d / ranks")
+        if c.gather and (c.phase != "oneshot" or c.residual or c.norm or c.mhc_streams):
+            self.unsupported("allreduce gather: the one-shot phase, without residual, norm or mHC epilogue")
         if c.d % 4 or c.m < 1:
             self.unsupported(f"allreduce: d={c.d} must be a multiple of 4, m={c.m} >= 1")
         if c.norm and c.d > 16 * 4 * NUM_THREADS:
@@ -251,7 +257,9 @@ class AllReduceBlock(Block):
                   OperandSpec("err", (8,), "int32", output=True)]
         if c.phase == "oneshot" and c.norm and self.chunks > 1:
             specs.append(OperandSpec("rowcnt", (M,), "int32", output=True))
-        if self.mhc:
+        if c.gather:
+            specs.append(OperandSpec("gathered", (M, N * D), w, output=True))
+        elif self.mhc:
             specs += [s for s in self.mhc_post.operand_specs() if s.name != "y"]
         elif c.phase != "rs":
             if c.residual:
@@ -300,6 +308,8 @@ class AllReduceBlock(Block):
         N ranks' partials, + residual, RMSNorm; or, with the mHC epilogue, MHCPostBlock's
         reference on that sum (mhc_inputs: streams, coef, fn_next)."""
         c = self.config
+        if c.gather:                    # rank 0's view (gather_rotate: rank r's = these blocks rolled by -r)
+            return {"gathered": torch.cat(list(partials), dim=1)}
         r = sum(p.float() for p in partials)
         if c.mhc_streams:
             return self.mhc_post.reference(y=r, **mhc_inputs)
@@ -378,7 +388,13 @@ class AllReduceBlock(Block):
         all-gather push."""
         c = self.config
         rank, e, par = self._epoch(t, tile)
-        if self.mhc:
+        if c.gather:
+            m, cols = self._cut(tile)
+            D = c.d
+            for k in range(c.ranks):
+                at = ((k - rank) % c.ranks if c.gather_rotate else k) * D
+                t["gathered"][m, at + cols.start:at + cols.stop] = t["recv_self"][par][k, m, cols]
+        elif self.mhc:
             rows, cols = self._cut(tile)
             if c.phase == "oneshot":
                 y = self._sum_slots(t["recv_self"][par][:, rows, cols])
@@ -441,7 +457,7 @@ class AllReduceBlock(Block):
         wdt = DTYPE_MAP[c.wire]
         VA = 4 * _WIRE_BYTES[c.wire]                  # alignment of a 4-vector of the wire dtype
         T = self.num_tiles()
-        phase, norm, eps = c.phase, c.norm, c.eps
+        phase, norm, eps, gather = c.phase, c.norm, c.eps, c.gather
         rdt = DTYPE_MAP[c.residual] if c.residual else None
         RA = 4 * _WIRE_BYTES.get(c.residual, 4)
         odt, OA = DTYPE_MAP[c.resid_dtype], 4 * _WIRE_BYTES[c.resid_dtype]
@@ -566,7 +582,23 @@ class AllReduceBlock(Block):
             cute.arch.sync_threads()
             if tid == 0:
                 raise_flags(ptrs, "flags", t * N + rank, e)
-            if wait_flags(ptrs[ix["flags_self"]], t * N, N, e, tmo, ebase, t, scratch):
+            if cutlass.const_expr(gather):
+                if wait_flags(ptrs[ix["flags_self"]], t * N, N, e, tmo, ebase, t, scratch):
+                    # every rank's chunk from its receive slot to its columns of the gathered row
+                    mS = gmem_tensor(ptrs[ix["recv_self"]], wdt, (2, N, M, D4, 4), VA)
+                    mG = gmem_tensor(ptrs[ix["gathered"]], wdt, (M, N * D4, 4), VA)
+                    for k in cutlass.range_constexpr(N):
+                        at = k * D4
+                        if cutlass.const_expr(c.gather_rotate):
+                            at = ((k - rank + N) % N) * D4
+                        for j in cutlass.range_constexpr(nv(W4)):
+                            u = tid + NT * j
+                            if u < W4:
+                                col = cc * W4 + u
+                                mG[m, at + col, None].store(mS[par, k, m, col, None].load())
+                    if tid == 0:
+                        mSt[t] = e
+            elif wait_flags(ptrs[ix["flags_self"]], t * N, N, e, tmo, ebase, t, scratch):
                 mS = gmem_tensor(ptrs[ix["recv_self"]], wdt, (2, N, M, D4, 4), VA)
                 mRo = gmem_tensor(ptrs[ix["resid_out"]], odt, (M, D4, 4), OA)
                 for j in cutlass.range_constexpr(nv(W4)):
@@ -715,7 +747,11 @@ def allreduce_compile_cases() -> list[AllReduceBlock]:
         AllReduceBlock(AllReduceConfig(ranks=8, m=64, d=7168, phase="ag", residual="bf16", resid_dtype="bf16",
                                        norm=False)),
         # Kimi K3's latent MoE at TP8: the experts' partial sums (fp32) reduced, normed, each rank
-        # keeping its 448 columns in a 512-wide row (the K-sharded latent up reads it)
+        # keeping its 448 columns in a 512-wide row (the K-sharded latent up reads it); and the
+        # gathers of its row-sharded router logits (fp32, rotated) and latent down (bf16)
+        AllReduceBlock(AllReduceConfig(ranks=8, m=1, d=112, wire="fp32", residual="", norm=False, gather=True,
+                                       gather_rotate=True)),
+        AllReduceBlock(AllReduceConfig(ranks=8, m=64, d=448, residual="", norm=False, gather=True)),
         AllReduceBlock(AllReduceConfig(ranks=8, m=1, d=3584, wire="fp32", residual="", out_shard=512)),
         AllReduceBlock(AllReduceConfig(ranks=8, m=64, d=3584, phase="ag", wire="fp32", residual="", out_shard=512)),
         AllReduceBlock(AllReduceConfig(ranks=4, m=4, d=4096, residual="", norm=False)),

@@ -82,6 +82,7 @@ class MHCEpilogue:
     fn_next: str | None = None
     part_next: str | None = None
     d_slice: int = 128
+    round_coef: bool = True       # post / comb rounded to the stream dtype (V4, GLM-5.3); False: fp32 (V4.1)
 
     def config_fields(self, prog, m: int, d: int) -> dict:
         """The AllReduceConfig fields, read off the bound buffers' shapes and dtypes."""
@@ -93,7 +94,7 @@ class MHCEpilogue:
         fn = prog.buffers[self.fn_next] if self.fn_next else None
         return dict(residual="", norm=False, mhc_streams=x.shape[1], mhc_d_slice=self.d_slice,
                     stream_dtype=x.dtype, mhc_next_rows=fn.shape[0] if fn else 0,
-                    fn_dtype=fn.dtype if fn else "fp32")
+                    fn_dtype=fn.dtype if fn else "fp32", mhc_round_coef=self.round_coef)
 
     def bindings(self) -> dict:
         return {"streams": self.streams, "coef": self.coef, "streams_out": self.streams_out,
@@ -193,21 +194,8 @@ class CommProgram:
                                                "out": out})}
         wb = _WB[wire]
         if algo == "oneshot":
-            blk = AllReduceBlock(AllReduceConfig(phase="oneshot", **{**base, **epi}))
-            T = blk.num_tiles()
-            recv = self._sym(f"{label}.recv", region, (2, N, m, d), wire)
-            self._data_bytes[color] = max(self._data_bytes[color], 2 * N * m * d * wb)
-            self._flags.append((f"{label}.flags", T * N * 4))
-            flags = self._sym(f"{label}.flags", f"{label}.flags", (T, N), "int32")
-            b = {"partial": partial, "recv_self": recv["self"], "flags_self": flags["self"],
-                 "state": self._local(f"{label}.state", (T,)), **tail}
-            b.update({f"recv_{k}": recv[k] for k in range(N)})
-            b.update({f"flags_{k}": flags[k] for k in range(N)})
-            if "rowcnt" in blk.operands():
-                b["rowcnt"] = self._local(f"{label}.rowcnt", (m,))
-            op = p.op(blk, {k: v for k, v in b.items() if v is not None}, waits=waits, label=label)
-            self.flag_buffers[flags["self"]] = label
-            ops = [op]
+            ops = [self._oneshot(AllReduceBlock(AllReduceConfig(phase="oneshot", **{**base, **epi})), partial, tail,
+                                 waits, label, color)]
         else:
             rs = AllReduceBlock(AllReduceConfig(phase="rs", **base))
             ag = AllReduceBlock(AllReduceConfig(phase="ag", **{**base, **epi}))
@@ -236,11 +224,47 @@ class CommProgram:
         self.records.append({"label": label, "algo": algo, "bytes": m * d * wb, "color": color, "ops": ops})
         return ops[-1]
 
+    def allgather(self, shard: str, out: str, *, rotate: bool = False, waits=(), label: str) -> int:
+        """out [M, N * W] = every rank's `shard` [M, W], rank k's at columns k * W (rotate: at
+        ((k - rank) mod N) * W, this rank's own first) - one one-shot op (AllReduceConfig.gather),
+        in the all-reduces' buffer colors and epochs. Returns the op."""
+        if self._layout is not None:
+            raise ValueError("the symmetric layout was already used; add all collectives first")
+        m, w = self.prog.buffers[shard].shape
+        wire = self.prog.buffers[shard].dtype
+        blk = AllReduceBlock(AllReduceConfig(ranks=self.ranks, m=m, d=w, wire=wire, residual="", norm=False,
+                                             gather=True, gather_rotate=rotate))
+        color = len(self.records) % 2
+        op = self._oneshot(blk, shard, {"params": PARAMS, "err": ERR, "gathered": out}, waits, label, color)
+        self.records.append({"label": label, "algo": "gather", "bytes": m * w * _WB[wire], "color": color,
+                             "ops": [op]})
+        return op
+
+    def _oneshot(self, blk: AllReduceBlock, partial: str, tail: dict, waits, label: str, color: int) -> int:
+        """A one-shot op: its receive slots in buffer color `color`, its flags, its epoch state."""
+        c, N, p = blk.config, self.ranks, self.prog
+        m, d, wire = c.m, c.d, c.wire
+        T = blk.num_tiles()
+        recv = self._sym(f"{label}.recv", f"comm.data.c{color}", (2, N, m, d), wire)
+        self._data_bytes[color] = max(self._data_bytes[color], 2 * N * m * d * _WB[wire])
+        self._flags.append((f"{label}.flags", T * N * 4))
+        flags = self._sym(f"{label}.flags", f"{label}.flags", (T, N), "int32")
+        b = {"partial": partial, "recv_self": recv["self"], "flags_self": flags["self"],
+             "state": self._local(f"{label}.state", (T,)), **tail}
+        b.update({f"recv_{k}": recv[k] for k in range(N)})
+        b.update({f"flags_{k}": flags[k] for k in range(N)})
+        if "rowcnt" in blk.operands():
+            b["rowcnt"] = self._local(f"{label}.rowcnt", (m,))
+        op = p.op(blk, {k: v for k, v in b.items() if v is not None}, waits=waits, label=label)
+        self.flag_buffers[flags["self"]] = label
+        return op
+
     # -- binding ------------------------------------------------------------------------------
     @property
     def layout(self) -> SymmetricLayout:
         """The symmetric region layout (fixed on first use)."""
         if self._layout is None:
+            self._check_chain()
             lay = SymmetricLayout()
             for c in (0, 1):
                 if self._data_bytes[c]:
@@ -251,6 +275,22 @@ class CommProgram:
                 lay.add(name, nbytes, kind)
             self._layout = lay
         return self._layout
+
+    def _check_chain(self) -> None:
+        """Each collective must wait (through local counters) for the one before it: the two
+        alternating buffer colors are safe only then (docs/allreduce.md). Raises naming the pair."""
+        p = self.prog
+        by_counter = {op.counter: i for i, op in enumerate(p.ops)}
+        waits = [{by_counter[c] for i in op.instructions for c, _ in p.instructions[i].waits} for op in p.ops]
+        for a, b in zip(self.records, self.records[1:]):
+            seen, todo = set(), [b["ops"][0]]
+            while todo and a["ops"][-1] not in seen:
+                for w in waits[todo.pop()] - seen:
+                    seen.add(w)
+                    todo.append(w)
+            if a["ops"][-1] not in seen:
+                raise ValueError(f"collective {b['label']!r} does not wait for {a['label']!r} before it: their "
+                                 "receive buffers' colors alternate safely only along one chain of collectives")
 
     def bind(self, bufs, rank: int) -> dict[str, torch.Tensor]:
         """The symmetric program buffers of `rank`: its own and its peers' views."""

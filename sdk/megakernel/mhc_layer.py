@@ -57,12 +57,16 @@ def join(first: Program, second: Program, prefixes=("attn.", "mlp.")) -> Program
     return chain([first, second], prefixes)[0]
 
 
-def chain(progs: list, prefixes, prologue: Program | None = None, aliases: dict | None = None) -> tuple[Program, int]:
+def chain(progs: list, prefixes, prologue: Program | None = None, aliases: dict | None = None,
+          out: Program | None = None, replay_ops=None) -> tuple[Program, int]:
     """The program of mHC sublayer programs run one after the other (join's rule, site after
     site), after `prologue`'s ops (its buffers keep their names; the first site's first ops wait
     for its last op). aliases: further links, {a chained name: the earlier buffer it is} (GLM-5.3's
-    shared indexer: a layer's `index` is the previous layer's). Returns (program, the last site's
-    post-mix op)."""
+    shared indexer: a layer's `index` is the previous layer's). out: the program to build into
+    (a new one by default). replay_ops(out, prog, name, prefix, after) -> the op in `out` of each
+    of prog's ops (default: `replay`'s one op each; the tensor-parallel chain turns each post-mix
+    into the all-reduce with the post-mix epilogue: sdk/megakernel/tp_model.py). Returns
+    (program, the last site's post-mix op)."""
     count = len(progs)
     aliases = aliases or {}
     names = [lambda n, f=site_names(k, count, prefixes): aliases.get(f(n), f(n)) for k in range(count)]
@@ -72,7 +76,8 @@ def chain(progs: list, prefixes, prologue: Program | None = None, aliases: dict 
         missing = {"streams", "part", "coef"} - set(prog.buffers)
         if missing:
             raise ValueError(f"mhc_layer.chain: program {k} is not in an mHC site (no {sorted(missing)})")
-    out = Program()
+    out = Program() if out is None else out
+    replay_ops = replay_ops or replayed_ops
     # the prologue may produce the first site's inputs (streams, part, carried): its definitions stand
     links |= set(prologue.buffers) & {"part", "carried"} if prologue else set()
     for prog, name in ([(prologue, lambda n: n)] if prologue else []) + list(zip(progs, names)):
@@ -87,10 +92,16 @@ def chain(progs: list, prefixes, prologue: Program | None = None, aliases: dict 
             out.buffer(n, b.shape, b.dtype, "scratch" if n in links and prog is not prologue else b.role)
     last = replay(out, prologue, lambda n: n, "", None)[1] if prologue else None
     for prog, name, prefix in zip(progs, names, prefixes):
-        base, _ = replay(out, prog, name, prefix, last)
+        ops = replay_ops(out, prog, name, prefix, last)
         # the site's post-mix: the op rewriting the streams, what the next site starts after
-        last = base + next(i for i, op in enumerate(prog.ops) if op.bindings.get("streams_out") == "streams")
+        last = ops[next(i for i, op in enumerate(prog.ops) if op.bindings.get("streams_out") == "streams")]
     return out, last
+
+
+def replayed_ops(out: Program, prog: Program, name, prefix: str, after: int | None) -> list[int]:
+    """`replay`, returning the op in `out` of each of prog's ops."""
+    base, last = replay(out, prog, name, prefix, after)
+    return list(range(base, last + 1))
 
 
 def replay(out: Program, prog: Program, name, prefix: str, after: int | None) -> tuple[int, int]:

@@ -50,7 +50,7 @@ from ..errors import UnsupportedConfigError
 from . import dense_layer, dsa_layer, dsv4_layer, kda_layer, mla_layer, moe_layer
 from .mhc_layer import chain
 from .mlp_stack import gemv_block
-from .model_runner import MegakernelModel, ModelConfig, ModelRunner, getter, mlp_sources, weights_from
+from .model_runner import MegakernelModel, ModelConfig, ModelRunner, getter, head_source, mlp_sources, weights_from
 from .program import Program
 
 WHAT = "mHC model program"
@@ -74,9 +74,10 @@ class MHCModelConfig(ModelConfig):
             if a.kind not in ("dsv4", "kda", "dsa_mla"):
                 raise UnsupportedConfigError(f"{WHAT}: layer {l.index} attention {a.kind!r} "
                                              "(supported: dsv4, kda, dsa_mla)")
-            if a.kind == "dsv4" and a.o_groups != 1:
+            if a.kind == "dsv4" and not self.o_groups_ok(a.o_groups):
                 raise UnsupportedConfigError(f"{WHAT}: layer {l.index} has o_groups={a.o_groups}; the "
-                                             "attention program holds one o_a group")
+                                             "attention program holds one o_a group (over N tensor-parallel "
+                                             "ranks: N a multiple of o_groups)")
             if a.kind == "kda" and a.conv_activation != "silu":
                 raise UnsupportedConfigError(f"{WHAT}: layer {l.index} KDA conv activation {a.conv_activation!r} "
                                              "(the KDA op's short conv is SiLU)")
@@ -84,6 +85,10 @@ class MHCModelConfig(ModelConfig):
                 raise UnsupportedConfigError(f"{WHAT}: layer {l.index} DSA MLA with a bias or an output gate")
             if m.kind not in ("moe", "dense"):
                 raise UnsupportedConfigError(f"{WHAT}: layer {l.index} MLP {m.kind!r} (supported: dense, moe)")
+
+    def o_groups_ok(self, groups: int) -> bool:
+        """Whether a V4 attention layer's o_groups fit the program (one o_a group)."""
+        return groups == 1
 
     def layers(self) -> list[tuple]:
         """(attention config, MLP config) per layer, each in its mHC site (the last one last)."""
@@ -156,7 +161,9 @@ SUBLAYER_PROGRAMS = {dsv4_layer.DSV4LayerConfig: dsv4_layer.build_program, kda_l
                      moe_layer.MoELayerConfig: moe_layer.build_program}
 
 
-def build_program(cfg: MHCModelConfig) -> Program:
+def build_program(cfg: MHCModelConfig, out: Program | None = None, replay_ops=None) -> Program:
+    """The whole model's program. out, replay_ops: mhc_layer.chain's (the tensor-parallel program:
+    its comm program, the post-mixes made all-reduces - sdk/megakernel/tp_model.py)."""
     s, B = cfg.spec, cfg.batch
     D, N, V = s.hidden_size, s.residual.hc_mult, s.vocab_size
     layers = cfg.layers()
@@ -172,11 +179,12 @@ def build_program(cfg: MHCModelConfig) -> Program:
     pro.op(MHCMixBlock(MHCMixConfig(d=D, n=N, m=B, rows=mix_rows(N), d_slice=site.d_slice, stream_dtype="bf16")),
            {"streams": "streams", "fn": "hc_fn_first", "part": "part"}, waits=[emb], label="hc_mix_first")
     sub = [SUBLAYER_PROGRAMS[type(c)](c) for pair in layers for c in pair]
-    prog, last = chain(sub, cfg.prefixes(), prologue=pro, aliases=cfg.index_links())
+    prog, last = chain(sub, cfg.prefixes(), prologue=pro, aliases=cfg.index_links(), out=out, replay_ops=replay_ops)
+    Vr = cfg.vocab_rows
     prog.buffer("head_norm", (D,), "fp32", "weight")
-    prog.buffer("lm_head", (V, D), "bf16", "weight")
+    prog.buffer("lm_head", (Vr, D), "bf16", "weight")
     prog.buffer("h", (B, D), "bf16")
-    prog.buffer("logits", (B, V), "fp32", "output")
+    prog.buffer("logits", (B, Vr), "fp32", "output")
     head_cfg = dict(d=D, n=N, m=B, stream_dtype="bf16", out_dtype="bf16", out_eps=s.norm_eps)
     kind = {"carried": "carried", "weighted": "head", "mean": "mean"}[s.residual.head]
     bind = {"streams": "streams", "norm_weight": "head_norm", "out": "h"}
@@ -192,7 +200,7 @@ def build_program(cfg: MHCModelConfig) -> Program:
         head_cfg.update(slices=site.slices, iters=s.residual.sinkhorn_iters, hc_eps=s.residual.eps,
                         norm_eps=s.norm_eps)
     head = prog.op(MHCPreBlock(MHCPreConfig(**head_cfg, kind=kind)), bind, waits=[last], label="head")
-    prog.op(gemv_block(GemvConfig(n=V, k=D, m=B, out_dtype="fp32"), 0, cfg.num_sms),
+    prog.op(gemv_block(GemvConfig(n=Vr, k=D, m=B, out_dtype="fp32"), 0, cfg.num_sms),
             {"w": "lm_head", "x": "h", "y": "logits"}, waits=[head], label="lm_head")
     return prog
 
@@ -224,7 +232,7 @@ def program_weights(cfg: MHCModelConfig, weights: dict, device="cpu", prog: Prog
     (build_program(cfg) otherwise)."""
     n = len(cfg.spec.layers)
     src = {"embed": "embed.weight", "hc_fn_first": "layers.0.hc_attn.fn", "head_norm": "norm.weight",
-           "lm_head": "embed.weight" if cfg.spec.tie_word_embeddings else "lm_head.weight",
+           "lm_head": head_source(cfg.spec, weights),
            "hc_head_base": "hc_head.base", "hc_head_scale": "hc_head.scale"}
     for i, (attn, mlp) in enumerate(cfg.layers()):
         a, m, layer = f"l{i}.attn.", f"l{i}.mlp.", f"layers.{i}."
@@ -249,10 +257,10 @@ class MHCModelRunner(ModelRunner):
     build_program = staticmethod(build_program)
     program_weights = staticmethod(program_weights)
 
-    def __init__(self, cfg: MHCModelConfig, weights: dict, device="cpu", seed: int | None = 0):
-        super().__init__(cfg, weights, device, seed)
-        if "carried" in self.tensors:        # V4.1's first site: stream 0 itself
-            self.tensors["carried"].copy_(first_site_carry(cfg.batch, cfg.spec.residual.hc_mult))
+    def init_model(self, cfg: MHCModelConfig) -> None:
+        for t in self.rank_tensors():
+            if "carried" in t:              # V4.1's first site: stream 0 itself
+                t["carried"].copy_(first_site_carry(cfg.batch, cfg.spec.residual.hc_mult))
         # what each step's host inputs need, once: per V4 attention layer (prefix, config, its
         # ropes), the DSA layers' prefixes, the hash-routed MoE layers' ids buffers
         from ..reference.dsv4_attention import Rope

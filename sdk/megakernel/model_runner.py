@@ -33,6 +33,11 @@ class ModelConfig:
     num_sms: int = 132
 
     @property
+    def vocab_rows(self) -> int:
+        """The lm_head rows the program computes (all; a tensor-parallel rank's slice: tp_model.py)."""
+        return self.spec.vocab_size
+
+    @property
     def pages_per_seq(self) -> int:
         return math.ceil(self.max_seq_len / PAGE_SIZE)
 
@@ -72,6 +77,10 @@ class ModelRunner:
         self.lengths = torch.zeros(cfg.batch, dtype=torch.long)
         self.steps = 0
         self.paged = []                      # the paged layers' prefixes (set_paged)
+        self.init_model(cfg)
+
+    def init_model(self, cfg) -> None:
+        """The model's own setup of the program's tensors (every rank's: rank_tensors), once."""
 
     def set_paged(self, prefixes: list[str]) -> None:
         """The paged attention layers (their program prefixes): their block tables - each
@@ -149,8 +158,14 @@ def check_fits_one_gpu(spec) -> None:
         raise UnsupportedConfigError(
             f"the megakernel backend runs the whole model on one GPU: {spec.name}'s bf16 weights are "
             f"{2 * n / 1e9:.0f} GB, over one GPU's {ONE_GPU_BYTES / 1e9:.0f} GB. Its configs in the device blocks' "
-            f"shapes ('small') fit; the tensor / expert-parallel whole-model programs are not built yet (the "
-            f"per-GPU sublayer programs and the all-reduce / EP blocks are, in sdk/megakernel)")
+            f"shapes ('small') fit. The tensor-parallel program (kimi_k3, tp=N: sdk/megakernel/tp_model.py) "
+            f"drives every rank from this process, all on this GPU; one process per GPU is not written yet")
+
+
+def head_source(spec, weights: dict) -> str:
+    """The model weight the lm_head program buffer comes from: a tied model's embedding, unless the
+    weights hold the head apart (a tensor-parallel rank's vocabulary slice: tp_model.py)."""
+    return "embed.weight" if spec.tie_word_embeddings and "lm_head.weight" not in weights else "lm_head.weight"
 
 
 def getter(weights: dict, under: str, what: str):

@@ -111,12 +111,11 @@ class MoELayerConfig(MHCSiteFields):
     norm_eps: float = 1e-6               # mHC: the mix's RMSNorm and the layer's input norm (also resid_in_place's)
     resid_in_place: bool = False         # plain residual chain: x normed in the readers' prologues, the
                                          # output added onto x in place (the latent MoE: module docstring)
-    partial_out: bool = False            # with resid_in_place, tensor parallel (sdk/megakernel/tp_model.py):
-                                         # the program ends at the rank's partials - `routed` (its experts)
-                                         # and `shared_out` (its shard of the shared expert, no residual);
-                                         # the model adds the all-reduces and the K-sharded latent up
-    latent_shard: int = 0                # partial_out: K of this rank's latent up (its latent / N columns,
-                                         # padded to the GEMV's 256s)
+    partial_out: bool = False            # with resid_in_place and the latent: one of `tp_ranks` tensor-parallel
+    tp_ranks: int = 1                    # ranks (sdk/megakernel/tp_model.py; the TP form below)
+    router_gather: bool = True           # partial_out: the router's rows sharded and the logits gathered
+                                         # (False: every rank reads the whole router - one collective
+                                         # fewer, E / N times the router's bytes)
 
     @property
     def site(self):
@@ -131,6 +130,20 @@ class MoELayerConfig(MHCSiteFields):
     @property
     def local_start(self) -> int:
         return self.rank * self.local
+
+    @property
+    def router_outputs(self) -> int:
+        """The router GEMV's rows (its logits): partial_out's E / tp_ranks (the rank's experts, gathered by the
+        model) where that is a whole number of the GEMV's 8-row groups, else all E (replicated,
+        its rows rotated so the rank's experts come first: GLM-5.3 TP8's 36)."""
+        n = self.num_experts // self.tp_ranks
+        return n if self.partial_out and self.router_gather and n % 8 == 0 else self.num_experts
+
+    @property
+    def latent_shard(self) -> int:
+        """partial_out: K of the rank's latent up - its latent / tp_ranks columns, zero-padded to
+        the GEMV's 256s (Kimi K3 TP8: 448 -> 512)."""
+        return -(-(self.latent // self.tp_ranks) // 256) * 256
 
     @property
     def expert_hidden(self) -> int:
@@ -224,9 +237,9 @@ def blocks(cfg: MoELayerConfig) -> dict:
     if cfg.resid_in_place and not cfg.latent:
         raise UnsupportedConfigError("MoE layer: resid_in_place needs the latent MoE (Kimi K3's: every reader of x "
                                      "a GEMV with the input norm fused); the plain layer's experts read x directly")
-    if cfg.partial_out and not (cfg.resid_in_place and cfg.latent and cfg.latent_shard):
+    if cfg.partial_out and not (cfg.resid_in_place and cfg.latent or cfg.mhc and not cfg.latent):
         raise UnsupportedConfigError("MoE layer: partial_out (tensor parallel) is the in-place latent MoE's "
-                                     "(resid_in_place, latent, latent_shard > 0)")
+                                     "(resid_in_place, latent) or the MoE in an mHC site's")
     norm_x = dict(norm=True, norm_eps=cfg.norm_eps) if cfg.resid_in_place else {}
     hits = expected_hits(cfg)
     er = {st: cfg.expert_rows or balanced_rows(cfg.intermediate if st == "gateup" else h, cfg.num_sms)
@@ -234,7 +247,7 @@ def blocks(cfg: MoELayerConfig) -> dict:
     out = {
         # the router GEMV streams its (fp32 or bf16) weights through the smem ring: issued at the
         # launch's start, before x is ready
-        "logits": gemv_block(GemvConfig(n=cfg.num_experts, k=d, m=m, weight_dtype=cfg.router_dtype,
+        "logits": gemv_block(GemvConfig(n=cfg.router_outputs, k=d, m=m, weight_dtype=cfg.router_dtype,
                                         out_dtype="fp32", **norm_x), cfg.router_rows, cfg.num_sms),
         "select": RouterSelectBlock(RouterSelectConfig(
             num_experts=cfg.num_experts, top_k=cfg.top_k, m=m, scoring=cfg.scoring,
@@ -262,7 +275,8 @@ def blocks(cfg: MoELayerConfig) -> dict:
         raise UnsupportedConfigError(f"MoELayerConfig.op_rows: unknown op(s) {sorted(unknown)} (known: {ROWS_OPS})")
     shared_rows = {op: rows.get(op, cfg.shared_rows) for op in ROWS_OPS}
     if cfg.latent and cfg.partial_out:
-        out["latent_down"] = gemv_block(GemvConfig(n=h, k=d, m=m, **norm_x), shared_rows["latent_down"], cfg.num_sms)
+        out["latent_down"] = gemv_block(GemvConfig(n=h // cfg.tp_ranks, k=d, m=m, **norm_x), shared_rows["latent_down"],
+                                        cfg.num_sms)
         # the rank's partial: its latent columns of up(norm(routed)) + its shared expert shard
         out["latent_up"] = gemv_block(GemvConfig(n=d, k=cfg.latent_shard, m=m, out_dtype="fp32",
                                                  residual="fp32" if cfg.shared_intermediate else None),
@@ -310,7 +324,7 @@ def add_inputs_and_weights(prog: Program, cfg: MoELayerConfig, tokens: int, loca
         prog.buffer("x", (tokens, d), "bf16", "input")
     if cfg.resid_in_place:
         prog.buffer("mlp_norm", (d,), "bf16", "weight")
-    prog.buffer("router.weight", (E, d), cfg.router_dtype, "weight")
+    prog.buffer("router.weight", (cfg.router_outputs, d), cfg.router_dtype, "weight")
     if cfg.correction_bias:
         prog.buffer("router.bias", (E,), "fp32", "weight")
     if cfg.hash_routed:
@@ -319,7 +333,7 @@ def add_inputs_and_weights(prog: Program, cfg: MoELayerConfig, tokens: int, loca
     _expert_buffers(prog, "experts.gate_up", (local, 2 * I, h), cfg.expert_dtype)
     _expert_buffers(prog, "experts.down", (local, h, I), cfg.expert_dtype)
     if cfg.latent:
-        prog.buffer("latent_down.weight", (h, d), "bf16", "weight")
+        prog.buffer("latent_down.weight", (h // cfg.tp_ranks, d), "bf16", "weight")
         prog.buffer("latent_norm.weight", (h,), "bf16", "weight")
         prog.buffer("latent_up.weight", (d, cfg.latent_shard if cfg.partial_out else h), "bf16", "weight")
 
@@ -381,6 +395,8 @@ def add_shared_expert(prog: Program, cfg: MoELayerConfig, b: dict, x_ops=()) -> 
 def build_program(cfg: MoELayerConfig) -> Program:
     d, m, k, L, E, I = cfg.hidden, cfg.batch, cfg.top_k, cfg.local, cfg.num_experts, cfg.intermediate
     b = blocks(cfg)
+    if cfg.partial_out:
+        return build_tp_shard(cfg, b)
     prog = Program()
     add_inputs_and_weights(prog, cfg, m, L)
     # mHC: x = the streams' collapse, normed with mlp_norm; out feeds the post-mix at the end
@@ -409,10 +425,6 @@ def build_program(cfg: MoELayerConfig) -> Program:
     last_b, waits = down_b, [gu]
     if cfg.latent:
         waits = [prog.op(b["down"], down_b, waits=[gu], label="experts.down")]
-        if cfg.partial_out:                 # tp_model.py adds the all-reduces and the latent up
-            if cfg.shared_intermediate:
-                add_shared_expert(prog, cfg, b, x_ops)
-            return prog
         # in place: x = shared_out (x + shared) + up(...), or x + up(...) without a shared expert
         last_b = {"w": "latent_up.weight", "x": "routed", "norm_weight": "latent_norm.weight",
                   "y": "x" if cfg.resid_in_place else "out"}
@@ -425,6 +437,79 @@ def build_program(cfg: MoELayerConfig) -> Program:
                    label="latent.up" if cfg.latent else "experts.down")
     if cfg.site:
         add_post(prog, b, "out", [last, coef_op], label="moe.")
+    return prog
+
+
+def build_tp_shard(cfg: MoELayerConfig, b: dict) -> Program:
+    """One tensor-parallel rank's share of the MoE (`partial_out`, N = tp_ranks; the model's
+    program: sdk/megakernel/tp_model.py): experts [rank * L, (rank+1) * L) as its local [0, L),
+    those experts' router rows, its shard of the shared expert.
+
+        logits_shard = GEMV(x, router rows)              [M, E / N]  - the model gathers these
+                                                                       (its own first) into logits
+                       (or, where E / N is not a whole number of 8-row groups: logits = the
+                       whole router, its rows rotated: `router_outputs`)
+        select (logits) -> gateup -> down
+    Kimi K3's in-place latent MoE (x normed in the GEMVs' prologues):
+        z_shard      = GEMV(norm(x), latent_down rows)   [M, h / N]  - gathered into z
+        routed       = this rank's experts' weighted sum on z [M, h] fp32
+        partial      = shared_out + zn @ latent_up[:, rank's columns]^T    (fp32 [M, D]; zn: the
+                       all-reduce of routed with the latent norm, this rank's columns kept)
+    The MoE in an mHC site (GLM-5.3): x = the site's collapse, the experts on x,
+        out          = shared_out + this rank's experts' sum (bf16: the all-reduce's partial), then
+                       the site's post-mix (which the model's program turns into the all-reduce
+                       with the post-mix epilogue).
+
+    The ops reading logits, z and zn wait for nothing here: the model's program inserts the
+    collectives writing them before their first reader and makes it wait (tp_model.py)."""
+    d, m, k, L, E, I, h, N = (cfg.hidden, cfg.batch, cfg.top_k, cfg.local, cfg.num_experts, cfg.intermediate,
+                              cfg.latent, cfg.tp_ranks)
+    prog = Program()
+    add_inputs_and_weights(prog, cfg, m, L)
+    x_ops, coef_op = add_collapse(prog, cfg.site, b, "mlp_norm", label="moe.") if cfg.site else ((), None)
+    gathered = cfg.router_outputs < E             # else the replicated router writes logits itself
+    if gathered:
+        prog.buffer("logits_shard", (m, E // N), "fp32")
+    for name, shape, dt in (("logits", (m, E), "fp32"),
+                            ("topk_ids", (m, k), "int32"), ("topk_w", (m, k), "fp32"), ("counts", (L,), "int32"),
+                            ("hits", (L + 1,), "int32"), ("tok", (L, m), "int32"), ("slot", (L, m), "int32"),
+                            ("act", (m * k, I), "bf16")):
+        prog.buffer(name, shape, dt)
+    table = {"counts": "counts", "hits": "hits", "tok": "tok", "slot": "slot"}
+    lg = prog.op(b["logits"], {"w": "router.weight", "x": "x", "y": "logits_shard" if gathered else "logits",
+                               **x_norm(cfg)}, waits=x_ops, label="router.logits")
+    sb = {"logits": "logits", "topk_ids": "topk_ids", "topk_w": "topk_w", **table}
+    if cfg.correction_bias:
+        sb["bias"] = "router.bias"
+    if cfg.hash_routed:                     # the table's expert ids rotated as the logits are
+        sb.update({"tid2eid": "router.tid2eid", "input_ids": "input_ids"})
+    sel = prog.op(b["select"], sb, waits=[] if gathered else [lg], label="router.select")
+    if not cfg.latent:                      # the mHC site's MoE: out = shared + the experts, the post-mix
+        prog.buffer("out", (m, d), "bf16")
+        gu = prog.op(b["gateup"], {**expert_weights(cfg, "experts.gate_up"), **table, "x": "x", "act": "act"},
+                     waits=[sel], label="experts.gateup")
+        down = {**expert_weights(cfg, "experts.down"), **table, "act": "act", "topk_w": "topk_w", "out": "out"}
+        waits = [gu]
+        if cfg.shared_intermediate:
+            waits.append(add_shared_expert(prog, cfg, b, x_ops))
+            down["shared"] = "shared_out"
+        dn = prog.op(b["down"], down, waits=waits, label="experts.down")
+        add_post(prog, b, "out", [dn, coef_op], label="moe.")
+        return prog
+    for name, shape, dt in (("z_shard", (m, h // N), "bf16"), ("z", (m, h), "bf16"), ("routed", (m, h), "fp32"),
+                            ("zn", (m, cfg.latent_shard), "bf16"), ("partial", (m, d), "fp32")):
+        prog.buffer(name, shape, dt)
+    prog.op(b["latent_down"], {"w": "latent_down.weight", "x": "x", "y": "z_shard", **x_norm(cfg)}, label="latent.down")
+    gu = prog.op(b["gateup"], {**expert_weights(cfg, "experts.gate_up"), **table, "x": "z", "act": "act"},
+                 waits=[sel], label="experts.gateup")
+    prog.op(b["down"], {**expert_weights(cfg, "experts.down"), **table, "act": "act", "topk_w": "topk_w",
+                        "out": "routed"}, waits=[gu], label="experts.down")
+    up = {"w": "latent_up.weight", "x": "zn", "y": "partial"}
+    waits = []
+    if cfg.shared_intermediate:
+        waits.append(add_shared_expert(prog, cfg, b))
+        up["res"] = "shared_out"
+    prog.op(b["latent_up"], up, waits=waits, label="latent.up")
     return prog
 
 

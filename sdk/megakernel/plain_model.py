@@ -18,15 +18,16 @@ are program buffers, updated in place step after step.
 
 `PlainModelConfig.layers()` derives each sublayer's config from the ModelSpec; `program_weights`
 maps the model's canonical weights (sdk/reference names) to the program's; `PlainModelRunner`
-(model_runner.py) feeds each step (ids, each MLA layer's lengths) and runs it on the PyVM or the
-GPU; `PlainMegakernelModel` is the `megakernel` backend for kimi_k3.
+(model_runner.py) feeds each step (ids, each MLA layer's lengths, RoPE'd MLA layers' rotation
+tables) and runs it on the PyVM or the GPU; `PlainMegakernelModel` is the `megakernel` backend for kimi_k3.
 
-Supported: the plain residual, KDA and NoPE MLA attention (with q_lora, no bias, no output gate),
+Supported: the plain residual, KDA and MLA attention (with q_lora, no bias, no output gate; NoPE as
+Kimi K3's, or RoPE'd - interleaved pairs or halves, YaRN - as DeepSeek-V3's),
 dense MLPs and the latent MoE (Kimi K3's Stable LatentMoE; learned routing), the limits of each
 block (hidden a multiple of 1024, batch <= 64, ...), one token per sequence a step; the routed
 experts in bf16, fp8 or MXFP4 (`expert_dtype`: quantised from the model's weights at load). Not:
-RoPE'd MLA, the non-latent MoE in place (its experts read x unnormed), tensor / expert
-parallelism across GPUs (the all-reduce and EP programs are separate).
+the non-latent MoE in place (its experts read x unnormed). Tensor parallel over N
+GPUs: tp_model.py (the same sublayers as shards ending in partials, and the all-reduces).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from ..errors import UnsupportedConfigError
 from . import dense_layer, kda_layer, mla_layer, moe_layer
 from .mhc_layer import replay
 from .mlp_stack import gemv_block
-from .model_runner import MegakernelModel, ModelConfig, ModelRunner, getter, mlp_sources, weights_from
+from .model_runner import MegakernelModel, ModelConfig, ModelRunner, getter, head_source, mlp_sources, weights_from
 from .program import Program
 
 WHAT = "plain model program"
@@ -59,11 +60,11 @@ class PlainModelConfig(ModelConfig):
                 raise UnsupportedConfigError(f"{WHAT}: layer {l.index} KDA conv activation {a.conv_activation!r} "
                                              "(the KDA op's short conv is SiLU)")
             if a.kind == "mla":
-                bad = [f for f, on in (("RoPE", a.rope is not None), ("q_lora_rank None", not a.q_lora_rank),
-                                       ("attention_bias", a.attention_bias), ("output_gate", a.output_gate)) if on]
+                bad = [f for f, on in (("q_lora_rank None", not a.q_lora_rank), ("attention_bias", a.attention_bias),
+                                       ("output_gate", a.output_gate)) if on]
                 if bad:
                     raise UnsupportedConfigError(f"{WHAT}: layer {l.index} MLA with {', '.join(bad)} (supported: "
-                                                 "NoPE MLA with q_lora, no bias, no output gate - Kimi K3's)")
+                                                 "MLA with q_lora, no bias, no output gate - Kimi K3's, DeepSeek-V3's)")
             if m.kind == "moe" and (not m.latent_size or m.hash_routed):
                 raise UnsupportedConfigError(f"{WHAT}: layer {l.index} MoE without the latent (or hash-routed): "
                                              "the in-place MoE is the latent one (Kimi K3's)")
@@ -80,8 +81,14 @@ class PlainModelConfig(ModelConfig):
             if a.kind == "kda":
                 attn = kda_layer.from_spec(a, s.hidden_size, s.norm_eps, B, self.num_sms, resid_in_place=True)
             else:
-                attn = mla_layer.MLALayerConfig(self.paged_attention(a, rope=a.qk_rope_head_dim), hidden=s.hidden_size, q_lora=a.q_lora_rank, rope_mode="none",
-                                                eps=a.latent_norm_eps, input_eps=s.norm_eps, resid_in_place=True)
+                # NoPE (Kimi K3) keeps the rope columns unrotated; RoPE'd MLA (DeepSeek-V3 style, YaRN
+                # included) rotates them with the host's per-step tables (PlainModelRunner.step_inputs)
+                r = a.rope
+                rope = dict(rope_mode="none") if r is None else dict(
+                    rope_mode="interleaved" if r.interleaved else "halves", rope_theta=r.theta, rope_scaling=r.scaling)
+                attn = mla_layer.MLALayerConfig(self.paged_attention(a, rope=a.qk_rope_head_dim), hidden=s.hidden_size,
+                                                q_lora=a.q_lora_rank, eps=a.latent_norm_eps, input_eps=s.norm_eps,
+                                                resid_in_place=True, **rope)
             act = dict(activation=m.activation, situ_beta=m.situ_beta, situ_linear_beta=m.situ_linear_beta,
                        swiglu_limit=m.swiglu_limit)
             if m.kind == "dense":
@@ -156,10 +163,7 @@ def program_weights(cfg: PlainModelConfig, weights: dict, device="cpu", prog: Pr
     program's dtypes, the routed experts in cfg.expert_dtype (quantised from the model's weights
     when the program's are: fp8 e4m3 or MXFP4). `prog`: the program if already built
     (build_program(cfg) otherwise)."""
-    # a tied model's head is its embedding, unless the weights hold the head apart (a tensor-
-    # parallel rank's vocabulary shard: tp_model.py)
-    tied = cfg.spec.tie_word_embeddings and "lm_head.weight" not in weights
-    src = {"embed": "embed.weight", "head_norm": "norm.weight", "lm_head": "embed.weight" if tied else "lm_head.weight"}
+    src = {"embed": "embed.weight", "head_norm": "norm.weight", "lm_head": head_source(cfg.spec, weights)}
     for i, (attn, mlp) in enumerate(cfg.layers()):
         a, m, layer = f"l{i}.attn.", f"l{i}.mlp.", f"layers.{i}."
         get = getter(weights, layer + "attn.", WHAT)
@@ -173,20 +177,31 @@ def program_weights(cfg: PlainModelConfig, weights: dict, device="cpu", prog: Pr
 
 class PlainModelRunner(ModelRunner):
     """Decode steps of the model program (model_runner.ModelRunner): the ids, the MLA layers' paged
-    caches (ModelRunner.set_paged); NoPE's identity rotation is set once."""
+    caches (ModelRunner.set_paged) and, for RoPE'd MLA, each step's rotation tables of the new
+    tokens' positions; NoPE's identity rotation is set once."""
 
     name = WHAT
     build_program = staticmethod(build_program)
     program_weights = staticmethod(program_weights)
 
-    def __init__(self, cfg: PlainModelConfig, weights: dict, device="cpu", seed: int | None = 0):
-        super().__init__(cfg, weights, device, seed)
-        self.set_paged([p for (attn, _), p in zip(cfg.layers(), cfg.prefixes()[::2])
-                        if isinstance(attn, mla_layer.MLALayerConfig)])
+    def init_model(self, cfg) -> None:
+        """The MLA layers: their paged caches, NoPE's identity rotation, RoPE'd layers' configs."""
+        mla = [(attn, p) for (attn, _), p in zip(cfg.layers(), cfg.prefixes()[::2])
+               if isinstance(attn, mla_layer.MLALayerConfig)]
+        self.set_paged([p for _, p in mla])
+        self.roped = [(attn, p) for attn, p in mla if attn.rope is not None]
         for t in self.rank_tensors():
-            for p in self.paged:
-                t[p + "cos"].fill_(1)
-                t[p + "sin"].zero_()
+            for attn, p in mla:
+                if attn.rope is None:
+                    t[p + "cos"].fill_(1)
+                    t[p + "sin"].zero_()
+
+    def step_inputs(self, ids):
+        """RoPE'd MLA layers: cos / sin of the new tokens' positions (the reference's tables)."""
+        out = {}
+        for attn, p in self.roped:
+            out[p + "cos"], out[p + "sin"] = mla_layer.rope_tables(attn, self.lengths[:, None])
+        return out
 
 
 class PlainMegakernelModel(MegakernelModel):

@@ -109,6 +109,18 @@ def compare_model_steps(runner, ref, steps: int, seed: int, tol: float, mean_tol
     return errs
 
 
+def ranks_agree(runner, name: str, seed: int, then=None):
+    """A check for compare_model_steps' after_decode: every rank's `name` (the residual state) the
+    same bits as rank 0's - a tensor-parallel program's ranks sum in one order (one rank: nothing
+    to compare); then(): what else to do after the step."""
+    def check():
+        t = [r[name] for r in runner.rank_tensors()]
+        assert all(torch.equal(t[0], x) for x in t[1:]), f"seed {seed}: the ranks' {name} differ"
+        if then is not None:
+            then()
+    return check
+
+
 def clock_seed() -> int:
     """A fresh seed from the clock: every run tests new inputs; the tests print it on failure."""
     return int(time.time() * 1000) % (2 ** 31)

@@ -6,7 +6,7 @@ Run: `pytest -m gpu tests/gpu/test_dsv4_model_gpu.py`."""
 import pytest
 import torch
 
-from harness import clock_seed, compare_model_steps, need_gpu
+from harness import clock_seed, compare_model_steps, need_gpu, ranks_agree
 
 pytestmark = pytest.mark.gpu
 
@@ -26,14 +26,21 @@ def test_v41_model_one_launch_a_step(batch):
     compare_model_steps(runner, ref, 12, seed, tol=3e-2)
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_small_v41_all_layer_kinds_one_launch_a_step(batch):
+@pytest.mark.parametrize("batch,ranks", [(1, 1), (8, 1), (1, 2), (8, 2)])
+def test_small_v41_all_layer_kinds_one_launch_a_step(batch, ranks):
     """small_v41 whole - SWA, CSA, HCA, CSA, hash-routed then learned-routed MoE with V4's bf16
-    router - against the model (tests/test_dsv4_model.py: test_small_v41_all_layer_kinds)."""
+    router - against the model (tests/test_dsv4_model.py: test_small_v41_all_layer_kinds); ranks 2:
+    the tensor-parallel program as 2 virtual ranks on this GPU (66 SMs each, sdk/megakernel/
+    tp_model.py), the ranks' streams the same bits every step."""
     need_gpu()
     from test_dsv4_model import all_kinds_model
     from sdk.megakernel.mhc_model import MHCModelConfig, MHCModelRunner
+    from sdk.megakernel.tp_model import TPMHCModelConfig, TPMHCModelRunner
     seed = clock_seed()
     ref, w = all_kinds_model(seed % 1000, device="cuda", batch=batch)
-    runner = MHCModelRunner(MHCModelConfig(ref.spec, batch=batch, max_seq_len=32), w, device="cuda")
-    compare_model_steps(runner, ref, 6, seed, tol=3e-2)
+    if ranks == 1:
+        runner = MHCModelRunner(MHCModelConfig(ref.spec, batch=batch, max_seq_len=32), w, device="cuda")
+    else:
+        runner = TPMHCModelRunner(TPMHCModelConfig(ref.spec, batch=batch, max_seq_len=32, ranks=ranks,
+                                                   num_sms=132 // ranks), w, device="cuda")
+    compare_model_steps(runner, ref, 6, seed, tol=3e-2, after_decode=ranks_agree(runner, "streams", seed))

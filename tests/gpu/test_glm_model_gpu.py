@@ -9,23 +9,32 @@ Run: `pytest -m gpu tests/gpu/test_glm_model_gpu.py`."""
 import pytest
 import torch
 
-from harness import clock_seed, compare_model_steps, need_gpu
+from harness import clock_seed, compare_model_steps, need_gpu, ranks_agree
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_glm_model_one_launch_a_step(batch, monkeypatch):
+@pytest.mark.parametrize("batch,ranks", [(1, 1), (8, 1), (1, 2), (8, 2)])
+def test_glm_model_one_launch_a_step(batch, ranks, monkeypatch):
+    """ranks 2: the tensor-parallel program (sdk/megakernel/tp_model.py) as 2 virtual ranks on this
+    GPU, 66 SMs and one launch each a step, each site's post-mix the all-reduce's epilogue; the
+    ranks' streams must stay the same bits."""
     need_gpu()
     from test_glm_model import SPEC, ProgramLists, glm_weights, reference
     from sdk.megakernel.mhc_model import MHCModelConfig, MHCModelRunner
+    from sdk.megakernel.tp_model import TPMHCModelConfig, TPMHCModelRunner
     seed = clock_seed()
     w = {k: v.cuda() for k, v in glm_weights(seed % 1000).items()}
     ref = reference(w, torch.float32, max_batch=batch, device="cuda")
     lists = ProgramLists(ref, monkeypatch)
-    runner = MHCModelRunner(MHCModelConfig(SPEC, batch=batch, max_seq_len=64), w, device="cuda")
+    if ranks == 1:
+        runner = MHCModelRunner(MHCModelConfig(SPEC, batch=batch, max_seq_len=64), w, device="cuda")
+    else:
+        runner = TPMHCModelRunner(TPMHCModelConfig(SPEC, batch=batch, max_seq_len=64, ranks=ranks,
+                                                   num_sms=132 // ranks), w, device="cuda")
 
     def hand_lists():
         lists.lists = {i: runner.tensors[f"l{i}.attn.index"] for i in (1, 4)}
 
-    compare_model_steps(runner, ref, 36, seed, tol=5e-2, mean_tol=3e-2, after_decode=hand_lists)
+    compare_model_steps(runner, ref, 36, seed, tol=5e-2, mean_tol=3e-2,
+                        after_decode=ranks_agree(runner, "streams", seed, then=hand_lists))

@@ -5,23 +5,31 @@ reference backend in fp32 on the GPU, same weights), step after step from empty 
 so the MLA caches cross a page; the logits NaN-poisoned before each launch. The correction bias
 (std 100) is far wider than the scores: the selection is the bias's, never a near-tie that the
 two sides' ~2e-2 difference could flip (tests/test_plain_model.py checks the selection near ties).
+ranks 2: the tensor-parallel program (sdk/megakernel/tp_model.py) as 2 virtual ranks on this GPU,
+66 SMs and one launch each a step, joined by the in-kernel all-reduce and all-gathers; every step
+the ranks' hidden states must be the same bits.
 Run: `pytest -m gpu tests/gpu/test_plain_model_gpu.py`."""
 import pytest
 import torch
 
-from harness import clock_seed, compare_model_steps, need_gpu
+from harness import clock_seed, compare_model_steps, need_gpu, ranks_agree
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_k3_model_one_launch_a_step(batch):
+@pytest.mark.parametrize("batch,ranks", [(1, 1), (8, 1), (1, 2), (8, 2)])
+def test_k3_model_one_launch_a_step(batch, ranks):
     need_gpu()
     from test_plain_model import SPEC, reference, small_weights
     from sdk.megakernel.plain_model import PlainModelConfig, PlainModelRunner
+    from sdk.megakernel.tp_model import TPModelConfig, TPModelRunner
     seed = clock_seed()
     w = {k: v.cuda() for k, v in small_weights(SPEC, seed % 1000, bias_std=100.0).items()}
     ref = reference(SPEC, w, torch.float32, max_batch=batch, device="cuda")
-    runner = PlainModelRunner(PlainModelConfig(SPEC, batch=batch, max_seq_len=80), w, device="cuda")
+    if ranks == 1:
+        runner = PlainModelRunner(PlainModelConfig(SPEC, batch=batch, max_seq_len=80), w, device="cuda")
+    else:
+        runner = TPModelRunner(TPModelConfig(SPEC, batch=batch, max_seq_len=80, ranks=ranks, num_sms=132 // ranks),
+                               w, device="cuda")
     # the bf16 model itself is ~3e-2 from the fp32 one
-    compare_model_steps(runner, ref, 70, seed, tol=5e-2, mean_tol=3e-2)
+    compare_model_steps(runner, ref, 70, seed, tol=5e-2, mean_tol=3e-2, after_decode=ranks_agree(runner, "x", seed))

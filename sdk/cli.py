@@ -72,6 +72,11 @@ def cmd_run(args) -> int:
     return 0
 
 
+def tiny_run_args(model: str, tokens: int = 16) -> argparse.Namespace:
+    """`megakernel run MODEL --tiny`'s arguments (the demo's runs)."""
+    return build_parser().parse_args(["run", model, "--tiny", "--tokens", str(tokens)])
+
+
 def cmd_compile_check(args) -> int:
     try:
         import cutlass  # noqa: F401  (CuTe DSL: the `cute` extra)
@@ -116,8 +121,7 @@ def cmd_demo(args) -> int:
     rc = cmd_models(args)
     for name in sorted(plugins.models()):
         print()
-        rc |= cmd_run(argparse.Namespace(model=name, tiny=True, config="tiny", backend="reference", batch=2,
-                                         prompt=8, tokens=16, seed=0))
+        rc |= cmd_run(tiny_run_args(name))
     for name in sorted(plugins.models()):
         e = plugins.get_model(name)
         # the 8-GPU expert-parallel preset where the model has one: the common H200/B200 node

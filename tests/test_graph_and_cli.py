@@ -111,6 +111,12 @@ def test_cli_run_tiny(model_id):
     assert "tok/s" in r.stdout
 
 
+def test_demo_runs_each_tiny_model():
+    """The demo's runs (cmd_run on `run MODEL --tiny`'s arguments, in process)."""
+    from sdk.cli import cmd_run, tiny_run_args
+    assert cmd_run(tiny_run_args("glm_53", tokens=2)) == 0
+
+
 def test_cli_unknown_model_is_a_clear_error():
     r = run_cli("plan", "nope")
     assert r.returncode == 2

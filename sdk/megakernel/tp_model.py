@@ -100,6 +100,16 @@ class TPShards:
             raise UnsupportedConfigError(f"{WHAT}: {what} ({n}) do not split over {self.ranks} ranks")
         return n // self.ranks
 
+    def check(self):
+        super().check()                  # the model program's own (the class after TPShards)
+        self.check_tp()
+
+    def layers(self) -> list[tuple]:
+        """Each rank's (attention, MLP) sublayer configs: the whole model's cut to one rank's heads,
+        intermediate and experts (`shard`)."""
+        return [self.shard(l.index, a, m, partial=self.partial_outputs)
+                for l, (a, m) in zip(self.spec.layers, super().layers())]
+
     def check_tp(self):
         N = self.ranks
         if N < 1:
@@ -144,26 +154,12 @@ class TPShards:
 
 @dataclass(frozen=True)
 class TPModelConfig(TPShards, PlainModelConfig):
-    def check(self):
-        super().check()
-        self.check_tp()
-
-    def layers(self) -> list[tuple]:
-        """Each rank's (attention, MLP) sublayer configs: the whole model's (PlainModelConfig) cut
-        to one rank's heads, intermediate and experts, ending in partials (`partial_out`)."""
-        return [self.shard(l.index, a, m, partial=True) for l, (a, m) in zip(self.spec.layers, super().layers())]
+    partial_outputs = True               # the plain chain's sublayers end in partials (`partial_out`)
 
 
 @dataclass(frozen=True)
 class TPMHCModelConfig(TPShards, MHCModelConfig):
-    def check(self):
-        super().check()
-        self.check_tp()
-
-    def layers(self) -> list[tuple]:
-        """Each rank's (attention, MLP) site configs: the whole model's (MHCModelConfig) cut to one
-        rank's heads, intermediate and experts."""
-        return [self.shard(l.index, a, m, partial=False) for l, (a, m) in zip(self.spec.layers, super().layers())]
+    partial_outputs = False              # an mHC site ends in its post-mix (made the all-reduce's epilogue)
 
 
 def build_program(cfg: TPModelConfig) -> tuple[Program, CommProgram]:

@@ -8,10 +8,11 @@ The program keeps the model's bf16 activations; the reference runs in fp32 on th
 (bf16-valued) weights, and the program's distance to it is compared with the bf16 reference's own.
 Selections: the MoE's correction bias (std 100) is far wider than its scores, so its top-k is the
 bias's and never a near-tie. The DSA indexer's top-k is the scores' (pools whose scores differ by
-the two sides' ~1e-2 noise are common on random weights): where the program's list differs from
-the model's, the test checks that every swapped pool is a near-tie of the model's own scores
-(within TIE of the top score) and then lets the model attend over the program's list - a choice
-the model could have made - so that later steps stay comparable. Any other difference fails."""
+the two sides' ~1e-2 noise are common on random weights): where the program's pick differs from
+the model's, every swapped pool (or expert: two bf16 biases may round to one value) must be a
+near-tie of the model's own scores, and the model then takes the program's pick - one it could
+have made - so that later steps stay comparable (tests/program_choices.py). Any other difference
+fails."""
 import dataclasses
 
 import pytest
@@ -22,8 +23,9 @@ from sdk.errors import UnsupportedConfigError
 from sdk.megakernel.mhc_model import MHCModelConfig, MHCModelRunner, build_program, program_weights
 from sdk.reference.model import random_weights
 
+from program_choices import ProgramChoices
+
 SPEC = build_megakernel("glm_53", "small").spec
-TIE = 0.06          # a pool swap within this fraction of the top score is a near-tie (noise ~0.03)
 
 
 def rel(a, b):
@@ -59,54 +61,6 @@ def reference(w, dtype, max_seq_len=64, max_batch=2, device="cpu"):
                              for k, v in w.items()})
 
 
-class ProgramLists:
-    """Makes the reference's DSA indexers take the program's list where the two differ by
-    near-ties only (module docstring); counts those steps. `lists`: layer -> the program's
-    `index` of the step (set before the reference's step)."""
-
-    def __init__(self, ref, monkeypatch):
-        import sdk.reference.dsa as dsa_ref
-        self.lists, self.forced = {}, []
-        layer_of = {id(a.indexer): a.index for a in ref.attn if hasattr(a, "indexer") and a.indexer is not None}
-        select = dsa_ref.DSAIndexer.select
-        outer = self
-
-        def forced(indexer, x, q_resid, cache, step):
-            own = select(indexer, x, q_resid, cache, step)
-            layer = layer_of.get(id(indexer))
-            if layer is None:                   # another model's indexer (the bf16 reference)
-                return own
-            got = outer.lists[layer].to(own.device).long()
-            p = indexer.spec.kpool
-            for b in range(own.shape[0]):
-                mine, theirs = set(own[b, 0].tolist()) - {-1}, set(got[b, 0].tolist()) - {-1}
-                if mine == theirs:
-                    continue
-                scores = pool_scores(indexer, x, q_resid, cache, step)[b, 0]
-                lost, won = {t // p for t in mine - theirs}, {t // p for t in theirs - mine}
-                gap = max(abs(scores[i] - scores[j]).item() for i in lost for j in won)
-                assert gap < TIE * scores.abs().max().item(), (
-                    f"layer {layer} seq {b}: the program chose pools {sorted(won)} over {sorted(lost)}, "
-                    f"scores {scores.tolist()}: not a near-tie")
-                outer.forced.append((layer, b, gap / scores.abs().max().item()))
-                own[b] = got[b]
-            return own
-
-        monkeypatch.setattr(dsa_ref.DSAIndexer, "select", forced)
-
-
-def pool_scores(indexer, x, q_resid, cache, step):
-    """The model's index scores of the complete pools [B, T, pools] (sdk/reference/dsa.py select)."""
-    import torch.nn.functional as F
-    s, w = indexer.spec, indexer.w
-    b, t = step.batch, step.num_tokens
-    n = int(((step.positions + 1) // s.kpool).max())
-    q = F.linear(q_resid, w["wq_b.weight"]).view(b, t, s.num_heads, s.head_dim)
-    scores = F.relu(torch.einsum("bthd,bmd->bthm", q.float(), cache["index_pool_k"][:, :n].float()) * s.head_dim ** -0.5)
-    weights = F.linear(x, w["weights_proj.weight"]).float() * s.num_heads ** -0.5
-    return torch.einsum("bth,bthm->btm", weights, scores)
-
-
 def test_program_equals_the_model_step_after_step(monkeypatch):
     """36 steps of small (KDA + dense, DSA + dense, shared DSA + MoE, KDA + MoE, DSA + MoE) at batch
     2: the indexers select 4 pools (+ the tail) of up to 9 from step 19 on, the shared layer
@@ -118,10 +72,10 @@ def test_program_equals_the_model_step_after_step(monkeypatch):
 
 def steps_against_the_model(runner, w, monkeypatch, label, steps=36, after_step=None):
     """`steps` steps of runner (batch 2) against the fp32 model on the weights w (the model taking
-    the program's index lists where they differ by near-ties: ProgramLists), beside the bf16
+    the program's picks where they differ by near-ties: ProgramChoices), beside the bf16
     model's own distance; after_step(step): more checks per step."""
     ref32, ref16 = reference(w, torch.float32), reference(w, torch.bfloat16)
-    lists = ProgramLists(ref32, monkeypatch)
+    choices = ProgramChoices(ref32, monkeypatch)
     s32, s16 = ref32.new_state(2), ref16.new_state(2)
     g = torch.Generator().manual_seed(2)
     errs, errs16 = [], []
@@ -130,18 +84,17 @@ def steps_against_the_model(runner, w, monkeypatch, label, steps=36, after_step=
         got = runner.decode(ids)
         if after_step is not None:
             after_step(step)
-        lists.lists = {i: runner.tensors[f"l{i}.attn.index"] for i in (1, 4)}
+        choices.take(runner)
         want = ref32.decode(ids[:, None], s32)[:, 0]
         errs.append(rel(got, want))
         if step < 8:
             errs16.append(rel(ref16.decode(ids[:, None], s16)[:, 0], want))
     print(f"{label} vs fp32 model, per step:", " ".join(f"{e:.1e}" for e in errs))
     print("bf16 model vs fp32 model, first steps:", " ".join(f"{e:.1e}" for e in errs16))
-    print(f"near-tie pool swaps taken from the program ({len(lists.forced)}):",
-          " ".join(f"l{l}/b{b}:{g:.3f}" for l, b, g in lists.forced))
+    print(choices.summary())
     assert max(errs) < 5e-2 and sum(errs) / len(errs) < 3e-2, errs
     assert sum(errs[:8]) < sum(errs16), (errs[:8], errs16)
-    assert len(lists.forced) < 12          # most selections agree outright
+    assert len(choices.forced) < 12          # most selections agree outright
 
 
 def test_a_wrong_link_is_seen(monkeypatch):

@@ -19,6 +19,20 @@ from . import isa
 from .program import encode
 
 
+def check_buffers(program, tensors: dict, device_type: str) -> None:
+    """Every buffer of `program` has its tensor: its shape and dtype, contiguous, 16-byte aligned
+    (the blocks' vector loads), on `device_type` - a clear error naming the buffer otherwise."""
+    for name, b in program.buffers.items():
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"no tensor for buffer {name!r}")
+        if tuple(t.shape) != b.shape or t.dtype != DTYPES[b.dtype] or not t.is_contiguous() \
+                or t.device.type != device_type or t.data_ptr() % 16:
+            where = "" if t.data_ptr() % 16 == 0 else f" at address {t.data_ptr():#x}"
+            raise ValueError(f"buffer {name!r}: want contiguous 16-byte aligned {device_type} {b.dtype}{list(b.shape)}, "
+                             f"got {t.dtype}{list(t.shape)} on {t.device}{where}")
+
+
 class MegakernelRuntime:
     def __init__(self, program, tensors: dict[str, torch.Tensor], *, num_sms: int | None = None,
                  timing: bool = False, timeout_s: float = 2.0, device="cuda",
@@ -36,14 +50,7 @@ class MegakernelRuntime:
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = num_sms
-        for name, b in program.buffers.items():
-            t = tensors.get(name)
-            if t is None:
-                raise ValueError(f"no tensor for buffer {name!r}")
-            if tuple(t.shape) != b.shape or t.dtype != DTYPES[b.dtype] or not t.is_contiguous() \
-                    or t.device.type != "cuda" or t.data_ptr() % 16:
-                raise ValueError(f"buffer {name!r}: want contiguous 16-byte aligned cuda {b.dtype}{list(b.shape)}, "
-                                 f"got {t.dtype}{list(t.shape)} on {t.device}")
+        check_buffers(program, tensors, "cuda")
         self.tensors = tensors
         self.schedule = schedule(program, num_sms, order=schedule_order)   # sdk.schedule.op_order
         validate(program, self.schedule.per_sm)

@@ -70,6 +70,7 @@ from .mhc_layer import op_waits
 from .mlp_stack import gemv_block
 from .plain_model import SUBLAYER_PROGRAMS, PlainMegakernelModel, PlainModelConfig, PlainModelRunner
 from .program import Program
+from .runtime import check_buffers
 
 WHAT = "tensor-parallel model program"
 K_GROUP = 256                # a GEMV's K in multiples of 32 lanes x 8 bf16
@@ -275,7 +276,7 @@ def _rows(w: torch.Tensor, r: int, n: int, dim: int = 0, pad_to: int = 0) -> tor
         shape = list(out.shape)
         shape[dim] = pad_to - k
         out = torch.cat([out, out.new_zeros(shape)], dim)
-    return out.contiguous()
+    return out.clone(memory_format=torch.contiguous_format)     # its own storage: a view may be unaligned
 
 
 def shard_weights(cfg: TPShards, weights: dict, rank: int) -> dict:
@@ -374,6 +375,7 @@ class TPRunner:
         for r in range(N):
             t = self.comm.alloc_rank_tensors(self.bufs, r, self.device, timeout_s)
             t.update(self.program_weights(cfg, shard_weights(cfg, weights, r), self.device, self.prog))
+            check_buffers(self.prog, t, self.device.type)
             self.tensors_per_rank.append(t)
         if self.device.type == "cpu":
             from ..comm.vm import MultiRankVM

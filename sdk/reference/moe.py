@@ -72,6 +72,18 @@ class DenseMLPReference:
         return spec_dense_mlp(x, self.w, "", self.spec)
 
 
+def router_scores(spec: MoESpec, logits: torch.Tensor) -> torch.Tensor:
+    """Router logits [N, E] -> the experts' scores by `spec.scoring` (what weighs a selected expert;
+    the correction bias is added to them only to select)."""
+    if spec.scoring == "sigmoid":
+        return logits.sigmoid()
+    if spec.scoring == "softmax":
+        return logits.softmax(dim=-1)
+    if spec.scoring == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    raise UnsupportedConfigError(f"unsupported MoE scoring {spec.scoring!r}; supported: {SCORING}")
+
+
 def route(spec: MoESpec, logits: torch.Tensor, bias: torch.Tensor | None,
           hash_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] (fp32) -> (weights [N, k], expert ids [N, k]).
@@ -81,14 +93,7 @@ def route(spec: MoESpec, logits: torch.Tensor, bias: torch.Tensor | None,
     is the sum of its two best experts); weights are renormalised over the selected experts if
     `norm_topk_prob`, then multiplied by `routed_scaling_factor`. Hash-routed layers take the
     experts from the token-id table instead of a top-k."""
-    if spec.scoring == "sigmoid":
-        scores = logits.sigmoid()
-    elif spec.scoring == "softmax":
-        scores = logits.softmax(dim=-1)
-    elif spec.scoring == "sqrtsoftplus":
-        scores = F.softplus(logits).sqrt()
-    else:
-        raise UnsupportedConfigError(f"unsupported MoE scoring {spec.scoring!r}; supported: {SCORING}")
+    scores = router_scores(spec, logits)
     if hash_experts is not None:
         ids = hash_experts
     else:
@@ -128,15 +133,18 @@ class MoEReference:
             out.update(dense_mlp_weights("shared_experts.", d, s.shared_intermediate_size))
         return out
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> the router logits [N, E]."""
+        if dict(self.spec.extra).get("router_logits_dtype") == "model":
+            # DeepSeek-V4 computes logits and scores in the activations' dtype (its gate weight is
+            # not kept in fp32), so a bf16 run rounds them to bf16 too.
+            return F.linear(x, self.w["gate.weight"].to(x.dtype))
+        return F.linear(x.to(torch.float32), self.w["gate.weight"].to(torch.float32))
+
     def router(self, x: torch.Tensor, step: StepInfo) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k], ids [N, k])."""
         s = self.spec
-        if dict(s.extra).get("router_logits_dtype") == "model":
-            # DeepSeek-V4 computes logits and scores in the activations' dtype (its gate weight is
-            # not kept in fp32), so a bf16 run rounds them to bf16 too.
-            logits = F.linear(x, self.w["gate.weight"].to(x.dtype))
-        else:
-            logits = F.linear(x.to(torch.float32), self.w["gate.weight"].to(torch.float32))
+        logits = self.router_logits(x)
         bias = self.w.get("gate.e_score_correction_bias") if s.correction_bias else None
         hashed = self.w["gate.tid2eid"][step.input_ids.reshape(-1)].long() if s.hash_routed else None
         return route(s, logits, bias, hashed)

@@ -91,7 +91,9 @@ def compare_model_steps(runner, ref, steps: int, seed: int, tol: float, mean_tol
     """`steps` decode steps of random ids through a whole-model program's runner (on the GPU) and
     the reference backend `ref` (a fresh state), the logits compared each step: rel err < tol,
     their mean < mean_tol. after_decode(): called between the program's step and the reference's
-    (GLM-5.3: the program's index lists handed to the reference). Returns the errors."""
+    (the program's near-tie picks handed to the reference: tests/program_choices.py). Returns the
+    errors."""
+    print(f"seed {seed}")                   # shown with any failure, also one raised by after_decode
     batch, vocab = runner.cfg.batch, runner.cfg.spec.vocab_size
     state = ref.new_state(batch)
     g = torch.Generator().manual_seed(seed)

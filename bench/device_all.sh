@@ -40,12 +40,15 @@ for part in $PARTS; do
             echo "---- $tool"; timeout 150 compute-sanitizer --tool $tool --error-exitcode 3 python bench/sanitize_case.py
             echo "$tool rc=$?"; done ) > "$WORK/tests/sanitizer.log" 2>&1 &
       else echo "compute-sanitizer not found" > "$WORK/tests/sanitizer.log"; fi
-      # SIGINT at the limit: pytest stops and still prints which tests failed
-      timeout -s INT -k 15 $(left ${TESTS_S:-330}) python -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -n $WORKERS $TIMEOUT_FLAG -q -rfE \
+      # SIGINT at the limit: pytest stops (under xdist without its final summary)
+      timeout -s INT -k 15 $(left ${TESTS_S:-330}) python -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -n $WORKERS $TIMEOUT_FLAG -v -rfE \
         -p no:cacheprovider --durations=15 > "$WORK/tests/gpu_tests.log" 2>&1
       echo "pytest rc=$? workers=$WORKERS" >> "$WORK/tests/gpu_tests.log"
       wait
-      { grep -E "^(FAILED|ERROR)" "$WORK/tests/gpu_tests.log" | cut -c1-300 | head -n 40
+      # -v: each test's outcome as it ends ("[gw3] [ 16%] FAILED tests/..."), so that a run cut off
+      # at its limit (no final summary: 2026-12-05) still names its failures
+      { grep -E "(^| )(FAILED|ERROR) tests/" "$WORK/tests/gpu_tests.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' \
+          | sort -u | cut -c1-300 | head -n 40
         grep -E "passed|failed" "$WORK/tests/gpu_tests.log" | tail -n 1; tail -n 1 "$WORK/tests/gpu_tests.log"
         grep -E "rc=|ERROR SUMMARY" "$WORK/tests/sanitizer.log"; } > "$WORK/tests/summary.txt" ;;
     bench:*)

@@ -22,10 +22,14 @@ class StepInfo:
     start      LongTensor [B]: tokens already in each sequence's caches before this call (ragged).
     positions  LongTensor [B, T]: absolute position of each new token, start[:, None] + arange(T).
     input_ids  LongTensor [B, T]: the new tokens (hash routing and similar features read them).
+    extent     the cache positions attention reads: None = up to the longest sequence after this
+               call (read from the device: a host sync); an int (the built max_seq_len) keeps
+               every shape of the step static, as a CUDA graph needs (ReferenceModel.capturable).
     """
     start: torch.Tensor
     positions: torch.Tensor
     input_ids: torch.Tensor
+    extent: int | None = None
 
     @property
     def batch(self) -> int:
@@ -34,6 +38,10 @@ class StepInfo:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
+
+    def cache_extent(self) -> int:
+        """How many cache positions attention reads (the positions past a sequence are masked)."""
+        return self.extent if self.extent is not None else int((self.start + self.num_tokens).max())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

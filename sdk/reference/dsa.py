@@ -116,6 +116,12 @@ class DSAIndexer:
             slot = pos % p
             ring_k[rows, slot] = k[:, t].to(ring_k.dtype)
             ring_gate[rows, slot] = gate[:, t].to(ring_gate.dtype)
+            if step.extent is not None:      # static shapes: every row's pool, kept where one completes
+                probs = (ring_gate.float() + ape).softmax(dim=1).to(ring_k.dtype)
+                pooled = (probs * ring_k).sum(dim=1).to(pools.dtype)
+                at = pos // p
+                pools[rows, at] = torch.where((slot == p - 1)[:, None], pooled, pools[rows, at])
+                continue
             done = rows[slot == p - 1]
             if done.numel():
                 probs = (ring_gate[done].float() + ape).softmax(dim=1).to(ring_k.dtype)  # over the pool's tokens
@@ -128,7 +134,10 @@ class DSAIndexer:
         p, b, t = s.kpool, step.batch, step.num_tokens
         pos = step.positions                                                     # [B, T]
         visible_pools = (pos + 1) // p                                           # complete pools <= p
-        n_pools = int(visible_pools.max()) if b and t else 0
+        if step.extent is not None:          # static shapes: every pool, the invisible ones masked
+            n_pools = cache["index_pool_k"].shape[1] if b and t else 0
+        else:
+            n_pools = int(visible_pools.max()) if b and t else 0
         parts = []
         if n_pools:
             q = F.linear(q_resid, w["wq_b.weight"]).view(b, t, s.num_heads, s.head_dim)
@@ -196,7 +205,7 @@ class DSAMLAReference(MLAReference):
             raise SdkError(f"layer {self.index} shares the DSA top-k of layer {self.index - 1}, "
                            "which computed none in this call")
         selections[self.index] = topk
-        length = int((step.start + t).max())
+        length = step.cache_extent()
         out = self.attend(q_nope, q_pe, cache, step, index_mask=selection_mask(topk, length))
         return F.linear(out.reshape(b, t, -1), self.w["o_proj.weight"], self._bias("o_proj"))
 

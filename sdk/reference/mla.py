@@ -162,7 +162,7 @@ class MLAReference:
         after this step. Returns [B, T, H, v_head_dim]."""
         s, w = self.spec, self.w
         h, nope, vd = s.num_heads, s.qk_nope_head_dim, s.v_head_dim
-        length = int((step.start + step.num_tokens).max())
+        length = step.cache_extent()
         kv = cache["latent"][:, :length].to(q_nope.dtype)
         latent, k_pe = kv.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
         b = latent.shape[0]

@@ -111,6 +111,7 @@ class ReferenceModel:
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.weights: dict | None = None
         self.last_logits: torch.Tensor | None = None
+        self._capturable = False
 
     # ------------------------------------------------------------------ weights
     def load_hf_state_dict(self, state_dict) -> "ReferenceModel":
@@ -132,6 +133,26 @@ class ReferenceModel:
         self.residual = residual_class(spec)(spec, w)
 
     # ------------------------------------------------------------------ decode
+    @property
+    def capturable(self) -> bool:
+        """The decode step without host syncs, every shape static, so that a CUDA graph can
+        capture it (the benchmarks' PyTorch step): attention reads the whole built cache with
+        the positions past each sequence masked, the compressors compute every sequence's entry
+        and keep it where a window closes, the experts run as grouped GEMMs. Same results.
+        The caller checks the capacity: `decode` cannot read the lengths."""
+        return self._capturable
+
+    @capturable.setter
+    def capturable(self, on: bool) -> None:
+        self._need_weights()
+        self._capturable = bool(on)
+        for m in [*self.attn, *self.mlp]:
+            if hasattr(type(m), "capturable"):                      # MoE
+                m.capturable = self._capturable
+            for comp in (getattr(m, "compressor", None), getattr(m, "indexer", None)):
+                if hasattr(type(comp), "capturable"):               # DeepSeek-V4's compressors
+                    comp.capturable = self._capturable
+
     def new_state(self, batch: int) -> DecodeState:
         if batch > self.max_batch:
             raise CapacityError(f"batch {batch} is over the built max_batch {self.max_batch}")
@@ -149,11 +170,13 @@ class ReferenceModel:
         b, t = input_ids.shape
         if b != state.batch:
             raise CapacityError(f"input batch {b} does not match the state's batch {state.batch}")
-        over = int(state.lengths.max()) + t if b else t
-        if over > state.max_seq_len:
-            raise CapacityError(f"sequence length {over} is over the built max_seq_len {state.max_seq_len}")
+        if not self._capturable:
+            over = int(state.lengths.max()) + t if b else t
+            if over > state.max_seq_len:
+                raise CapacityError(f"sequence length {over} is over the built max_seq_len {state.max_seq_len}")
         positions = state.lengths[:, None] + torch.arange(t, device=self.device)
-        step = StepInfo(start=state.lengths.clone(), positions=positions, input_ids=input_ids)
+        step = StepInfo(start=state.lengths.clone(), positions=positions, input_ids=input_ids,
+                        extent=state.max_seq_len if self._capturable else None)
         spec, w = self.spec, self.weights
         x = F.embedding(input_ids, w["embed.weight"])
         h = self.residual.embed(x)

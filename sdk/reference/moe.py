@@ -113,6 +113,8 @@ def route(spec: MoESpec, logits: torch.Tensor, bias: torch.Tensor | None,
 
 
 class MoEReference:
+    capturable = False      # the experts without host syncs (ReferenceModel.capturable)
+
     def __init__(self, model: ModelSpec, layer: LayerSpec, weights):
         self.spec: MoESpec = layer.mlp
         self.w = weights
@@ -156,6 +158,8 @@ class MoEReference:
         `acc_dtype` (default: x's dtype - the plain MoE; the latent MoE passes fp32)."""
         out = torch.zeros(x.shape, dtype=acc_dtype or x.dtype, device=x.device)
         gate_up, down = self.w["experts.gate_up_proj"], self.w["experts.down_proj"]
+        if self.capturable:
+            return self._grouped_experts(x, weights, ids, out, acc_dtype is not None)
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)
             gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
@@ -164,6 +168,24 @@ class MoEReference:
             out.index_add_(0, tok, (y * w.to(y.dtype)).to(out.dtype) if acc_dtype is None else
                            y.to(out.dtype) * w.to(out.dtype))
         return out
+
+    def _grouped_experts(self, x, weights, ids, out, wide_acc: bool) -> torch.Tensor:
+        """`experts` without host syncs (capturable): the (token, slot) pairs sorted by expert, two
+        grouped GEMMs over all experts (an empty group reads no weights: only the hit experts'
+        are read), the weighted outputs added per token in the same order as the loop's."""
+        gate_up, down = self.w["experts.gate_up_proj"], self.w["experts.down_proj"]
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).to(torch.int32)
+        tok = order // k
+        gate, up = torch._grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(gated_act(self.spec, gate, up), down.transpose(1, 2), offs=offs)
+        w = weights.flatten()[order, None]
+        return out.index_add_(0, tok, y.to(out.dtype) * w.to(out.dtype) if wide_acc else
+                              (y * w.to(y.dtype)).to(out.dtype))
 
     def latent_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Stable LatentMoE, routed part: latent_up(RMSNorm(sum_j w_j expert_j(latent_down(x)))),

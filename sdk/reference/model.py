@@ -138,8 +138,10 @@ class ReferenceModel:
         """The decode step without host syncs, every shape static, so that a CUDA graph can
         capture it (the benchmarks' PyTorch step): attention reads the whole built cache with
         the positions past each sequence masked, the compressors compute every sequence's entry
-        and keep it where a window closes, the experts run as grouped GEMMs. Same results.
-        The caller checks the capacity: `decode` cannot read the lengths."""
+        and keep it where a window closes, the experts run as grouped GEMMs. The same logits in
+        fp32; in bf16 the grouped GEMMs round differently (~1e-2 of the logits), enough to flip
+        a router's near-tie now and then. The caller checks the capacity: `decode` cannot read
+        the lengths."""
         return self._capturable
 
     @capturable.setter

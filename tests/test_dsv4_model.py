@@ -175,5 +175,5 @@ def test_small_v41_all_layer_kinds(monkeypatch):
         errs.append(rel(got, ref.decode(ids[:, None], state)[:, 0]))
     print("small_v41: logits rel err per step:", " ".join(f"{e:.1e}" for e in errs))
     print(choices.summary())
-    assert [(w, b) for w, _, b, _ in choices.forced] == [("moe", 7)]
+    assert [(what, row) for what, _, row, _ in choices.forced] == [("moe", 7)]
     assert max(errs) < 3e-2, errs

@@ -31,6 +31,19 @@ def assert_same_x(runner, step):
     assert all(torch.equal(x[0], xr) for xr in x[1:]), f"step {step}: the ranks' hidden states differ"
 
 
+def steps_against(runner, ref, steps, after_step):
+    """`steps` decode steps of random ids (batch 2, seed 6) through the TP runner and the model
+    (a fresh state); after_step(step) checks the ranks. Returns the logits' rel errs."""
+    state = ref.new_state(2)
+    g = torch.Generator().manual_seed(6)
+    errs = []
+    for step in range(steps):
+        ids = torch.randint(0, ref.spec.vocab_size, (2,), generator=g)
+        errs.append(rel(runner.decode(ids), ref.decode(ids[:, None], state)[:, 0]))
+        after_step(step)
+    return errs
+
+
 def test_a_wrong_shard_is_seen():
     """The comparison's power: rank 1 given rank 0's router rotation (it then runs its experts for
     the wrong expert ids) or rank 0's KDA output columns moves the logits far past the tolerance.
@@ -125,13 +138,7 @@ def test_tp4_with_padded_shards():
     w = small_weights(spec, seed=4, bias_std=100.0)
     ref = reference(spec, w, torch.float32, max_seq_len=16)
     runner = TPModelRunner(cfg, w)
-    state = ref.new_state(2)
-    g = torch.Generator().manual_seed(6)
-    errs = []
-    for step in range(12):
-        ids = torch.randint(0, spec.vocab_size, (2,), generator=g)
-        errs.append(rel(runner.decode(ids), ref.decode(ids[:, None], state)[:, 0]))
-        assert_same_x(runner, step)
+    errs = steps_against(runner, ref, 12, lambda step: assert_same_x(runner, step))
     print("TP4 program vs fp32 model:", " ".join(f"{e:.1e}" for e in errs))
     assert max(errs) < 5e-2 and sum(errs) / len(errs) < 3e-2, errs
 
@@ -194,14 +201,11 @@ def test_v41_tp_program_equals_the_model(o_groups):
         dataclasses.replace(l, attention=dataclasses.replace(l.attention, o_groups=o_groups)) for l in spec.layers))
     ref, w = v4.all_kinds_model(seed=5, spec=spec)
     runner = TPMHCModelRunner(TPMHCModelConfig(spec, batch=2, max_seq_len=32, ranks=2), w)
-    state = ref.new_state(2)
-    g = torch.Generator().manual_seed(6)
-    errs = []
-    for step in range(6):
-        ids = torch.randint(0, spec.vocab_size, (2,), generator=g)
-        errs.append(rel(runner.decode(ids), ref.decode(ids[:, None], state)[:, 0]))
+
+    def same_streams(step):
         s = [t["streams"] for t in runner.rank_tensors()]
         assert torch.equal(s[0], s[1]), f"step {step}: the ranks' streams differ"
+    errs = steps_against(runner, ref, 6, same_streams)
     print(f"small_v41 TP2 (o_groups {o_groups}): logits rel err per step:", " ".join(f"{e:.1e}" for e in errs))
     assert max(errs) < 3e-2, errs
     if o_groups == 2:               # a rank's heads must lie in one o_a group

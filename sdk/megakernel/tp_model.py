@@ -275,7 +275,7 @@ def _rows(w: torch.Tensor, r: int, n: int, dim: int = 0, pad_to: int = 0) -> tor
     if pad_to > k:
         shape = list(out.shape)
         shape[dim] = pad_to - k
-        out = torch.cat([out, out.new_zeros(shape)], dim)
+        return torch.cat([out, out.new_zeros(shape)], dim)
     return out.clone(memory_format=torch.contiguous_format)     # its own storage: a view may be unaligned
 
 

@@ -138,7 +138,7 @@ def main(argv=None):
 
     def one(c, bw):
         tag = "" if a.expert_dtype == "bf16" else "_" + a.expert_dtype
-        tl = os.path.join(a.out, f"timeline_model_{c[1]}_b{c[2]}{tag}.json") if a.out and c[2] == 1 else None
+        tl = os.path.join(a.out, f"timeline_model_{SHORT[c[0]]}_{c[1]}_b{c[2]}{tag}.json") if a.out and c[2] == 1 else None
         return bench_model(*c, bw, tl, expert_dtype=a.expert_dtype, tp=a.tp)
     run_cases("model_bench.json", todo, one, case_name, a.out, case_width=34)
 

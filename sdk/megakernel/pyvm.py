@@ -28,12 +28,14 @@ class PyVM:
         program.check_weights)."""
         from ..schedule import schedule, validate
         from .program import check_weights, encode
+        from .runtime import check_buffers
         check_weights(program, weights)
         sched = schedule(program, num_sms)
         validate(program, sched.per_sm)
         words, lengths = encode(program, sched.per_sm)
         tensors = cls.alloc(program)
         tensors.update(weights)
+        check_buffers(program, tensors, "cpu")        # what the GPU runtime checks: aligned, contiguous
         return cls(program, words, lengths, tensors), sched
 
     def __init__(self, program, words: np.ndarray, lengths: np.ndarray, tensors: dict[str, torch.Tensor]):

@@ -151,7 +151,10 @@ def test_blocks_definition_equals_twin():
 @pytest.mark.parametrize("cls,kw", [(MHCMixBlock, dict(d=1024, n=3)), (MHCMixBlock, dict(d=1000)),
                                     (MHCMixBlock, dict(d=1024, d_slice=96)), (MHCPreBlock, dict(d=1536)),
                                     (MHCPreBlock, dict(d=1024, kind="max")), (MHCPostBlock, dict(d=1024, m=65)),
-                                    (MHCPostBlock, dict(d=1024, stream_dtype="fp8_e4m3"))])
+                                    (MHCPostBlock, dict(d=1024, stream_dtype="fp8_e4m3")),
+                                    (MHCPreBlock, dict(d=1024, write_coef=False, collapse=False)),
+                                    (MHCPreBlock, dict(d=1024, write_coef=False, kind="mean")),
+                                    (MHCPreBlock, dict(d=1024, write_coef=False, lagged=True))])
 def test_unsupported_configs_fail_loudly(cls, kw):
     with pytest.raises(UnsupportedConfigError):
         cls(cls.Config(**kw))
@@ -169,3 +172,17 @@ def test_operands_and_cost():
 def test_blocks_are_registered():
     from sdk.blocks import builtin_blocks
     assert {MHCMixBlock, MHCPreBlock, MHCPostBlock} <= set(builtin_blocks())
+
+
+def test_pre_without_coef_collapses_alike():
+    """write_coef=False (the v4 site's hc_pre beside its hc_coef op): the same collapse, no coef."""
+    g = torch.Generator().manual_seed(3)
+    d, m, S = 1024, 3, 8
+    t = {"streams": torch.randn(m, 4, d, generator=g), "part": torch.randn(S, m, 25, generator=g).abs(),
+         "base": 0.5 * torch.randn(24, generator=g), "scale": 1 + 0.3 * torch.randn(3, generator=g),
+         "norm_weight": 1 + 0.1 * torch.randn(d, generator=g)}
+    full = run_tiles(MHCPreBlock(MHCPreConfig(d=d, m=m, slices=S)), dict(t))
+    alone = MHCPreBlock(MHCPreConfig(d=d, m=m, slices=S, write_coef=False))
+    assert alone.operand_specs()[6].optional and "coef" not in alone.reference(**t)
+    got = run_tiles(alone, {**t, "out": torch.full((m, d), float("nan")).bfloat16()})
+    assert "coef" not in got and torch.equal(got["out"], full["out"])

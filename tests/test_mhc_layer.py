@@ -34,7 +34,7 @@ def test_pyvm_layer_equals_sublayer_references(mode, mhc):
     waits = op_waits(prog)
     labels = [op.label for op in prog.ops]
     post = labels.index("attn.v4.hc_post")
-    for first in ("mlp.moe.hc_in", "mlp.moe.hc_coef") if mhc == "v41" else ("mlp.moe.hc_pre",):
+    for first in ("mlp.moe.hc_in" if mhc == "v41" else "mlp.moe.hc_pre", "mlp.moe.hc_coef"):
         assert waits[labels.index(first)] == [post]          # the MoE site starts after the attention's post
     assert prog.buffers["attn.coef"].role == "scratch" and prog.buffers["coef"].role == "output"
     wa = dsv4_layer.make_weights(attn, seed=1)

@@ -60,3 +60,40 @@ def test_sublayer_in_mhc_equals_reference(case):
         assert err < 1e-2, f"step {step}"
         assert rel(vm.tensors["coef"], want["coef"]) <= 1e-5
         assert rel(vm.tensors["part_next"], want["part_next"]) < 1e-2
+
+
+def test_v4_site_coefficients_op_beside_the_collapse():
+    """MHCSite.split_coef (the default): the v4 site's hc_pre computes only its pre for the
+    collapse, and an hc_coef op of its own - which x's readers do not wait for - computes the
+    coefficients the post-mix needs. Same twins, same order of sums: every output bit-equal to the
+    single hc_pre op's program over three steps."""
+    import dataclasses
+    base = dense_layer.DenseLayerConfig(hidden=1024, intermediate=512, batch=3, swiglu_limit=10.0, mhc="v4")
+    w = dense_layer.make_weights(base, seed=1)
+    fn = site_fn(base.site, seed=4)
+    runs = {}
+    for split in (True, False):
+        cfg = dataclasses.replace(base, hc_split_coef=split)
+        prog = dense_layer.build_program(cfg)
+        labels = [op.label for op in prog.ops]
+        assert ("mlp.hc_coef" in labels) == split
+        if split:                            # the post waits for the coefficients, the GEMVs do not
+            waits = lambda label: {prog.counter_names[c] for op in prog.ops if op.label == label
+                                   for i in op.instructions for c, _ in prog.instructions[i].waits}
+            assert waits("mlp.gateup") == {"mlp.hc_pre"} and "mlp.hc_coef" in waits("mlp.hc_post")
+            assert prog.ops[labels.index("mlp.hc_pre")].block.config.write_coef is False
+        vm, _ = PyVM.from_program(prog, 8, {k: v for k, v in w.items() if k in prog.buffers})
+        outs = []
+        for step in range(3):
+            inp = dense_layer.make_inputs(cfg, seed=step, hc_fn=fn)
+            for name in ("coef", "part_next", "x", "y"):
+                vm.tensors[name].fill_(float("nan"))
+            for name, v in inp.items():
+                vm.tensors[name].copy_(v)
+            vm.step(seed=step)
+            outs.append({k: vm.tensors[k].clone() for k in ("streams", "coef", "part_next", "x")})
+        runs[split] = outs
+    for step, (a, b) in enumerate(zip(runs[True], runs[False])):
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"step {step}: {k}"
+            assert torch.isfinite(a[k].float()).all(), f"step {step}: {k} not written"

@@ -523,6 +523,7 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
                          f"runs one tile per CTA ({block.num_tiles()} CTAs)")
     pdl = bool(pdl)
     tile_fn = block.device_tile()
+    prologue = block.device_prologue() if block.has_prologue() else None
     nops = len(block.operands())
     ntiles = block.num_tiles()
 
@@ -534,11 +535,15 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
         bid, _, _ = cute.arch.block_idx()
         # the operand table is the host's (no kernel writes it): read before the wait
         ptrs = [mOps[j] for j in range(nops)]
+        if cutlass.const_expr(prologue is not None):
+            prologue(ptrs, bid, scratch)           # weights only: before the wait, as in the megakernel
         if cutlass.const_expr(pdl):
             # the previous grid's writes (e.g. the state it updated) are visible after the wait;
             # the next launch may start its CTAs as this grid's last ones start
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(prologue is not None):
+            cute.arch.sync_threads()
         tile_fn(ptrs, bid, scratch)
 
     @cute.jit

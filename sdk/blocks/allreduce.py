@@ -476,7 +476,7 @@ class AllReduceBlock(Block):
             from ._mhc_cute import post_mix_helpers
             DS = c.mhc_d_slice
             V, VPL = DS // 4, DS // 128              # 4-vectors of a slice row; per lane
-            begin, mix_token = post_mix_helpers(M, c.mhc_streams, D, DS, c.mhc_next_rows, c.stream_dtype,
+            begin, mix_token, _ = post_mix_helpers(M, c.mhc_streams, D, DS, c.mhc_next_rows, c.stream_dtype,
                                                 c.fn_dtype, c.mhc_round_coef)
 
         @cute.jit

@@ -35,6 +35,12 @@ never overwrites an op's inputs before all its tiles are done), so a block may s
 them again. The megakernel owns the ring, the commit/wait accounting and the barriers
 (docs/writing-a-block.md).
 
+A plain block may also provide `device_prologue()` (`has_prologue()` True): a device function
+`prologue(ptrs, tile, scratch)` the kernels call with all threads BEFORE the tile's dependency
+wait, then a barrier, then the tile. It may read weights only (never activations: they are not
+ready), e.g. stage the weight slice its tile reads from smem, so that slice's loads overlap the
+wait instead of following it (MHCPostBlock's next-mix fn slice).
+
 Only warps 1.. issue the ring's copies (`PRODUCER_FIRST`): warp 0's thread 0 does the waits and
 the release signals, and a release fence waits for the issuing thread's outstanding memory
 operations - with no cp.async of its own in flight it does not wait for the ring.
@@ -179,6 +185,7 @@ class Block:
         self.check()
         self._check_index_range()
         self._device_tile = None
+        self._device_prologue = None
         self._device_stream = None
 
     # -- identity: blocks with equal static config compile to the same code ---------------------
@@ -235,6 +242,24 @@ class Block:
         return self._device_tile
 
     def _build_device_tile(self):
+        raise NotImplementedError
+
+    # -- an optional prologue before the tile's dependency wait (plain tiles) -------------------
+    def has_prologue(self) -> bool:
+        """Whether device_prologue() is used (static: the kernels compile it in or not)."""
+        return False
+
+    def device_prologue(self):
+        """`prologue(ptrs, tile, scratch)`, called by all NUM_THREADS threads BEFORE the tile's
+        dependency wait (the megakernel; the standalone kernel before its PDL wait): it may read
+        only weights - what no op of a program writes - e.g. stage a weight slice into the tile's
+        smem arena, whose loads then overlap the wait; the tile finds it there. No barrier needed
+        inside: the kernels put one between the prologue and the tile."""
+        if self._device_prologue is None:
+            self._device_prologue = self._build_device_prologue()
+        return self._device_prologue
+
+    def _build_device_prologue(self):
         raise NotImplementedError
 
     # -- streaming blocks (weights through the megakernel's smem ring) -------------------------

@@ -83,11 +83,12 @@ class EmbedStreamsBlock(Block):
             mT = gmem_tensor(ptrs[1], BFloat16, (V, D // 4, 4), 8)
             mS = gmem_tensor(ptrs[2], BFloat16, (M, N, D // 4, 4), 8)   # flat: N = 1, the same memory
             row = mI[t]
+            # every load before the stores (which may alias the table, as far as the compiler
+            # knows): one round trip, not one per vector
+            vals = [mT[row, j * NUM_THREADS + tid, None].load() for j in range(NV)]
             for j in cutlass.range_constexpr(NV):
-                ch = j * NUM_THREADS + tid
-                v = mT[row, ch, None].load()
                 for n in cutlass.range_constexpr(N):
-                    mS[t, n, ch, None].store(v)
+                    mS[t, n, j * NUM_THREADS + tid, None].store(vals[j])
 
         return tile
 

@@ -193,9 +193,16 @@ class MHCMixBlock(Block):
         lo = tile * c.d_slice
         t["part"][tile] = slice_partials(t["streams"], t["fn"], c.n, c.d, lo, lo + c.d_slice).to(t["part"].dtype)
 
+    def has_prologue(self) -> bool:
+        return True                  # fn's slice (a weight) staged before the wait
+
     def _build_device_tile(self):
         from ._mhc_cute import build_mix_tile
-        return build_mix_tile(self)
+        return build_mix_tile(self)[0]
+
+    def _build_device_prologue(self):
+        from ._mhc_cute import build_mix_tile
+        return build_mix_tile(self)[1]
 
 
 # ================================================================================ MHCPreBlock
@@ -215,6 +222,9 @@ class MHCPreConfig:
     out_dtype: str = "bf16"
     lagged: bool = False         # V4.1 (kind "sublayer"): collapse with the previous site's pre
     collapse: bool = True        # False: the coefficients only (no out; V4.1 collapses in a "carried" op)
+    write_coef: bool = True      # False: the pre only, for this tile's collapse, and no coef output - the
+                                 # v4 site's hc_pre when an op of its own (collapse=False) computes the
+                                 # coefficients beside the sublayer: the Sinkhorn off the sublayer's path
 
 
 class MHCPreBlock(Block):
@@ -244,6 +254,10 @@ class MHCPreBlock(Block):
         if not c.collapse and (c.lagged or not self.rows):
             self.unsupported(f"mhc_pre: collapse=False computes coefficients only: kind 'sublayer' or "
                              f"'head', not lagged (got kind {c.kind!r}, lagged={c.lagged})")
+        if not c.write_coef and (not c.collapse or c.kind not in ("sublayer", "head") or c.lagged):
+            self.unsupported(f"mhc_pre: write_coef=False computes the pre for this tile's own collapse: "
+                             f"kind 'sublayer' or 'head', collapse, not lagged (got kind {c.kind!r}, "
+                             f"collapse={c.collapse}, lagged={c.lagged})")
         if c.lagged and c.kind != "sublayer":
             self.unsupported(f"mhc_pre: lagged applies to kind 'sublayer' (got {c.kind!r}; V4.1's head "
                              f"is kind 'carried')")
@@ -266,7 +280,8 @@ class MHCPreBlock(Block):
                 OperandSpec("norm_weight", (c.d,), "fp32", optional=not (c.out_norm and c.collapse)),
                 # the previous site's coef: its first N columns are the pre this collapse uses
                 OperandSpec("carried", (c.m, (2 + c.n) * c.n), "fp32", optional=not self.uses_carried),
-                OperandSpec("coef", (c.m, self.coef_width), "fp32", output=True, optional=c.kind == "carried"),
+                OperandSpec("coef", (c.m, self.coef_width), "fp32", output=True,
+                            optional=c.kind == "carried" or not c.write_coef),
                 OperandSpec("out", (c.m, c.d), c.out_dtype, output=True, optional=not c.collapse)]
 
     def num_tiles(self) -> int:
@@ -288,6 +303,7 @@ class MHCPreBlock(Block):
         if c.kind == "carried":
             return None
         tot = t["part"][:, m].float().sum(0)                    # [|m|, R + 1]
+        # write_coef=False needs the pre alone; the whole set costs nothing here (the twin)
         return coefficients(tot[:, :-1], tot[:, -1], t["base"], t["scale"], c.n, c.n * c.d, c.kind,
                             c.iters, c.hc_eps, c.norm_eps)
 
@@ -309,11 +325,11 @@ class MHCPreBlock(Block):
         m = list(range(self.config.m))
         coef = self._coef(t, m)
         out = {"out": self._collapse(t, m, coef)} if self.config.collapse else {}
-        return out if coef is None else {"coef": coef, **out}
+        return out if coef is None or not self.config.write_coef else {"coef": coef, **out}
 
     def emulate_tile(self, t, tile):
         coef = self._coef(t, [tile])
-        if coef is not None:
+        if coef is not None and self.config.write_coef:
             t["coef"][tile] = coef[0].to(t["coef"].dtype)
         if self.config.collapse:
             t["out"][tile] = self._collapse(t, [tile], coef)[0].to(t["out"].dtype)
@@ -419,9 +435,16 @@ class MHCPostBlock(Block):
             t["part_next"][tile] = slice_partials(full, t["fn_next"], c.n, c.d, lo, hi).to(t["part_next"].dtype)
         t["streams_out"][:, :, lo:hi] = new.to(t["streams_out"].dtype)
 
+    def has_prologue(self) -> bool:
+        return self.config.next_rows > 0     # the next mix's fn slice (a weight) staged before the wait
+
     def _build_device_tile(self):
         from ._mhc_cute import build_post_tile
         return build_post_tile(self)
+
+    def _build_device_prologue(self):
+        from ._mhc_cute import build_post_prologue
+        return build_post_prologue(self)
 
 
 # ================================================================================ helpers
@@ -436,6 +459,7 @@ def mhc_compile_cases() -> list:
         MHCPreBlock(MHCPreConfig(d=5120, m=8, slices=40, stream_dtype="bf16", lagged=True)),      # V4.1
         MHCPreBlock(MHCPreConfig(d=5120, m=1, kind="carried", stream_dtype="bf16")),
         MHCPreBlock(MHCPreConfig(d=5120, m=8, slices=40, stream_dtype="bf16", collapse=False)),
+        MHCPreBlock(MHCPreConfig(d=4096, m=1, slices=32, stream_dtype="bf16", write_coef=False)),  # GLM v4 site
         MHCPostBlock(MHCPostConfig(d=5120, m=1, next_rows=24)),
         MHCPostBlock(MHCPostConfig(d=5120, m=8, next_rows=24, stream_dtype="bf16", round_coef=False)),
         MHCPostBlock(MHCPostConfig(d=4096, m=64, d_slice=256, stream_dtype="bf16", y_dtype="fp32")),

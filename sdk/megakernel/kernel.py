@@ -71,6 +71,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
     nops = [len(b.operands()) for b in blocks]
     nch = [b.stream_chunks() for b in blocks]
     tiles = [None if nch[k] else b.device_tile() for k, b in enumerate(blocks)]
+    prologues = [b.device_prologue() if not nch[k] and b.has_prologue() else None for k, b in enumerate(blocks)]
     faces = [b.device_stream() if nch[k] else None for k, b in enumerate(blocks)]
     S, L, W = num_sms, max_len, isa.WORDS
     NOPS, rec_bytes = records_geometry(blocks, max_len)
@@ -203,6 +204,12 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
             op = sW[i, isa.OPCODE]
             base = sW[i, isa.OPERANDS]
             t = sW[i, isa.TILE]
+            # a block's prologue (weights only) before the wait: its loads overlap the wait; no
+            # barrier here - thread 0 goes on to wait, the barrier below orders it before the tile
+            for k in cutlass.range_constexpr(len(blocks)):
+                if cutlass.const_expr(prologues[k] is not None):
+                    if op == k:
+                        prologues[k]([sP[i, j] for j in range(nops[k])], t, scratch)
             if tid == 0:
                 st = Int32(1)
                 for (cw, ew) in isa.WAITS:

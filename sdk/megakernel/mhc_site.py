@@ -2,8 +2,12 @@
 model's residual is mHC (DeepSeek-V4(.1), GLM-5.3) - the streams in, the sublayer's normed input
 from their collapse, the streams updated in place from the sublayer's output:
 
-    v4  (transformers' V4, GLM-5.3):  hc_pre  = coefficients from `part`, then the collapse with
-                                                their pre and the sublayer's norm     -> x, coef
+    v4  (transformers' V4, GLM-5.3):  hc_pre  = the pre from `part`, then the collapse with it
+                                                and the sublayer's norm               -> x
+                                      hc_coef = all the coefficients (the Sinkhorn), beside the
+                                                collapse and the sublayer             -> coef
+                                      (split_coef False: one hc_pre op for both, the Sinkhorn
+                                      on the sublayer's path                          -> x, coef)
     v41 (V4.1's lagged pre-mix):      hc_in   = the collapse with `carried`'s pre + the norm -> x
                                       hc_coef = this site's coefficients (beside the sublayer) -> coef
     both:  ... the sublayer: x -> y ...
@@ -42,6 +46,7 @@ class MHCSiteFields:
     hc_d_slice: int = 128        # D columns per tile of the post-mix
     hc_last: bool = False        # the model's last site (no next site's partials)
     hc_head_rows: int = 0        # the last site: the head fn's rows whose partials it computes
+    hc_split_coef: bool = True   # v4: the coefficients in an op of their own beside the collapse
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,10 @@ class MHCSite:
                                  # head's partials (head_rows > 0: V4's weighted head, its fn as
                                  # hc_fn_next) or none (V4.1's carried head, GLM-5.3's mean head)
     head_rows: int = 0
+    split_coef: bool = True      # v4: hc_pre computes only its pre (sigmoid) for the collapse, and
+                                 # hc_coef - on another SM, beside the collapse and the sublayer - all
+                                 # the coefficients: the Sinkhorn (20 dependent iterations, ~2 us)
+                                 # leaves the sublayer's path, as in V4.1's site. Identical values.
 
     @property
     def next_rows(self) -> int:
@@ -82,8 +91,11 @@ class MHCSite:
                    out_eps=self.norm_eps, out_dtype="bf16")
         post = MHCPostBlock(MHCPostConfig(**common, d_slice=self.d_slice, next_rows=self.next_rows,
                                           round_coef=self.kind == "v4"))
-        if self.kind == "v4":
+        if self.kind == "v4" and not self.split_coef:
             return {"hc_pre": MHCPreBlock(MHCPreConfig(**pre)), "hc_post": post}
+        if self.kind == "v4":
+            return {"hc_pre": MHCPreBlock(MHCPreConfig(**pre, write_coef=False)),
+                    "hc_coef": MHCPreBlock(MHCPreConfig(**pre, collapse=False)), "hc_post": post}
         return {"hc_in": MHCPreBlock(MHCPreConfig(**pre, kind="carried")),
                 "hc_coef": MHCPreBlock(MHCPreConfig(**pre, collapse=False)), "hc_post": post}
 
@@ -120,7 +132,7 @@ def site_of(cfg, layer: str, tokens: int, norm_eps: float) -> MHCSite | None:
     if cfg.mhc not in KINDS:
         raise UnsupportedConfigError(f"{layer}: mhc {cfg.mhc!r} (supported: '', {', '.join(KINDS)})")
     return MHCSite(cfg.mhc, cfg.hidden, tokens, cfg.hc_mult, cfg.hc_iters, cfg.hc_eps, norm_eps, cfg.hc_d_slice,
-                   cfg.hc_last, cfg.hc_head_rows)
+                   cfg.hc_last, cfg.hc_head_rows, cfg.hc_split_coef)
 
 
 def partial_output(prog, cfg, tokens: int, hidden: int) -> bool:
@@ -143,14 +155,16 @@ def add_collapse(prog, site: MHCSite, b: dict, norm_weight: str, x: str = "x", l
     for name, (shape, dtype, role) in site.buffer_shapes().items():
         prog.buffer(name, shape, dtype, role)
     prog.buffer(x, (site.tokens, site.hidden), "bf16")
+    mix = {"streams": "streams", "part": "part", "base": "hc_base", "scale": "hc_scale"}
     if site.kind == "v4":
-        pre = prog.op(b["hc_pre"], {"streams": "streams", "part": "part", "base": "hc_base", "scale": "hc_scale",
-                                    "norm_weight": norm_weight, "coef": "coef", "out": x}, label=label + "hc_pre")
+        coef = {} if "hc_coef" in b else {"coef": "coef"}
+        pre = prog.op(b["hc_pre"], {**mix, "norm_weight": norm_weight, **coef, "out": x}, label=label + "hc_pre")
+        if not coef:
+            return [pre], prog.op(b["hc_coef"], {**mix, "coef": "coef"}, label=label + "hc_coef")
         return [pre], pre
     hin = prog.op(b["hc_in"], {"streams": "streams", "carried": "carried", "norm_weight": norm_weight, "out": x},
                   label=label + "hc_in")
-    coef = prog.op(b["hc_coef"], {"streams": "streams", "part": "part", "base": "hc_base", "scale": "hc_scale",
-                                  "coef": "coef"}, label=label + "hc_coef")
+    coef = prog.op(b["hc_coef"], {**mix, "coef": "coef"}, label=label + "hc_coef")
     return [hin], coef
 
 

@@ -26,13 +26,10 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
 import torch
 
 from bench.common import add_match_option, arg_parser, record_timeline, run_cases, timed
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from program_choices import ProgramChoices  # noqa: E402  (tests/: the whole-model tests' near-tie rule)
 
 # model, config, batch, steps before the timed one
 CASES = [("deepseek_v41_flash", "small_v41", 1, 32), ("deepseek_v41_flash", "small_v41", 8, 32),
@@ -61,6 +58,9 @@ def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, e
     # then on (the H200 run of 2026-12-05: rows at 0.1-0.58). As in the whole-model tests, the
     # model takes the program's pick where it is a near-tie (tests/program_choices.py; any other
     # difference raises), so the figure below is the rounding; the picks taken are recorded.
+    import pytest                            # MonkeyPatch, for the tests' near-tie rule (tests/)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from program_choices import ProgramChoices
     with pytest.MonkeyPatch.context() as mp:
         choices = ProgramChoices(ref, mp)
         for _ in range(warm_steps + 1):      # the caches some steps in (windows full, entries written)

@@ -10,7 +10,8 @@
 #    same two programs launched one after the other, PyTorch and the floor.
 # 3: the whole models' GPU tests - test_sublayer_modes_gpu.py, test_plain_model_gpu.py (Kimi K3),
 #    test_glm_model_gpu.py, test_dsv4_model_gpu.py (each at B=1 / 8, one GPU and 2 TP virtual
-#    ranks), test_mhc_layer_gpu.py: 25/25 on the H100 at ef96324 (2026-12-05).
+#    ranks), test_mhc_layer_gpu.py: 25/25 on the H100 at ef96324 (2026-12-05); and test_mhc_gpu.py
+#    (the mHC blocks: the twenty-second session's pre tile, v4 coefficient op and prologue staging).
 # 4: bench/model_bench.py - the three small models' whole step at B=1 / 8 against the floor and
 #    against the same step in PyTorch under a CUDA graph (the reference backend's capturable form,
 #    written after the H100 run: its first timing), timelines at B=1.
@@ -26,7 +27,7 @@ export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-575} TESTS
 
 if [ "${1:-1}" = 3 ]; then   # the whole models in one launch a step: their tests
   GPU_TESTS="tests/gpu/test_sublayer_modes_gpu.py tests/gpu/test_plain_model_gpu.py tests/gpu/test_glm_model_gpu.py \
-    tests/gpu/test_dsv4_model_gpu.py tests/gpu/test_mhc_layer_gpu.py" TESTS_S=550 OUT="$OUT/tests" DEVICE_ALL_S=560 bash bench/device_all.sh tests
+    tests/gpu/test_dsv4_model_gpu.py tests/gpu/test_mhc_layer_gpu.py tests/gpu/test_mhc_gpu.py" TESTS_S=550 OUT="$OUT/tests" DEVICE_ALL_S=560 bash bench/device_all.sh tests
   exit
 fi
 

@@ -41,11 +41,13 @@ mix and does the next mix's partial dot products on the values it just wrote (re
 
 Device layout: D-slice tiles use one warp per token (tokens w, w + 8, ...), lanes over 4-element
 vectors of the slice (d_slice / 128 vectors per stream per lane); fn's slice is staged once per
-tile in shared memory (fp32, (2+N)N x N x d_slice x 4 B = 48 KB at V4.1's shapes). The per-token
-tile: threads sum the partials, warp 0 computes the coefficients with lane (i, j) = (l // N, l % N)
-owning comb[i, j] (row sums: xor-shuffles over the low log2(N) lane bits, column sums over the
-next log2(N) bits; Sinkhorn is 2 shuffle-reductions and one division per lane per step), then all
-threads collapse (D / 1024 4-vectors each) and normalise.
+tile in shared memory (fp32, (2+N)N x N x d_slice x 4 B = 48 KB at V4.1's shapes) by the block's
+prologue, before the instruction's wait (fn is a weight). The per-token tile loads the token's
+streams first, the 8 warps sum the partials (warp w every 8th slice), warp 0 computes the
+coefficients with lane (i, j) = (l // N, l % N) owning comb[i, j] (row sums: xor-shuffles over
+the low log2(N) lane bits, column sums over the next log2(N) bits; Sinkhorn is 2
+shuffle-reductions and one division per lane per step), then all threads collapse (D / 1024
+4-vectors each) and normalise.
 
 Supported: N in {1, 2, 4} (N*N <= 32 lanes, power of two: V4.1-Flash and GLM-5.3 use 4), D a
 multiple of 1024 (per-token tile) and of d_slice, d_slice a multiple of 128, M = 1..64, streams

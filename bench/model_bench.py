@@ -16,6 +16,11 @@ JSON (model_bench.json): per case us per step, the floor and its parts, the refe
 logits' rel err against the reference on the same step (the model taking the program's near-tie
 router / indexer picks, as in the whole-model tests: tests/program_choices.py; recorded).
 
+`--wide`: Kimi K3 at one TP8 / EP16 rank's real widths (hidden 7168, 12 MLA and 12 KDA heads, the
+2304-wide dense MLP, 64 experts of the real 3584 x 3072 shape, the 163840 vocab), 4 layers, batch 1,
+on one GPU with no peers (config "wide"): what a step costs at the real widths. A token takes 16
+of the 64 experts here, ~1 on a deployed EP16 rank.
+
 `--tp N`: the tensor-parallel program (sdk/megakernel/tp_model.py) as N virtual ranks
 on this one GPU, 132 / N SMs each, one launch per rank a step: what the ranks' collectives and
 shards cost beside the one-GPU program (not NVLink: the peers' buffers are local HBM); its floor
@@ -34,6 +39,8 @@ from bench.common import add_match_option, arg_parser, record_timeline, run_case
 # model, config, batch, steps before the timed one
 CASES = [("deepseek_v41_flash", "small_v41", 1, 32), ("deepseek_v41_flash", "small_v41", 8, 32),
          ("kimi_k3", "small", 1, 32), ("kimi_k3", "small", 8, 32), ("glm_53", "small", 1, 32), ("glm_53", "small", 8, 32)]
+# --wide: Kimi K3 at one TP8 / EP16 rank's widths (models/kimi_k3/config.py WIDE), 4 layers, batch 1
+WIDE_CASES = [("kimi_k3", "wide", 1, 8)]
 SHORT = {"deepseek_v41_flash": "v41", "kimi_k3": "k3", "glm_53": "glm"}
 TP_MODELS = ("deepseek_v41_flash", "kimi_k3", "glm_53")   # every model has a tensor-parallel program (tp_model.py)
 
@@ -43,8 +50,9 @@ def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, e
     from sdk.megakernel.moe_layer import MoELayerConfig
     from sdk.reference.model import random_weights
     ref = build_megakernel(model, config, dtype=torch.bfloat16, device="cuda", max_seq_len=256, max_batch=batch)
-    w = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).cuda()
-         for k, v in random_weights(ref.spec, seed=0).items()}
+    # the small configs' weights as drawn on the CPU (as in the earlier rows); the wide one's on the GPU
+    gen = "cuda" if config == "wide" else "cpu"
+    w = {k: v.cuda() for k, v in random_weights(ref.spec, seed=0, dtype=torch.bfloat16, device=gen).items()}
     ref.load_weights(w)
     backend = build_megakernel(model, config, backend="megakernel", max_seq_len=256, max_batch=batch,
                                expert_dtype=expert_dtype, tp=tp)
@@ -133,8 +141,10 @@ def main(argv=None):
                     "the logits differ by the quantisation)")
     ap.add_argument("--tp", type=int, default=1, help="the models over this many tensor-parallel ranks, "
                     "as virtual ranks on this GPU (132 / N SMs each)")
+    ap.add_argument("--wide", action="store_true", help="the wide case (Kimi K3 at one rank's real widths, "
+                    "4 layers, batch 1) instead of the small configs")
     a = ap.parse_args(argv)
-    todo = [c for c in CASES if (a.tp == 1 or c[0] in TP_MODELS) and (not a.match or any(m in case_name(c) for m in a.match))]
+    todo = [c for c in (WIDE_CASES if a.wide else CASES) if (a.tp == 1 or c[0] in TP_MODELS) and (not a.match or any(m in case_name(c) for m in a.match))]
 
     def one(c, bw):
         tag = "" if a.expert_dtype == "bf16" else "_" + a.expert_dtype

@@ -17,6 +17,8 @@
 #    written after the H100 run: its first timing), timelines at B=1.
 # 5: bench/model_bench.py --tp 2 (each model over 2 virtual ranks, 66 SMs each).
 # 6: the GEMV / fp8 stack / MoE benches (issues 3 and 4).
+# 7: Kimi K3 "wide" (one TP8 / EP16 rank's real widths, 4 layers, one GPU, batch 1): its whole-model
+#    GPU test, then bench/model_bench.py --wide - the first whole model at real widths.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -38,6 +40,13 @@ fi
 
 if [ "${1:-1}" = 5 ]; then   # ... over 2 TP ranks (virtual, 66 SMs each)
   BENCH_S_model_tp2=550 BENCH_ARGS_model_tp2="--tp 2" DEVICE_ALL_S=560 bash bench/device_all.sh bench:model@tp2
+  exit
+fi
+
+if [ "${1:-1}" = 7 ]; then   # Kimi K3 at one rank's real widths: its GPU test, then its bench
+  GPU_TESTS="tests/gpu/test_plain_model_gpu.py::test_k3_wide_model_one_launch_a_step" TESTS_S=240 OUT="$OUT/tests" \
+    DEVICE_ALL_S=250 bash bench/device_all.sh tests
+  BENCH_S_model_wide=300 BENCH_ARGS_model_wide="--wide" DEVICE_ALL_S=310 bash bench/device_all.sh bench:model@wide
   exit
 fi
 

@@ -306,3 +306,18 @@ def test_roped_mla_in_the_chain(interleaved, yarn):
     print("the same as NoPE:", " ".join(f"{e:.1e}" for e in nope_errs[-5:]))
     assert max(errs) < 5e-2 and sum(errs) / len(errs) < 3e-2, errs
     assert sum(nope_errs[5:]) > 4 * sum(errs[5:]), nope_errs
+
+
+def test_wide_config_builds_at_real_widths():
+    """Config "wide" (one TP8 / EP16 rank's widths, 4 layers: the GPU test and model_bench --wide):
+    the one-GPU program builds at batch 1 with every weight of that shape - the 64 experts' real
+    3584 x 3072 latent shape, the 163840 x 7168 embedding and head."""
+    from sdk import plugins
+    spec = plugins.get_model("kimi_k3").spec("wide")
+    assert [l.attention.kind for l in spec.layers] == ["kda", "kda", "kda", "mla"]
+    assert spec.hidden_size == 7168 and spec.layers[3].attention.num_heads == 12
+    prog = build_program(PlainModelConfig(spec, batch=1, max_seq_len=4096))
+    experts = sum(prog.bytes_of(n) for n in prog.buffers if n.endswith(("experts.gate_up.weight",
+                                                                        "experts.down.weight")))
+    assert experts == 3 * 64 * 3 * 3072 * 3584 * 2              # 3 MoE layers of 64 bf16 experts
+    assert 18e9 < prog.bytes_by_role("weight") < 20e9

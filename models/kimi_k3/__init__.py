@@ -14,7 +14,9 @@ ENTRY = ModelEntry(
     spec_from_config=_config.spec_from_config,
     configs={"tiny": _config.tiny, "tiny_k3": _config.tiny_k3, "full": _config.full,
              # in the device blocks' shapes: the whole-model program (sdk/megakernel/plain_model.py)
-             "small": _config.small},
+             "small": _config.small,
+             # one TP8 / EP16 rank's widths, 4 layers, on one GPU: the program at real widths (batch 1)
+             "wide": _config.wide},
     hf_config=_config.hf_config,
     hf_causal_lm="transformers.KimiLinearForCausalLM",
     load_weights=_weights.load_weights,

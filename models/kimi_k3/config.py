@@ -166,6 +166,20 @@ FULL = {
 }
 
 
+# One rank's widths of the full model on one GPU: hidden 7168, the 163840 vocab, the 3584 latent and
+# the 3072-wide experts as they are; the heads of one TP8 rank (12 MLA, 12 KDA) and its 2304 of the
+# dense MLP; 4 layers (the full model's first four: KDA, KDA, KDA, MLA) and 64 experts (an EP16
+# rank holds 56; the router's select takes multiples of 32) of which a token takes 16 - all here,
+# where a deployed EP16 rank holds ~1 of a token's 16. The whole-model program at real per-GPU
+# widths with no peers, for the GPU test and bench/model_bench.py --wide (~19 GB of bf16 weights,
+# its reference as much); `megakernel plan` gives the deployed shards. Batch 1: at batch 8 the
+# staged activations (58 KB) beside the MLA decode tile (100 KB) leave the weight ring one stage.
+WIDE = dict(FULL, num_hidden_layers=4, layer_types=_full_layer_types(61)[:4],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_attention_heads=12, num_key_value_heads=12,
+            linear_attn_config=dict(FULL["linear_attn_config"], num_heads=12), intermediate_size=2304,
+            num_local_experts=64)
+
+
 def _copy(config: dict) -> dict:
     return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
 
@@ -184,6 +198,10 @@ def small() -> dict:
 
 def full() -> dict:
     return _copy(FULL)
+
+
+def wide() -> dict:
+    return _copy(WIDE)
 
 
 def _get(config: Any, name: str) -> Any:

@@ -239,18 +239,23 @@ class ReferenceModel:
             raise SdkError("no weights loaded: call load_hf_state_dict(...) or load_weights(...) first")
 
 
-def random_weights(spec: ModelSpec, *, seed: int = 0, dtype=torch.float32, std: float = 0.02) -> dict:
-    """Random canonical weights for `spec` (norm weights near 1, hash tables valid)."""
+def random_weights(spec: ModelSpec, *, seed: int = 0, dtype=torch.float32, std: float = 0.02,
+                   device="cpu") -> dict:
+    """Random canonical weights for `spec` (norm weights near 1, hash tables valid), drawn on
+    `device` (a GPU's generator draws other values than the CPU's) and each cast to `dtype` as it
+    is drawn: a model of 19 GB in bf16 never holds its 38 GB in fp32."""
     from .weights import expected_weights
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, shape in expected_weights(spec).items():
         if name.endswith("tid2eid"):
             v, k = shape
             num_experts = spec.layers[int(name.split(".")[1])].mlp.num_experts
-            out[name] = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(v)])
-        elif "norm" in name.split(".")[-2] if "." in name else False:
-            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float32)
+            out[name] = torch.stack([torch.randperm(num_experts, generator=g, device=device)[:k] for _ in range(v)])
+            continue
+        if "norm" in name.split(".")[-2] if "." in name else False:
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float32, device=device)
         else:
-            out[name] = std * torch.randn(shape, generator=g, dtype=torch.float32)
-    return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in out.items()}
+            t = std * torch.randn(shape, generator=g, dtype=torch.float32, device=device)
+        out[name] = t.to(dtype)
+    return out

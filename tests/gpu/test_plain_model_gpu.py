@@ -38,3 +38,33 @@ def test_k3_model_one_launch_a_step(batch, ranks, monkeypatch):
     compare_model_steps(runner, ref, 70, seed, tol=5e-2, mean_tol=3e-2,
                         after_decode=ranks_agree(runner, "x", seed, then=lambda: choices.take(runner)))
     print(choices.summary())
+
+
+def test_k3_wide_model_one_launch_a_step(monkeypatch):
+    """Kimi K3 at one TP8 / EP16 rank's real widths (config "wide": hidden 7168, 12 MLA and 12 KDA
+    heads, the 2304-wide dense MLP, 64 experts of the real 3584 x 3072 shape, the 163840 vocab), 4
+    layers, batch 1, one launch a step: 8 steps against the reference backend in bf16 on the GPU
+    (an fp32 one would not fit beside the program on an 80 GB card: ~19 GB of bf16 weights, shared).
+    Weights drawn on the GPU, matrices at std fan_in^-1/2 as small_weights, a wide correction bias."""
+    need_gpu()
+    from program_choices import ProgramChoices
+    from test_plain_model import FP32, reference
+    from sdk import plugins
+    from sdk.megakernel.plain_model import PlainModelConfig, PlainModelRunner
+    from sdk.reference.model import random_weights
+    seed = clock_seed()
+    spec = plugins.get_model("kimi_k3").spec("wide")
+    w = random_weights(spec, seed=seed % 1000, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed % 1000 + 1)
+    for k, v in w.items():
+        if k.endswith("e_score_correction_bias"):
+            w[k] = 100.0 * torch.randn(v.shape, generator=g, device="cuda")
+        elif v.dim() >= 2 and v.is_floating_point():
+            w[k] = (v.float() * (v.shape[-1] ** -0.5 / 0.02)).to(torch.bfloat16)
+        if FP32.search(k):
+            w[k] = w[k].float()
+    ref = reference(spec, w, torch.bfloat16, max_batch=1, device="cuda")
+    runner = PlainModelRunner(PlainModelConfig(spec, batch=1, max_seq_len=80), w, device="cuda")
+    choices = ProgramChoices(ref, monkeypatch)
+    errs = compare_model_steps(runner, ref, 8, seed, tol=5e-2, mean_tol=3e-2, after_decode=lambda: choices.take(runner))
+    print(f"wide K3: logits rel err {min(errs):.2e}..{max(errs):.2e}; {choices.summary()}")

@@ -375,10 +375,11 @@ class TPRunner:
         for r in range(N):
             t = self.comm.alloc_rank_tensors(self.bufs, r, self.device, timeout_s)
             t.update(self.program_weights(cfg, shard_weights(cfg, weights, r), self.device, self.prog))
-            check_buffers(self.prog, t, self.device.type)
             self.tensors_per_rank.append(t)
         if self.device.type == "cpu":
             from ..comm.vm import MultiRankVM
+            for t in self.tensors_per_rank:     # what each rank's GPU runtime checks (MegakernelRuntime)
+                check_buffers(self.prog, t, "cpu")
             sched = schedule(self.prog, 8)
             validate(self.prog, sched.per_sm)
             words, lengths = encode(self.prog, sched.per_sm)

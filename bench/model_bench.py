@@ -45,14 +45,15 @@ SHORT = {"deepseek_v41_flash": "v41", "kimi_k3": "k3", "glm_53": "glm"}
 TP_MODELS = ("deepseek_v41_flash", "kimi_k3", "glm_53")   # every model has a tensor-parallel program (tp_model.py)
 
 
-def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, expert_dtype="bf16", tp=1):
+def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, expert_dtype="bf16", tp=1,
+                draw_on="cpu"):
+    """draw_on: where the random weights are drawn (the small configs' on the CPU, as in the earlier
+    rows; --wide's 19 GB on the GPU)."""
     from sdk import build_megakernel
     from sdk.megakernel.moe_layer import MoELayerConfig
     from sdk.reference.model import random_weights
     ref = build_megakernel(model, config, dtype=torch.bfloat16, device="cuda", max_seq_len=256, max_batch=batch)
-    # the small configs' weights as drawn on the CPU (as in the earlier rows); the wide one's on the GPU
-    gen = "cuda" if config == "wide" else "cpu"
-    w = {k: v.cuda() for k, v in random_weights(ref.spec, seed=0, dtype=torch.bfloat16, device=gen).items()}
+    w = {k: v.cuda() for k, v in random_weights(ref.spec, seed=0, dtype=torch.bfloat16, device=draw_on).items()}
     ref.load_weights(w)
     backend = build_megakernel(model, config, backend="megakernel", max_seq_len=256, max_batch=batch,
                                expert_dtype=expert_dtype, tp=tp)
@@ -149,7 +150,7 @@ def main(argv=None):
     def one(c, bw):
         tag = "" if a.expert_dtype == "bf16" else "_" + a.expert_dtype
         tl = os.path.join(a.out, f"timeline_model_{SHORT[c[0]]}_{c[1]}_b{c[2]}{tag}.json") if a.out and c[2] == 1 else None
-        return bench_model(*c, bw, tl, expert_dtype=a.expert_dtype, tp=a.tp)
+        return bench_model(*c, bw, tl, expert_dtype=a.expert_dtype, tp=a.tp, draw_on="cuda" if a.wide else "cpu")
     run_cases("model_bench.json", todo, one, case_name, a.out, case_width=34)
 
 

@@ -31,6 +31,8 @@ SHARDS = {   # name: heads, rope, softmax scale
     "kimi_k3_tp8": (12, 64, 192 ** -0.5),
     "kimi_k3_tp16": (6, 64, 192 ** -0.5),
     "glm_53_tp8": (8, 0, 256 ** -0.5),
+    # every head on each GPU (DP attention): 3 row groups of 32 read the same keys
+    "kimi_k3_tp1": (96, 64, 192 ** -0.5),
 }
 
 
@@ -62,12 +64,13 @@ def torch_decode_fn(q, kv, kv_scale, bt, lens_list, heads, T, d_v, scale, page):
 def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None):
     from sdk.blocks._cute import standalone
     from sdk.blocks.mla_decode import (MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig,
-                                       absorbed_attention, choose_chunk, choose_splits, quantize_kv_fp8)
+                                       absorbed_attention, choose_chunk, choose_splits, quantize_kv_fp8, row_groups)
     heads, rope, scale = SHARDS[shard]
     ov = dict(overrides or {})
     page = 64
-    ov.setdefault("chunk", choose_chunk(batch, ctx))
-    splits = ov.pop("splits", 0) or choose_splits(batch, ctx, min_chunks_per_split=ov.pop("min_chunks", 8),
+    groups = row_groups(T * heads)          # a sequence's tiles per split (more than 32 query rows)
+    ov.setdefault("chunk", choose_chunk(batch * groups, ctx))
+    splits = ov.pop("splits", 0) or choose_splits(batch * groups, ctx, min_chunks_per_split=ov.pop("min_chunks", 8),
                                                   chunk=ov["chunk"])
     ov.pop("min_chunks", None)
     cols = ov.pop("cols", 0)

@@ -37,6 +37,9 @@ def block_cases():
         GemvBlock(GemvConfig(n=2048, k=7168, m=1, weight_dtype="fp8_e4m3", swiglu=True, norm=True, fp8_decode="hfma2")),
         GemvBlock(GemvConfig(n=7168, k=2048, m=64, rows_per_tile=16, weight_dtype="fp8_e4m3", out_dtype="fp32",
                              residual="fp32")),
+        # grouped (V4.1-Flash's o_a on one GPU: 8 groups of heads), CUDA cores and MMA
+        GemvBlock(GemvConfig(n=8 * 1024, k=4096, m=1, groups=8)),
+        GemvBlock(GemvConfig(n=8 * 1024, k=4096, m=8, groups=8, weight_dtype="fp8_e4m3")),
         KDABlock(KDAConfig(batch=64, heads=12, conv=True, out_norm=True)),
         KDABlock(KDAConfig(batch=1, heads=8, v_split=4, tokens=4, commit="accepted", state_dtype="bf16")),
         KDABlock(KDAConfig(batch=8, heads=8, tokens=2, conv=True, out_norm=True, conv_staged=False)),  # per-lane conv

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sdk.blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock, DSV4DecodeConfig,
-                                       choose_splits)
+                                       choose_splits, even_row_groups)
 from sdk.errors import UnsupportedConfigError
 from sdk.reference.common import StepInfo
 from sdk.reference.dsv4_attention import DSV4AttentionReference, Rope, rms_norm_v4
@@ -100,12 +100,12 @@ def run_reference(ref, spec, w, starts, T, seed=1):
     return t, out
 
 
-def blocks_for(spec, mode, B, T, splits, chunk=16):
+def blocks_for(spec, mode, B, T, splits, chunk=16, max_rows=32):
     core = DSV4DecodeBlock(DSV4DecodeConfig(heads=spec.num_heads, mode=mode, batch=B, q_tokens=T,
                                             head_dim=spec.head_dim, window=spec.sliding_window,
                                             ratio=spec.compress_ratio or 1, max_entries=64 // (spec.compress_ratio or 1),
                                             topk=spec.indexer.topk if spec.indexer else 1, num_splits=splits,
-                                            chunk=chunk))
+                                            chunk=chunk, max_tile_rows=max_rows))
     comb = DSV4CombineBlock(DSV4CombineConfig(heads=spec.num_heads, batch=B, q_tokens=T, head_dim=spec.head_dim,
                                               num_splits=splits, per_token_groups=mode == "csa", rope_dim=64))
     return core, comb
@@ -212,7 +212,30 @@ def test_keys_and_bytes():
     assert choose_splits(64, 641) == 2
 
 
-@pytest.mark.parametrize("kw", [dict(heads=8, q_tokens=5), dict(heads=64), dict(heads=8, mode="dsa"),
+@pytest.mark.parametrize("mode,starts,T,H,max_rows", [("swa", [5, 20], 3, 12, 32), ("hca", [13, 40], 3, 12, 32),
+                                                      ("csa", [17, 33], 1, 34, 32), ("hca", [13, 40], 2, 12, 16)])
+def test_row_groups_equal_reference_attention(mode, starts, T, H, max_rows):
+    """More than 32 query rows a group: 12 heads x 3 tokens (2 tiles of 18, the causal rule across
+    them), CSA's per-token group of 34 heads (2 of 17); 16-row tiles (max_tile_rows): 12 heads x 2
+    tokens in 2 tiles of 12. head_dim 256 keeps the test small."""
+    spec, w, ref = build(mode, H=H, hd=256)
+    t, want = run_reference(ref, spec, w, starts, T)
+    core, comb = blocks_for(spec, mode, len(starts), T, 2, max_rows=max_rows)
+    assert (core.row_groups, core.tile_rows) == (2, core.rows // 2)
+    assert core.num_tiles() == len(starts) * core.groups * 2 * 2
+    tb = {k: (v.to(torch.bfloat16) if k in ("q", "window", "new_kv", "comp", "cos", "sin") else v)
+          for k, v in t.items()}
+    got = run_blocks(core, comb, tb)
+    assert torch.isfinite(got["o_part"]).all() and not torch.isnan(got["lse_part"]).any()
+    assert rel(got["out"], want) < 2e-2
+
+
+def test_even_row_groups():
+    assert [even_row_groups(r) for r in (1, 8, 32, 33, 34, 36, 64, 96, 100)] == [1, 1, 1, 3, 2, 2, 2, 3, 4]
+
+
+@pytest.mark.parametrize("kw", [dict(heads=0), dict(heads=8, q_tokens=0), dict(heads=8, mode="dsa"),
+                                dict(heads=8, max_tile_rows=8),
                                 dict(heads=8, head_dim=192), dict(heads=8, chunk=48)])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):

@@ -103,8 +103,8 @@ def test_program_shape_and_refusals():
     with pytest.raises(UnsupportedConfigError, match="lagged"):     # V4.1's lag with GLM-5.3's head
         MHCModelConfig(dataclasses.replace(v4, residual=dataclasses.replace(v4.residual, lagged_pre=True,
                                                                               head="mean"))).layers()
-    with pytest.raises(UnsupportedConfigError, match="o_groups"):
-        MHCModelConfig(build_megakernel("deepseek_v41_flash", "tiny_v41").spec).layers()
+    tiny = build_megakernel("deepseek_v41_flash", "tiny_v41").spec            # o_groups 2: one grouped o_a
+    assert {a.o_groups for a, _ in MHCModelConfig(tiny).layers()} == {2}
     w = bf16_weights(ref.spec, seed=1)
     runner = MHCModelRunner(MHCModelConfig(ref.spec, batch=2, max_seq_len=2), w)
     with pytest.raises(ValueError, match="vocabulary"):
@@ -144,6 +144,50 @@ def test_megakernel_backend_generates():
     with pytest.raises(UnsupportedConfigError, match="deepseek_v41_flash, glm_53, kimi_k3.*not 'dummy'"):
         _megakernel(SimpleNamespace(name="dummy"), None, device="cpu", dtype=torch.float32, tp=1, ep=1, rank=0,
                     max_seq_len=16, max_batch=2)
+
+
+def grouped_spec(heads: int, o_groups: int):
+    """small_v41 with `heads` query heads in `o_groups` o_a groups (small_v41: 2 heads, 1 group)."""
+    import dataclasses
+    spec = build_megakernel("deepseek_v41_flash", "small_v41").spec
+    return dataclasses.replace(spec, layers=tuple(
+        dataclasses.replace(l, attention=dataclasses.replace(l.attention, num_heads=heads, o_groups=o_groups))
+        for l in spec.layers))
+
+
+def test_grouped_o_a_on_one_gpu(monkeypatch):
+    """V4.1-Flash's o_a groups all on one GPU (as its 8 without tensor parallelism): 4 heads in 2
+    groups, the o_a one grouped GEMV (GemvConfig.groups) - 6 steps against the model (near-ties of
+    the router or the indexer: the model takes the program's pick, tests/program_choices.py). With
+    each group's o_a rows swapped the logits move far."""
+    from program_choices import ProgramChoices
+    spec = grouped_spec(4, 2)
+    ref, w = all_kinds_model(seed=7, spec=spec)
+    cfg = MHCModelConfig(spec, batch=2, max_seq_len=32)
+    assert {a.o_groups for a, _ in cfg.layers()} == {2}
+    oa = [op.block for op in build_program(cfg).ops if op.label.endswith("v4.o_a")]
+    assert oa and all(b.config.groups == 2 and b.config.n == 2 * 256 for b in oa)
+    choices = ProgramChoices(ref, monkeypatch)
+
+    def step_errors(weights, steps, after=lambda runner: None):
+        runner, state = MHCModelRunner(cfg, weights), ref.new_state(2)
+        g = torch.Generator().manual_seed(8)
+        errs = []
+        for _ in range(steps):
+            ids = torch.randint(0, spec.vocab_size, (2,), generator=g)
+            got = runner.decode(ids)
+            after(runner)
+            errs.append(rel(got, ref.decode(ids[:, None], state)[:, 0]))
+        return errs
+    errs = step_errors(w, 6, choices.take)
+    print("small_v41, 4 heads in 2 o_a groups: logits rel err per step:", " ".join(f"{e:.1e}" for e in errs))
+    print(choices.summary())
+    assert max(errs) < 3e-2, errs
+    monkeypatch.undo()
+    # the same weights with each o_a group's rows swapped: the program must not agree
+    swapped = {k: torch.cat(v.chunk(2)[::-1]) if k.endswith("o_a_proj.weight") else v for k, v in w.items()}
+    far = step_errors(swapped, 2)
+    assert min(far) > 10 * max(errs), far
 
 
 def test_small_v41_all_layer_kinds(monkeypatch):

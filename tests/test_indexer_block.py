@@ -398,13 +398,14 @@ def paged(cfg: MLADecodeConfig, rows_per_seq, seed=0):
     return pool, bt
 
 
-@pytest.mark.parametrize("T,splits,chunk,kvd", [(1, 1, 32, "bf16"), (2, 3, 16, "bf16"), (3, 2, 64, "bf16"),
-                                                (2, 2, 32, "fp8_e4m3")])
-def test_sparse_mla_equals_reference_sparse_attention(T, splits, chunk, kvd):
+@pytest.mark.parametrize("T,splits,chunk,kvd,H", [(1, 1, 32, "bf16", 4), (2, 3, 16, "bf16", 4), (3, 2, 64, "bf16", 4),
+                                                  (2, 2, 32, "fp8_e4m3", 4),
+                                                  (2, 2, 32, "bf16", 40)])     # 2 row groups of 20 heads
+def test_sparse_mla_equals_reference_sparse_attention(T, splits, chunk, kvd, H):
     """MLAReference.attend(index_mask = the DSA selection) == absorbed sparse MLA blocks."""
     from sdk.blocks.mla_decode import quantize_kv_fp8
     g = torch.Generator().manual_seed(T * 10 + splits)
-    H, L, nope, v, kpool, topk = 4, 256, 16, 24, 4, 8
+    L, nope, v, kpool, topk = 256, 16, 24, 4, 8
     starts, maxlen = [5, 0, 37, 20], 48
     B = len(starts)
     spec = MLASpec(num_heads=H, kv_lora_rank=L, qk_nope_head_dim=nope, qk_rope_head_dim=0, v_head_dim=v)
@@ -502,7 +503,7 @@ def test_operands_costs_and_splits():
     (IndexScoreBlock, dict(heads=8, key_dtype="fp8")), (IndexScoreBlock, dict(heads=8, head_dim=64, key_dtype="mxfp4")),
     (IndexScoreBlock, dict(heads=8, max_entries=96, key_dtype="mxfp4")),          # 1.5 pages of 64 keys
     (TopKBlock, dict(k=8, ratio=4, expand=2, tail=True)),
-    (MLADecodeBlock, dict(heads=40, softmax_scale=0.1, index_width=64)),
+    (MLADecodeBlock, dict(heads=40, softmax_scale=0.1, index_width=-1)),
 ])
 def test_unsupported_configs_fail_loudly(cls, kw):
     with pytest.raises(UnsupportedConfigError):

@@ -160,14 +160,23 @@ CASES = [
     (8, 4, 0, 5, 64, [4, 31, 190], "bf16", 64),          # GLM-5.3: NoPE, 512 latent
     (12, 2, 64, 7, 64, [3, 200, 129], "fp8_e4m3", 32),    # more splits than chunks for short rows
     (8, 1, 0, 2, 32, [1, 77], "fp8_e4m3", 16),
+    # row groups: 40 heads (2 tiles of 20), 12 heads x 3 tokens (2 of 18, the causal rule across
+    # them), 16 x 4 fp8 (2 of 32), 12 x 4 with 16-token chunks
+    (40, 1, 64, 3, 64, [1, 100, 300], "bf16", 32),
+    (12, 3, 64, 4, 16, [3, 65, 257], "bf16", 32),
+    (16, 4, 0, 5, 64, [4, 31, 190], "fp8_e4m3", 64),
+    (12, 4, 64, 2, 32, [4, 33], "bf16", 16),
 ]
 
 
-@pytest.mark.parametrize("heads,T,rope,splits,page,lens,kvd,chunk", CASES)
-def test_emulated_decode_and_combine_equal_absorbed_attention(heads, T, rope, splits, page, lens, kvd, chunk):
+@pytest.mark.parametrize("heads,T,rope,splits,page,lens,kvd,chunk,max_rows", [c + (32,) for c in CASES] + [
+    (24, 1, 64, 3, 64, [1, 100, 300], "bf16", 16, 16),       # 16-row tiles: 2 groups of 12
+    (12, 2, 0, 2, 32, [2, 77], "fp8_e4m3", 16, 16)])
+def test_emulated_decode_and_combine_equal_absorbed_attention(heads, T, rope, splits, page, lens, kvd, chunk,
+                                                               max_rows):
     cfg = MLADecodeConfig(heads=heads, softmax_scale=192 ** -0.5, scale_factor=1.3, batch=len(lens), q_tokens=T,
                           rope=rope, page_size=page, num_pages=40, max_seq_len=512, num_splits=splits,
-                          kv_dtype=kvd, chunk=chunk)
+                          kv_dtype=kvd, chunk=chunk, max_tile_rows=max_rows)
     blk, t = make_case(cfg, lens)
     want_o, want_lse = absorbed_attention(t["q"], dense_rows(blk, t), t["seq_lens"], T, heads, blk.d_v, blk.scale)
     out = run_emulated(blk, t)
@@ -209,7 +218,28 @@ def test_choose_splits():
     assert choose_splits(1, 100) == 1
 
 
-@pytest.mark.parametrize("kw", [dict(heads=40), dict(heads=12, q_tokens=3), dict(heads=8, chunk=48),
+def test_row_groups_cut_the_rows_evenly():
+    """More than 32 query rows: equal groups of <= 32, a tile each, every row in one group."""
+    for heads, T, groups, rows in [(12, 1, 1, 12), (32, 1, 1, 32), (33, 1, 2, 17), (96, 1, 3, 32),
+                                   (12, 4, 2, 24), (12, 3, 2, 18)]:
+        blk = MLADecodeBlock(MLADecodeConfig(heads=heads, q_tokens=T, softmax_scale=0.1, batch=3, num_splits=5))
+        assert (blk.row_groups, blk.tile_rows) == (groups, rows)
+        assert blk.num_tiles() == 3 * 5 * groups
+        spans = [blk.group_span(g) for g in range(groups)]
+        assert spans[0][0] == 0 and spans[-1][1] == heads * T
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        coords = {blk.tile_coords(t) for t in range(blk.num_tiles())}
+        assert coords == {(b, 0, g, s) for b in range(3) for g in range(groups) for s in range(5)}
+    half = MLADecodeBlock(MLADecodeConfig(heads=24, softmax_scale=0.1, max_tile_rows=16))  # 16-row tiles
+    assert (half.row_groups, half.tile_rows, half.m_pad) == (2, 12, 16)
+    sparse = MLADecodeBlock(MLADecodeConfig(heads=64, q_tokens=2, softmax_scale=0.1, batch=3, num_splits=4,
+                                            rope=0, index_width=64))
+    assert (sparse.row_groups, sparse.tile_rows, sparse.num_tiles()) == (2, 32, 3 * 2 * 2 * 4)
+    assert sparse.tile_coords(4 * 2 * 2 + 4 + 3) == (1, 0, 1, 3)
+
+
+@pytest.mark.parametrize("kw", [dict(heads=0), dict(heads=12, q_tokens=0), dict(heads=8, chunk=48),
+                                dict(heads=8, max_tile_rows=24),
                                 dict(heads=8, kv_dtype="int8"), dict(heads=8, rope=8),
                                 dict(heads=8, kv_dtype="fp8_e4m3", scale_group=128, rope=64)])
 def test_unsupported_configs_fail_loudly(kw):

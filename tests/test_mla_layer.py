@@ -136,17 +136,37 @@ def test_reference_over_the_stored_fp8_rows():
 
 def test_layer_program_fits_the_ring_or_says_why():
     """Decode stages step down until the projections' ring has 2 stages; T x heads = 24 rows (a
-    32-row MMA decode tile) fits only with the fallback 16-row projection tiles; past the decode
-    tile's rows a clear error names the limit."""
-    from sdk.megakernel.mla_layer import FALLBACK_GEMV_ROWS
+    32-row MMA decode tile) fits only with the fallback 16-row projection tiles; 36 rows (two row
+    groups of 18) only with 16-token decode chunks as well; past the GEMVs' 64 tokens a clear error
+    names the limit."""
+    from sdk.megakernel.mla_layer import FALLBACK_DECODE_CHUNK, FALLBACK_GEMV_ROWS
     ok = build_program(MLALayerConfig(MLAAttentionConfig(heads=12, batch=3, num_pages=200, max_seq_len=9000)))
-    assert ok.ops[5].block.stages == 2
+    assert ok.ops[5].block.stages == 2 and ok.ops[5].block.config.chunk == 32
     t2 = build_program(MLALayerConfig(MLAAttentionConfig(heads=12, batch=3, q_tokens=2, num_pages=200,
                                                          max_seq_len=9000)))
     assert {b.config.rows_per_tile for b in t2.opcodes.blocks if b.stream_chunks()} == {FALLBACK_GEMV_ROWS}
-    with pytest.raises(UnsupportedConfigError, match="q_tokens x heads = 36 rows"):
-        build_program(MLALayerConfig(MLAAttentionConfig(heads=12, batch=3, q_tokens=3, num_pages=200,
+    t3 = build_program(MLALayerConfig(MLAAttentionConfig(heads=12, batch=3, q_tokens=3, num_pages=200,
+                                                         max_seq_len=9000)))
+    dec = next(op.block for op in t3.ops if op.block.name == "mla_decode")
+    assert (dec.row_groups, dec.tile_rows, dec.config.chunk) == (2, 18, FALLBACK_DECODE_CHUNK)
+    with pytest.raises(UnsupportedConfigError, match="m=256 tokens"):
+        build_program(MLALayerConfig(MLAAttentionConfig(heads=12, batch=64, q_tokens=4, num_pages=200,
                                                         max_seq_len=9000)))
+
+
+@pytest.mark.parametrize("heads,T", [(40, 1), (12, 3)])
+def test_layer_program_with_row_groups_equals_the_reference(heads, T):
+    """More query rows than one decode tile holds (row groups of <= 32): the sublayer through the
+    PyVM equals MLAReference.forward + residual, as with one group."""
+    attn = MLAAttentionConfig(heads=heads, batch=2, q_tokens=T, num_pages=16, max_seq_len=512, num_splits=3)
+    cfg = MLALayerConfig(attn, hidden=1024, q_lora=512, rope_mode="interleaved")
+    prog = build_program(cfg)
+    assert next(op.block for op in prog.ops if op.block.name == "mla_decode").row_groups == 2
+    w = make_weights(cfg, seed=2)
+    inp = make_inputs(cfg, [300, 2 * T], seed=3)
+    want = reference(cfg, w, inp)
+    got = pyvm_resid(prog, w, inp, seed=1)
+    assert rel(got - inp["x"].float(), want - inp["x"].float()) < 2e-2
 
 
 def test_batch8_k3_shard_builds_with_balanced_projection_tiles():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_plain_model import SPEC, reference, rel, small_weights, steps_against_the_model
 
-from sdk import build_megakernel
+from sdk import build_megakernel, plugins
 from sdk.errors import UnsupportedConfigError
 from sdk.megakernel.tp_model import (TPMHCModelConfig, TPMHCModelRunner, TPModelConfig, TPModelRunner,
                                      build_mhc_program, build_program, padded, shard_weights)
@@ -208,6 +208,47 @@ def test_v41_tp_program_equals_the_model(o_groups):
     errs = steps_against(runner, ref, 6, same_streams)
     print(f"small_v41 TP2 (o_groups {o_groups}): logits rel err per step:", " ".join(f"{e:.1e}" for e in errs))
     assert max(errs) < 3e-2, errs
-    if o_groups == 2:               # a rank's heads must lie in one o_a group
+    if o_groups == 2:               # a rank's heads in one o_a group, or whole groups a rank
         with pytest.raises(UnsupportedConfigError, match="o_groups=2.*a multiple of o_groups"):
             TPMHCModelConfig(spec, ranks=3).layers()
+
+
+def test_v41_tp_program_with_whole_groups_a_rank():
+    """o_groups a multiple of the ranks (V4.1-Flash's 8 groups over 2 or 4 GPUs): 4 heads in 4 o_a
+    groups over 2 ranks - each rank's 2 heads are 2 whole groups, one grouped o_a GEMV, the groups'
+    o_a rows and o_b columns - 6 steps against the model, the ranks' streams bit-equal."""
+    import test_dsv4_model as v4
+    spec = v4.grouped_spec(4, 4)
+    ref, w = v4.all_kinds_model(seed=9, spec=spec)
+    cfg = TPMHCModelConfig(spec, batch=2, max_seq_len=32, ranks=2)
+    assert {a.o_groups for a, _ in cfg.layers()} == {2}
+    runner = TPMHCModelRunner(cfg, w)
+
+    def same_streams(step):
+        s = [t["streams"] for t in runner.rank_tensors()]
+        assert torch.equal(s[0], s[1]), f"step {step}: the ranks' streams differ"
+    errs = steps_against(runner, ref, 6, same_streams)
+    print("small_v41 4 heads / 4 groups, TP2: logits rel err per step:", " ".join(f"{e:.1e}" for e in errs))
+    assert max(errs) < 3e-2, errs
+
+
+def test_whole_rank_programs_fit_one_sms_shared_memory():
+    """program.fitted_sublayers: the sublayers of a whole rank program each fit the weight ring
+    alone, but the ring's stage, staged activations and plain-tile arena are maxima over all of
+    them. Kimi K3 TP4 at batch 8 (its first four layers at full width) built before and could not
+    compile (1 ring stage); now its MLA sublayer refits beside the others' streams (16-token
+    chunks, 16-row decode tiles) and the whole leaves the ring 2 stages with its records. What
+    still does not fit is refused when built, by name: V4.1-Flash TP8 at batch 64 (166
+    instructions on one SM: records over their 48 KB)."""
+    from sdk.blocks.base import ring_geometry
+    from sdk.megakernel.program import whole_records
+    spec = plugins.get_model("kimi_k3").spec("full")
+    spec = dataclasses.replace(spec, layers=spec.layers[:4])
+    prog, _ = build_program(TPModelConfig(spec, batch=8, max_seq_len=32768, ranks=4))
+    assert ring_geometry(prog.opcodes.blocks, reserved=whole_records(prog, 132))[1] >= 2
+    dec = [b for b in prog.opcodes.blocks if b.name == "mla_decode"]
+    assert dec and all((b.config.chunk, b.config.max_tile_rows, b.row_groups) == (16, 16, 2) for b in dec)
+    v41 = plugins.get_model("deepseek_v41_flash").spec("full_v41")
+    with pytest.raises(UnsupportedConfigError, match="records"):
+        build_mhc_program(TPMHCModelConfig(dataclasses.replace(v41, layers=v41.layers[:4]), batch=64,
+                                           max_seq_len=32768, ranks=8))

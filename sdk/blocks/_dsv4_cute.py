@@ -33,8 +33,9 @@ def build_dsv4_decode_tile(block):
     c = block.config
     B, T, H = c.batch, c.q_tokens, c.heads
     TQ, G = block.tq, block.groups
-    R = block.rows
-    MP = 16 * math.ceil(R / 16)
+    R = block.rows                       # a query group's rows ..
+    RG, TR = block.row_groups, block.tile_rows   # .. cut evenly into RG tiles of TR
+    MP = 16 * math.ceil(TR / 16)
     D = c.head_dim
     W = c.window
     E = max(c.max_entries, 1)
@@ -177,6 +178,10 @@ def build_dsv4_decode_tile(block):
         wid = tid // 32
         s = t % S
         bg = t // S
+        r0 = Int32(0)                           # the row group's first row in its query group
+        if cutlass.const_expr(RG > 1):
+            r0 = (bg % RG) * TR
+            bg = bg // RG
         g = bg % G
         b = bg // G
 
@@ -239,7 +244,7 @@ def build_dsv4_decode_tile(block):
 
         # q rides in the first stage's cp.async group
         sQv = cute.make_tensor(sQ.iterator, cute.make_layout((MP, D // 8, 8), stride=(RS, 8, 1)))
-        stage_rows_async(g2s, mQ[b, None, None, None], g * TQ * H, sQv, R)
+        stage_rows_async(g2s, mQ[b, None, None, None], g * TQ * H + r0, sQv, TR)
         for k in cutlass.range_constexpr(ST - 1):
             if c_lo + k < c_hi:
                 load_chunk(mRing, mNew, mComp, mIdx, b, g, start, nk, c_lo + k, k, sStage, tid, g2s, sRaw, g2s4)
@@ -324,7 +329,7 @@ def build_dsv4_decode_tile(block):
             # every key's visibility per row (window, causal, compressed readiness / selection)
             for i in cutlass.range_constexpr(cute.size(accP)):
                 m_, n_ = cS[i]
-                tq = m_ // H
+                tq = (r0 + m_) // H
                 if tq > TQ - 1:
                     tq = TQ - 1
                 if not visible(mIdx, b, g, start, nk, ci * CH + n_, tq):
@@ -366,11 +371,11 @@ def build_dsv4_decode_tile(block):
                 inv = Float32(1.0) / l
                 lse = row_max[r] * scale_nat + cute.math.log(l, fastmath=False)
             m_ = cO_mn[r, 0][0]
-            if m_ < R:
+            if m_ < TR:
                 for cc in cutlass.range_constexpr(cute.size(accO_mn, mode=[1])):
-                    mO[b, g, s, m_, wid * DVW + cO_mn[r, cc][1]] = accO_mn[r, cc] * inv
+                    mO[b, g, s, r0 + m_, wid * DVW + cO_mn[r, cc][1]] = accO_mn[r, cc] * inv
                 if wid == 0 and lane % 4 == 0:
-                    mL[b, g, s, m_] = lse
+                    mL[b, g, s, r0 + m_] = lse
         cute.arch.sync_threads()
 
     return tile

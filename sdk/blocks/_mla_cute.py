@@ -82,7 +82,9 @@ def build_mla_decode_tile(block):
     B, T, H = c.batch, c.q_tokens, c.heads
     R, MP = block.rows, block.m_pad
     SPARSE = block.sparse                # DSA: keys = each query token's index list
-    TR = block.tile_rows                 # query rows of one tile (H when sparse)
+    TR = block.tile_rows                 # query rows of one tile (at most 32) ..
+    UR = block.unit_rows                 # .. of the unit's rows (T x H, or H when sparse) ..
+    RG = block.row_groups                # .. cut into RG groups of TR (the last may have fewer)
     IW = max(c.index_width, 1)
     DQK, DV = block.d_qk, block.d_v
     CH, NWN, NWK = c.chunk, block.nwn, block.nwk
@@ -248,11 +250,11 @@ def build_mla_decode_tile(block):
             tSsS[i] = accS[i]
 
     @cute.jit
-    def softmax(sS, sP, sRow, sTok, srow, lane, length, tq, ci, st, m_run, l_run):
-        """Warp w: the online softmax of rows w*RPW .. (LPR lanes x EPL tokens a row) over
-        chunk ci (stage st: the sparse mask's tokens): the scores are the sum of the NWK
-        k-slices; P -> sP, the rows' rescale factor, max and sum -> sRow. Returns the lane's
-        row's running max and sum."""
+    def softmax(sS, sP, sRow, sTok, srow, lane, length, tq, grow0, ci, st, m_run, l_run):
+        """Warp w: the online softmax of rows w*RPW .. (LPR lanes x EPL tokens a row; the unit's
+        rows grow0 + those) over chunk ci (stage st: the sparse mask's tokens): the scores are the
+        sum of the NWK k-slices; P -> sP, the rows' rescale factor, max and sum -> sRow. Returns
+        the lane's row's running max and sum."""
         j0 = (lane % LPR) * EPL
         sc = cute.make_rmem_tensor((1, EPL), Float32)
         sc.store(cute.local_tile(sS[0, None, None], (1, EPL), (srow, lane % LPR)).load())
@@ -263,7 +265,7 @@ def build_mla_decode_tile(block):
                 if sTok[st, j0 + e] > length - T + tq:
                     sc[0, e] = NEG_INF
         elif (ci + 1) * CH > length - T:    # the chunk reaches the new tokens or the end
-            tqd = srow // H
+            tqd = (grow0 + srow) // H
             if tqd > T - 1:
                 tqd = T - 1
             for e in cutlass.range_constexpr(EPL):
@@ -309,11 +311,17 @@ def build_mla_decode_tile(block):
         wid = tid // 32
         s = t % S
         b = t // S
+        grow0 = Int32(0)                        # the row group's first row within its unit
+        nrows = Int32(TR)                       # .. and its row count
+        if cutlass.const_expr(RG > 1):
+            grow0 = (b % RG) * TR
+            b = b // RG
+            nrows = cutlass.min(Int32(TR), UR - grow0)
         tq = Int32(0)                           # sparse: the tile's query token
         if cutlass.const_expr(SPARSE):
             tq = b % T
             b = b // T
-        row0 = tq * H                           # the tile's first query row (0 when dense)
+        row0 = tq * H + grow0                   # the tile's first query row
 
         mQ = gmem_tensor(ptrs[0], BFloat16, (B, R, DQK // 8, 8), 16)
         kv_addr = ptrs[1]
@@ -391,14 +399,14 @@ def build_mla_decode_tile(block):
         rQ = cute.make_rmem_tensor((QPT, 8), BFloat16)
         for k in cutlass.range_constexpr(QPT):
             i = tid + k * NUM_THREADS
-            if i < TR * (DQK // 8):
+            if i < nrows * (DQK // 8):
                 rQ[k, None].store(mQ[b, row0 + i // (DQK // 8), i % (DQK // 8), None].load())
         for k in cutlass.range_constexpr(QPT):
             i = tid + k * NUM_THREADS
             if i < MP * (DQK // 8):
                 r = i // (DQK // 8)
                 p = i % (DQK // 8)
-                if r < TR:
+                if r < nrows:
                     if cutlass.const_expr(FP8):
                         sQv[r, p, None].store(rQ[k, None].load().to(Float32).to(Float16))
                     else:
@@ -468,7 +476,7 @@ def build_mla_decode_tile(block):
                 cute.arch.sync_threads()
             scores(sKV, sS, mma_qk, frag_q, nw, kp, buf)
             cute.arch.sync_threads()            # all partial scores of chunk ci in sS
-            m_run, l_run = softmax(sS, sP, sRow, sTok, srow, lane, length, tq, ci, st, m_run, l_run)
+            m_run, l_run = softmax(sS, sP, sRow, sTok, srow, lane, length, tq, grow0, ci, st, m_run, l_run)
             cute.arch.sync_threads()            # P and the rescale factors of chunk ci shared
             rescale_pv(accO, sRow, sKVt, mma_pv, frag_p, wid, lane, buf)
 
@@ -484,7 +492,7 @@ def build_mla_decode_tile(block):
             if l > Float32(0.0):
                 inv = Float32(1.0) / l
                 lse = sRow[1, m_] * scale_nat + cute.math.log(l, fastmath=False)
-            if m_ < TR:
+            if m_ < nrows:
                 for cc in cutlass.range_constexpr(cute.size(accO_mn, mode=[1])):
                     mO[b, s, row0 + m_, wid * DVW + cO_mn[r, cc][1]] = accO_mn[r, cc] * inv
                 if wid == 0 and lane % 4 == 0:

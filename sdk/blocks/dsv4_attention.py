@@ -33,11 +33,15 @@ sinks [H] fp32; cos / sin [B, T, rope / 2] bf16 (the rope at each query's positi
 [B, T, H, hd] bf16. The ring is written with this call's tokens AFTER the attention (another op:
 tiles of other splits may still read it).
 
-Supported: rows = (T or 1) * H <= 32 (TP8: 8 heads, T <= 4), head_dim a multiple of 256, T <= W,
+Row groups: a tile holds at most 32 query rows; a query group of more (V4.1-Flash's 64 heads on
+one GPU, 16 heads x 4 tokens) is cut evenly into `row_groups` tiles that read the same keys:
+tile = ((b * G + g) * RG + rg) * S + s.
+
+Supported: any (T or 1) * H rows (row groups of <= 32), head_dim a multiple of 256, T <= W,
 bf16 caches, or V4.1's serving records: the ring (window_dtype="fp8_e4m3": 512 e4m3 + 16 UE8M0
 scale bytes a token, quantize_window_fp8) and the compressed entries (comp_dtype="fp4_e2m1": 512
-E2M1 codes + 32 E4M3 scales, quantize_comp_fp4); chunk 16/32/64. Not yet: H > 32 rows (TP1's 64
-heads), wgmma/tcgen05. The ring write is its own op
+E2M1 codes + 32 E4M3 scales, quantize_comp_fp4); chunk 16/32/64. Not yet: one tile over more
+than 32 rows (each group reads the keys again), wgmma/tcgen05. The ring write is its own op
 after the core (`DSV4RingWriteBlock`).
 The indexer (scores, top-k) is `docs/dsv4_attention.md`'s design, not a block yet.
 """
@@ -50,6 +54,7 @@ import torch
 
 from .base import NUM_THREADS, Block, Cost, OperandSpec
 from .formats import e2m1_codes, e2m1_values, pack_nibbles, ue8m0_exponents
+from .mla_decode import MAX_TILE_ROWS
 
 MODES = ("swa", "hca", "csa")
 WINDOW_DTYPES = ("bf16", "fp8_e4m3")
@@ -162,9 +167,16 @@ class DSV4DecodeConfig:
     chunk: int = 32
     stages: int = 0              # 0: auto
     window_dtype: str = "bf16"   # "fp8_e4m3": the ring holds V4.1's SWA records (quantize_window_fp8;
-                                 # opt-in, written 2026-12-04, not yet run on a GPU)
+                                 # opt-in, GPU-tested on the H200 2026-12-05)
     comp_dtype: str = "bf16"     # "fp4_e2m1": the compressed entries as V4.1's records (quantize_comp_fp4;
-                                 # opt-in, written 2026-12-04, not yet run on a GPU)
+                                 # opt-in, GPU-tested on the H200 2026-12-05)
+    max_tile_rows: int = MAX_TILE_ROWS   # query rows of one tile (32, or 16: half the query and score
+                                         # smem, the keys read by twice the row groups)
+
+
+def even_row_groups(rows: int, max_rows: int = MAX_TILE_ROWS) -> int:
+    """The fewest tiles of at most `max_rows` query rows that cut `rows` evenly."""
+    return next(n for n in range(-(-rows // max_rows), rows + 1) if rows % n == 0)
 
 
 class DSV4DecodeBlock(Block):
@@ -181,8 +193,28 @@ class DSV4DecodeBlock(Block):
         return 1 if self.config.mode == "csa" else self.config.q_tokens
 
     @property
-    def rows(self) -> int:
+    def rows(self) -> int:                   # query rows of a group
         return self.tq * self.config.heads
+
+    @property
+    def row_groups(self) -> int:
+        """Tiles that share a query group's keys, each with an equal part of its rows, at most
+        max_tile_rows (the MMA's two 16-row fragments, or one): the fewest that cut the rows evenly
+        (V4.1-Flash on one GPU, 64 heads: 2 of 32; max_tile_rows 16: 4 of 16). Each reads the
+        group's keys again."""
+        return even_row_groups(self.rows, self.config.max_tile_rows)
+
+    @property
+    def tile_rows(self) -> int:
+        return self.rows // self.row_groups
+
+    def tile_coords(self, tile: int) -> tuple[int, int, int, int]:
+        """(sequence b, query group g, row group rg, split s): tile = ((b * G + g) * RG + rg) * S + s,
+        so one row group keeps the one-group numbering."""
+        u, s = divmod(tile, self.config.num_splits)
+        u, rg = divmod(u, self.row_groups)
+        b, g = divmod(u, self.groups)
+        return b, g, rg, s
 
     @property
     def scale(self) -> float:
@@ -228,7 +260,7 @@ class DSV4DecodeBlock(Block):
 
     def _smem(self, stages):
         c = self.config
-        mp = 16 * math.ceil(self.rows / 16)
+        mp = 16 * math.ceil(self.tile_rows / 16)
         nwk = NUM_THREADS // 32 // (c.chunk // 8)
         rs = c.head_dim + 8
         # quantised rows (fp8 ring, fp4 entries): each stage also holds its chunk's raw records
@@ -244,9 +276,10 @@ class DSV4DecodeBlock(Block):
             self.unsupported(f"dsv4_decode: comp_dtype {c.comp_dtype!r} (supported: {COMP_DTYPES})")
         if c.chunk not in (16, 32, 64):
             self.unsupported(f"dsv4_decode: chunk={c.chunk} (16, 32, 64)")
-        if not 1 <= self.rows <= 32:
-            self.unsupported(f"dsv4_decode: {self.rows} query rows per tile (supported 1..32: heads x T, "
-                             f"or heads for CSA)")
+        if c.heads < 1:
+            self.unsupported(f"dsv4_decode: heads={c.heads} (>= 1)")
+        if c.max_tile_rows not in (16, MAX_TILE_ROWS):
+            self.unsupported(f"dsv4_decode: max_tile_rows={c.max_tile_rows} (16 or {MAX_TILE_ROWS})")
         if c.head_dim % 256:
             self.unsupported(f"dsv4_decode: head_dim={c.head_dim} must be a multiple of 256")
         if not 1 <= c.q_tokens <= c.window:
@@ -273,7 +306,7 @@ class DSV4DecodeBlock(Block):
                 OperandSpec("lse_part", (c.batch, G, S, self.rows), "fp32", output=True)]
 
     def num_tiles(self) -> int:
-        return self.config.batch * self.groups * self.config.num_splits
+        return self.config.batch * self.groups * self.row_groups * self.config.num_splits
 
     def keys_of(self, start: int) -> int:
         """Keys of a (sequence, group) with `start` tokens before this call: W + T + compressed."""
@@ -288,8 +321,9 @@ class DSV4DecodeBlock(Block):
         c = self.config
         keys = self.keys_of(c.max_entries * c.ratio if start is None else start)
         per = math.ceil(keys / c.num_splits)
-        b = per * c.head_dim * 2 + self.rows * c.head_dim * (2 + 4) + self.rows * 4
-        return Cost(bytes=b, flops=4 * per * self.rows * c.head_dim)
+        r = self.tile_rows
+        b = per * c.head_dim * 2 + r * c.head_dim * (2 + 4) + r * 4
+        return Cost(bytes=b, flops=4 * per * r * c.head_dim)
 
     def kv_bytes(self, starts) -> int:
         """Bytes of KV rows the whole op must read (window + new + compressed; the floor)."""
@@ -383,15 +417,15 @@ class DSV4DecodeBlock(Block):
     def emulate_tile(self, t, tile):
         """Torch twin of one tile: chunked online softmax in fp32, P rounded to bf16 (the MMA input)."""
         c = self.config
-        bg, s = divmod(tile, c.num_splits)
-        b, g = divmod(bg, self.groups)
+        b, g, rg, s = self.tile_coords(tile)
+        r0, r1 = rg * self.tile_rows, (rg + 1) * self.tile_rows
         kv, vis = self.key_rows(t, b, g)
-        vis = self._vis_rows(vis)
-        q = self._q(t, b, g)
+        vis = self._vis_rows(vis)[r0:r1]
+        q = self._q(t, b, g)[r0:r1]
         lo, hi = self.split_range(kv.shape[0], s)
-        m = torch.full((self.rows,), float("-inf"))
-        l = torch.zeros(self.rows)
-        acc = torch.zeros(self.rows, c.head_dim)
+        m = torch.full((r1 - r0,), float("-inf"))
+        l = torch.zeros(r1 - r0)
+        acc = torch.zeros(r1 - r0, c.head_dim)
         for c0 in range(lo, hi, c.chunk):
             c1 = min(c0 + c.chunk, hi)
             sc = (q @ kv[c0:c1].T).masked_fill(~vis[:, c0:c1], float("-inf"))
@@ -405,8 +439,8 @@ class DSV4DecodeBlock(Block):
         ok = l > 0
         o = torch.where(ok[:, None], acc / l.clamp_min(1e-30)[:, None], torch.zeros_like(acc))
         lse = torch.where(ok, m * self.scale + torch.log(l.clamp_min(1e-30)), torch.full_like(l, float("-inf")))
-        t["o_part"][b, g, s] = o.to(t["o_part"].device)
-        t["lse_part"][b, g, s] = lse.to(t["lse_part"].device)
+        t["o_part"][b, g, s, r0:r1] = o.to(t["o_part"].device)
+        t["lse_part"][b, g, s, r0:r1] = lse.to(t["lse_part"].device)
 
     def _build_device_tile(self):
         from ._dsv4_cute import build_dsv4_decode_tile
@@ -608,7 +642,8 @@ class DSV4RingWriteBlock(Block):
 
 
 def dsv4_compile_cases() -> list:
-    """V4.1-Flash TP8 (8 heads, head_dim 512, window 128): HCA at 1M context, CSA top-512, SWA."""
+    """V4.1-Flash TP8 (8 heads, head_dim 512, window 128): HCA at 1M context, CSA top-512, SWA; row
+    groups at 64 and 16 x 3 heads, and of 16 rows at 32 heads."""
     return [
         DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode="hca", batch=1, max_entries=8192, num_splits=16)),
         DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode="csa", ratio=4, batch=8, q_tokens=2, max_entries=32768,
@@ -621,4 +656,12 @@ def dsv4_compile_cases() -> list:
         DSV4DecodeBlock(DSV4DecodeConfig(heads=8, mode="hca", batch=8, max_entries=256, num_splits=4,
                                          window_dtype="fp8_e4m3")),
         DSV4RingWriteBlock(DSV4RingWriteConfig(batch=64, q_tokens=2, window_dtype="fp8_e4m3")),
+        # row groups: V4.1-Flash on one GPU (64 heads: CSA 2 tiles of 32 a token), TP4 x 3 tokens (48: 2 of 24)
+        DSV4DecodeBlock(DSV4DecodeConfig(heads=64, mode="csa", ratio=4, batch=1, q_tokens=2, max_entries=32768,
+                                         num_splits=4)),
+        DSV4DecodeBlock(DSV4DecodeConfig(heads=16, mode="hca", batch=8, q_tokens=3, max_entries=256, num_splits=4,
+                                         window_dtype="fp8_e4m3")),
+        # 16-row tiles (the sublayer's last resort for shared memory): V4.1-Flash TP2, 32 heads in 2 of 16
+        DSV4DecodeBlock(DSV4DecodeConfig(heads=32, mode="csa", ratio=4, batch=8, max_entries=8192, num_splits=2,
+                                         chunk=16, stages=2, max_tile_rows=16)),
     ]

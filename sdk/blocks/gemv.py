@@ -80,6 +80,9 @@ class GemvConfig:
     residual: str | None = None          # None | "bf16" | "fp32": y = res + x @ W^T
     scale_block: int = 128
     mma: bool | None = None              # tensor cores (warp mma.sync); None = auto (use_mma)
+    groups: int = 1                      # block-diagonal W: output rows [j n/G, (j+1) n/G) read x's
+                                         # columns [j k, (j+1) k) (x is [m, G k]; DeepSeek-V4's grouped
+                                         # o_a over the heads of G o_groups)
     fp8_decode: str = "hfma2"            # CUDA-core fp8: "hfma2" (packed f16 FMAs, x scaled per token
                                          # by a power of two into f16's range); "cvt" (e4m3x2 -> f16x2
                                          # -> f32 FMAs); "int" (bit placement, x staged x 2^64). H200,
@@ -320,6 +323,11 @@ class GemvBlock(Block):
             self.unsupported(f"gemv: n={c.n} must be a multiple of rows_per_tile={c.rows_per_tile}")
         if c.k % 8:
             self.unsupported(f"gemv: k={c.k} must be a multiple of 8")
+        if c.groups < 1 or c.n % c.groups or (c.n // c.groups) % c.rows_per_tile:
+            self.unsupported(f"gemv: groups={c.groups} must cut n={c.n} into whole tiles of "
+                             f"rows_per_tile={c.rows_per_tile}")
+        if c.groups > 1 and (c.norm or c.swiglu):
+            self.unsupported("gemv: groups > 1 takes neither the fused norm nor swiglu")
         kc = self.chunk_k
         E = self.elems_per_load
         if not kc or c.k % kc or kc % (32 * E):
@@ -360,7 +368,7 @@ class GemvBlock(Block):
         if c.weight_dtype == "fp8_e4m3":
             for name in names:
                 specs.append(OperandSpec(name + "_scale", sc, "fp32"))
-        specs.append(OperandSpec("x", (c.m, c.k), c.x_dtype))
+        specs.append(OperandSpec("x", (c.m, c.groups * c.k), c.x_dtype))
         if c.norm:
             specs.append(OperandSpec("norm_weight", (c.k,), "bf16"))
         if c.residual:
@@ -424,7 +432,7 @@ class GemvBlock(Block):
         obytes = 2 if c.out_dtype == "bf16" else 4
         xbytes = 2 if c.x_dtype == "bf16" else 4
         r = c.rows_per_tile
-        b = nw * r * c.k * self.wbytes + c.m * c.k * xbytes + c.m * r * obytes
+        b = nw * r * c.k * self.wbytes + c.m * c.k * xbytes + c.m * r * obytes     # (a group's x)
         if c.weight_dtype == "fp8_e4m3":
             b += nw * max(1, r // c.scale_block) * (c.k // c.scale_block) * 4
         if c.residual:
@@ -464,6 +472,9 @@ class GemvBlock(Block):
             g = x @ self.dequant(t["w_gate"], t.get("w_gate_scale")).T
             u = x @ self.dequant(t["w_up"], t.get("w_up_scale")).T
             y = swiglu_ref(g, u, c.activation, c.swiglu_limit, c.situ_beta, c.situ_linear_beta)
+        elif c.groups > 1:
+            w = self.dequant(t["w"], t.get("w_scale")).view(c.groups, c.n // c.groups, c.k)
+            y = torch.einsum("mgk,gnk->mgn", x.view(c.m, c.groups, c.k), w).reshape(c.m, c.n)
         else:
             y = x @ self.dequant(t["w"], t.get("w_scale")).T
         if c.residual:
@@ -473,7 +484,8 @@ class GemvBlock(Block):
     def emulate_tile(self, t: dict[str, torch.Tensor], tile: int) -> None:
         c = self.config
         rows = slice(tile * c.rows_per_tile, (tile + 1) * c.rows_per_tile)
-        x = self._x(t)
+        g = tile * c.rows_per_tile // (c.n // c.groups)        # the tile's group: its x columns
+        x = self._x(t)[:, g * c.k:(g + 1) * c.k]
 
         def part(name):
             w = t[name][rows].float()
@@ -540,6 +552,8 @@ class GemvBlock(Block):
         XE = min(E, 8)                          # x elements per smem load in consume
         PD = max(1, E // 4)                     # partial sums per 16-byte unit (a power of 2)
         whole_x = CPX == self.stream_chunks()   # x staged once per tile (at chunk 0): reusable
+        G = c.groups                            # grouped: tile t reads x's columns of its group
+        GN = N // G                             # output rows of a group
         wg = self.wgmma
         merged_norm = norm and whole_x and M <= MERGED_NORM_MAX_M and not wg
         pre_res = c.residual is not None and RW * M <= 16   # residual prefetched in registers
@@ -828,13 +842,21 @@ class GemvBlock(Block):
                 rv = cute.make_rmem_tensor((8,), Float32)
             if cutlass.const_expr(not merged_norm):
                 stage = ch % CPX == 0
-                if cutlass.const_expr(whole_x):
+                if cutlass.const_expr(whole_x and G == 1):
+                    # (grouped: the previous tile's x may be another group's - staged at every
+                    # tile's first chunk, as the x blocks of a K too wide to keep)
                     stage = (ch == 0) & (fresh != 0)
                 if stage:
                     tid, _, _ = cute.arch.thread_idx()
                     xb = ch // CPX
                     sX = smem_tensor(sx, SXT, (M, XU, 8))
                     mX = gmem_tensor(ptrs[i_x], xdt, (M, K // 8, 8), 16)
+                    if cutlass.const_expr(G > 1):
+                        # x [M, G K]: this tile's group's K columns, rows G K apart
+                        xbytes = 2 if c.x_dtype == "bf16" else 4
+                        gx = cute.make_ptr(xdt, ptrs[i_x] + Int64((t * R) // GN) * Int64(K * xbytes),
+                                           cute.AddressSpace.gmem, assumed_align=16)
+                        mX = cute.make_tensor(gx, cute.make_layout((M, K // 8, 8), stride=(G * K, 8, 1)))
                     if cutlass.const_expr(norm):
                         mNW = gmem_tensor(ptrs[i_nw], BFloat16, (K // 8, 8), 16)
                     if cutlass.const_expr(hfma2):

@@ -51,7 +51,13 @@ Split-KV: the sequence's chunks [0, ceil(len / chunk)) are cut into `num_splits`
 whole chunks (a static count: the megakernel's tile count is static); splits past the end write
 lse = -inf. `choose_splits()` picks a count for (batch, context, SMs).
 
-Supported: rows = T * heads <= 32 (padded to 16 / 32 MMA rows), d_qk a multiple of 16 * NWK,
+Row groups: a tile holds at most 32 query rows (two 16-row MMA fragments). More rows - Kimi K3's
+96 heads on one GPU, 12 heads verifying T = 4 speculative tokens, GLM-5.3's 64 DSA heads - are cut
+into `row_groups` equal groups, a tile each: tile = ((b * T + tq) * G + g) * S + s (dense: no tq).
+The groups of one split read the same keys side by side, so the repeats can come from L2 (not yet
+measured); the floor counts the keys once.
+
+Supported: any T * heads (row groups of <= 32, padded to 16 / 32 MMA rows), d_qk a multiple of 16 * NWK,
 d_v = kv_lora a multiple of 128, rope 0 (NoPE: GLM-5.3) or any multiple of 16, page_size >= 1.
 Sparse (DSA, GLM-5.3: `index_width` = W > 0): every query token attends only to the tokens of its
 own index list index [B, T, W] int32 (TopKBlock's output: distinct tokens, any order, -1 = none),
@@ -62,7 +68,8 @@ each chunk's tokens in shared memory for the mask: visible iff 0 <= token <= len
 (the causal rule; -1 entries never are). Splits cut the W positions. A GLM-5.3 "shared" indexer
 layer passes the previous layer's list to the same operand.
 
-Not yet: rows > 32 (T > 2 at 12 heads; sparse: heads > 32), a per-step dynamic split scheduler
+Not yet: one tile over more than 32 rows (wgmma's 64-row fragments: each key read once for 64
+rows; row groups read the keys once a group), a per-step dynamic split scheduler
 for ragged batches (FlashMLA's tile-scheduler metadata), skipping a sparse list's -1 tail (the
 tile reads W rows whatever the context: a count operand would cut short contexts' work), fp8 MMA
 (fp8 query), wgmma / tcgen05 variants, the fused W_UV epilogue.
@@ -77,7 +84,14 @@ import torch
 from .base import NUM_THREADS, Block, Cost, OperandSpec
 
 NUM_WARPS = NUM_THREADS // 32
+MAX_TILE_ROWS = 32                       # query rows of one tile: two 16-row MMA fragments
 LOG2_E = 1.4426950408889634
+
+
+def row_groups(unit_rows: int, max_rows: int = MAX_TILE_ROWS) -> int:
+    """Tiles that share the keys of `unit_rows` query rows (a sequence's T x heads; sparse: one
+    token's heads), each with at most `max_rows` of them."""
+    return -(-unit_rows // max_rows)
 
 
 def choose_splits(batch: int, context: int, num_sms: int = 132, chunk: int = 32,
@@ -120,6 +134,8 @@ class MLADecodeConfig:
     stages: int = 0                    # pipeline depth; 0 = auto (what fits in ~200 KB, 2..8)
     index_width: int = 0               # DSA: entries of each query's index list (0 = dense attention)
     q_in_regs: bool | None = None      # query slice in registers across chunks; None = auto (q_regs)
+    max_tile_rows: int = MAX_TILE_ROWS  # query rows of one tile (32, or 16: half the query and score
+                                        # smem, the keys read by twice the row groups)
 
 
 class MLADecodeBlock(Block):
@@ -145,8 +161,34 @@ class MLADecodeBlock(Block):
         return self.config.index_width > 0
 
     @property
-    def tile_rows(self) -> int:           # query rows of one tile: all T tokens, or one (sparse)
-        return self.config.heads if self.sparse else self.rows
+    def unit_rows(self) -> int:           # query rows that read the same keys: all T tokens' rows,
+        return self.config.heads if self.sparse else self.rows   # or one token's (sparse)
+
+    @property
+    def row_groups(self) -> int:
+        """Tiles that share a unit's keys, each with an equal part of its rows (at most
+        max_tile_rows: the MMA's two 16-row fragments, or one). Each group reads the unit's keys
+        again."""
+        return row_groups(self.unit_rows, self.config.max_tile_rows)
+
+    @property
+    def tile_rows(self) -> int:           # query rows of one tile (the last group may have fewer)
+        return -(-self.unit_rows // self.row_groups)
+
+    def tile_coords(self, tile: int) -> tuple[int, int, int, int]:
+        """(sequence b, query token tq (sparse; else 0), row group g, split s) of tile `tile`:
+        tile = ((b * T + tq) * G + g) * S + s (dense: no tq), so a group count of 1 keeps the
+        one-group numbering."""
+        c = self.config
+        u, s = divmod(tile, c.num_splits)
+        u, g = divmod(u, self.row_groups)
+        b, tq = divmod(u, c.q_tokens) if self.sparse else (u, 0)
+        return b, tq, g, s
+
+    def group_span(self, g: int) -> tuple[int, int]:
+        """Rows [lo, hi) of the unit that row group g owns."""
+        lo = g * self.tile_rows
+        return lo, min(lo + self.tile_rows, self.unit_rows)
 
     @property
     def m_pad(self) -> int:
@@ -236,9 +278,10 @@ class MLADecodeBlock(Block):
             self.unsupported(f"mla_decode: kv dtype {c.kv_dtype!r} (supported: bf16, fp8_e4m3)")
         if c.chunk not in (16, 32, 64):
             self.unsupported(f"mla_decode: chunk={c.chunk} (supported: 16, 32, 64)")
-        if not 1 <= self.tile_rows <= 32:
-            what = "heads" if self.sparse else "q_tokens x heads"
-            self.unsupported(f"mla_decode: {what} = {self.tile_rows} rows per tile (supported: 1..32)")
+        if c.heads < 1 or c.q_tokens < 1:
+            self.unsupported("mla_decode: heads and q_tokens must be >= 1")
+        if c.max_tile_rows not in (16, MAX_TILE_ROWS):
+            self.unsupported(f"mla_decode: max_tile_rows={c.max_tile_rows} (16 or {MAX_TILE_ROWS})")
         if c.index_width < 0:
             self.unsupported("mla_decode: index_width >= 0")
         if c.kv_lora % (8 * NUM_WARPS * 2):
@@ -273,7 +316,7 @@ class MLADecodeBlock(Block):
 
     def num_tiles(self) -> int:
         c = self.config
-        return c.batch * c.num_splits * (c.q_tokens if self.sparse else 1)
+        return c.batch * c.num_splits * self.row_groups * (c.q_tokens if self.sparse else 1)
 
     def cost(self, context: int | None = None) -> Cost:
         """Per tile at `context` tokens per sequence (default max_seq_len; sparse: the list
@@ -410,10 +453,10 @@ class MLADecodeBlock(Block):
 
     def _emulate_sparse_tile(self, t: dict, tile: int) -> None:
         c, H = self.config, self.config.heads
-        bt, s = divmod(tile, c.num_splits)
-        b, tq = divmod(bt, c.q_tokens)
+        b, tq, g, s = self.tile_coords(tile)
+        h0, h1 = self.group_span(g)
         lo, hi = self.split_range(c.index_width, s)
-        q = self._sparse_q(t, b, tq)
+        q = self._sparse_q(t, b, tq)[h0:h1]
 
         def chunks():
             for c0 in range(lo, hi, c.chunk):
@@ -421,8 +464,8 @@ class MLADecodeBlock(Block):
                 yield kv, ok[None]
 
         o, lse = self._online_softmax(q, chunks())
-        t["o_part"][b, s, tq * H:(tq + 1) * H] = o.to(t["o_part"].dtype).to(t["o_part"].device)
-        t["lse_part"][b, s, tq * H:(tq + 1) * H] = lse.to(t["lse_part"].dtype).to(t["lse_part"].device)
+        t["o_part"][b, s, tq * H + h0:tq * H + h1] = o.to(t["o_part"].dtype).to(t["o_part"].device)
+        t["lse_part"][b, s, tq * H + h0:tq * H + h1] = lse.to(t["lse_part"].dtype).to(t["lse_part"].device)
 
     def emulate_tile(self, t: dict, tile: int) -> None:
         """Torch twin of one tile: same split bounds, chunk by chunk online softmax in fp32 with
@@ -431,11 +474,12 @@ class MLADecodeBlock(Block):
         c = self.config
         if self.sparse:
             return self._emulate_sparse_tile(t, tile)
-        b, s = divmod(tile, c.num_splits)
+        b, _, g, s = self.tile_coords(tile)
+        r0, r1 = self.group_span(g)
         length = int(t["seq_lens"][b])
         lo, hi = self.split_range(length, s)
-        q = t["q"][b].float().reshape(self.rows, self.d_qk).cpu()
-        qpos = length - c.q_tokens + torch.arange(self.rows) // c.heads
+        q = t["q"][b].float().reshape(self.rows, self.d_qk).cpu()[r0:r1]
+        qpos = length - c.q_tokens + torch.arange(r0, r1) // c.heads
 
         def chunks():
             for c0 in range(lo, hi, c.chunk):
@@ -444,8 +488,8 @@ class MLADecodeBlock(Block):
                 yield kv, tok[None, :] <= qpos[:, None]
 
         o, lse = self._online_softmax(q, chunks())
-        t["o_part"][b, s] = o.to(t["o_part"].dtype).to(t["o_part"].device)
-        t["lse_part"][b, s] = lse.to(t["lse_part"].dtype).to(t["lse_part"].device)
+        t["o_part"][b, s, r0:r1] = o.to(t["o_part"].dtype).to(t["o_part"].device)
+        t["lse_part"][b, s, r0:r1] = lse.to(t["lse_part"].dtype).to(t["lse_part"].device)
 
     # -- device face ---------------------------------------------------------------------------
     def _build_device_tile(self):
@@ -697,4 +741,13 @@ def mla_compile_cases() -> list:
         MLADecodeBlock(MLADecodeConfig(heads=8, softmax_scale=256 ** -0.5, rope=0, batch=1, num_splits=16,
                                        kv_dtype="fp8_e4m3", num_pages=2048, max_seq_len=131072,
                                        index_width=2048 + 15)),
+        # row groups: Kimi K3 TP8 verifying 4 speculative tokens (48 rows: 2 tiles of 24 a split),
+        # GLM-5.3 DSA on one GPU (64 heads: 2 tiles of 32 a token and split)
+        MLADecodeBlock(MLADecodeConfig(heads=12, softmax_scale=k3, batch=8, q_tokens=4, num_splits=8,
+                                       kv_dtype="fp8_e4m3", num_pages=4096, max_seq_len=32768)),
+        MLADecodeBlock(MLADecodeConfig(heads=64, softmax_scale=256 ** -0.5, rope=0, batch=1, num_splits=8,
+                                       num_pages=2048, max_seq_len=131072, chunk=64, index_width=2048 + 15)),
+        # 16-row tiles (the sublayers' last resort for shared memory): Kimi K3 TP4, 24 heads in 2 of 12
+        MLADecodeBlock(MLADecodeConfig(heads=24, softmax_scale=k3, batch=8, num_splits=8, num_pages=4096,
+                                       max_seq_len=32768, chunk=16, stages=2, max_tile_rows=16)),
     ]

@@ -42,7 +42,7 @@ import torch
 
 from ..blocks.base import NUM_THREADS, Block, Cost, OperandSpec
 from ..blocks.indexer import choose_keys_per_tile, glm53_indexer_blocks
-from ..blocks.mla_decode import MLADecodeBlock, choose_splits
+from ..blocks.mla_decode import MLADecodeBlock, choose_splits, row_groups
 from . import mla_layer
 from .mla_attention import MLAAttentionConfig
 from .mla_layer import MLALayerConfig
@@ -265,7 +265,8 @@ def shard_config(spec, batch: int = 1, max_seq_len: int = 8192, num_pages: int =
     # the sparse decode walks each query's list, not the context: its splits cut topk + kpool - 1,
     # at least 2 chunks each (gathered rows: a long split is a serial walk of scattered loads -
     # 8 chunks per split took 24 us at batch 1 on the H200)
-    attn_kw.setdefault("num_splits", choose_splits(batch * q_tokens, ix.topk + ix.kpool - 1, num_sms,
+    groups = row_groups(s.num_heads // tp)
+    attn_kw.setdefault("num_splits", choose_splits(batch * q_tokens * groups, ix.topk + ix.kpool - 1, num_sms,
                                                    min_chunks_per_split=2))
     attn = MLAAttentionConfig(heads=s.num_heads // tp, kv_lora=s.kv_lora_rank, nope=s.qk_nope_head_dim, rope=0,
                               v=s.v_head_dim, softmax_scale=s.softmax_scale or s.qk_nope_head_dim ** -0.5,

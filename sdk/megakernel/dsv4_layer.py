@@ -22,13 +22,14 @@ with the residual add.
                                                        compressor and, CSA, the top-k)
     out    = DSV4Combine(o_part, lse_part, sinks)                   [B, T, H, hd] (un-roped)
     window = DSV4RingWrite(new_kv)                                  (after the decode read the old ring)
-    o_lat  = GEMV(out, W_o_a)                                       [M, R]  (the shard's one o_a group)
+    o_lat  = GEMV(out, W_o_a)                                       [M, G R] (the shard's G o_a groups)
     resid  = x + GEMV(o_lat, W_o_b)                                 (fp32; the row-parallel o_b's
                                                                       all-reduce is the TP program's)
 
 `reference()` is sdk/reference/dsv4_attention.py's DSV4AttentionReference.forward on bf16(rmsnorm(x)
-* input_norm) with the model's bf16 weights, plus the residual. Supported: the shard holds one
-o_a group (V4.1-Flash TP8: 8 heads = one of 8 groups); the indexer whole on every GPU (its heads
+* input_norm) with the model's bf16 weights, plus the residual. Supported: the shard holds any
+whole number of o_a groups (`o_groups`; V4.1-Flash TP8: 8 heads = one of 8 groups, one GPU: all 8,
+one GEMV with `GemvConfig.groups`); the indexer whole on every GPU (its heads
 are not sharded); CSA with T = 1 at any batch, T = 2 at batch 1 (shared memory: the staged x, the
 weight ring and the largest plain tile - build_program says so otherwise). The indexer's head
 weights iw stay fp32 out of their GEMV (the model rounds F.linear's output to bf16 first: a 2^-9
@@ -45,6 +46,7 @@ import torch
 from ..blocks.dsv4_attention import (DSV4CombineBlock, DSV4CombineConfig, DSV4DecodeBlock, DSV4DecodeConfig,
                                      DSV4RingWriteBlock, DSV4RingWriteConfig, choose_splits, comp_cache_shape,
                                      comp_fp4_round_trip, comp_record_words, dequantize_comp_fp4, dequantize_window_fp8,
+                                     even_row_groups,
                                      quantize_comp_fp4, quantize_window_fp8, window_record_words)
 from ..blocks.dsv4_compress import DSV4CompressConfig, compressor_blocks
 from ..blocks.dsv4_prologue import DSV4IndexQBlock, DSV4IndexQConfig, DSV4PrologueBlock, DSV4PrologueConfig
@@ -68,7 +70,9 @@ class DSV4LayerConfig(MHCSiteFields):
     hidden: int = 4096
     head_dim: int = 512
     q_rank: int = 1024                   # q_lora_rank
-    o_rank: int = 1024                   # o_lora_rank of the shard's o_a group
+    o_rank: int = 1024                   # o_lora_rank of an o_a group
+    o_groups: int = 1                    # o_a groups of the shard: its heads in that many groups, each
+                                         # projected to o_rank (one GPU, V4.1-Flash: 8; TP8: 1)
     rope: int = 64
     window: int = 128
     ratio: int = 128                     # compress ratio (HCA 128, CSA 4)
@@ -84,6 +88,7 @@ class DSV4LayerConfig(MHCSiteFields):
                                          # sizes the shared arena (the indexer's scores, 70 KB at T = 1):
                                          # with chunk 32 the decode's 87 KB leaves batch 8 no ring stages)
     index_stages: int = 2                # the indexer score tile's pipeline stages
+    decode_max_rows: int = 32            # query rows of a decode tile (16: build_program's last resort)
     decode_stages: int = 0               # the decode core's pipeline stages (0: its auto; build_program
                                          # lowers them until the projections' weight ring fits beside)
     num_sms: int = 132
@@ -132,7 +137,7 @@ class DSV4LayerConfig(MHCSiteFields):
         return DSV4AttentionSpec(num_heads=self.heads, head_dim=self.head_dim, q_lora_rank=self.q_rank,
                                  rope_dim=self.rope, sliding_window=self.window,
                                  compress_ratio=self.ratio if self.compressed else 0, indexer=indexer,
-                                 compress_overlap=self.mode == "csa", o_groups=1, o_lora_rank=self.o_rank,
+                                 compress_overlap=self.mode == "csa", o_groups=self.o_groups, o_lora_rank=self.o_rank,
                                  rope=RopeSpec(dim=self.rope, theta=self.rope_theta, interleaved=True),
                                  compress_rope=RopeSpec(dim=self.rope, theta=self.compress_rope_theta, interleaved=True),
                                  norm_eps=self.eps, q_head_norm=self.q_head_norm)
@@ -140,13 +145,19 @@ class DSV4LayerConfig(MHCSiteFields):
     def splits(self) -> int:
         comp = {"swa": 0, "hca": self.max_entries, "csa": self.topk}[self.mode]
         chunk = self.decode_chunk or (16 if self.mode == "csa" else 32)
-        return self.num_splits or choose_splits(self.batch, self.window + self.tokens + comp, self.num_sms, chunk=chunk)
+        # a query group of more than 32 rows is several tiles (row groups): cover the SMs with all
+        groups = even_row_groups(self.heads * (1 if self.mode == "csa" else self.tokens), self.decode_max_rows)
+        return self.num_splits or choose_splits(self.batch * groups, self.window + self.tokens + comp, self.num_sms,
+                                                chunk=chunk)
 
     def blocks(self) -> dict:
         """The non-GEMV blocks of the program."""
         from ..errors import UnsupportedConfigError
         if self.mode not in ("swa", "hca", "csa"):
             raise UnsupportedConfigError(f"DSV4 layer: mode {self.mode!r} (supported: swa, hca, csa)")
+        if self.o_groups < 1 or self.heads % self.o_groups:
+            raise UnsupportedConfigError(f"DSV4 layer: o_groups={self.o_groups} must divide the shard's "
+                                         f"{self.heads} heads (whole heads a group)")
         B, T, H, hd = self.batch, self.tokens, self.heads, self.head_dim
         S = self.splits()
         out = {"prologue": DSV4PrologueBlock(DSV4PrologueConfig(heads=H, head_dim=hd, rope=self.rope, batch=B,
@@ -156,6 +167,7 @@ class DSV4LayerConfig(MHCSiteFields):
                                                           max_entries=self.max_entries, topk=max(self.topk, 1),
                                                           num_splits=S, stages=self.decode_stages,
                                                           chunk=self.decode_chunk or (16 if self.mode == "csa" else 32),
+                                                          max_tile_rows=self.decode_max_rows,
                                                           window_dtype=self.window_dtype, comp_dtype=self.comp_dtype)),
                "combine": DSV4CombineBlock(DSV4CombineConfig(heads=H, batch=B, q_tokens=T, head_dim=hd, num_splits=S,
                                                              per_token_groups=self.mode == "csa", rope_dim=self.rope)),
@@ -188,10 +200,10 @@ class DSV4LayerConfig(MHCSiteFields):
         return site_of(self, "DSV4 layer", self.tokens_total, self.eps)
 
     def weight_shapes(self) -> dict:
-        D, H, hd, Q, R = self.hidden, self.heads, self.head_dim, self.q_rank, self.o_rank
+        D, H, hd, Q, R, G = self.hidden, self.heads, self.head_dim, self.q_rank, self.o_rank, self.o_groups
         w = {"input_norm": ((D,), "fp32" if self.mhc else "bf16"), "w_q_a": ((Q, D), "bf16"), "q_a_norm": ((Q,), "bf16"),
              "w_q_b": ((H * hd, Q), "bf16"), "w_kv": ((hd, D), "bf16"), "kv_norm": ((hd,), "bf16"),
-             "sinks": ((H,), "fp32"), "w_o_a": ((R, H * hd), "bf16"), "w_o_b": ((D, R), "bf16")}
+             "sinks": ((H,), "fp32"), "w_o_a": ((G * R, H * hd // G), "bf16"), "w_o_b": ((D, G * R), "bf16")}
         if self.compressed:
             c = 2 * hd if self.mode == "csa" else hd
             w.update({"w_c_kv": ((c, D), "bf16"), "w_c_gate": ((c, D), "bf16"),
@@ -224,12 +236,13 @@ class DSV4LayerConfig(MHCSiteFields):
 
 def build_program(cfg: DSV4LayerConfig) -> Program:
     """The sublayer's program with the deepest decode pipeline (its auto, then 4 .. 2 stages; then
-    the same with 16-key chunks) that leaves the projections' weight ring 2 stages of shared memory
-    (the decode tile of 8 heads x 512 takes ~187 KB at its auto depth); else the ring's error."""
+    the same with 16-key chunks; last, 16-row tiles at 2 stages of 16 keys) that leaves the
+    projections' weight ring 2 stages of shared memory (the decode tile of 8 heads x 512 takes
+    ~187 KB at its auto depth); else the ring's error."""
     from dataclasses import replace
 
-    def build(chunk, st):
-        c = replace(cfg, decode_chunk=chunk, decode_stages=st)
+    def build(chunk, st, rows=cfg.decode_max_rows):
+        c = replace(cfg, decode_chunk=chunk, decode_stages=st, decode_max_rows=rows)
         prog = _build(c)
         if cfg.fill_stage:
             # every GEMV's chunk widened to fill the ring's stage (its widest chunk: the indexer's q
@@ -240,7 +253,10 @@ def build_program(cfg: DSV4LayerConfig) -> Program:
     # 32-key chunks and 2 stages: at batch 64, or 8 x 2 tokens, the ring found 1 stage - GPU run 2026-12-05)
     chunks = (cfg.decode_chunk,) if cfg.decode_chunk else (0, 16)
     stages = (cfg.decode_stages,) if cfg.decode_stages else (0, 4, 3, 2)
-    return first_fitting(lambda ch=ch, st=st: build(ch, st) for ch in chunks for st in stages)
+    # last, 16-row decode tiles (half the query smem; 32 heads then take 2 row groups)
+    tall = [lambda ch=ch, st=st: build(ch, st) for ch in chunks for st in stages]
+    short = [lambda ch=ch, st=st: build(ch, st, 16) for ch in chunks[-1:] for st in stages[-1:]]
+    return first_fitting(tall + (short if cfg.decode_max_rows > 16 and cfg.heads * cfg.tokens > 16 else []))
 
 
 def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
@@ -270,7 +286,7 @@ def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
                                ("kv_raw", (M, hd), "bf16"), ("q", (B, T, H, hd), "bf16"), ("new_kv", (B, T, hd), "bf16"),
                                ("o_part", (B, dec.groups, dec.config.num_splits, dec.rows, hd), "fp32"),
                                ("lse_part", (B, dec.groups, dec.config.num_splits, dec.rows), "fp32"),
-                               ("out", (B, T, H, hd), "bf16"), ("o_lat", (M, cfg.o_rank), "bf16")):
+                               ("out", (B, T, H, hd), "bf16"), ("o_lat", (M, cfg.o_groups * cfg.o_rank), "bf16")):
         prog.buffer(name, shape, dtype)
     if mhc:
         prog.buffer("y", (M, D), "bf16")             # the sublayer's output, into the post-mix
@@ -347,12 +363,15 @@ def _build(cfg: DSV4LayerConfig, stage_bytes: int = 0) -> Program:
     comb = prog.op(blk["combine"], {"o_part": "o_part", "lse_part": "lse_part", "sinks": "sinks", "cos": "cos",
                                     "sin": "sin", "out": "out"}, waits=[core], label="v4.combine")
     prog.op(blk["ring"], {"new_kv": "new_kv", "start": "start", "window": "window"}, waits=[core], label="v4.ring")
-    oa = prog.op(gemv(cfg.o_rank, H * hd), {"w": "w_o_a", "x": "out", "y": "o_lat"}, waits=[comb], label="v4.o_a")
+    # the grouped o_a: group j's o_rank rows read the heads [j H / G, (j + 1) H / G) of out
+    G, GR = cfg.o_groups, cfg.o_groups * cfg.o_rank
+    oa = prog.op(gemv(GR, H * hd // G, groups=G), {"w": "w_o_a", "x": "out", "y": "o_lat"}, waits=[comb],
+                 label="v4.o_a")
     if not mhc:
-        prog.op(gemv(D, cfg.o_rank, out_dtype="fp32", residual="bf16"),
+        prog.op(gemv(D, GR, out_dtype="fp32", residual="bf16"),
                 {"w": "w_o_b", "x": "o_lat", "res": "x", "y": "resid"}, waits=[oa], label="v4.o_b")
         return prog
-    ob = prog.op(gemv(D, cfg.o_rank), {"w": "w_o_b", "x": "o_lat", "y": "y"}, waits=[oa], label="v4.o_b")
+    ob = prog.op(gemv(D, GR), {"w": "w_o_b", "x": "o_lat", "y": "y"}, waits=[oa], label="v4.o_b")
     add_post(prog, blk, "y", [ob, coef_op], label="v4.")
     return prog
 

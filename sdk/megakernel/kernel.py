@@ -44,25 +44,10 @@ from cutlass.memory import SmemAllocator
 
 from ..blocks._cute import bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile
 from ..blocks.base import NUM_THREADS, ring_geometry
-from ..errors import UnsupportedConfigError
 from . import isa
+from .program import records_geometry
 
 OPTAB_EXTENT = 1 << 24        # static extent of the operand table view (never bounds-checked)
-RECORDS_MAX_BYTES = 48 * 1024  # shared memory for the instruction records of one CTA
-
-
-def records_geometry(blocks, max_len: int) -> tuple[int, int]:
-    """(operand slots per record, smem bytes of all records) of a CTA's instruction records:
-    WORDS int32 words + NOPS int64 operand pointers per instruction, NOPS = the most operands of
-    any block. The runtime pads the operand table with NOPS null entries (every record reads
-    NOPS pointers, whatever its block uses)."""
-    nops = max([len(b.operands()) for b in blocks] + [1])
-    nbytes = max_len * (4 * isa.WORDS + 8 * nops)
-    if nbytes > RECORDS_MAX_BYTES:
-        raise UnsupportedConfigError(
-            f"megakernel: {max_len} instructions on one SM need {nbytes} B of shared memory for their "
-            f"records ({nops} operands each); the limit is {RECORDS_MAX_BYTES} B - use more, larger tiles")
-    return nops, nbytes
 
 
 def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):

@@ -31,8 +31,8 @@ paged layers' lengths) and runs it on the PyVM (CPU: the blocks' torch twins) or
 
 Supported: V4.1's residual (ResidualSpec lagged_pre with the "carried" head: the configs
 "tiny_v41" / "small_v41" / "full_v41"), V4's (unlagged, the weighted head) and GLM-5.3's
-(unlagged, the mean head); V4 attention with o_groups = 1 per GPU (the program holds one o_a
-group); KDA; GLM-5.3's NoPE DSA MLA; dense MLPs and the MoE; the limits of each block (hidden a
+(unlagged, the mean head); V4 attention with any o_groups (a grouped o_a GEMV: one GPU holds
+every group; over N ranks each holds one group or N / o_groups of them); KDA; GLM-5.3's NoPE DSA MLA; dense MLPs and the MoE; the limits of each block (hidden a
 multiple of 1024, batch x tokens <= 64, ...). One token per sequence a step; the routed experts
 in bf16, fp8 or MXFP4 (`expert_dtype`: quantised from the model's weights at load). Not: tensor /
 expert parallelism across GPUs (the all-reduce and EP programs are separate), Engram.
@@ -51,7 +51,7 @@ from . import dense_layer, dsa_layer, dsv4_layer, kda_layer, mla_layer, moe_laye
 from .mhc_layer import chain
 from .mlp_stack import gemv_block
 from .model_runner import MegakernelModel, ModelConfig, ModelRunner, getter, head_source, mlp_sources, weights_from
-from .program import Program
+from .program import Program, fitted_sublayers
 
 WHAT = "mHC model program"
 HEADS = {(True, "carried"), (False, "weighted"), (False, "mean")}      # (lagged_pre, head)
@@ -75,9 +75,9 @@ class MHCModelConfig(ModelConfig):
                 raise UnsupportedConfigError(f"{WHAT}: layer {l.index} attention {a.kind!r} "
                                              "(supported: dsv4, kda, dsa_mla)")
             if a.kind == "dsv4" and not self.o_groups_ok(a.o_groups):
-                raise UnsupportedConfigError(f"{WHAT}: layer {l.index} has o_groups={a.o_groups}; the "
-                                             "attention program holds one o_a group (over N tensor-parallel "
-                                             "ranks: N a multiple of o_groups)")
+                raise UnsupportedConfigError(f"{WHAT}: layer {l.index} has o_groups={a.o_groups}; over N "
+                                             "tensor-parallel ranks a rank holds one o_a group or whole groups "
+                                             "(N a multiple of o_groups, or o_groups a multiple of N)")
             if a.kind == "kda" and a.conv_activation != "silu":
                 raise UnsupportedConfigError(f"{WHAT}: layer {l.index} KDA conv activation {a.conv_activation!r} "
                                              "(the KDA op's short conv is SiLU)")
@@ -87,8 +87,8 @@ class MHCModelConfig(ModelConfig):
                 raise UnsupportedConfigError(f"{WHAT}: layer {l.index} MLP {m.kind!r} (supported: dense, moe)")
 
     def o_groups_ok(self, groups: int) -> bool:
-        """Whether a V4 attention layer's o_groups fit the program (one o_a group)."""
-        return groups == 1
+        """Whether a V4 attention layer's o_groups fit the program (one GPU: all of them)."""
+        return True
 
     def layers(self) -> list[tuple]:
         """(attention config, MLP config) per layer, each in its mHC site (the last one last)."""
@@ -103,7 +103,8 @@ class MHCModelConfig(ModelConfig):
                 ix = a.indexer
                 attn = dsv4_layer.DSV4LayerConfig(
                     heads=a.num_heads, mode=mode, batch=B, tokens=1, hidden=s.hidden_size, head_dim=a.head_dim,
-                    q_rank=a.q_lora_rank, o_rank=a.o_lora_rank, rope=a.rope_dim, window=a.sliding_window,
+                    q_rank=a.q_lora_rank, o_rank=a.o_lora_rank, o_groups=a.o_groups, rope=a.rope_dim,
+                    window=a.sliding_window,
                     ratio=a.compress_ratio or 128, max_seq_len=self.max_seq_len, rope_theta=a.rope.theta,
                     compress_rope_theta=a.compress_rope.theta, eps=s.norm_eps, num_sms=self.num_sms,
                     q_head_norm=a.q_head_norm, **(dict(index_heads=ix.num_heads, index_head_dim=ix.head_dim,
@@ -161,13 +162,19 @@ SUBLAYER_PROGRAMS = {dsv4_layer.DSV4LayerConfig: dsv4_layer.build_program, kda_l
                      moe_layer.MoELayerConfig: moe_layer.build_program}
 
 
-def build_program(cfg: MHCModelConfig, out: Program | None = None, replay_ops=None) -> Program:
-    """The whole model's program. out, replay_ops: mhc_layer.chain's (the tensor-parallel program:
-    its comm program, the post-mixes made all-reduces - sdk/megakernel/tp_model.py)."""
+def build_sublayer(c) -> Program:
+    return SUBLAYER_PROGRAMS[type(c)](c)
+
+
+def build_program(cfg: MHCModelConfig, fresh=None) -> Program:
+    """The whole model's program. fresh() -> (out, replay_ops): mhc_layer.chain's, a new pair for
+    each assembly (the tensor-parallel program: its comm program, the post-mixes made
+    all-reduces - sdk/megakernel/tp_model.py)."""
     s, B = cfg.spec, cfg.batch
     D, N, V = s.hidden_size, s.residual.hc_mult, s.vocab_size
     layers = cfg.layers()
     site = layers[0][0].site
+
     pro = Program()                      # the prologue: ids -> streams, the first site's partials
     pro.buffer("ids", (B,), "int32", "input")
     pro.buffer("embed", (V, D), "bf16", "weight")
@@ -178,8 +185,22 @@ def build_program(cfg: MHCModelConfig, out: Program | None = None, replay_ops=No
                  {"ids": "ids", "table": "embed", "streams": "streams"}, label="embed")
     pro.op(MHCMixBlock(MHCMixConfig(d=D, n=N, m=B, rows=mix_rows(N), d_slice=site.d_slice, stream_dtype="bf16")),
            {"streams": "streams", "fn": "hc_fn_first", "part": "part"}, waits=[emb], label="hc_mix_first")
-    sub = [SUBLAYER_PROGRAMS[type(c)](c) for pair in layers for c in pair]
-    prog, last = chain(sub, cfg.prefixes(), prologue=pro, aliases=cfg.index_links(), out=out, replay_ops=replay_ops)
+
+    def whole(sub):
+        out, replay_ops = fresh() if fresh else (None, None)
+        prog, last = chain(sub, cfg.prefixes(), prologue=pro, aliases=cfg.index_links(), out=out,
+                           replay_ops=replay_ops)
+        add_head(prog, cfg, last)
+        return prog
+    return fitted_sublayers([c for pair in layers for c in pair], build_sublayer, whole, cfg.num_sms)
+
+
+def add_head(prog: Program, cfg: MHCModelConfig, last: int) -> None:
+    """The final collapse of the streams (V4.1: with the last site's pre; V4: its own weighted pre;
+    GLM-5.3: their mean) and the (vocabulary-parallel) lm_head, after op `last`."""
+    s, B = cfg.spec, cfg.batch
+    D, N = s.hidden_size, s.residual.hc_mult
+    site = cfg.layers()[0][0].site
     Vr = cfg.vocab_rows
     prog.buffer("head_norm", (D,), "fp32", "weight")
     prog.buffer("lm_head", (Vr, D), "bf16", "weight")
@@ -202,7 +223,6 @@ def build_program(cfg: MHCModelConfig, out: Program | None = None, replay_ops=No
     head = prog.op(MHCPreBlock(MHCPreConfig(**head_cfg, kind=kind)), bind, waits=[last], label="head")
     prog.op(gemv_block(GemvConfig(n=Vr, k=D, m=B, out_dtype="fp32"), 0, cfg.num_sms),
             {"w": "lm_head", "x": "h", "y": "logits"}, waits=[head], label="lm_head")
-    return prog
 
 
 # V4's attention program's weights <- the model's (under layers.{i}.attn.)

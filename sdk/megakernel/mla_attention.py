@@ -22,7 +22,7 @@ import torch
 from ..blocks.base import NUM_THREADS
 from ..blocks.mla_decode import (MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig,
                                  MLAHeadProjBlock, MLAHeadProjConfig, absorb_weights, choose_chunk,
-                                 choose_splits)
+                                 choose_splits, row_groups)
 from .program import Program
 
 
@@ -50,6 +50,8 @@ class MLAAttentionConfig:
                                         # program takes 64 where choose_chunk does (its 2 stages of 74 KB;
                                         # Kimi K3 TP8 program B=64 32K 675 -> 639 us, B=8 128K 331 -> 315,
                                         # H200 2026-12-04), else 32; the sublayers 32 (no room beside their ring)
+    decode_max_rows: int = 32           # query rows of a decode tile (16: the sublayers' last resort
+                                        # for shared memory - mla_layer.build_program)
     head_proj_in_flight: bool = True    # W_UK / W_UV tiles load all their rows' weights at once
                                         # (MLAHeadProjConfig.rows_in_flight; Kimi K3 TP8 B=1 32K
                                         # sublayer 57.6 -> 53.5 us: W_UK 4.9 -> 2.0 us)
@@ -70,7 +72,9 @@ class MLAAttentionConfig:
 
     @property
     def splits(self) -> int:
-        return self.num_splits or choose_splits(self.batch, self.max_seq_len, self.num_sms)
+        # each row group of a sequence is a tile of its own: cover the SMs with all of them
+        groups = row_groups(self.q_tokens * self.heads, self.decode_max_rows)
+        return self.num_splits or choose_splits(self.batch * groups, self.max_seq_len, self.num_sms)
 
 
 def decode_block(cfg: MLAAttentionConfig) -> MLADecodeBlock:
@@ -78,7 +82,7 @@ def decode_block(cfg: MLAAttentionConfig) -> MLADecodeBlock:
         heads=cfg.heads, softmax_scale=cfg.softmax_scale, batch=cfg.batch, q_tokens=cfg.q_tokens,
         kv_lora=cfg.kv_lora, rope=cfg.rope, scale_factor=cfg.scale_factor, page_size=cfg.page_size,
         num_pages=cfg.num_pages, max_seq_len=cfg.max_seq_len, num_splits=cfg.splits, kv_dtype=cfg.kv_dtype,
-        chunk=cfg.decode_chunk or 32, stages=cfg.decode_stages))
+        chunk=cfg.decode_chunk or 32, stages=cfg.decode_stages, max_tile_rows=cfg.decode_max_rows))
 
 
 def add_cache_inputs(prog: Program, cfg: MLAAttentionConfig) -> MLADecodeBlock:

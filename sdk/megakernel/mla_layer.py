@@ -119,23 +119,36 @@ FALLBACK_GEMV_ROWS = 16
 # stages and a 3-stage ring: 59.4 -> 56.9 us on the H200 (2026-12-04). (16-row projection tiles
 # for a 4-6 stage ring instead measured 63.7 us: more, smaller tiles.)
 RING_STAGES_WANTED = 3
+# decode tokens per pipeline stage when 32 leaves the ring no room: 32-row decode tiles (row groups:
+# 96 heads, or 12 heads x 3-4 speculative tokens) at batch 3+ take 125 KB at 2 stages of 32 tokens,
+# 88 KB at 16, beside 64+ KB of staged activations (not yet measured on a GPU)
+FALLBACK_DECODE_CHUNK = 16
 
 
 def build_program(cfg: MLALayerConfig, builder=None) -> Program:
     """The sublayer's program with the projections' balanced tiles, else (no room) with
     FALLBACK_GEMV_ROWS-row tiles (smaller ring stages); with the deepest decode pipeline
     (attn.decode_stages down to 2) that leaves their weight ring RING_STAGES_WANTED stages of
-    shared memory, else the deepest that leaves it 2; else the ring's error. builder(cfg, gemv_rows) -> Program:
-    `_build` unless given (sdk/megakernel/dsa_layer.py passes one that adds the DSA indexer)."""
+    shared memory, else the deepest that leaves it 2; else, with the decode chunk left to the
+    builder, all that again over FALLBACK_DECODE_CHUNK-token chunks, then with 16-row decode tiles
+    (half the query smem; more row groups); else the ring's error.
+    builder(cfg, gemv_rows) -> Program: `_build` unless given (sdk/megakernel/dsa_layer.py passes
+    one that adds the DSA indexer)."""
     from ..errors import UnsupportedConfigError
     build = builder or _build
     err = None
-    for rows in ((cfg.gemv_rows,) if cfg.gemv_rows else (0, FALLBACK_GEMV_ROWS)):
-        try:
-            return first_fitting((lambda st=st: build(replace(cfg, attn=replace(cfg.attn, decode_stages=st)), rows)
-                                  for st in range(cfg.attn.decode_stages, 1, -1)), (RING_STAGES_WANTED, 2))
-        except UnsupportedConfigError as exc:
-            err = exc
+    # (decode chunk, rows a decode tile): the builder's, then 16-token chunks, then 16-row tiles
+    shapes = (((cfg.attn.decode_chunk, cfg.attn.decode_max_rows),) if cfg.attn.decode_chunk else
+              ((0, cfg.attn.decode_max_rows), (FALLBACK_DECODE_CHUNK, cfg.attn.decode_max_rows),
+               (FALLBACK_DECODE_CHUNK, 16)))
+    for chunk, max_rows in shapes:
+        attn = replace(cfg.attn, decode_chunk=chunk, decode_max_rows=max_rows)
+        for rows in ((cfg.gemv_rows,) if cfg.gemv_rows else (0, FALLBACK_GEMV_ROWS)):
+            try:
+                return first_fitting((lambda st=st: build(replace(cfg, attn=replace(attn, decode_stages=st)), rows)
+                                      for st in range(cfg.attn.decode_stages, 1, -1)), (RING_STAGES_WANTED, 2))
+            except UnsupportedConfigError as exc:
+                err = exc
     raise err
 
 

@@ -40,7 +40,7 @@ from . import dense_layer, kda_layer, mla_layer, moe_layer
 from .mhc_layer import replay
 from .mlp_stack import gemv_block
 from .model_runner import MegakernelModel, ModelConfig, ModelRunner, getter, head_source, mlp_sources, weights_from
-from .program import Program
+from .program import Program, fitted_sublayers
 
 WHAT = "plain model program"
 
@@ -139,23 +139,38 @@ SUBLAYER_PROGRAMS = {kda_layer.KDALayerConfig: kda_layer.build_program, mla_laye
                      moe_layer.MoELayerConfig: moe_layer.build_program}
 
 
+def build_sublayer(c) -> Program:
+    return SUBLAYER_PROGRAMS[type(c)](c)
+
+
 def build_program(cfg: PlainModelConfig) -> Program:
     s, B = cfg.spec, cfg.batch
     D, V = s.hidden_size, s.vocab_size
+
     pro = Program()                      # the prologue: ids -> x
     pro.buffer("ids", (B,), "int32", "input")
     pro.buffer("embed", (V, D), "bf16", "weight")
     pro.buffer("x", (B, D), "bf16")
     pro.op(EmbedStreamsBlock(EmbedStreamsConfig(vocab=V, d=D, n=1, m=B, flat=True)),
            {"ids": "ids", "table": "embed", "streams": "x"}, label="embed")
-    sub = [SUBLAYER_PROGRAMS[type(c)](c) for pair in cfg.layers() for c in pair]
-    prog, last = chain(sub, cfg.prefixes(), pro)
-    prog.buffer("head_norm", (D,), "bf16", "weight")
-    prog.buffer("lm_head", (V, D), "bf16", "weight")
-    prog.buffer("logits", (B, V), "fp32", "output")
-    prog.op(gemv_block(GemvConfig(n=V, k=D, m=B, out_dtype="fp32", norm=True, norm_eps=s.norm_eps), 0, cfg.num_sms),
+
+    def whole(sub):
+        prog, last = chain(sub, cfg.prefixes(), pro)
+        add_lm_head(prog, cfg, V, last)
+        return prog
+    return fitted_sublayers([c for pair in cfg.layers() for c in pair], build_sublayer, whole, cfg.num_sms)
+
+
+def add_lm_head(prog: Program, cfg, rows: int, last: int) -> None:
+    """The final norm fused into the lm_head GEMV over `rows` of the vocabulary (a rank's slice
+    when vocabulary parallel), after op `last`: x -> logits [B, rows] fp32."""
+    s = cfg.spec
+    prog.buffer("head_norm", (s.hidden_size,), "bf16", "weight")
+    prog.buffer("lm_head", (rows, s.hidden_size), "bf16", "weight")
+    prog.buffer("logits", (cfg.batch, rows), "fp32", "output")
+    prog.op(gemv_block(GemvConfig(n=rows, k=s.hidden_size, m=cfg.batch, out_dtype="fp32", norm=True,
+                                  norm_eps=s.norm_eps), 0, cfg.num_sms),
             {"w": "lm_head", "x": "x", "norm_weight": "head_norm", "y": "logits"}, waits=[last], label="lm_head")
-    return prog
 
 
 def program_weights(cfg: PlainModelConfig, weights: dict, device="cpu", prog: Program | None = None) -> dict:

@@ -14,6 +14,7 @@ Placement on SMs is `sdk.schedule`; encoding into int32 words is `encode()` here
 """
 from __future__ import annotations
 
+import contextvars
 import math
 
 from dataclasses import dataclass, field
@@ -195,17 +196,42 @@ def check_weights(program: Program, weights: dict, what: str = "the program") ->
 RECORDS_MARGIN = 4096     # smem the kernel's instruction records take beside the ring (a sublayer: a few KB)
 
 
+RECORDS_MAX_BYTES = 48 * 1024  # shared memory for the instruction records of one CTA
+
+
+def records_geometry(blocks, max_len: int) -> tuple[int, int]:
+    """(operand slots per record, smem bytes of all records) of a CTA's instruction records:
+    WORDS int32 words + NOPS int64 operand pointers per instruction, NOPS = the most operands of
+    any block. The runtime pads the operand table with NOPS null entries (every record reads
+    NOPS pointers, whatever its block uses)."""
+    nops = max([len(b.operands()) for b in blocks] + [1])
+    nbytes = max_len * (4 * isa.WORDS + 8 * nops)
+    if nbytes > RECORDS_MAX_BYTES:
+        raise UnsupportedConfigError(
+            f"megakernel: {max_len} instructions on one SM need {nbytes} B of shared memory for their "
+            f"records ({nops} operands each); the limit is {RECORDS_MAX_BYTES} B - use more, larger tiles")
+    return nops, nbytes
+
+
+# the blocks of the rest of a whole program, and its records' bytes, while one of its sublayers is
+# rebuilt (fitted_sublayers): the sublayer's first_fitting then fits the ring of the whole
+_RING_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("ring_context", default=((), 0))
+
+
 def first_fitting(builds, ring_stages_wanted=(2,), reserved: int = RECORDS_MARGIN) -> Program:
     """The plain-tile depth vs weight-ring trade of the attention sublayers, decided in one place:
     `builds` are zero-argument program builders, deepest plain-tile pipelines (most arena) first;
     the first program whose weight ring gets ring_stages_wanted[0] stages, else [1], ...; else the
-    last builder's UnsupportedConfigError (the ring's, naming what took the shared memory)."""
+    last builder's UnsupportedConfigError (the ring's, naming what took the shared memory). Inside
+    fitted_sublayers the ring is the whole program's: these blocks beside the others'."""
     from ..blocks.base import ring_geometry
+    others, others_reserved = _RING_CONTEXT.get()
+    reserved = max(reserved, others_reserved)
     err, fitting = None, []                 # (program, its ring's stages), in the builders' order
     for build in builds:
         try:
             prog = build()
-            fitting.append((prog, ring_geometry(prog.opcodes.blocks, reserved=reserved)[1]))
+            fitting.append((prog, ring_geometry(list(prog.opcodes.blocks) + list(others), reserved=reserved)[1]))
         except UnsupportedConfigError as exc:
             err = exc
     for want in ring_stages_wanted:
@@ -233,3 +259,48 @@ def encode(program: Program, per_sm: list[list[int]]) -> tuple[np.ndarray, np.nd
                 w[wc], w[we] = c, e
             w[isa.SIGNAL] = ins.signal
     return words, lengths
+
+
+def whole_records(prog: Program, num_sms: int) -> int:
+    """Shared-memory bytes of the instruction records of `prog` placed on `num_sms` SMs (the
+    kernel's `reserved` beside the ring)."""
+    from ..schedule import schedule
+    return records_geometry(prog.opcodes.blocks, schedule(prog, num_sms).max_len)[1]
+
+
+def fitted_sublayers(configs, build_sub, build_whole, num_sms: int) -> Program:
+    """A whole program whose sublayers each fit the weight ring alone but may not together: the
+    largest ring stage of one, the largest staged activations of another and the largest plain
+    tile (a decode's pipeline) of a third share one SM's shared memory. build_sub(config) ->
+    Program; build_whole(sublayer programs) -> the whole Program.
+
+    When the whole does not fit, each sublayer is rebuilt with its first_fitting seeing, beside
+    its own blocks, the streaming blocks of the other sublayers (their ring stages and staged
+    activations), the plain tiles no sublayer holds (the collectives', the head's) and the whole's
+    records. The ring's stage, activations and plain-tile arena are each a maximum over the
+    blocks, so sublayers that each fit beside the others' streams fit together; the whole is
+    checked again, and one that still does not fit raises the ring's UnsupportedConfigError now,
+    at build time, not at compile time."""
+    from ..blocks.base import ring_geometry
+    subs = [build_sub(c) for c in configs]
+    whole = build_whole(subs)
+    rec = whole_records(whole, num_sms)
+    try:
+        ring_geometry(whole.opcodes.blocks, reserved=rec)
+        return whole
+    except UnsupportedConfigError:
+        pass
+    in_subs = set().union(*(sub.opcodes.blocks for sub in subs))
+    fixed = [b for b in whole.opcodes.blocks if not b.stream_chunks() and b not in in_subs]
+    refit = []
+    for c, sub in zip(configs, subs):
+        own = set(sub.opcodes.blocks)
+        others = [b for b in whole.opcodes.blocks if b.stream_chunks() and b not in own]
+        token = _RING_CONTEXT.set((tuple(others + fixed), rec))
+        try:
+            refit.append(build_sub(c))
+        finally:
+            _RING_CONTEXT.reset(token)
+    whole = build_whole(refit)
+    ring_geometry(whole.opcodes.blocks, reserved=whole_records(whole, num_sms))
+    return whole

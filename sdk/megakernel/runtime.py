@@ -65,7 +65,7 @@ class MegakernelRuntime:
             raise ValueError(f"error word: want int32[{isa.ERROR_WORDS}] on {dev}, got {error.dtype}{list(error.shape)}")
         self.error = error if error is not None else torch.zeros(isa.ERROR_WORDS, dtype=torch.int32, device=dev)
         ptrs = [0 if n is None else tensors[n].data_ptr() for n in program.optab]
-        from .kernel import records_geometry
+        from .program import records_geometry
         nops, _ = records_geometry(program.opcodes.blocks, words.shape[1])
         # padded: every instruction record reads nops pointers from its base
         self.optab = torch.tensor(ptrs + [0] * nops, dtype=torch.int64, device=dev)

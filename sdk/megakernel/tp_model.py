@@ -14,7 +14,8 @@ with its shard of every layer:
         computes the same list)
       - V4 attention (V4.1): the query heads (q_b rows, sinks); the one kv head, the compressors,
         the indexer and the sliding window replicated; the rank's heads inside one o_a group (N a
-        multiple of o_groups): that group's o_a rows (its heads' columns of them) and o_b columns
+        multiple of o_groups): that group's o_a rows (its heads' columns of them) and o_b columns;
+        or whole groups on each rank (o_groups a multiple of N): their o_a rows and o_b columns
       - dense MLP: gate/up rows, down columns (the Megatron split)
       - MoE (moe_layer.build_tp_shard): experts [r*E/N, (r+1)*E/N), the shared expert's
         intermediate, the router's rows: logits = gather_r(router rows_r(x)), an all-gather
@@ -59,7 +60,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..blocks.embed import EmbedStreamsBlock, EmbedStreamsConfig
-from ..blocks.gemv import GemvConfig
 from ..blocks.mhc import MHCPostBlock
 from ..comm.ops import CommProgram, MHCEpilogue
 from ..errors import UnsupportedConfigError
@@ -67,9 +67,8 @@ from . import dense_layer, dsa_layer, kda_layer, mla_layer, moe_layer
 from .mhc_model import MHCMegakernelModel, MHCModelConfig, MHCModelRunner
 from .mhc_model import build_program as mhc_build_program
 from .mhc_layer import op_waits
-from .mlp_stack import gemv_block
-from .plain_model import SUBLAYER_PROGRAMS, PlainMegakernelModel, PlainModelConfig, PlainModelRunner
-from .program import Program
+from .plain_model import SUBLAYER_PROGRAMS, PlainMegakernelModel, PlainModelConfig, PlainModelRunner, add_lm_head
+from .program import Program, fitted_sublayers
 from .runtime import check_buffers
 
 WHAT = "tensor-parallel model program"
@@ -93,8 +92,9 @@ class TPShards:
         return self.spec.vocab_size // self.ranks
 
     def o_groups_ok(self, groups: int) -> bool:
-        """V4 attention: each rank's heads inside one o_a group (N a multiple of o_groups)."""
-        return self.ranks % groups == 0
+        """V4 attention: each rank's heads inside one o_a group (N a multiple of o_groups), or whole
+        groups on each rank (o_groups a multiple of N)."""
+        return self.ranks % groups == 0 or groups % self.ranks == 0
 
     def split(self, n: int, what: str) -> int:
         if n % self.ranks:
@@ -141,8 +141,10 @@ class TPShards:
         elif isinstance(attn, dsa_layer.DSALayerConfig):     # the indexer replicated: every rank's same list
             a = attn.mla.attn
             attn = replace(attn, mla=replace(attn.mla, attn=replace(a, heads=self.split(a.heads, f"layer {i}'s heads"))))
-        else:       # V4's attention: its query heads; the one kv head, compressor and indexer replicated
-            attn = replace(attn, heads=self.split(attn.heads, f"layer {i}'s query heads"))
+        else:       # V4's attention: its query heads and their o_a groups (one, or a share of them);
+                    # the one kv head, compressor and indexer replicated
+            attn = replace(attn, heads=self.split(attn.heads, f"layer {i}'s query heads"),
+                           o_groups=max(1, attn.o_groups // self.ranks))
         if isinstance(mlp, dense_layer.DenseLayerConfig):
             mlp = replace(mlp, intermediate=padded(self.split(mlp.intermediate, f"layer {i}'s intermediate")), **out)
         else:
@@ -167,37 +169,43 @@ def build_program(cfg: TPModelConfig) -> tuple[Program, CommProgram]:
     """The per-rank program (identical on every rank) and its comm bindings."""
     s, B, N = cfg.spec, cfg.batch, cfg.ranks
     D, V = s.hidden_size, s.vocab_size
-    prog = Program()
-    comm = CommProgram(prog, N)
-    prog.buffer("ids", (B,), "int32", "input")
-    prog.buffer("embed", (V, D), "bf16", "weight")
-    prog.buffer("x", (B, D), "bf16")
-    last = prog.op(EmbedStreamsBlock(EmbedStreamsConfig(vocab=V, d=D, n=1, m=B, flat=True)),
-                   {"ids": "ids", "table": "embed", "streams": "x"}, label="embed")
-    chain = Collectives(prog, comm, cfg.algo)
-    for c, prefix in zip([c for pair in cfg.layers() for c in pair], cfg.prefixes()):
+    configs = [c for pair in cfg.layers() for c in pair]
+    prefixes = list(cfg.prefixes())
+    made = {}
+
+    def build_sub(c):
         try:
-            sub = SUBLAYER_PROGRAMS[type(c)](c)
+            return SUBLAYER_PROGRAMS[type(c)](c)
         except UnsupportedConfigError as exc:
+            prefix = prefixes[configs.index(c)]
             raise UnsupportedConfigError(f"{WHAT}: {prefix.rstrip('.')} ({type(c).__name__}) cut for {N} ranks: "
                                          f"{exc}") from exc
-        for b in sub.buffers.values():
-            if b.name != "x":
-                prog.buffer(prefix + b.name, b.shape, b.dtype, b.role)
-        inner = {}
-        if isinstance(c, moe_layer.MoELayerConfig):
-            prog.buffer(prefix + "routed_sum", (B, c.latent), "fp32")
-            inner = moe_collectives(prefix, c)
-        _, written = chain.replay(sub, lambda n, p=prefix: n if n == "x" else p + n, prefix, last, inner)
-        last = chain.allreduce(prefix + "partial", "x", res="x", waits=[written[prefix + "partial"]],
-                               label=prefix + "allreduce", eps=s.norm_eps)
-    Vr = V // N
-    prog.buffer("head_norm", (D,), "bf16", "weight")
-    prog.buffer("lm_head", (Vr, D), "bf16", "weight")
-    prog.buffer("logits", (B, Vr), "fp32", "output")
-    prog.op(gemv_block(GemvConfig(n=Vr, k=D, m=B, out_dtype="fp32", norm=True, norm_eps=s.norm_eps), 0, cfg.num_sms),
-            {"w": "lm_head", "x": "x", "norm_weight": "head_norm", "y": "logits"}, waits=[last], label="lm_head")
-    return prog, comm
+
+    def whole(subs):
+        prog = Program()
+        comm = made["comm"] = CommProgram(prog, N)
+        prog.buffer("ids", (B,), "int32", "input")
+        prog.buffer("embed", (V, D), "bf16", "weight")
+        prog.buffer("x", (B, D), "bf16")
+        last = prog.op(EmbedStreamsBlock(EmbedStreamsConfig(vocab=V, d=D, n=1, m=B, flat=True)),
+                       {"ids": "ids", "table": "embed", "streams": "x"}, label="embed")
+        chain = Collectives(prog, comm, cfg.algo)
+        for c, prefix, sub in zip(configs, prefixes, subs):
+            for b in sub.buffers.values():
+                if b.name != "x":
+                    prog.buffer(prefix + b.name, b.shape, b.dtype, b.role)
+            inner = {}
+            if isinstance(c, moe_layer.MoELayerConfig):
+                prog.buffer(prefix + "routed_sum", (B, c.latent), "fp32")
+                inner = moe_collectives(prefix, c)
+            _, written = chain.replay(sub, lambda n, p=prefix: n if n == "x" else p + n, prefix, last, inner)
+            last = chain.allreduce(prefix + "partial", "x", res="x", waits=[written[prefix + "partial"]],
+                                   label=prefix + "allreduce", eps=s.norm_eps)
+        add_lm_head(prog, cfg, V // N, last)
+        return prog
+
+    prog = fitted_sublayers(configs, build_sub, whole, cfg.num_sms)
+    return prog, made["comm"]
 
 
 def moe_collectives(p: str, latent: moe_layer.MoELayerConfig | None = None) -> dict:
@@ -304,10 +312,16 @@ def shard_weights(cfg: TPShards, weights: dict, rank: int) -> dict:
             # ranks is the model's o_b(grouped o_a(o)) (G = 1: o_b read whole on every rank)
             for n in ("q_b_proj.weight", "sinks"):
                 out[a + n] = _rows(weights[a + n], r, N)
-            per = N // l.attention.o_groups
-            g, R = r // per, l.attention.o_lora_rank
-            out[a + "o_a_proj.weight"] = _rows(weights[a + "o_a_proj.weight"][g * R:(g + 1) * R], r % per, per, 1)
-            out[a + "o_b_proj.weight"] = weights[a + "o_b_proj.weight"][:, g * R:(g + 1) * R].contiguous()
+            G, R = l.attention.o_groups, l.attention.o_lora_rank
+            if G >= N:      # whole groups a rank: groups [r G / N, (r + 1) G / N), every column of their o_a rows
+                rows = slice(r * (G // N) * R, (r + 1) * (G // N) * R)
+                out[a + "o_a_proj.weight"] = weights[a + "o_a_proj.weight"][rows].contiguous()
+                out[a + "o_b_proj.weight"] = weights[a + "o_b_proj.weight"][:, rows].contiguous()
+            else:
+                per = N // G
+                g = r // per
+                out[a + "o_a_proj.weight"] = _rows(weights[a + "o_a_proj.weight"][g * R:(g + 1) * R], r % per, per, 1)
+                out[a + "o_b_proj.weight"] = weights[a + "o_b_proj.weight"][:, g * R:(g + 1) * R].contiguous()
         else:
             for n in ("q_b_proj", "kv_b_proj"):
                 out[a + n + ".weight"] = _rows(weights[a + n + ".weight"], r, N)
@@ -343,15 +357,19 @@ def build_mhc_program(cfg: TPMHCModelConfig) -> tuple[Program, CommProgram]:
     site shards, each post-mix made the all-reduce of the sublayer's partial output with the
     post-mix epilogue (the streams updated from the ranks' sum, the next site's mix partials
     fused), the MoE's router logits gathered; the vocabulary-parallel head."""
-    prog = Program()
-    comm = CommProgram(prog, cfg.ranks)
-    chain = Collectives(prog, comm, cfg.algo)
+    made = {}
 
-    def replay_ops(out, sub, name, prefix, after):
-        return chain.replay(sub, name, prefix, after, moe_collectives(prefix))[0]
+    def fresh():                         # a new program and comm program for each assembly
+        prog = Program()
+        comm = made["comm"] = CommProgram(prog, cfg.ranks)
+        chain = Collectives(prog, comm, cfg.algo)
 
-    mhc_build_program(cfg, out=prog, replay_ops=replay_ops)
-    return prog, comm
+        def replay_ops(out, sub, name, prefix, after):
+            return chain.replay(sub, name, prefix, after, moe_collectives(prefix))[0]
+        return prog, replay_ops
+
+    prog = mhc_build_program(cfg, fresh=fresh)
+    return prog, made["comm"]
 
 
 # -- the step drivers --------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from harness import clock_seed, need_gpu, run_as_program, run_standalone
 pytestmark = pytest.mark.gpu
 
 
-def make_case(mode, starts, T, seed, heads=8, ratio=None, topk=512, window_dtype="bf16", comp_dtype="bf16"):
+def make_case(mode, starts, T, seed, heads=8, ratio=None, topk=512, window_dtype="bf16", comp_dtype="bf16",
+              max_rows=32):
     """Random q / ring / new kv / compressed cache (cos/sin of real rope angles), CSA selections of
     distinct ready entries (-1 padded), for sequences with `starts` tokens before the call; the
     ring as V4.1's fp8 records with window_dtype="fp8_e4m3" (rows of varied scale)."""
@@ -23,8 +24,8 @@ def make_case(mode, starts, T, seed, heads=8, ratio=None, topk=512, window_dtype
     E = max(1, (max(starts) + T) // ratio + 1)
     probe = DSV4DecodeBlock(DSV4DecodeConfig(heads=heads, mode=mode, batch=B, q_tokens=T, ratio=ratio,
                                              max_entries=E, topk=topk, window_dtype=window_dtype,
-                                             comp_dtype=comp_dtype))
-    splits = choose_splits(B * probe.groups, probe.keys_of(max(starts)))
+                                             comp_dtype=comp_dtype, max_tile_rows=max_rows))
+    splits = choose_splits(B * probe.groups * probe.row_groups, probe.keys_of(max(starts)))
     core = DSV4DecodeBlock(DSV4DecodeConfig(**{**probe.config.__dict__, "num_splits": splits}))
     comb = DSV4CombineBlock(DSV4CombineConfig(heads=heads, batch=B, q_tokens=T, num_splits=splits,
                                               per_token_groups=mode == "csa"))
@@ -84,6 +85,21 @@ def test_dsv4_decode(mode, starts, T):
     need_gpu()
     seed = clock_seed()
     core, comb, t = make_case(mode, starts, T, seed)
+    check(core, comb, t, seed)
+
+
+@pytest.mark.parametrize("mode,starts,T,heads,wd,max_rows", [
+    ("csa", [2047, 3, 100000], 1, 64, "bf16", 32), ("hca", [131072, 7], 1, 64, "fp8_e4m3", 32),
+    ("swa", [3, 200], 3, 16, "bf16", 32), ("csa", [4096, 300], 2, 48, "fp8_e4m3", 32),
+    ("csa", [4096, 300], 1, 32, "bf16", 16), ("hca", [65000, 9], 2, 16, "fp8_e4m3", 16)])
+def test_dsv4_decode_row_groups(mode, starts, T, heads, wd, max_rows):
+    """More than 32 (or max_tile_rows 16) query rows a group, cut into row groups (a tile each):
+    V4.1-Flash's 64 heads on one GPU (CSA, HCA), 16 heads x 3 tokens (2 tiles of 24), 48 heads (2
+    of 24); 16-row tiles: V4.1-Flash TP2's 32 heads (2 of 16), 16 heads x 2 tokens."""
+    need_gpu()
+    seed = clock_seed()
+    core, comb, t = make_case(mode, starts, T, seed, heads=heads, window_dtype=wd, max_rows=max_rows)
+    assert core.row_groups > 1
     check(core, comb, t, seed)
 
 

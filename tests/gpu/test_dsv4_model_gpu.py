@@ -49,3 +49,26 @@ def test_small_v41_all_layer_kinds_one_launch_a_step(batch, ranks, monkeypatch):
     compare_model_steps(runner, ref, 6, seed, tol=3e-2,
                         after_decode=ranks_agree(runner, "streams", seed, then=lambda: choices.take(runner)))
     print(choices.summary())
+
+
+@pytest.mark.parametrize("heads,o_groups,ranks", [(4, 2, 1), (4, 4, 2)])
+def test_grouped_o_a_one_launch_a_step(heads, o_groups, ranks, monkeypatch):
+    """small_v41 with 4 heads in several o_a groups: all of them on one GPU (the o_a one grouped
+    GEMV - V4.1-Flash's 8 groups without tensor parallelism), and 4 groups over 2 virtual ranks
+    (two whole groups a rank - its 8 groups over 2 or 4 GPUs); 6 steps against the model."""
+    need_gpu()
+    from program_choices import ProgramChoices
+    from test_dsv4_model import all_kinds_model, grouped_spec
+    from sdk.megakernel.mhc_model import MHCModelConfig, MHCModelRunner
+    from sdk.megakernel.tp_model import TPMHCModelConfig, TPMHCModelRunner
+    seed = clock_seed()
+    ref, w = all_kinds_model(seed % 1000, device="cuda", batch=2, spec=grouped_spec(heads, o_groups))
+    if ranks == 1:
+        runner = MHCModelRunner(MHCModelConfig(ref.spec, batch=2, max_seq_len=32), w, device="cuda")
+    else:
+        runner = TPMHCModelRunner(TPMHCModelConfig(ref.spec, batch=2, max_seq_len=32, ranks=ranks,
+                                                   num_sms=132 // ranks), w, device="cuda")
+    choices = ProgramChoices(ref, monkeypatch)
+    compare_model_steps(runner, ref, 6, seed, tol=3e-2,
+                        after_decode=ranks_agree(runner, "streams", seed, then=lambda: choices.take(runner)))
+    print(choices.summary())

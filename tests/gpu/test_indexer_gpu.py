@@ -180,11 +180,12 @@ def sparse_mla_case(lens, T, seed, splits, heads=8, L=512, width=2048 + 15, page
     return blk, comb, t
 
 
-@pytest.mark.parametrize("lens,T,splits", [([1], 1, 1), ([131072, 100, 4096, 2], 1, 4), ([20000, 7], 2, 8)])
-def test_glm_sparse_mla(lens, T, splits):
+@pytest.mark.parametrize("lens,T,splits,heads", [([1], 1, 1, 8), ([131072, 100, 4096, 2], 1, 4, 8), ([20000, 7], 2, 8, 8),
+                                                  ([131072, 9], 2, 4, 64)])   # GLM-5.3 on one GPU: 2 row groups
+def test_glm_sparse_mla(lens, T, splits, heads):
     need_gpu()
     seed = clock_seed()
-    blk, comb, t = sparse_mla_case(lens, T, seed, splits)
+    blk, comb, t = sparse_mla_case(lens, T, seed, splits, heads=heads)
     run_standalone(blk, t)
     run_standalone(comb, t)
     assert torch.isfinite(t["o_part"]).all(), f"seed {seed}: NaN left in o_part"

@@ -16,7 +16,7 @@ def gemv_inputs(block, gen_seed):
     c = block.config
     g = torch.Generator(device="cuda").manual_seed(gen_seed)
     xdt = torch.bfloat16 if c.x_dtype == "bf16" else torch.float32
-    t = {"x": (torch.randn(c.m, c.k, device="cuda", generator=g) * (3.0 if c.norm else 1.0)).to(xdt)}
+    t = {"x": (torch.randn(c.m, c.groups * c.k, device="cuda", generator=g) * (3.0 if c.norm else 1.0)).to(xdt)}
     names = ("w_gate", "w_up") if c.swiglu else ("w",)
     for n in names:
         w = (torch.randn(c.n, c.k, device="cuda", generator=g) * c.k ** -0.5).to(torch.bfloat16)
@@ -48,6 +48,26 @@ def test_gemv_block(m, wd, swiglu):
     run_standalone(block, t)
     ref = block.reference(**t)["y"]
     assert rel_err(t["y"], ref) <= BF16_TOL
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])
+def test_gemv_grouped(m, wd):
+    """V4.1-Flash's o_a on one GPU: 8 groups of 1024 rows, each over its own 4096 columns of x
+    (GemvConfig.groups); 8192 rows in 16-row tiles: a CTA walks tiles of several groups, each
+    staging its group's x."""
+    need_gpu()
+    from sdk.blocks.gemv import GemvBlock, GemvConfig
+    block = GemvBlock(GemvConfig(n=8 * 1024, k=4096, m=m, groups=8, weight_dtype=wd, rows_per_tile=16))
+    t = gemv_inputs(block, 300 + m)
+    run_standalone(block, t)
+    ref = block.reference(**t)["y"]
+    assert rel_err(t["y"], ref) <= BF16_TOL
+    # each group against its own product (a wrong group's x would be another random product)
+    x, w = t["x"].float(), block.dequant(t["w"], t.get("w_scale"))
+    for j in range(8):
+        want = x[:, j * 4096:(j + 1) * 4096] @ w[j * 1024:(j + 1) * 1024].T
+        assert rel_err(t["y"][:, j * 1024:(j + 1) * 1024], want) <= BF16_TOL, f"group {j}"
 
 
 @pytest.mark.parametrize("m,norm,decode", [(1, False, "int"), (1, True, "int"), (4, True, "int"), (4, False, "int"),

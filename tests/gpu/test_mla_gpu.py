@@ -104,6 +104,27 @@ def test_ragged_batches(kvd, heads, T, rope, scale, chunk):
     check(blk, t, seed)
 
 
+@pytest.mark.parametrize("kvd", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("heads,T,ctx,max_rows", [(96, 1, 32768, 32), (12, 4, 9000, 32), (40, 1, 4097, 32),
+                                                  (24, 1, 9000, 16), (12, 2, 4097, 16)])
+def test_row_groups(kvd, heads, T, ctx, max_rows):
+    """More than 32 (or max_tile_rows 16) query rows a sequence, cut into row groups (a tile
+    each): Kimi K3's 96 heads on one GPU at 32K, 12 heads verifying 4 speculative tokens (causal
+    across the groups), 40 heads in 2 groups of 20; 16-row tiles (the sublayers' last resort for
+    shared memory): 24 heads in 2 of 12, 12 heads x 2 tokens. Ragged batch of 3, every row
+    group's rows written once."""
+    need_gpu()
+    from sdk.blocks.mla_decode import MLADecodeConfig, choose_splits
+    seed = clock_seed()
+    lens = [ctx, T, max(T, ctx // 3 + 1)]
+    cfg = MLADecodeConfig(heads=heads, softmax_scale=K3_SCALE, scale_factor=1.21, batch=3, q_tokens=T,
+                          num_pages=sum(-(-x // 64) for x in lens) + 4, max_seq_len=ctx,
+                          num_splits=choose_splits(3 * 3, ctx), kv_dtype=kvd, max_tile_rows=max_rows)
+    blk, t = make_case(cfg, lens, seed)
+    assert blk.row_groups > 1
+    check(blk, t, seed)
+
+
 @pytest.mark.parametrize("page", [16, 128])
 def test_other_page_sizes_and_batch_64(page):
     need_gpu()

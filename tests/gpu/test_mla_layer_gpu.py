@@ -18,7 +18,10 @@ YARN = (("factor", 4.0), ("mscale", 1.0), ("mscale_all_dim", 1.0), ("original_ma
 @pytest.mark.parametrize("T,heads,mode,kvd,scaling,in_flight", [
     (1, 12, "interleaved", "bf16", (), True), (2, 6, "halves", "bf16", (), True),
     (1, 12, "interleaved", "fp8_e4m3", (), True), (1, 12, "interleaved", "bf16", YARN, True),
-    (2, 6, "halves", "bf16", (), False)])
+    (2, 6, "halves", "bf16", (), False),
+    # row groups: 12 heads x 3 speculative tokens (2 decode tiles of 18 rows, 16-token chunks to
+    # fit the ring), and Kimi K3's 96 heads (DP attention: every head on each GPU)
+    (3, 12, "interleaved", "bf16", (), True), (1, 96, "interleaved", "fp8_e4m3", (), True)])
 def test_mla_sublayer_one_launch(T, heads, mode, kvd, scaling, in_flight):
     need_gpu()
     from sdk.megakernel.mla_attention import MLAAttentionConfig

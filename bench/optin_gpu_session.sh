@@ -21,8 +21,8 @@
 #    GPU test, then bench/model_bench.py --wide - the first whole model at real widths.
 # 8: the twenty-third session's device changes: the decode row groups (more than 32 query rows on
 #    a tile's keys: Kimi K3's 96 heads, 12 heads x 3-4 speculative tokens, V4.1-Flash's and
-#    GLM-5.3's 64 heads) and the grouped GEMV (V4.1-Flash's o_a groups on one GPU / whole groups a
-#    rank) - their GPU tests, then bench/mla_bench.py at 32K / 128K, the 96-head shard against the
+#    GLM-5.3's 64 heads), the grouped GEMV (V4.1-Flash's o_a groups on one GPU / whole groups a
+#    rank) and the instruction records' window (bit-equal to resident records) - their GPU tests, then bench/mla_bench.py at 32K / 128K, the 96-head shard against the
 #    12-head one on the same keys (what the repeated key reads cost) and T = 4 against T = 1.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
@@ -55,14 +55,16 @@ if [ "${1:-1}" = 7 ]; then   # Kimi K3 at one rank's real widths: its GPU test, 
   exit
 fi
 
-if [ "${1:-1}" = 8 ]; then   # the decode row groups: tests, then what the repeated key reads cost
+if [ "${1:-1}" = 8 ]; then   # this session's device paths: tests, then what the repeated key reads cost
   GPU_TESTS="tests/gpu/test_mla_gpu.py::test_row_groups tests/gpu/test_dsv4_gpu.py::test_dsv4_decode_row_groups \
     tests/gpu/test_indexer_gpu.py::test_glm_sparse_mla tests/gpu/test_mla_layer_gpu.py::test_mla_sublayer_one_launch \
-    tests/gpu/test_megakernel_gpu.py::test_gemv_grouped tests/gpu/test_dsv4_model_gpu.py::test_grouped_o_a_one_launch_a_step" \
-    TESTS_S=300 OUT="$OUT/tests" DEVICE_ALL_S=310 bash bench/device_all.sh tests
+    tests/gpu/test_megakernel_gpu.py::test_gemv_grouped tests/gpu/test_dsv4_model_gpu.py::test_grouped_o_a_one_launch_a_step \
+    tests/gpu/test_megakernel_gpu.py::test_records_window_equals_resident_records \
+    tests/gpu/test_plain_model_gpu.py::test_k3_model_through_a_records_window" \
+    TESTS_S=340 OUT="$OUT/tests" DEVICE_ALL_S=350 bash bench/device_all.sh tests
   C=kimi_k3_tp8:32768:1:bf16:1,kimi_k3_tp1:32768:1:bf16:1,kimi_k3_tp8:32768:1:bf16:4,kimi_k3_tp8:131072:1:bf16:1
   C=$C,kimi_k3_tp1:131072:1:bf16:1,kimi_k3_tp8:32768:8:bf16:1,kimi_k3_tp1:32768:8:bf16:1,kimi_k3_tp1:32768:1:fp8_e4m3:1
-  BENCH_S_mla=240 BENCH_ARGS_mla="--cases $C" DEVICE_ALL_S=250 bash bench/device_all.sh bench:mla
+  BENCH_S_mla=200 BENCH_ARGS_mla="--cases $C" DEVICE_ALL_S=210 bash bench/device_all.sh bench:mla
   exit
 fi
 

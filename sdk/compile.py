@@ -137,7 +137,12 @@ def sublayer_megakernel_cases():
              "each post-mix the all-reduce's mHC epilogue; the vocabulary-parallel head), B=1", _tp8_program("glm_53")),
             ("megakernel DeepSeek-V4.1 TP8 rank program (its first 4 layers at full width: HCA x3 + CSA, 8 query "
              "heads and one o_a group a rank, hash-routed then learned MoE; lagged mHC epilogues), B=1",
-             _tp8_program("deepseek_v41_flash", "full_v41"))]
+             _tp8_program("deepseek_v41_flash", "full_v41")),
+            ("megakernel DeepSeek-V4.1 TP8 rank program at batch 64 (its first 4 layers; 166 instructions on one "
+             "SM: the records stream through a window of smem slots)",
+             _tp8_program("deepseek_v41_flash", "full_v41", batch=64)),
+            ("megakernel DeepSeek-V4.1-Flash TP4 rank program (two o_a groups a rank: one grouped o_a GEMV), B=8",
+             _tp8_program("deepseek_v41_flash", "full_v41", batch=8, ranks=4))]
 
 
 def _k3_layer():
@@ -157,7 +162,7 @@ def _glm_layer():
                 moe_layer.build_program(moe_layer.preset("glm_53", 1, expert_dtype="mxfp4", mhc="v4", norm_eps=1e-5)))
 
 
-def _tp8_program(model: str, config: str = "full"):
+def _tp8_program(model: str, config: str = "full", batch: int = 1, ranks: int = 8):
     import dataclasses
 
     from . import plugins
@@ -165,7 +170,8 @@ def _tp8_program(model: str, config: str = "full"):
     spec = plugins.get_model(model).spec(config)
     cfg, build = ((tp_model.TPModelConfig, tp_model.build_program) if model == "kimi_k3" else
                   (tp_model.TPMHCModelConfig, tp_model.build_mhc_program))
-    return build(cfg(dataclasses.replace(spec, layers=spec.layers[:4]), batch=1, max_seq_len=4096, ranks=8))[0]
+    return build(cfg(dataclasses.replace(spec, layers=spec.layers[:4]), batch=batch, max_seq_len=4096,
+                     ranks=ranks))[0]
 
 
 def _small_k3_model():

@@ -27,7 +27,13 @@ complete on their own, so an early exit (error word) only waits for them; it nev
 Instruction records live in shared memory for the whole launch (`records_geometry`): the words
 and operand pointers of every instruction are read once, at the start, in two round trips;
 afterwards the consumer and the producer read them from smem. (Read from global memory they
-cost a round trip or two per tile: each acquire wait invalidates the SM's L1.)
+cost a round trip or two per tile: each acquire wait invalidates the SM's L1.) A list too long
+for that (a whole model: hundreds of instructions a SM) streams through a window of WIN record
+slots (record r in slot r % WIN): when the consumer reaches the window's second half, all
+threads refill the first half's slots with the next WIN / 2 records (two round trips, before the
+instruction's wait). The weight ring's producer, P chunks ahead and skipping plain tiles, may
+need a record past the window: it reads those from global memory (rare: a run of more than
+WIN / 2 plain tiles).
 
 No grid-wide barrier, no counter reset. A CTA leaves early (after the error word is set) instead
 of hanging. Optional timing record: globaltimer at start (after the wait) and end of every
@@ -50,17 +56,22 @@ from .program import records_geometry
 OPTAB_EXTENT = 1 << 24        # static extent of the operand table view (never bounds-checked)
 
 
-def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
+def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, records_window: int | None = None):
     """The `@cute.jit` host function launching the megakernel for these opcode variants. pdl:
-    launched as a programmatic dependent launch (see the kernel's griddepcontrol.wait)."""
+    launched as a programmatic dependent launch (see the kernel's griddepcontrol.wait).
+    records_window: program.records_geometry's (None: its choice)."""
     nops = [len(b.operands()) for b in blocks]
     nch = [b.stream_chunks() for b in blocks]
     tiles = [None if nch[k] else b.device_tile() for k, b in enumerate(blocks)]
     prologues = [b.device_prologue() if not nch[k] and b.has_prologue() else None for k, b in enumerate(blocks)]
     faces = [b.device_stream() if nch[k] else None for k, b in enumerate(blocks)]
     S, L, W = num_sms, max_len, isa.WORDS
-    NOPS, rec_bytes = records_geometry(blocks, max_len)
+    NOPS, rec_bytes, WIN = records_geometry(blocks, max_len, records_window)
     stage_bytes, P, xbytes = ring_geometry(blocks, reserved=rec_bytes)
+    # record slots in smem: every record of the list (WIN 0), or a window of WIN slots that the
+    # list streams through, half a window at a time (record r in slot r % WIN)
+    LR = WIN or L
+    HALF = LR // 2
     NT = NUM_THREADS
     mutable = pdl and any(b.stream_data_mutable() for b in blocks if b.stream_chunks())
 
@@ -73,68 +84,108 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
                     r = Int32(nch[k])
         return r
 
+    def slot(i):
+        """The smem slot of record i (trace-time choice: the identity when all are resident)."""
+        return i % LR if WIN else i
+
     @cute.jit
-    def next_streaming(sW, n: Int32, i: Int32) -> Int32:
+    def word(sW, mIw, sm: Int32, hi: Int32, r: Int32, w: cutlass.Constexpr) -> Int32:
+        """Word w of record r, from its smem slot; with a records window, a record at or past the
+        resident end `hi` (only the producer reads so far ahead) from global memory."""
+        v = sW[slot(r), w]
+        if cutlass.const_expr(WIN):
+            if r >= hi:
+                v = mIw[sm, r, w]
+        return v
+
+    @cute.jit
+    def pointer(sP, mOps, base: Int32, hi: Int32, r: Int32, j: cutlass.Constexpr) -> Int64:
+        """Operand pointer j of record r (operand-table base `base`), as `word` reads its words."""
+        v = sP[slot(r), j]
+        if cutlass.const_expr(WIN):
+            if r >= hi:
+                v = mOps[base + j]
+        return v
+
+    @cute.jit
+    def next_streaming(sW, mIw, sm: Int32, hi: Int32, n: Int32, i: Int32) -> Int32:
         """The first instruction at index >= i of this CTA's list that streams weights (n: none)."""
         done = Int32(0)
         while done == 0:
             if i >= n:
                 done = Int32(1)
             else:
-                if chunks_of(sW[i, isa.OPCODE]) > 0:
+                if chunks_of(word(sW, mIw, sm, hi, i, isa.OPCODE)) > 0:
                     done = Int32(1)
                 else:
                     i = i + 1
         return i
 
     @cute.jit
-    def produce(sW, sP, n: Int32, ring_base, pi: Int32, pc: Int32, ps: Int32):
+    def produce(sW, sP, mIw, mOps, sm: Int32, hi: Int32, n: Int32, ring_base, pi: Int32, pc: Int32, ps: Int32):
         """Issue chunk pc of instruction pi (the producer position) into stage ps % P, advance.
         Always commits one cp.async group (empty once the stream is exhausted)."""
         if pi < n:
-            op = sW[pi, isa.OPCODE]
-            t = sW[pi, isa.TILE]
+            op = word(sW, mIw, sm, hi, pi, isa.OPCODE)
+            t = word(sW, mIw, sm, hi, pi, isa.TILE)
+            base = Int32(0)
+            if cutlass.const_expr(WIN):
+                base = word(sW, mIw, sm, hi, pi, isa.OPERANDS)
             addr = ring_base + (ps % P) * stage_bytes
             for k in cutlass.range_constexpr(len(blocks)):
                 if cutlass.const_expr(nch[k] > 0):
                     if op == k:
-                        faces[k].issue([sP[pi, j] for j in range(nops[k])], t, pc, addr)
+                        faces[k].issue([pointer(sP, mOps, base, hi, pi, j) for j in range(nops[k])], t, pc, addr)
             pc = pc + 1
             if pc >= chunks_of(op):
                 pc = Int32(0)
-                pi = next_streaming(sW, n, pi + 1)
+                pi = next_streaming(sW, mIw, sm, hi, n, pi + 1)
         cute.arch.cp_async_commit_group()
         return pi, pc, ps + 1
 
     @cute.jit
-    def load_records(pI: Int64, mOps, sm: Int32, n: Int32, sW, sP):
-        """All threads: this CTA's n instruction records into smem, in two round trips (the
-        words, then the operand pointers they index). Loads first, stores after, so each
-        thread's loads are all in flight at once."""
+    def load_records(pI: Int64, mOps, sm: Int32, r0: Int32, cnt: Int32, sW, sP, cap: cutlass.Constexpr):
+        """All threads: records r0 .. r0 + cnt - 1 (cnt <= cap) of this CTA's list into their
+        slots, in two round trips (the words, then the operand pointers they index). Loads
+        first, stores after, so each thread's loads are all in flight at once."""
+        NWU = -(-(cap * W // 4) // NT)
+        NPU = -(-(cap * NOPS) // NT)
+        WQ = W // 4                              # 16-byte units of a record's words
         tid, _, _ = cute.arch.thread_idx()
-        mIv = gmem_tensor(pI, Int32, (S, L * W // 4, 4), 16)
-        sWv = smem_tensor(sW.iterator.toint(), Int32, (L * W // 4, 4))
-        NWU = -(-(L * W // 4) // NT)
+        mIv = gmem_tensor(pI, Int32, (S, L * WQ, 4), 16)
+        sWv = smem_tensor(sW.iterator.toint(), Int32, (LR * WQ, 4))
         wr = cute.make_rmem_tensor((NWU, 4), Int32)
+        g0 = tid                                # this thread's first 16-byte unit of words ..
+        if cutlass.const_expr(WIN):
+            g0 = r0 * WQ + tid                  # .. in the CTA's list (from record r0)
         for j in cutlass.range_constexpr(NWU):
-            if tid + NT * j < n * (W // 4):
-                wr[j, None].store(mIv[sm, tid + NT * j, None].load())
+            if tid + NT * j < cnt * WQ:
+                wr[j, None].store(mIv[sm, g0 + NT * j, None].load())
         for j in cutlass.range_constexpr(NWU):
-            if tid + NT * j < n * (W // 4):
-                sWv[tid + NT * j, None].store(wr[j, None].load())
+            u = tid + NT * j
+            if u < cnt * WQ:
+                d = u                           # its smem unit: the record's slot, or (every
+                if cutlass.const_expr(WIN):     # record resident, r0 = 0) the same index
+                    d = slot(r0 + u // WQ) * WQ + u % WQ
+                sWv[d, None].store(wr[j, None].load())
         cute.arch.sync_threads()
-        NPU = -(-(L * NOPS) // NT)
         pr = cute.make_rmem_tensor((NPU,), Int64)
         for j in cutlass.range_constexpr(NPU):
             u = tid + NT * j
-            if u < n * NOPS:
+            if u < cnt * NOPS:
                 r = u // NOPS
-                pr[j] = mOps[sW[r, isa.OPERANDS] + (u - r * NOPS)]
+                rs = r
+                if cutlass.const_expr(WIN):
+                    rs = slot(r0 + r)
+                pr[j] = mOps[sW[rs, isa.OPERANDS] + (u - r * NOPS)]
         for j in cutlass.range_constexpr(NPU):
             u = tid + NT * j
-            if u < n * NOPS:
+            if u < cnt * NOPS:
                 r = u // NOPS
-                sP[r, u - r * NOPS] = pr[j]
+                rs = r
+                if cutlass.const_expr(WIN):
+                    rs = slot(r0 + r)
+                sP[rs, u - r * NOPS] = pr[j]
         cute.arch.sync_threads()
 
     @cute.kernel
@@ -148,13 +199,19 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
         cute.arch.griddepcontrol_launch_dependents()
         mN = gmem_tensor(pN, Int32, (S,), 4)
         mOps = gmem_tensor(pT, Int64, (OPTAB_EXTENT,), 8)
+        mIw = gmem_tensor(pI, Int32, (S, L, W), 16)
         mTim = gmem_tensor(pTim, Int64, (S, L, 2), 8)
         cbase = cute.make_ptr(Int32, pC, cute.AddressSpace.gmem, assumed_align=4)
         ebase = cute.make_ptr(Int32, pE, cute.AddressSpace.gmem, assumed_align=4)
         n = mN[sm]
-        sP = smem.allocate_tensor(Int64, cute.make_layout((L, NOPS), stride=(NOPS, 1)), byte_alignment=16)
-        sW = smem.allocate_tensor(Int32, cute.make_layout((L, W), stride=(W, 1)), byte_alignment=16)
-        load_records(pI, mOps, sm, n, sW, sP)
+        sP = smem.allocate_tensor(Int64, cute.make_layout((LR, NOPS), stride=(NOPS, 1)), byte_alignment=16)
+        sW = smem.allocate_tensor(Int32, cute.make_layout((LR, W), stride=(W, 1)), byte_alignment=16)
+        # records [lo, hi) are resident (all of them without a window)
+        lo = Int32(0)
+        hi = n
+        if cutlass.const_expr(WIN):
+            hi = cutlass.min(n, Int32(LR))
+        load_records(pI, mOps, sm, Int32(0), hi, sW, sP, LR)
         ring_base = Int32(0)
         sx = Int32(0)
         pi, pc, ps, cseq = Int32(0), Int32(0), Int32(0), Int32(0)
@@ -167,9 +224,9 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
             # after the PDL wait when a block streams data the previous launch writes (a state)
             if cutlass.const_expr(mutable):
                 cute.arch.griddepcontrol_wait()
-            pi = next_streaming(sW, n, Int32(0))
+            pi = next_streaming(sW, mIw, sm, hi, n, Int32(0))
             for _ in cutlass.range_constexpr(P):
-                pi, pc, ps = produce(sW, sP, n, ring_base, pi, pc, ps)
+                pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, pi, pc, ps)
 
         # Everything above reads only what the host wrote before the launch (records, operand
         # table) and weights; from here on counters, the error word and activations, which the
@@ -186,20 +243,31 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
         last_c, last_t = Int32(-1), Int32(0)    # thread 0: a wait already met on this CTA
         staged = Int32(-1)                      # operand base of the last streaming tile
         while i < n and ok != 0:
-            op = sW[i, isa.OPCODE]
-            base = sW[i, isa.OPERANDS]
-            t = sW[i, isa.TILE]
+            if cutlass.const_expr(WIN):
+                # the window's first half is done with (the consumer is past it, the producer at
+                # or past the consumer, and reading records past the window from global memory):
+                # refill its slots with the records after the window - all threads, in sync here
+                # (the last instruction ended on a barrier)
+                if (i == lo + HALF) & (hi < n):
+                    cnt = cutlass.min(Int32(HALF), n - hi)
+                    load_records(pI, mOps, sm, hi, cnt, sW, sP, HALF)
+                    lo = lo + HALF
+                    hi = hi + cnt
+            r = slot(i)
+            op = sW[r, isa.OPCODE]
+            base = sW[r, isa.OPERANDS]
+            t = sW[r, isa.TILE]
             # a block's prologue (weights only) before the wait: its loads overlap the wait; no
             # barrier here - thread 0 goes on to wait, the barrier below orders it before the tile
             for k in cutlass.range_constexpr(len(blocks)):
                 if cutlass.const_expr(prologues[k] is not None):
                     if op == k:
-                        prologues[k]([sP[i, j] for j in range(nops[k])], t, scratch)
+                        prologues[k]([sP[r, j] for j in range(nops[k])], t, scratch)
             if tid == 0:
                 st = Int32(1)
                 for (cw, ew) in isa.WAITS:
-                    c = sW[i, cw]
-                    target = sW[i, ew] * epoch
+                    c = sW[r, cw]
+                    target = sW[r, ew] * epoch
                     # counters only grow: a (counter, target) met before is still met
                     if (c >= 0) & (st == 1) & ((c != last_c) | (target > last_t)):
                         st = bounded_wait(cbase + c, target, ebase, timeout_ns, isa.ERR_TIMEOUT, "gpu",
@@ -213,7 +281,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
             if ok != 0:
                 for k in cutlass.range_constexpr(len(blocks)):
                     if op == k:
-                        ptrs = [sP[i, j] for j in range(nops[k])]
+                        ptrs = [sP[r, j] for j in range(nops[k])]
                         if cutlass.const_expr(nch[k] == 0):
                             tiles[k](ptrs, t, scratch)
                         else:
@@ -221,11 +289,11 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False):
                             cseq, pi, pc, ps = stream_tile(
                                 faces[k], nch[k], P, stage_bytes, ptrs, t, ring_base, sx, scratch, fresh,
                                 cseq, pi, pc, ps,
-                                lambda a, b, c: produce(sW, sP, n, ring_base, a, b, c))
+                                lambda a, b, c: produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, a, b, c))
                             staged = base
                 cute.arch.sync_threads()
                 if tid == 0:
-                    sig = sW[i, isa.SIGNAL]
+                    sig = sW[r, isa.SIGNAL]
                     if sig >= 0:
                         cute.arch.atomic_add(cbase + sig, Int32(1), sem="release", scope="gpu")
                     if cutlass.const_expr(timing):
@@ -252,13 +320,13 @@ _cache: dict = {}
 
 
 def compile_megakernel(blocks, num_sms: int, max_len: int, timing: bool = False, arch: str | None = None,
-                       pdl: bool = False):
+                       pdl: bool = False, records_window: int | None = None):
     """Compiled megakernel `fn(pI, pN, pC, pE, pT, pTim, timeout_ns, stream)`, cached in-process on
-    (block static configs, num_sms, max_len, timing, arch, pdl, the ring's refill order)."""
-    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl)
+    (block static configs, num_sms, max_len, timing, arch, pdl, the records' window)."""
+    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, records_window)
     if key not in _cache:
         import cuda.bindings.driver as cuda
-        host = build(blocks, num_sms, max_len, timing, pdl)
+        host = build(blocks, num_sms, max_len, timing, pdl, records_window)
         args = (Int64(0),) * 6 + (Int64(1), cuda.CUstream(0))
         if arch:
             _cache[key] = cute.compile(host, *args, options=f"--gpu-arch {arch}")

@@ -196,21 +196,30 @@ def check_weights(program: Program, weights: dict, what: str = "the program") ->
 RECORDS_MARGIN = 4096     # smem the kernel's instruction records take beside the ring (a sublayer: a few KB)
 
 
-RECORDS_MAX_BYTES = 48 * 1024  # shared memory for the instruction records of one CTA
+RECORDS_MAX_BYTES = 48 * 1024    # shared memory for the instruction records of one CTA, all resident
+RECORDS_WINDOW_BYTES = 24 * 1024  # ... when a longer list streams through a window of them
 
 
-def records_geometry(blocks, max_len: int) -> tuple[int, int]:
-    """(operand slots per record, smem bytes of all records) of a CTA's instruction records:
-    WORDS int32 words + NOPS int64 operand pointers per instruction, NOPS = the most operands of
-    any block. The runtime pads the operand table with NOPS null entries (every record reads
-    NOPS pointers, whatever its block uses)."""
+def records_geometry(blocks, max_len: int, window: int | None = None) -> tuple[int, int, int]:
+    """(operand slots per record, smem bytes of the records, window) of a CTA's instruction
+    records: WORDS int32 words + NOPS int64 operand pointers per instruction, NOPS = the most
+    operands of any block (the runtime pads the operand table with NOPS null entries: every
+    record reads NOPS pointers, whatever its block uses). window 0: all max_len records resident
+    in smem (they fit RECORDS_MAX_BYTES); else the list streams through `window` record slots (a
+    power of two: the largest whose records fit RECORDS_WINDOW_BYTES - a whole model's hundreds
+    of instructions a SM), refilled half a window at a time (kernel.py). `window` forces one (a
+    power of two >= 4; tests run small programs through it)."""
     nops = max([len(b.operands()) for b in blocks] + [1])
-    nbytes = max_len * (4 * isa.WORDS + 8 * nops)
-    if nbytes > RECORDS_MAX_BYTES:
-        raise UnsupportedConfigError(
-            f"megakernel: {max_len} instructions on one SM need {nbytes} B of shared memory for their "
-            f"records ({nops} operands each); the limit is {RECORDS_MAX_BYTES} B - use more, larger tiles")
-    return nops, nbytes
+    per = 4 * isa.WORDS + 8 * nops
+    if window is None:
+        if max_len * per <= RECORDS_MAX_BYTES:
+            return nops, max_len * per, 0
+        window = 1 << max(2, (RECORDS_WINDOW_BYTES // per).bit_length() - 1)
+    if window < 4 or window & (window - 1):
+        raise ValueError(f"records window {window}: a power of two >= 4")
+    if window >= max_len:
+        return nops, max_len * per, 0
+    return nops, window * per, window
 
 
 # the blocks of the rest of a whole program, and its records' bytes, while one of its sublayers is
@@ -263,7 +272,7 @@ def encode(program: Program, per_sm: list[list[int]]) -> tuple[np.ndarray, np.nd
 
 def whole_records(prog: Program, num_sms: int) -> int:
     """Shared-memory bytes of the instruction records of `prog` placed on `num_sms` SMs (the
-    kernel's `reserved` beside the ring)."""
+    kernel's `reserved` beside the ring: all of them, or their window)."""
     from ..schedule import schedule
     return records_geometry(prog.opcodes.blocks, schedule(prog, num_sms).max_len)[1]
 

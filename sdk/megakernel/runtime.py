@@ -36,7 +36,8 @@ def check_buffers(program, tensors: dict, device_type: str) -> None:
 class MegakernelRuntime:
     def __init__(self, program, tensors: dict[str, torch.Tensor], *, num_sms: int | None = None,
                  timing: bool = False, timeout_s: float = 2.0, device="cuda",
-                 error: torch.Tensor | None = None, pdl: bool = False, schedule_order: str = "phase"):
+                 error: torch.Tensor | None = None, pdl: bool = False, schedule_order: str = "phase",
+                 records_window: int | None = None):
         # error: use this int32[ERROR_WORDS] tensor as the error word (blocks that wait on other
         # GPUs, e.g. the all-reduce, bind the same tensor as an operand, so that their timeout
         # stops this launch's other CTAs too); default: a fresh one.
@@ -45,6 +46,8 @@ class MegakernelRuntime:
         # before griddepcontrol.wait lets it read what that step wrote. Correct on the H200, but
         # opt-in: the 8-layer I=2048 MLP stack measured 222.8 us with it vs 214.5 us without
         # (2026-12-03); the standalone streaming kernel (blocks._cute.standalone) has it on.
+        # records_window: the instruction records' smem window (program.records_geometry); None:
+        # all resident when they fit, else the largest window that fits its budget.
         self.program = program
         self.device = torch.device(device)
         if num_sms is None:
@@ -66,7 +69,7 @@ class MegakernelRuntime:
         self.error = error if error is not None else torch.zeros(isa.ERROR_WORDS, dtype=torch.int32, device=dev)
         ptrs = [0 if n is None else tensors[n].data_ptr() for n in program.optab]
         from .program import records_geometry
-        nops, _ = records_geometry(program.opcodes.blocks, words.shape[1])
+        nops, _, self.records_window = records_geometry(program.opcodes.blocks, words.shape[1], records_window)
         # padded: every instruction record reads nops pointers from its base
         self.optab = torch.tensor(ptrs + [0] * nops, dtype=torch.int64, device=dev)
         self.timing = timing
@@ -74,7 +77,8 @@ class MegakernelRuntime:
         self.timing_buf = torch.zeros((num_sms, self.max_len, 2) if timing else (1,), dtype=torch.int64, device=dev)
         self.timeout_ns = int(timeout_s * 1e9)
         from .kernel import compile_megakernel
-        self.fn = compile_megakernel(program.opcodes.blocks, num_sms, self.max_len, timing, pdl=pdl)
+        self.fn = compile_megakernel(program.opcodes.blocks, num_sms, self.max_len, timing, pdl=pdl,
+                                     records_window=self.records_window)
         self._args = [t.data_ptr() for t in (self.words, self.lengths, self.counters, self.error,
                                                self.optab, self.timing_buf)]
 

@@ -211,6 +211,33 @@ def test_mlp_stack_one_launch(batch, fuse, wd):
         assert err <= BF16_TOL, f"step {step}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("window,rows", [(4, 0), (8, 8), (4, 8)])
+def test_records_window_equals_resident_records(window, rows):
+    """A list of instruction records streamed through a window of `window` smem slots (kernel.py:
+    refilled half a window at a time, the ring's producer reading records past it from global
+    memory - what a whole model's hundreds of instructions a SM take) gives the same bits as the
+    same program with every record resident; 8-row tiles make many instructions a SM (a refill
+    every window / 2 of them). Three launches each (counter epochs), fresh x, outputs poisoned."""
+    need_gpu()
+    from sdk.megakernel.mlp_stack import MLPStackConfig
+    cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=1, gateup_rows=rows, down_rows=rows)
+    resident, _ = _stack_runtime(cfg, seed=11)
+    windowed, _ = _stack_runtime(cfg, seed=11, records_window=window)
+    assert resident.records_window == 0 and windowed.records_window == window
+    assert windowed.max_len >= 2 * window, "the list must cross a refill"
+    for step in range(3):
+        x = torch.randn(1, cfg.hidden, device="cuda").to(torch.bfloat16)
+        outs = []
+        for rt in (resident, windowed):
+            rt.tensors["x"].copy_(x)
+            for name in ("out", "resid", "normed", "act"):
+                if name in rt.tensors:
+                    rt.tensors[name].fill_(float("nan"))
+            rt.run()
+            outs.append(rt.tensors["out"].clone())
+        assert torch.equal(outs[0], outs[1]), f"step {step}: the windowed records' output differs"
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 def test_mlp_stack_steps_back_to_back_feed_each_other(pdl):
     """Five launches queued back to back, each step's input the previous step's output (x and out

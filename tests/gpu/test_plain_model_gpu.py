@@ -40,6 +40,37 @@ def test_k3_model_one_launch_a_step(batch, ranks, monkeypatch):
     print(choices.summary())
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_k3_model_through_a_records_window(ranks, monkeypatch):
+    """The whole small K3 step with its instruction records streamed through a window of smem
+    slots (program.records_geometry: what the full models' hundreds of instructions a SM take;
+    forced here by 1 KB budgets: 4 slots, 27 instructions on the busiest SM): 12 steps, the
+    logits the same bits as the same program with every record resident, on one GPU and over 2
+    virtual ranks."""
+    need_gpu()
+    from test_plain_model import SPEC, small_weights
+    import sdk.megakernel.program as program
+    from sdk.megakernel.plain_model import PlainModelConfig, PlainModelRunner
+    from sdk.megakernel.tp_model import TPModelConfig, TPModelRunner
+    seed = clock_seed()
+    w = {k: v.cuda() for k, v in small_weights(SPEC, seed % 1000, bias_std=100.0).items()}
+
+    def runner():
+        if ranks == 1:
+            return PlainModelRunner(PlainModelConfig(SPEC, batch=2, max_seq_len=16), w, device="cuda")
+        return TPModelRunner(TPModelConfig(SPEC, batch=2, max_seq_len=16, ranks=ranks, num_sms=132 // ranks),
+                             w, device="cuda")
+    resident = runner()
+    monkeypatch.setattr(program, "RECORDS_MAX_BYTES", 1024)
+    monkeypatch.setattr(program, "RECORDS_WINDOW_BYTES", 1024)      # a window of 4 records
+    windowed = runner()
+    g = torch.Generator().manual_seed(seed)
+    for step in range(12):
+        ids = torch.randint(0, SPEC.vocab_size, (2,), generator=g)
+        a, b = resident.decode(ids), windowed.decode(ids)
+        assert torch.equal(a, b), f"seed {seed}, step {step}: the windowed records' logits differ"
+
+
 def test_k3_wide_model_one_launch_a_step(monkeypatch):
     """Kimi K3 at one TP8 / EP16 rank's real widths (config "wide": hidden 7168, 12 MLA and 12 KDA
     heads, the 2304-wide dense MLP, 64 experts of the real 3584 x 3072 shape, the 163840 vocab), 4

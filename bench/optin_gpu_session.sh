@@ -60,7 +60,8 @@ if [ "${1:-1}" = 8 ]; then   # this session's device paths: tests, then what the
     tests/gpu/test_indexer_gpu.py::test_glm_sparse_mla tests/gpu/test_mla_layer_gpu.py::test_mla_sublayer_one_launch \
     tests/gpu/test_megakernel_gpu.py::test_gemv_grouped tests/gpu/test_dsv4_model_gpu.py::test_grouped_o_a_one_launch_a_step \
     tests/gpu/test_megakernel_gpu.py::test_records_window_equals_resident_records \
-    tests/gpu/test_plain_model_gpu.py::test_k3_model_through_a_records_window" \
+    tests/gpu/test_plain_model_gpu.py::test_k3_model_through_a_records_window \
+    tests/gpu/test_plain_model_gpu.py::test_k3_deep_model_one_launch_a_step" \
     TESTS_S=340 OUT="$OUT/tests" DEVICE_ALL_S=350 bash bench/device_all.sh tests
   C=kimi_k3_tp8:32768:1:bf16:1,kimi_k3_tp1:32768:1:bf16:1,kimi_k3_tp8:32768:1:bf16:4,kimi_k3_tp8:131072:1:bf16:1
   C=$C,kimi_k3_tp1:131072:1:bf16:1,kimi_k3_tp8:32768:8:bf16:1,kimi_k3_tp1:32768:8:bf16:1,kimi_k3_tp1:32768:1:fp8_e4m3:1

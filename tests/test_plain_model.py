@@ -321,3 +321,22 @@ def test_wide_config_builds_at_real_widths():
                                                                         "experts.down.weight")))
     assert experts == 3 * 64 * 3 * 3072 * 3584 * 2              # 3 MoE layers of 64 bf16 experts
     assert 18e9 < prog.bytes_by_role("weight") < 20e9
+
+
+def test_deep_config_builds_at_the_full_depth():
+    """Config "deep" (small's widths, the full model's 61 layers): the whole-model program has the
+    full instruction count on its SMs - more records than shared memory keeps resident, so they
+    stream through a window (program.records_geometry) - and its ring still fits. (On the PyVM two
+    steps are 0.083 / 0.104 from the fp32 model, the bf16 model 0.110 / 0.117: the GPU test checks
+    that bound, tests/gpu/test_plain_model_gpu.py.)"""
+    from sdk import plugins
+    from sdk.blocks.base import ring_geometry
+    from sdk.megakernel.program import RECORDS_MAX_BYTES, records_geometry
+    from sdk.schedule import schedule
+    spec = plugins.get_model("kimi_k3").spec("deep")
+    assert len(spec.layers) == 61 and sum(l.attention.kind == "mla" for l in spec.layers) == 16
+    prog = build_program(PlainModelConfig(spec, batch=1, max_seq_len=16))
+    max_len = schedule(prog, 132).max_len
+    nops, rec, window = records_geometry(prog.opcodes.blocks, max_len)
+    assert max_len * rec // window > RECORDS_MAX_BYTES and max_len > window > 0
+    assert ring_geometry(prog.opcodes.blocks, reserved=rec)[1] >= 2

@@ -16,7 +16,9 @@ ENTRY = ModelEntry(
              # in the device blocks' shapes: the whole-model program (sdk/megakernel/plain_model.py)
              "small": _config.small,
              # one TP8 / EP16 rank's widths, 4 layers, on one GPU: the program at real widths (batch 1)
-             "wide": _config.wide},
+             "wide": _config.wide,
+             # small's widths at the full depth (61 layers): the program at the full instruction count
+             "deep": _config.deep},
     hf_config=_config.hf_config,
     hf_causal_lm="transformers.KimiLinearForCausalLM",
     load_weights=_weights.load_weights,

@@ -172,8 +172,15 @@ FULL = {
 # rank holds 56; the router's select takes multiples of 32) of which a token takes 16 - all here,
 # where a deployed EP16 rank holds ~1 of a token's 16. The whole-model program at real per-GPU
 # widths with no peers, for the GPU test and bench/model_bench.py --wide (~19 GB of bf16 weights,
-# its reference as much); `megakernel plan` gives the deployed shards. Batch 1: at batch 8 the
-# staged activations (58 KB) beside the MLA decode tile (100 KB) leave the weight ring one stage.
+# its reference as much); `megakernel plan` gives the deployed shards. Batch 8 builds too (the
+# whole program fitted: program.fitted_sublayers); the GPU test and bench run batch 1.
+# SMALL's widths at the full model's depth: 61 layers in its pattern (KDA 3:1 MLA, a dense first
+# layer, then the latent MoE). The whole-model program then has the full model's instruction count
+# on each SM (hundreds: its records stream through a window of shared memory, kernel.py) at weights
+# a CPU and any GPU hold.
+DEEP = dict(SMALL, num_hidden_layers=61, layer_types=_full_layer_types(61), mlp_layer_types=["dense"] + ["sparse"] * 60)
+
+
 WIDE = dict(FULL, num_hidden_layers=4, layer_types=_full_layer_types(61)[:4],
             mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_attention_heads=12, num_key_value_heads=12,
             linear_attn_config=dict(FULL["linear_attn_config"], num_heads=12), intermediate_size=2304,
@@ -202,6 +209,10 @@ def full() -> dict:
 
 def wide() -> dict:
     return _copy(WIDE)
+
+
+def deep() -> dict:
+    return _copy(DEEP)
 
 
 def _get(config: Any, name: str) -> Any:

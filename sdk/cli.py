@@ -47,7 +47,42 @@ def cmd_plan(args) -> int:
     print(f"{'head':>5} {'lm_head':<12} {_fmt_bytes(p.head.weight_bytes):>11} {'':>11} {p.floor_us(p.head):>9.2f}")
     print(f"step: {_fmt_bytes(p.total_bytes)} per GPU -> floor {p.step_floor_us:.1f} µs, "
           f"{p.tokens_per_s:,.0f} tok/s at batch {p.batch} (activations and all-reduce not counted)")
+    if args.program:
+        print(program_report(spec, args.tp, args.ep, args.batch, args.ctx, args.weights))
     return 0
+
+
+# the experts' formats of the one-launch programs, by plan's --weights name
+PROGRAM_EXPERTS = {"bf16": "bf16", "fp8_block128": "fp8_e4m3", "mxfp4": "mxfp4"}
+
+
+def program_report(spec, tp: int, ep: int, batch: int, ctx: int, weights: str, num_sms: int = 132) -> str:
+    """Whether the one-launch-a-step program of one rank builds at these settings, and how it sits
+    on the SMs: its ops, the busiest SM's instructions, its records (resident or through a window),
+    its weight ring. The programs shard the experts over the tensor-parallel ranks (ep = tp)."""
+    from .blocks.base import ring_geometry
+    from .errors import UnsupportedConfigError
+    from .megakernel import tp_model
+    from .megakernel.program import records_geometry
+    from .schedule import schedule
+    if ep not in (1, tp):
+        return (f"one-launch program: not built - the programs hold each rank's experts with its heads "
+                f"(ep = tp); ep={ep}, tp={tp}")
+    experts = PROGRAM_EXPERTS.get(weights, "bf16")
+    plain = spec.residual.kind == "plain"
+    cfg = (tp_model.TPModelConfig if plain else tp_model.TPMHCModelConfig)(
+        spec, batch=batch, max_seq_len=ctx, ranks=tp, expert_dtype=experts, num_sms=num_sms)
+    try:
+        prog, _ = (tp_model.build_program if plain else tp_model.build_mhc_program)(cfg)
+    except UnsupportedConfigError as exc:
+        return f"one-launch program: refused - {exc}"
+    max_len = schedule(prog, num_sms).max_len
+    _, rec, window = records_geometry(prog.opcodes.blocks, max_len)
+    stage, stages, _ = ring_geometry(prog.opcodes.blocks, reserved=rec)
+    where = "all resident" if not window else f"through a window of {window} slots"
+    return (f"one-launch program per rank ({experts} experts, {num_sms} SMs): {len(prog.ops)} ops, "
+            f"{max_len} instructions on the busiest SM, records {where} ({rec / 1024:.1f} KB), "
+            f"weight ring {stages} x {stage / 1024:.1f} KB")
 
 
 def cmd_run(args) -> int:
@@ -195,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kv", default="native", help="native | bf16 | fp8 | fp32 | v41 (DeepSeek-V4.1's per-cache "
                                                    "formats: 528 / 288 / 68 B a token)")
     pl.add_argument("--brief", action="store_true", help="count each layer's ops instead of naming them")
+    pl.add_argument("--program", action="store_true", help="also build one rank's one-launch program (tp ranks, "
+                                                            "experts sharded with them): does it fit, how it sits")
     pl.set_defaults(fn=cmd_plan)
 
     r = sub.add_parser("run", help="a random-weight model end to end")

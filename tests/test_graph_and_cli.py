@@ -104,6 +104,20 @@ def test_cli_plan_prints_floor():
     assert "KV bf16" in r.stdout
 
 
+def test_cli_plan_builds_the_rank_program():
+    """plan --program: one rank's one-launch program at those settings - V4.1-Flash TP8 at batch 8,
+    all 43 layers: its records stream through a window; an ep other than tp is refused by name."""
+    from sdk import plugins
+    from sdk.cli import program_report
+    spec = plugins.get_model("deepseek_v41_flash").spec("full_v41")
+    line = program_report(spec, 8, 8, 8, 4096, "mxfp4")
+    assert "mxfp4 experts" in line and "through a window of" in line and "weight ring" in line, line
+    assert "not built" in program_report(spec, 8, 16, 1, 4096, "native")
+    r = run_cli("plan", "glm_53", "--tp", "8", "--batch", "1", "--brief", "--program")
+    assert r.returncode == 0, r.stderr
+    assert "one-launch program per rank" in r.stdout
+
+
 @pytest.mark.parametrize("model_id", ["kimi_k3", "deepseek_v41_flash", "glm_53"])
 def test_cli_run_tiny(model_id):
     r = run_cli("run", model_id, "--tiny", "--tokens", "4")

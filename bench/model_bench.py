@@ -41,6 +41,9 @@ CASES = [("deepseek_v41_flash", "small_v41", 1, 32), ("deepseek_v41_flash", "sma
          ("kimi_k3", "small", 1, 32), ("kimi_k3", "small", 8, 32), ("glm_53", "small", 1, 32), ("glm_53", "small", 8, 32)]
 # --wide: Kimi K3 at one TP8 / EP16 rank's widths (models/kimi_k3/config.py WIDE), 4 layers, batch 1
 WIDE_CASES = [("kimi_k3", "wide", 1, 8)]
+# --deep: Kimi K3 at small's widths and the full 61-layer depth (config "deep"): what a step of the
+# full instruction count costs, its records through a window (kernel.py)
+DEEP_CASES = [("kimi_k3", "deep", 1, 4), ("kimi_k3", "deep", 8, 4)]
 SHORT = {"deepseek_v41_flash": "v41", "kimi_k3": "k3", "glm_53": "glm"}
 TP_MODELS = ("deepseek_v41_flash", "kimi_k3", "glm_53")   # every model has a tensor-parallel program (tp_model.py)
 
@@ -144,13 +147,17 @@ def main(argv=None):
                     "as virtual ranks on this GPU (132 / N SMs each)")
     ap.add_argument("--wide", action="store_true", help="the wide case (Kimi K3 at one rank's real widths, "
                     "4 layers, batch 1) instead of the small configs")
+    ap.add_argument("--deep", action="store_true", help="the deep cases (Kimi K3 at small's widths, all 61 "
+                    "layers, batch 1 and 8) instead of the small configs")
     a = ap.parse_args(argv)
-    todo = [c for c in (WIDE_CASES if a.wide else CASES) if (a.tp == 1 or c[0] in TP_MODELS) and (not a.match or any(m in case_name(c) for m in a.match))]
+    cases = WIDE_CASES if a.wide else DEEP_CASES if a.deep else CASES
+    todo = [c for c in cases if (a.tp == 1 or c[0] in TP_MODELS) and (not a.match or any(m in case_name(c) for m in a.match))]
 
     def one(c, bw):
         tag = "" if a.expert_dtype == "bf16" else "_" + a.expert_dtype
         tl = os.path.join(a.out, f"timeline_model_{SHORT[c[0]]}_{c[1]}_b{c[2]}{tag}.json") if a.out and c[2] == 1 else None
-        return bench_model(*c, bw, tl, expert_dtype=a.expert_dtype, tp=a.tp, draw_on="cuda" if a.wide else "cpu")
+        return bench_model(*c, bw, tl, expert_dtype=a.expert_dtype, tp=a.tp,
+                           draw_on="cuda" if a.wide or a.deep else "cpu")
     run_cases("model_bench.json", todo, one, case_name, a.out, case_width=34)
 
 

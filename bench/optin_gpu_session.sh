@@ -24,6 +24,9 @@
 #    GLM-5.3's 64 heads), the grouped GEMV (V4.1-Flash's o_a groups on one GPU / whole groups a
 #    rank) and the instruction records' window (bit-equal to resident records) - their GPU tests, then bench/mla_bench.py at 32K / 128K, the 96-head shard against the
 #    12-head one on the same keys (what the repeated key reads cost) and T = 4 against T = 1.
+# 9: bench/model_bench.py --deep - Kimi K3 at small's widths and the full 61-layer depth, batch 1 and
+#    8: a step of the full instruction count (its records through a window) against PyTorch under
+#    a CUDA graph and the floor.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -66,6 +69,11 @@ if [ "${1:-1}" = 8 ]; then   # this session's device paths: tests, then what the
   C=kimi_k3_tp8:32768:1:bf16:1,kimi_k3_tp1:32768:1:bf16:1,kimi_k3_tp8:32768:1:bf16:4,kimi_k3_tp8:131072:1:bf16:1
   C=$C,kimi_k3_tp1:131072:1:bf16:1,kimi_k3_tp8:32768:8:bf16:1,kimi_k3_tp1:32768:8:bf16:1,kimi_k3_tp1:32768:1:fp8_e4m3:1
   BENCH_S_mla=200 BENCH_ARGS_mla="--cases $C" DEVICE_ALL_S=210 bash bench/device_all.sh bench:mla
+  exit
+fi
+
+if [ "${1:-1}" = 9 ]; then   # the full depth: a step's time at the full instruction count
+  BENCH_S_model_deep=550 BENCH_ARGS_model_deep="--deep" DEVICE_ALL_S=560 bash bench/device_all.sh bench:model@deep
   exit
 fi
 

@@ -246,9 +246,11 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
             if cutlass.const_expr(WIN):
                 # the window's first half is done with (the consumer is past it, the producer at
                 # or past the consumer, and reading records past the window from global memory):
-                # refill its slots with the records after the window - all threads, in sync here
-                # (the last instruction ended on a barrier)
+                # refill its slots with the records after the window, all threads - once thread 0
+                # has read the last instruction's signal word (after that instruction's barrier),
+                # which lies in the first half
                 if (i == lo + HALF) & (hi < n):
+                    cute.arch.sync_threads()
                     cnt = cutlass.min(Int32(HALF), n - hi)
                     load_records(pI, mOps, sm, hi, cnt, sW, sP, HALF)
                     lo = lo + HALF

@@ -84,6 +84,9 @@ class Program:
         self.opcodes = OpcodeTable()
         self.ops: list[Op] = []
         self.instructions: list[Instruction] = []
+        # buffers any op writes / streams through the ring, and by which op first (the hazard check)
+        self._written: dict[str, str] = {}
+        self._streamed: dict[str, str] = {}
 
     def buffer(self, name, shape, dtype, role="scratch") -> str:
         if name in self.buffers:
@@ -134,18 +137,21 @@ class Program:
 
     def _check_ring_hazards(self, block: Block, bindings: dict, label: str) -> None:
         """The ring reads a block's streamed operands ahead of everything (Block.streamed_operands):
-        no other op of the launch may write them, before or after."""
+        no other op of the launch may write them, before or after. (Against the buffers all earlier
+        ops write and stream, kept as the ops are added: a whole model has thousands of ops.)"""
         streamed = {bindings[n] for n in block.streamed_operands() if bindings.get(n)}
         written = {bindings[s.name] for s in block.operand_specs() if s.output and bindings.get(s.name)}
-        for op in self.ops:
-            theirs = {op.bindings[s.name] for s in op.block.operand_specs() if s.output and op.bindings.get(s.name)}
-            their_streamed = {op.bindings[n] for n in op.block.streamed_operands() if op.bindings.get(n)}
-            clash = (streamed & theirs) | (written & their_streamed)
+        for clash, other in ((streamed & set(self._written), self._written),
+                             (written & set(self._streamed), self._streamed)):
             if clash:
                 raise UnsupportedConfigError(
                     f"{label}: buffer(s) {sorted(clash)} are streamed through the smem ring (read ahead of "
-                    f"the dependency waits) by one of {label!r} / {op.label!r} and written by the other in "
-                    f"the same launch: split them into two launches")
+                    f"the dependency waits) by one of {label!r} / {other[min(clash)]!r} and written by the "
+                    f"other in the same launch: split them into two launches")
+        for buf in written:
+            self._written.setdefault(buf, label)
+        for buf in streamed:
+            self._streamed.setdefault(buf, label)
 
     def operand_views(self, block: Block, base: int, tensors: dict) -> dict:
         """{operand name: its buffer's tensor from `tensors`, viewed in the operand's shape} of the
@@ -291,7 +297,18 @@ def fitted_sublayers(configs, build_sub, build_whole, num_sms: int) -> Program:
     checked again, and one that still does not fit raises the ring's UnsupportedConfigError now,
     at build time, not at compile time."""
     from ..blocks.base import ring_geometry
-    subs = [build_sub(c) for c in configs]
+    built: dict = {}
+
+    def build(c):
+        """A config's program, built once: a model's layers repeat a few configs (Kimi K3 full:
+        122 sublayers, 4 configs), and the whole only reads the sublayer programs."""
+        try:
+            if c not in built:
+                built[c] = build_sub(c)
+            return built[c]
+        except TypeError:               # an unhashable config: built each time
+            return build_sub(c)
+    subs = [build(c) for c in configs]
     whole = build_whole(subs)
     rec = whole_records(whole, num_sms)
     try:
@@ -301,13 +318,13 @@ def fitted_sublayers(configs, build_sub, build_whole, num_sms: int) -> Program:
         pass
     in_subs = set().union(*(sub.opcodes.blocks for sub in subs))
     fixed = [b for b in whole.opcodes.blocks if not b.stream_chunks() and b not in in_subs]
-    refit = []
+    refit, built = [], {}
     for c, sub in zip(configs, subs):
         own = set(sub.opcodes.blocks)
         others = [b for b in whole.opcodes.blocks if b.stream_chunks() and b not in own]
         token = _RING_CONTEXT.set((tuple(others + fixed), rec))
         try:
-            refit.append(build_sub(c))
+            refit.append(build(c))
         finally:
             _RING_CONTEXT.reset(token)
     whole = build_whole(refit)

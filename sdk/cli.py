@@ -47,7 +47,7 @@ def cmd_plan(args) -> int:
     print(f"{'head':>5} {'lm_head':<12} {_fmt_bytes(p.head.weight_bytes):>11} {'':>11} {p.floor_us(p.head):>9.2f}")
     print(f"step: {_fmt_bytes(p.total_bytes)} per GPU -> floor {p.step_floor_us:.1f} µs, "
           f"{p.tokens_per_s:,.0f} tok/s at batch {p.batch} (activations and all-reduce not counted)")
-    if args.program:
+    if getattr(args, "program", False):
         print(program_report(spec, args.tp, args.ep, args.batch, args.ctx, args.weights))
     return 0
 
@@ -152,7 +152,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The main job on any machine: list models, run each tiny model, print plans, compile-check."""
+    """The main job on any machine: list models, run each tiny model, print plans (with one rank's
+    one-launch program at that sharding), compile-check."""
     rc = cmd_models(args)
     for name in sorted(plugins.models()):
         print()
@@ -164,7 +165,7 @@ def cmd_demo(args) -> int:
         print()
         rc |= cmd_plan(argparse.Namespace(model=name, config="full", tp=shard.tp if shard else 1,
                                           ep=shard.ep if shard else 1, batch=1, ctx=32768, gpu="h200",
-                                          weights="native", kv="native", brief=True))
+                                          weights="native", kv="native", brief=True, program=True))
     print()
     rc |= whole_model_check()
     if not args.skip_compile:

@@ -116,6 +116,10 @@ def test_cli_plan_builds_the_rank_program():
     r = run_cli("plan", "glm_53", "--tp", "8", "--batch", "1", "--brief", "--program")
     assert r.returncode == 0, r.stderr
     assert "one-launch program per rank" in r.stdout
+    import argparse
+    from sdk.cli import cmd_plan              # callers that build their own Namespace (the demo's)
+    assert cmd_plan(argparse.Namespace(model="glm_53", config="full", tp=8, ep=8, batch=1, ctx=4096, gpu="h200",
+                                       weights="native", kv="native", brief=True)) == 0
 
 
 @pytest.mark.parametrize("model_id", ["kimi_k3", "deepseek_v41_flash", "glm_53"])

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from sdk.errors import UnsupportedConfigError
 from sdk.megakernel.program import RECORDS_MAX_BYTES, RECORDS_WINDOW_BYTES, records_geometry
 
 
@@ -113,6 +114,9 @@ def test_records_geometry_windows_only_long_lists():
     _, b, win = records_geometry(blocks, n_fit + 1)
     assert win & (win - 1) == 0 and b == win * per <= RECORDS_WINDOW_BYTES < 2 * win * per
     assert records_geometry(blocks, 20, window=8) == (nops, 8 * per, 8)
+    assert records_geometry(blocks, 20, window=0) == (nops, 20 * per, 0)    # the runtime's resident choice
+    with pytest.raises(UnsupportedConfigError, match="records window"):
+        records_geometry(blocks, n_fit + 1, window=0)
     assert records_geometry(blocks, 20, window=32)[2] == 0          # the whole list fits the window
     with pytest.raises(ValueError, match="power of two"):
         records_geometry(blocks, 20, window=6)

@@ -217,6 +217,11 @@ def records_geometry(blocks, max_len: int, window: int | None = None) -> tuple[i
     power of two >= 4; tests run small programs through it)."""
     nops = max([len(b.operands()) for b in blocks] + [1])
     per = 4 * isa.WORDS + 8 * nops
+    if window == 0:                      # all resident, as asked (the runtime passes its choice on)
+        if max_len * per > RECORDS_MAX_BYTES:
+            raise UnsupportedConfigError(f"megakernel: {max_len} instruction records of {per} B do not fit the "
+                                         f"{RECORDS_MAX_BYTES} B kept resident; use a records window")
+        return nops, max_len * per, 0
     if window is None:
         if max_len * per <= RECORDS_MAX_BYTES:
             return nops, max_len * per, 0

@@ -49,9 +49,11 @@ TP_MODELS = ("deepseek_v41_flash", "kimi_k3", "glm_53")   # every model has a te
 
 
 def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, expert_dtype="bf16", tp=1,
-                draw_on="cpu"):
+                draw_on="cpu", take_picks=True):
     """draw_on: where the random weights are drawn (the small configs' on the CPU, as in the earlier
-    rows; --wide's 19 GB on the GPU)."""
+    rows; --wide's 19 GB on the GPU). take_picks: the model takes the program's near-tie picks
+    (else the two sides pick on their own and rel_err says how far they drift: --deep, whose 61
+    bf16 layers move picks by more than a near-tie - the H100 run of 2026-12-05)."""
     from sdk import build_megakernel
     from sdk.megakernel.moe_layer import MoELayerConfig
     from sdk.reference.model import random_weights
@@ -74,11 +76,12 @@ def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, e
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from program_choices import ProgramChoices
     with pytest.MonkeyPatch.context() as mp:
-        choices = ProgramChoices(ref, mp)
+        choices = ProgramChoices(ref, mp) if take_picks else None
         for _ in range(warm_steps + 1):      # the caches some steps in (windows full, entries written)
             ids = torch.randint(0, ref.spec.vocab_size, (batch,), generator=g)
             got = runner.decode(ids)
-            choices.take(runner)
+            if choices is not None:
+                choices.take(runner)
             want = ref.decode(ids[:, None].cuda(), state)[:, 0]
     err = ((got.float() - want.float()).norm() / want.float().norm()).item()
     row_errs = ((got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1)).tolist()
@@ -125,7 +128,7 @@ def bench_model(model, config, batch, warm_steps, copy_bw, timeline_path=None, e
             "floor_us": floor_us, "floor_bytes": {"weights_read": wbytes, "caches": cache_bytes},
             "fraction_of_floor": floor_us / us, "gbs": total / (us * 1e3), "hit_experts": hits, "rel_err": err,
             "rel_err_rows": [round(e, 5) for e in row_errs],
-            "near_tie_picks_taken": [list(f[:3]) + [round(f[3], 4)] for f in choices.forced],
+            "near_tie_picks_taken": [list(f[:3]) + [round(f[3], 4)] for f in choices.forced] if choices else None,
             "reference_us": ref_us, "reference_timing_mode": ref_mode, "torch_graph_us": ref_us if graph else None,
             "speedup_vs_torch_graph": ref_us / us if graph else None,
             "torch_form": f"the reference backend, capturable: attention over all {state.max_seq_len} cache positions, "
@@ -157,7 +160,7 @@ def main(argv=None):
         tag = "" if a.expert_dtype == "bf16" else "_" + a.expert_dtype
         tl = os.path.join(a.out, f"timeline_model_{SHORT[c[0]]}_{c[1]}_b{c[2]}{tag}.json") if a.out and c[2] == 1 else None
         return bench_model(*c, bw, tl, expert_dtype=a.expert_dtype, tp=a.tp,
-                           draw_on="cuda" if a.wide or a.deep else "cpu")
+                           draw_on="cuda" if a.wide or a.deep else "cpu", take_picks=not a.deep)
     run_cases("model_bench.json", todo, one, case_name, a.out, case_width=34)
 
 

@@ -323,7 +323,8 @@ def fitted_sublayers(configs, build_sub, build_whole, num_sms: int) -> Program:
         pass
     in_subs = set().union(*(sub.opcodes.blocks for sub in subs))
     fixed = [b for b in whole.opcodes.blocks if not b.stream_chunks() and b not in in_subs]
-    refit, built = [], {}
+    refit = []
+    built.clear()                        # the refit builds each config again, beside the others' streams
     for c, sub in zip(configs, subs):
         own = set(sub.opcodes.blocks)
         others = [b for b in whole.opcodes.blocks if b.stream_chunks() and b not in own]

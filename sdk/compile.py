@@ -51,8 +51,11 @@ def block_cases():
 def hopper_block_cases():
     """Blocks built on Hopper-only instructions (warpgroup MMA): compiled for sm_90a alone."""
     from .blocks.gemv import GemvBlock, GemvConfig
+    from .blocks.mla_decode import MLADecodeBlock, MLADecodeConfig
     return [
         GemvBlock(GemvConfig(n=7168, k=2048, m=1, rows_per_tile=64, weight_dtype="fp8_e4m3", fp8_decode="wgmma")),
+        MLADecodeBlock(MLADecodeConfig(heads=12, softmax_scale=192 ** -0.5, num_pages=2048, max_seq_len=131072,
+                                       num_splits=128, chunk=64, mma="wgmma")),
         GemvBlock(GemvConfig(n=2048, k=7168, m=2, rows_per_tile=16, weight_dtype="fp8_e4m3", fp8_decode="wgmma",
                              swiglu=True, norm=True, residual="bf16")),
     ]

@@ -136,6 +136,9 @@ class MLADecodeConfig:
     q_in_regs: bool | None = None      # query slice in registers across chunks; None = auto (q_regs)
     max_tile_rows: int = MAX_TILE_ROWS  # query rows of one tile (32, or 16: half the query and score
                                         # smem, the keys read by twice the row groups)
+    mma: str = "warp"                  # "warp": mma.sync m16n8k16 from ldmatrix fragments (every arch);
+                                       # "wgmma": Hopper warpgroup MMAs from swizzled shared memory
+                                       # (sm_90a only; dense bf16 cache, chunk 64; _mla_wgmma_cute.py)
 
 
 class MLADecodeBlock(Block):
@@ -214,8 +217,12 @@ class MLADecodeBlock(Block):
         return self.m_pad == 16 and self.d_qk // self.nwk <= 288
 
     @property
-    def nwk(self) -> int:                 # warps along d_qk in QK^T
-        return NUM_WARPS // self.nwn
+    def nwk(self) -> int:                 # warps along d_qk in QK^T (wgmma: the two warpgroups)
+        return 2 if self.wgmma else NUM_WARPS // self.nwn
+
+    @property
+    def wgmma(self) -> bool:
+        return self.config.mma == "wgmma"
 
     @property
     def stages(self) -> int:
@@ -248,8 +255,9 @@ class MLADecodeBlock(Block):
     @property
     def score_row(self) -> int:
         """fp32 row stride of the partial-score buffer: chunk + 8 (padded: conflict-free 8-byte
-        accesses of the MMA fragments, see _mla_cute.py)."""
-        return self.config.chunk + 8
+        accesses of the MMA fragments, see _mla_cute.py); wgmma: chunk + 4 (its accumulator's
+        transposed 4-byte stores, see _mla_wgmma_cute.py)."""
+        return self.config.chunk + (4 if self.wgmma else 8)
 
     @property
     def p_row(self) -> int:
@@ -258,6 +266,9 @@ class MLADecodeBlock(Block):
 
     def _smem_bytes(self, stages: int) -> int:
         c = self.config
+        if self.wgmma:                           # 128-byte-swizzled rows, unpadded (1 KB aligned)
+            b = 1024 + stages * c.chunk * self.d_qk * 2 + self.m_pad * self.d_qk * 2 + self.m_pad * c.chunk * 2
+            return b + self.nwk * self.m_pad * self.score_row * 4 + 3 * self.m_pad * 4
         rs = self.d_qk + 8                       # padded bf16 row: conflict-free ldmatrix
         b = self.m_pad * rs * 2                  # sQ
         b += self.nwk * self.m_pad * self.score_row * 4                    # sS partial scores
@@ -295,6 +306,14 @@ class MLADecodeBlock(Block):
                              f"and be a multiple of 16")
         if c.num_splits < 1 or c.batch < 1 or c.q_tokens < 1:
             self.unsupported("mla_decode: batch, q_tokens and num_splits must be >= 1")
+        if c.mma not in ("warp", "wgmma"):
+            self.unsupported(f"mla_decode: mma={c.mma!r} (supported: warp, wgmma)")
+        if self.wgmma:
+            if self.sparse or self.fp8 or c.chunk != 64:
+                self.unsupported("mla_decode mma=wgmma: a dense bf16 cache at chunk 64 (sparse lists and "
+                                 "the fp8 cache take mma=warp)")
+            if self.d_qk % 64 or self.d_v % 128:
+                self.unsupported(f"mla_decode mma=wgmma: d_qk={self.d_qk} a multiple of 64, d_v={self.d_v} of 128")
         if self.smem_bytes() > 227 * 1024:
             self.unsupported(f"mla_decode: {self.smem_bytes()} B of shared memory > 227 KiB "
                              f"(lower stages or chunk)")
@@ -493,6 +512,9 @@ class MLADecodeBlock(Block):
 
     # -- device face ---------------------------------------------------------------------------
     def _build_device_tile(self):
+        if self.wgmma:
+            from ._mla_wgmma_cute import build_mla_decode_wgmma_tile
+            return build_mla_decode_wgmma_tile(self)
         from ._mla_cute import build_mla_decode_tile
         return build_mla_decode_tile(self)
 

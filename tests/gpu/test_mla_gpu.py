@@ -125,6 +125,28 @@ def test_row_groups(kvd, heads, T, ctx, max_rows):
     check(blk, t, seed)
 
 
+@pytest.mark.parametrize("heads,T,rope,scale,lens,page", [
+    (12, 1, 64, K3_SCALE, [1], 64), (12, 1, 64, K3_SCALE, [63], 64), (12, 1, 64, K3_SCALE, [65], 64),
+    (12, 1, 64, K3_SCALE, [131072], 64), (8, 1, 0, GLM_SCALE, [131072], 64), (6, 1, 64, K3_SCALE, [32768], 64),
+    (12, 2, 64, K3_SCALE, [4097, 2, 9000, 300], 64), (8, 4, 0, GLM_SCALE, [9000, 4, 777], 64),
+    (12, 1, 64, K3_SCALE, [5000, 1, 3001], 16), (40, 1, 64, K3_SCALE, [4097, 1000], 64),
+    (96, 1, 64, K3_SCALE, [32768], 64)])
+def test_wgmma_tile(heads, T, rope, scale, lens, page):
+    """mma="wgmma" (Hopper warpgroup MMAs from the swizzled chunk): single sequences from 1 to 128K
+    tokens at Kimi K3 TP8 / TP16 and GLM-5.3 TP8 (NoPE), ragged batches with T = 2 / 4 causal new
+    tokens (32-row tiles), 16-token pages (chunks straddle pages), row groups (40 heads: 2 of 20;
+    96: 3 of 32)."""
+    need_gpu()
+    from sdk.blocks.mla_decode import MLADecodeConfig, choose_splits, row_groups
+    seed = clock_seed()
+    groups = row_groups(T * heads)
+    cfg = MLADecodeConfig(heads=heads, softmax_scale=scale, scale_factor=1.21, batch=len(lens), q_tokens=T, rope=rope,
+                          page_size=page, num_pages=sum(-(-x // page) for x in lens) + 4, max_seq_len=max(lens),
+                          num_splits=choose_splits(len(lens) * groups, max(lens), chunk=64), chunk=64, mma="wgmma")
+    blk, t = make_case(cfg, lens, seed)
+    check(blk, t, seed)
+
+
 @pytest.mark.parametrize("page", [16, 128])
 def test_other_page_sizes_and_batch_64(page):
     need_gpu()

@@ -277,20 +277,26 @@ def test_wgmma_tile_refusals_and_smem():
     blk.check()
     assert blk.stages == 2 and blk.nwk == 2 and blk.score_row == 68
     assert blk.smem_bytes() == 1024 + 2 * 64 * 576 * 2 + 16 * 576 * 2 + 16 * 64 * 2 + 2 * 16 * 68 * 4 + 3 * 16 * 4
-    for bad in (dict(chunk=32), dict(kv_dtype="fp8_e4m3"), dict(index_width=2048), dict(mma="tcgen05"),
+    for bad in (dict(chunk=32), dict(index_width=2048), dict(mma="tcgen05"),
                 dict(stages=3)):
         with pytest.raises(UnsupportedConfigError):
             MLADecodeBlock(MLADecodeConfig(**{**cfg, **bad})).check()
     MLADecodeBlock(MLADecodeConfig(**{**cfg, "rope": 0, "stages": 3})).check()   # GLM-5.3: 3 stages fit
+    fp8 = MLADecodeBlock(MLADecodeConfig(**{**cfg, "kv_dtype": "fp8_e4m3", "stages": 3}))   # one f16 buffer
+    fp8.check()
+    assert fp8.smem_bytes() == (1024 + 64 * 576 * 2 + 16 * 576 * 2 + 16 * 64 * 2 + 3 * 64 * 592 + 3 * 64 * 9 * 4
+                                + 2 * 16 * 68 * 4 + 3 * 16 * 4)
 
 
-@pytest.mark.parametrize("heads,T,rope", [(12, 1, 64), (8, 1, 0), (12, 2, 64)])
-def test_wgmma_tile_compiles_for_hopper(heads, T, rope):
+@pytest.mark.parametrize("heads,T,rope,kvd", [(12, 1, 64, "bf16"), (8, 1, 0, "bf16"), (12, 2, 64, "bf16"),
+                                              (12, 1, 64, "fp8_e4m3")])
+def test_wgmma_tile_compiles_for_hopper(heads, T, rope, kvd):
     """The warpgroup-MMA tile traces and compiles for sm_90a: 18 + 16 wgmma per chunk (QK^T over
     half of d_qk = 576, PV over 4 k16 steps of the chunk); 16- and 32-row tiles."""
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     from sdk.blocks._cute import standalone
     blk = MLADecodeBlock(MLADecodeConfig(heads=heads, softmax_scale=0.07, q_tokens=T, rope=rope, num_pages=64,
-                                         max_seq_len=4096, num_splits=4, chunk=64, mma="wgmma"))
+                                         max_seq_len=4096, num_splits=4, chunk=64, mma="wgmma",
+                                         kv_dtype=kvd))
     blk.check()
     assert callable(standalone(blk, "sm_90a"))

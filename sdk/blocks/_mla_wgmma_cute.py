@@ -29,10 +29,11 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
-from ._cute import TileSmem, fence_proxy_async_smem, gmem_tensor
+from ._cute import (DTYPE_MAP, TileSmem, e4m3x4_to_f16x2x2, f32_to_f16x2_splat, fence_proxy_async_smem, gmem_tensor,
+                    mul_f16x2, smem_tensor)
 from ._mla_cute import LOG2_E, group_max, group_sum
 from .base import NUM_THREADS
 
@@ -41,17 +42,18 @@ WG_THREADS = 128
 ATOM = 64                                 # bf16 columns of one 128-byte swizzle row
 
 
-def sw_tensor(addr, layout):
-    """bf16 tensor at a 1 KB-aligned shared address through the 128-byte swizzle (an MMA
+def sw_tensor(dtype, addr, layout):
+    """16-bit tensor at a 1 KB-aligned shared address through the 128-byte swizzle (an MMA
     operand view: the descriptors take the swizzle mode from the pointer)."""
-    ptr = cute.make_ptr(BFloat16, addr, cute.AddressSpace.smem, assumed_align=1024)
-    return cute.make_tensor(cute.recast_ptr(ptr, cute.make_swizzle(3, 4, 3), dtype=BFloat16), layout)
+    ptr = cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=1024)
+    return cute.make_tensor(cute.recast_ptr(ptr, cute.make_swizzle(3, 4, 3), dtype=dtype), layout)
 
 
-def pieces(addr, n):
+def pieces(dtype, addr, n):
     """The same bytes as n plain 16-byte pieces (the tile's own stores, swizzled by hand)."""
-    ptr = cute.make_ptr(BFloat16, addr, cute.AddressSpace.smem, assumed_align=1024)
-    return cute.make_tensor(ptr, cute.make_layout((n, 8), stride=(8, 1)))
+    e = 128 // dtype.width
+    ptr = cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=1024)
+    return cute.make_tensor(ptr, cute.make_layout((n, e), stride=(e, 1)))
 
 
 def build_mla_decode_wgmma_tile(block):
@@ -77,7 +79,23 @@ def build_mla_decode_wgmma_tile(block):
     RPW = MP // NUM_WARPS                 # softmax: rows of a warp (2 or 4) ..
     LPR = 32 // RPW                       # .. lanes of a row (16 or 8) ..
     EPL = CH // LPR                       # .. consecutive tokens of a lane (4 or 8)
-    ROW_BYTES = DQK * 2
+    FP8 = block.fp8
+    # the MMAs' operand type: f16 for an fp8 cache (as the mma.sync tile: e4m3 -> f16 is exact and
+    # the scale one packed multiply), bf16 otherwise
+    MDT = Float16 if FP8 else BFloat16
+    kvdt = DTYPE_MAP[c.kv_dtype]
+    ROW_BYTES = DQK * (1 if FP8 else 2)
+    G = c.scale_group
+    NG = DQK // G
+    RS8 = DQK + 16                        # fp8 stage row stride (bytes): +16 B
+    P8 = DQK // 16                        # fp8: 16-byte pieces of a row
+    NPIECE8 = CH * P8
+    PPT8 = -(-NPIECE8 // NUM_THREADS)
+    NSC = CH * NG                         # fp8: scales per chunk
+    SPT = -(-NSC // NUM_THREADS)
+    NCV = CH * PIECES                     # fp8 dequant: 8-element units of a chunk (one f16 piece each)
+    CVT = -(-NCV // NUM_THREADS)
+    NBUF = 1 if FP8 else ST               # MMA-ready chunk buffers: the stages, or fp8's f16 one
     WHOLE_PAGE_CHUNKS = PS % CH == 0
     scale_log2 = block.scale * LOG2_E
     scale_nat = block.scale
@@ -104,19 +122,60 @@ def build_mla_decode_wgmma_tile(block):
         return row
 
     @cute.jit
-    def load_chunk(kv_addr, mBT, b, length, ci, st, sPieces, tid, g2s):
+    def load_chunk(kv_addr, sc_addr, mBT, b, length, ci, st, sPieces, sStage8, sScSt, tid, g2s, g2s4):
+        """cp.async chunk ci into stage st: bf16 rows straight into their swizzled places; fp8
+        rows into plain padded rows, with their scales (dequantised after the chunk lands)."""
         page_row0 = Int32(0)
         if cutlass.const_expr(WHOLE_PAGE_CHUNKS):
             page_row0 = mBT[b, (ci * CH) // PS] * PS + (ci * CH) % PS
-        for k in cutlass.range_constexpr(PPT):
+        if cutlass.const_expr(FP8):
+            for k in cutlass.range_constexpr(PPT8):
+                i = tid + k * NUM_THREADS
+                if i < NPIECE8:
+                    j = i // P8
+                    p = i % P8
+                    row = cache_row(mBT, b, length, ci, j, page_row0)
+                    src = gmem_tensor(kv_addr + Int64(row) * Int64(ROW_BYTES) + Int64(p * 16), kvdt, (16,), 16)
+                    cute.copy(g2s, src, sStage8[st, j, p, None])
+            for k in cutlass.range_constexpr(SPT):
+                i = tid + k * NUM_THREADS
+                if i < NSC:
+                    j = i // NG
+                    gi = i % NG
+                    row = cache_row(mBT, b, length, ci, j, page_row0)
+                    src = gmem_tensor(sc_addr + Int64(row) * Int64(NG * 4) + Int64(gi * 4), Float32, (1,), 4)
+                    cute.copy(g2s4, src, sScSt[st, j, gi, None])
+        else:
+            for k in cutlass.range_constexpr(PPT):
+                i = tid + k * NUM_THREADS
+                if i < NPIECE:
+                    j = i // PIECES
+                    p = i % PIECES
+                    row = cache_row(mBT, b, length, ci, j, page_row0)
+                    src = gmem_tensor(kv_addr + Int64(row) * Int64(ROW_BYTES) + Int64(p * 16), BFloat16, (8,), 16)
+                    kb, r, pc = swz(j, p)
+                    cute.copy(g2s, src, sPieces[((st * KB + kb) * CH + r) * 8 + pc, None])
+
+    @cute.jit
+    def dequant(sStage8, sScSt, sBufW, tid, st):
+        """fp8: stage st's e4m3 rows times their group scales -> the swizzled f16 chunk buffer
+        (a unit: 8 e4m3 = 2 words -> 4 f16x2 words = one 16-byte piece)."""
+        s8w = smem_tensor(sStage8.iterator.toint(), Int32, (ST, CH, RS8 // 8, 2))
+        rw = cute.make_rmem_tensor((2,), Int32)
+        ro = cute.make_rmem_tensor((4,), Int32)
+        for k in cutlass.range_constexpr(CVT):
             i = tid + k * NUM_THREADS
-            if i < NPIECE:
+            if i < NCV:
                 j = i // PIECES
-                p = i % PIECES
-                row = cache_row(mBT, b, length, ci, j, page_row0)
-                src = gmem_tensor(kv_addr + Int64(row) * Int64(ROW_BYTES) + Int64(p * 16), BFloat16, (8,), 16)
-                kb, r, pc = swz(j, p)
-                cute.copy(g2s, src, sPieces[((st * KB + kb) * CH + r) * 8 + pc, None])
+                u = i % PIECES
+                sc2 = f32_to_f16x2_splat(sScSt[st, j, (u * 8) // G, 0])
+                rw.store(s8w[st, j, u, None].load())
+                for w in cutlass.range_constexpr(2):
+                    lo, hi = e4m3x4_to_f16x2x2(rw[w])
+                    ro[2 * w] = mul_f16x2(lo, sc2)
+                    ro[2 * w + 1] = mul_f16x2(hi, sc2)
+                kb, r, pc = swz(j, u)
+                sBufW[(kb * CH + r) * 8 + pc, None].store(ro.load())
 
     @cute.jit
     def softmax(sS, sPw, sRow, srow, lane, length, grow0, ci, m_run, l_run):
@@ -144,7 +203,7 @@ def build_mla_decode_wgmma_tile(block):
         l_new = l_run * alpha + group_sum(p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0), LPR)
         # P's EPL tokens lie in one 16-byte piece of row srow (EPL divides 8)
         _, r, pc = swz(srow, j0 // 8)
-        cute.local_tile(sPw, (1, EPL), (r * 8 + pc, (j0 % 8) // EPL)).store(p.to(BFloat16))
+        cute.local_tile(sPw, (1, EPL), (r * 8 + pc, (j0 % 8) // EPL)).store(p.to(MDT))
         if lane % LPR == 0:
             sRow[0, srow] = alpha
             sRow[1, srow] = m_new
@@ -167,39 +226,51 @@ def build_mla_decode_wgmma_tile(block):
             nrows = cutlass.min(Int32(TR), UR - grow0)
         row0 = grow0
 
+        n_kv = 3 if FP8 else 2                 # index of block_table in the operand list
         mQ = gmem_tensor(ptrs[0], BFloat16, (B, R, PIECES, 8), 16)
         kv_addr = ptrs[1]
-        mBT = gmem_tensor(ptrs[2], Int32, (B, MAXP), 4)
-        mLen = gmem_tensor(ptrs[3], Int32, (B,), 4)
-        mO = gmem_tensor(ptrs[4], Float32, (B, S, R, DV), 4)
-        mL = gmem_tensor(ptrs[5], Float32, (B, S, R), 4)
+        sc_addr = ptrs[2] if FP8 else ptrs[1]
+        mBT = gmem_tensor(ptrs[n_kv], Int32, (B, MAXP), 4)
+        mLen = gmem_tensor(ptrs[n_kv + 1], Int32, (B,), 4)
+        mO = gmem_tensor(ptrs[n_kv + 2], Float32, (B, S, R, DV), 4)
+        mL = gmem_tensor(ptrs[n_kv + 3], Float32, (B, S, R), 4)
 
-        # ---- shared memory: stages, Q, P at a 1 KB boundary (the swizzle atoms' period) --------
+        # ---- shared memory: chunk buffers, Q, P at a 1 KB boundary (the swizzle atoms' period) ---
         smem = TileSmem(scratch, OWN)
-        raw = smem.allocate_tensor(BFloat16, cute.make_layout(512 + ST * STAGE_EL + MP * DQK + MP * CH),
+        raw = smem.allocate_tensor(BFloat16, cute.make_layout(512 + NBUF * STAGE_EL + MP * DQK + MP * CH),
                                    byte_alignment=128)
         base = (raw.iterator.toint() + 1023) // 1024 * 1024
-        q_addr = base + ST * STAGE_EL * 2
+        q_addr = base + NBUF * STAGE_EL * 2
         p_addr = q_addr + MP * DQK * 2
+        sStage8 = None
+        sScSt = None
+        if cutlass.const_expr(FP8):
+            s8 = smem.allocate_tensor(kvdt, cute.make_layout(ST * CH * RS8), byte_alignment=128)
+            sStage8 = cute.make_tensor(s8.iterator, cute.make_layout((ST, CH, P8, 16), stride=(CH * RS8, RS8, 16, 1)))
+            sScSt = smem.allocate_tensor(Float32, cute.make_layout((ST, CH, NG, 1), stride=(CH * NG, NG, 1, 1)),
+                                         byte_alignment=16)
         sS = smem.allocate_tensor(Float32, cute.make_layout((2, MP, CH), stride=(MP * SROW, SROW, 1)),
                                   byte_alignment=16)
         sRow = smem.allocate_tensor(Float32, cute.make_layout((3, MP), stride=(MP, 1)), byte_alignment=16)
         # MMA views. K (tokens x d_qk, per stage) K-major; V^T (value columns x tokens) MN-major,
         # this warpgroup's half of the columns; Q and P (rows x d_qk / tokens) K-major.
-        sK = sw_tensor(base, cute.make_layout(((8, CH // 8), (ATOM, KB), ST),
-                                              stride=((ATOM, 8 * ATOM), (1, CH * ATOM), STAGE_EL)))
-        sVt = sw_tensor(base + wg * (DVG // ATOM) * CH * ATOM * 2,
-                        cute.make_layout(((ATOM, DVG // ATOM), (8, CH // 8), ST),
+        sK = sw_tensor(MDT, base, cute.make_layout(((8, CH // 8), (ATOM, KB), NBUF),
+                                                   stride=((ATOM, 8 * ATOM), (1, CH * ATOM), STAGE_EL)))
+        sVt = sw_tensor(MDT, base + wg * (DVG // ATOM) * CH * ATOM * 2,
+                        cute.make_layout(((ATOM, DVG // ATOM), (8, CH // 8), NBUF),
                                          stride=((1, CH * ATOM), (ATOM, 8 * ATOM), STAGE_EL)))
-        sQ = sw_tensor(q_addr, cute.make_layout(((8, MP // 8), (ATOM, KB)), stride=((ATOM, 8 * ATOM), (1, MP * ATOM))))
-        sP = sw_tensor(p_addr, cute.make_layout(((8, MP // 8), (ATOM, CH // ATOM)),
-                                                stride=((ATOM, 8 * ATOM), (1, MP * ATOM))))
-        sPieces = pieces(base, ST * STAGE_EL // 8)
-        sQw = pieces(q_addr, QP)
-        sPw = pieces(p_addr, MP * CH // 8)
+        sQ = sw_tensor(MDT, q_addr, cute.make_layout(((8, MP // 8), (ATOM, KB)),
+                                                     stride=((ATOM, 8 * ATOM), (1, MP * ATOM))))
+        sP = sw_tensor(MDT, p_addr, cute.make_layout(((8, MP // 8), (ATOM, CH // ATOM)),
+                                                     stride=((ATOM, 8 * ATOM), (1, MP * ATOM))))
+        sPieces = pieces(BFloat16, base, NBUF * STAGE_EL // 8)
+        sBufW = pieces(Int32, base, STAGE_EL // 8)     # fp8: the f16 buffer as 4-word pieces
+        sQw = pieces(MDT, q_addr, QP)
+        sPw = pieces(MDT, p_addr, MP * CH // 8)
 
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), kvdt,
                                   num_bits_per_copy=128)
+        g2s4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
 
         # ---- split bounds (whole chunks) ----------------------------------------------------------
         length = mLen[b]
@@ -214,7 +285,7 @@ def build_mla_decode_wgmma_tile(block):
 
         for k in cutlass.range_constexpr(ST - 1):
             if c_lo + k < c_hi:
-                load_chunk(kv_addr, mBT, b, length, c_lo + k, k, sPieces, tid, g2s)
+                load_chunk(kv_addr, sc_addr, mBT, b, length, c_lo + k, k, sPieces, sStage8, sScSt, tid, g2s, g2s4)
             cute.arch.cp_async_commit_group()
 
         # the query rows (zero padding), swizzled like the keys
@@ -231,7 +302,10 @@ def build_mla_decode_wgmma_tile(block):
                 kb, rr, pc = swz(r, p)
                 dst = sQw[(kb * MP + rr) * 8 + pc, None]
                 if r < nrows:
-                    dst.store(rQ[k, None].load())
+                    if cutlass.const_expr(FP8):
+                        dst.store(rQ[k, None].load().to(Float32).to(Float16))
+                    else:
+                        dst.store(rQ[k, None].load())
                 else:
                     dst.fill(0.0)
         fence_proxy_async_smem()                # Q (st.shared) -> the MMAs' async proxy; the chunk
@@ -240,9 +314,9 @@ def build_mla_decode_wgmma_tile(block):
 
         # ---- the warpgroup MMAs ---------------------------------------------------------------------
         wtid = tid % WG_THREADS
-        op_qk = warpgroup.MmaF16BF16Op(BFloat16, Float32, (CH, MP, 16), warpgroup.OperandSource.SMEM,
+        op_qk = warpgroup.MmaF16BF16Op(MDT, Float32, (CH, MP, 16), warpgroup.OperandSource.SMEM,
                                        OperandMajorMode.K, OperandMajorMode.K)
-        op_pv = warpgroup.MmaF16BF16Op(BFloat16, Float32, (64, MP, 16), warpgroup.OperandSource.SMEM,
+        op_pv = warpgroup.MmaF16BF16Op(MDT, Float32, (64, MP, 16), warpgroup.OperandSource.SMEM,
                                        OperandMajorMode.MN, OperandMajorMode.K)
         tiled_qk = cute.make_tiled_mma(cute.make_mma_atom(op_qk), (1, 1, 1))
         tiled_pv = cute.make_tiled_mma(cute.make_mma_atom(op_pv), (1, 1, 1))
@@ -273,14 +347,21 @@ def build_mla_decode_wgmma_tile(block):
             cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
             nxt = ci + ST - 1
             if nxt < c_hi:
-                load_chunk(kv_addr, mBT, b, length, nxt, (it + ST - 1) % ST, sPieces, tid, g2s)
+                load_chunk(kv_addr, sc_addr, mBT, b, length, nxt, (it + ST - 1) % ST, sPieces, sStage8, sScSt,
+                           tid, g2s, g2s4)
             cute.arch.cp_async_commit_group()
+            buf = st
+            if cutlass.const_expr(FP8):
+                buf = 0
+                dequant(sStage8, sScSt, sBufW, tid, st)
+                fence_proxy_async_smem()        # the f16 chunk (st.shared) -> the MMAs' async proxy
+                cute.arch.sync_threads()
 
             # S^T partial (this warpgroup's half of d_qk)
             accS.fill(0.0)
             warpgroup.fence()
             for k in cutlass.range_constexpr(KH):
-                cute.gemm(tiled_qk, accS, tSrK[None, None, wg * KH + k, st], tSrQ[None, None, wg * KH + k], accS)
+                cute.gemm(tiled_qk, accS, tSrK[None, None, wg * KH + k, buf], tSrQ[None, None, wg * KH + k], accS)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             for i in cutlass.range_constexpr(cute.size(accS)):
@@ -294,7 +375,7 @@ def build_mla_decode_wgmma_tile(block):
                 accO[i] = accO[i] * sRow[0, cO[i][1]]
             warpgroup.fence()
             for k in cutlass.range_constexpr(CH // 16):
-                cute.gemm(tiled_pv, accO, tOrV[None, None, k, st], tOrP[None, None, k], accO)
+                cute.gemm(tiled_pv, accO, tOrV[None, None, k, buf], tOrP[None, None, k], accO)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 

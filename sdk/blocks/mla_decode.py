@@ -68,11 +68,17 @@ each chunk's tokens in shared memory for the mask: visible iff 0 <= token <= len
 (the causal rule; -1 entries never are). Splits cut the W positions. A GLM-5.3 "shared" indexer
 layer passes the previous layer's list to the same operand.
 
-Not yet: one tile over more than 32 rows (wgmma's 64-row fragments: each key read once for 64
-rows; row groups read the keys once a group), a per-step dynamic split scheduler
+Hopper variant (`mma="wgmma"`, sm_90a; `_mla_wgmma_cute.py`): the same tile on warpgroup MMAs
+from a 128-byte-swizzled chunk of 64 tokens - S^T = K . Q^T and O^T = V^T . P^T read one copy of
+the chunk (K-major for the scores, MN-major for the values), 18 + 16 async wgmma per warpgroup a
+chunk instead of the mma.sync tile's ldmatrix fragments and MMA chains; a dense cache at chunk
+64, tiles of <= 32 rows. bf16: 2 stages (72 KB each at d_qk 576); fp8: padded e4m3 stages
+dequantised into one swizzled f16 chunk (f16 MMAs, as the mma.sync tile).
+
+Not yet: one tile over more than 32 rows (row groups read the keys once a group), a per-step dynamic split scheduler
 for ragged batches (FlashMLA's tile-scheduler metadata), skipping a sparse list's -1 tail (the
 tile reads W rows whatever the context: a count operand would cut short contexts' work), fp8 MMA
-(fp8 query), wgmma / tcgen05 variants, the fused W_UV epilogue.
+(fp8 query), sparse lists on wgmma, a tcgen05 variant, the fused W_UV epilogue.
 """
 from __future__ import annotations
 
@@ -138,7 +144,7 @@ class MLADecodeConfig:
                                         # smem, the keys read by twice the row groups)
     mma: str = "warp"                  # "warp": mma.sync m16n8k16 from ldmatrix fragments (every arch);
                                        # "wgmma": Hopper warpgroup MMAs from swizzled shared memory
-                                       # (sm_90a only; dense bf16 cache, chunk 64; _mla_wgmma_cute.py)
+                                       # (sm_90a only; dense cache, chunk 64; _mla_wgmma_cute.py)
 
 
 class MLADecodeBlock(Block):
@@ -267,7 +273,10 @@ class MLADecodeBlock(Block):
     def _smem_bytes(self, stages: int) -> int:
         c = self.config
         if self.wgmma:                           # 128-byte-swizzled rows, unpadded (1 KB aligned)
-            b = 1024 + stages * c.chunk * self.d_qk * 2 + self.m_pad * self.d_qk * 2 + self.m_pad * c.chunk * 2
+            bufs = 1 if self.fp8 else stages     # MMA-ready chunks: the stages, or fp8's f16 buffer
+            b = 1024 + bufs * c.chunk * self.d_qk * 2 + self.m_pad * self.d_qk * 2 + self.m_pad * c.chunk * 2
+            if self.fp8:                         # padded fp8 stages and their scales
+                b += stages * c.chunk * (self.d_qk + 16) + stages * c.chunk * (self.d_qk // c.scale_group) * 4
             return b + self.nwk * self.m_pad * self.score_row * 4 + 3 * self.m_pad * 4
         rs = self.d_qk + 8                       # padded bf16 row: conflict-free ldmatrix
         b = self.m_pad * rs * 2                  # sQ
@@ -309,9 +318,8 @@ class MLADecodeBlock(Block):
         if c.mma not in ("warp", "wgmma"):
             self.unsupported(f"mla_decode: mma={c.mma!r} (supported: warp, wgmma)")
         if self.wgmma:
-            if self.sparse or self.fp8 or c.chunk != 64:
-                self.unsupported("mla_decode mma=wgmma: a dense bf16 cache at chunk 64 (sparse lists and "
-                                 "the fp8 cache take mma=warp)")
+            if self.sparse or c.chunk != 64:
+                self.unsupported("mla_decode mma=wgmma: a dense cache at chunk 64 (sparse lists take mma=warp)")
             if self.d_qk % 64 or self.d_v % 128:
                 self.unsupported(f"mla_decode mma=wgmma: d_qk={self.d_qk} a multiple of 64, d_v={self.d_v} of 128")
         if self.smem_bytes() > 227 * 1024:

@@ -131,18 +131,20 @@ def test_row_groups(kvd, heads, T, ctx, max_rows):
     (12, 2, 64, K3_SCALE, [4097, 2, 9000, 300], 64), (8, 4, 0, GLM_SCALE, [9000, 4, 777], 64),
     (12, 1, 64, K3_SCALE, [5000, 1, 3001], 16), (40, 1, 64, K3_SCALE, [4097, 1000], 64),
     (96, 1, 64, K3_SCALE, [32768], 64)])
-def test_wgmma_tile(heads, T, rope, scale, lens, page):
+@pytest.mark.parametrize("kvd", ["bf16", "fp8_e4m3"])
+def test_wgmma_tile(heads, T, rope, scale, lens, page, kvd):
     """mma="wgmma" (Hopper warpgroup MMAs from the swizzled chunk): single sequences from 1 to 128K
     tokens at Kimi K3 TP8 / TP16 and GLM-5.3 TP8 (NoPE), ragged batches with T = 2 / 4 causal new
     tokens (32-row tiles), 16-token pages (chunks straddle pages), row groups (40 heads: 2 of 20;
-    96: 3 of 32)."""
+    96: 3 of 32); bf16 and fp8 caches."""
     need_gpu()
     from sdk.blocks.mla_decode import MLADecodeConfig, choose_splits, row_groups
     seed = clock_seed()
     groups = row_groups(T * heads)
     cfg = MLADecodeConfig(heads=heads, softmax_scale=scale, scale_factor=1.21, batch=len(lens), q_tokens=T, rope=rope,
                           page_size=page, num_pages=sum(-(-x // page) for x in lens) + 4, max_seq_len=max(lens),
-                          num_splits=choose_splits(len(lens) * groups, max(lens), chunk=64), chunk=64, mma="wgmma")
+                          num_splits=choose_splits(len(lens) * groups, max(lens), chunk=64), chunk=64, mma="wgmma",
+                          kv_dtype=kvd)
     blk, t = make_case(cfg, lens, seed)
     check(blk, t, seed)
 

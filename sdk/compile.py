@@ -3,9 +3,10 @@ for each target arch, through CuTe DSL's `cute.compile(..., options="--gpu-arch 
 
 CuTe DSL 4.8.1 compiles to a cubin without a GPU when the kernel's arguments are plain scalars
 (our kernels take raw int64 device addresses; no fake tensors needed) and `--gpu-arch` names the
-target. `CUTE_DSL_ARCH` is only needed for the DSL's arch-gated atoms (warpgroup MMA, TMA), which
-no block uses; blocks whose inline PTX is Hopper-only (GemvBlock fp8_decode="wgmma") are compiled
-for sm_90a alone (`hopper_block_cases`, `hopper_megakernel_cases`).
+target (the DSL's warpgroup MMA atoms included: MLADecodeBlock mma="wgmma" compiles so). Blocks
+on Hopper-only instructions (GemvBlock fp8_decode="wgmma" in inline PTX, MLADecodeBlock
+mma="wgmma" through the DSL's warpgroup atoms) are compiled for sm_90a alone
+(`hopper_block_cases`, `hopper_megakernel_cases`).
 
     from sdk.compile import compile_check
     report = compile_check(["sm_90a", "sm_100a", "sm_103a"])   # {arch: {case: seconds | "error: ..."}}

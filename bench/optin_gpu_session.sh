@@ -27,6 +27,9 @@
 # 9: bench/model_bench.py --deep - Kimi K3 at small's widths and the full 61-layer depth, batch 1 and
 #    8: a step of the full instruction count (its records through a window) against PyTorch under
 #    a CUDA graph and the floor.
+# 10: the MLA decode core tile on Hopper warpgroup MMAs (mma="wgmma", the twenty-fourth session):
+#    test_wgmma_tile (bf16 / fp8, 1 .. 128K tokens, ragged T = 2 / 4, 16-token pages, row groups),
+#    then bench/mla_bench.py with and without `--set mma=wgmma,chunk=64` (batch 1 / 8 / 64).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -69,6 +72,15 @@ if [ "${1:-1}" = 8 ]; then   # this session's device paths: tests, then what the
   C=kimi_k3_tp8:32768:1:bf16:1,kimi_k3_tp1:32768:1:bf16:1,kimi_k3_tp8:32768:1:bf16:4,kimi_k3_tp8:131072:1:bf16:1
   C=$C,kimi_k3_tp1:131072:1:bf16:1,kimi_k3_tp8:32768:8:bf16:1,kimi_k3_tp1:32768:8:bf16:1,kimi_k3_tp1:32768:1:fp8_e4m3:1
   BENCH_S_mla=200 BENCH_ARGS_mla="--cases $C" DEVICE_ALL_S=210 bash bench/device_all.sh bench:mla
+  exit
+fi
+
+if [ "${1:-1}" = 10 ]; then   # the MLA decode tile on warpgroup MMAs (issue 5): its tests, then against the default
+  GPU_TESTS="tests/gpu/test_mla_gpu.py::test_wgmma_tile tests/gpu/test_mla_gpu.py::test_kimi_k3_tp8_single_sequence_contexts" \
+    TESTS_S=200 OUT="$OUT/tests" DEVICE_ALL_S=210 bash bench/device_all.sh tests
+  C=kimi_k3_tp8:131072:1,glm_53_tp8:131072:1,kimi_k3_tp16:131072:1,kimi_k3_tp8:32768:1,kimi_k3_tp8:32768:8,kimi_k3_tp8:32768:64,kimi_k3_tp8:131072:1:fp8_e4m3,kimi_k3_tp8:32768:64:fp8_e4m3
+  BENCH_S_mla=150 BENCH_ARGS_mla="--cases $C" BENCH_S_mla_wgmma=150 \
+    BENCH_ARGS_mla_wgmma="--cases $C --set mma=wgmma,chunk=64" DEVICE_ALL_S=330 bash bench/device_all.sh bench:mla bench:mla@wgmma
   exit
 fi
 

@@ -64,12 +64,15 @@ def torch_decode_fn(q, kv, kv_scale, bt, lens_list, heads, T, d_v, scale, page):
 def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None):
     from sdk.blocks._cute import standalone
     from sdk.blocks.mla_decode import (MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig,
-                                       absorbed_attention, choose_chunk, choose_splits, quantize_kv_fp8, row_groups)
+                                       absorbed_attention, choose_chunk, choose_mma, choose_splits, quantize_kv_fp8,
+                                       row_groups)
     heads, rope, scale = SHARDS[shard]
     ov = dict(overrides or {})
     page = 64
     groups = row_groups(T * heads)          # a sequence's tiles per split (more than 32 query rows)
     ov.setdefault("chunk", choose_chunk(batch * groups, ctx))
+    ov.setdefault("mma", choose_mma(batch * groups, ctx, kvd, torch.cuda.get_device_capability())
+                  if ov["chunk"] == 64 else "warp")
     splits = ov.pop("splits", 0) or choose_splits(batch * groups, ctx, min_chunks_per_split=ov.pop("min_chunks", 8),
                                                   chunk=ov["chunk"])
     ov.pop("min_chunks", None)
@@ -154,7 +157,8 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
     rec = {"case": f"{shard} B={batch} ctx={ctx} T={T} {kvd}{tag}", "overrides": overrides or {}, "shard": shard, "heads": heads, "rope": rope,
            "batch": batch, "context": ctx, "q_tokens": T, "kv_dtype": kvd, "num_splits": splits,
-           "chunk": cfg.chunk, "stages": blk.stages, "combine_tiles": comb.num_tiles(), "kv_bytes": kvb, "us": us, "decode_us": decode_us, "gbs": kvb / (us * 1e3),
+           "chunk": cfg.chunk, "mma": cfg.mma, "stages": blk.stages, "combine_tiles": comb.num_tiles(), "kv_bytes": kvb, "us": us,
+           "decode_us": decode_us, "gbs": kvb / (us * 1e3),
            "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
            "speedup_vs_torch_graph": (torch_us / us) if torch_us else None, "torch_note": torch_note,
            "timing_mode": mode, "rel_err": err, "l2_rotation_copies": copies, "compile_s": round(compile_s, 2)}

@@ -300,3 +300,14 @@ def test_wgmma_tile_compiles_for_hopper(heads, T, rope, kvd):
                                          kv_dtype=kvd))
     blk.check()
     assert callable(standalone(blk, "sm_90a"))
+
+
+def test_choose_mma_takes_wgmma_on_hopper_for_long_bf16_splits():
+    """wgmma where it measured faster (H200, 2026-12-06): Hopper, bf16 cache, chunk 64 (long
+    splits); else the mma.sync tile (B=1 32K, the fp8 cache, other GPUs)."""
+    from sdk.blocks.mla_decode import choose_mma
+    hopper = (9, 0)
+    assert choose_mma(1, 131072, "bf16", hopper) == "wgmma" and choose_mma(64, 32768, "bf16", hopper) == "wgmma"
+    assert choose_mma(1, 32768, "bf16", hopper) == "warp"
+    assert choose_mma(1, 131072, "fp8_e4m3", hopper) == "warp"
+    assert choose_mma(1, 131072, "bf16", (10, 0)) == "warp" and choose_mma(1, 131072, "bf16", None) == "warp"

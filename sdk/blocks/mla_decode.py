@@ -121,6 +121,19 @@ def choose_chunk(batch: int, context: int, num_sms: int = 132) -> int:
     return 64 if context // splits >= 15 * 64 else 32
 
 
+def choose_mma(batch: int, context: int, kv_dtype: str = "bf16", capability: tuple | None = None,
+               num_sms: int = 132) -> str:
+    """The standalone decode's MMA form: "wgmma" on Hopper (compute capability 9.0) for a bf16 cache
+    where choose_chunk takes 64 - measured on the H200 (2026-12-06, decode + combine, fraction of
+    the copy floor): Kimi K3 TP8 B=1 128K 0.69 -> 0.73, TP16 0.70 -> 0.74, GLM-5.3 TP8 0.68 ->
+    0.74, K3 TP8 B=8 32K 0.82 -> 0.87, B=64 32K 0.97 -> 1.01; else "warp": slower there at B=1
+    32K (chunk 32's 128 splits vs 64 splits of 64: 22.0 vs 23.9 us) and for the fp8 cache (its
+    dequant: B=1 128K 53.5 vs 55.1 us). `capability`: (major, minor), None = none (no wgmma)."""
+    if capability != (9, 0) or kv_dtype != "bf16" or choose_chunk(batch, context, num_sms) != 64:
+        return "warp"
+    return "wgmma"
+
+
 @dataclass(frozen=True)
 class MLADecodeConfig:
     heads: int                         # query heads of this GPU's shard (Kimi K3 TP8: 12)

@@ -29,7 +29,8 @@
 #    a CUDA graph and the floor.
 # 10: the MLA decode core tile on Hopper warpgroup MMAs (mma="wgmma", the twenty-fourth session):
 #    test_wgmma_tile (bf16 / fp8, 1 .. 128K tokens, ragged T = 2 / 4, 16-token pages, row groups),
-#    then bench/mla_bench.py with and without `--set mma=wgmma,chunk=64` (batch 1 / 8 / 64).
+#    then bench/mla_bench.py at its default (choose_mma: wgmma for bf16 at chunk 64 on Hopper) and
+#    with `--set mma=warp` (batch 1 / 8 / 64), then compute-sanitizer on one wgmma case.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -79,8 +80,13 @@ if [ "${1:-1}" = 10 ]; then   # the MLA decode tile on warpgroup MMAs (issue 5):
   GPU_TESTS="tests/gpu/test_mla_gpu.py::test_wgmma_tile tests/gpu/test_mla_gpu.py::test_kimi_k3_tp8_single_sequence_contexts" \
     TESTS_S=200 OUT="$OUT/tests" DEVICE_ALL_S=210 bash bench/device_all.sh tests
   C=kimi_k3_tp8:131072:1,glm_53_tp8:131072:1,kimi_k3_tp16:131072:1,kimi_k3_tp8:32768:1,kimi_k3_tp8:32768:8,kimi_k3_tp8:32768:64,kimi_k3_tp8:131072:1:fp8_e4m3,kimi_k3_tp8:32768:64:fp8_e4m3
-  BENCH_S_mla=150 BENCH_ARGS_mla="--cases $C" BENCH_S_mla_wgmma=150 \
-    BENCH_ARGS_mla_wgmma="--cases $C --set mma=wgmma,chunk=64" DEVICE_ALL_S=330 bash bench/device_all.sh bench:mla bench:mla@wgmma
+  BENCH_S_mla=150 BENCH_ARGS_mla="--cases $C" BENCH_S_mla_warp=150 \
+    BENCH_ARGS_mla_warp="--cases $C --set mma=warp" DEVICE_ALL_S=330 bash bench/device_all.sh bench:mla bench:mla@warp
+  for tool in memcheck racecheck; do   # the wgmma tile under the sanitizers (one small case)
+    timeout 60 compute-sanitizer --tool $tool --error-exitcode 3 python -m pytest -q -x -m gpu -p no:cacheprovider \
+      "tests/gpu/test_mla_gpu.py::test_wgmma_tile[bf16-12-1-64-0.07216878364870322-lens2-64]" > "$OUT/sanitizer_wgmma_$tool.log" 2>&1
+    echo "compute-sanitizer $tool (wgmma tile): rc=$?"
+  done
   exit
 fi
 

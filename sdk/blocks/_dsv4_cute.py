@@ -21,7 +21,7 @@ from cutlass.cute.nvgpu import warp as cwarp
 
 from ._cute import (TileSmem, bits_to_f32, e2m1_pair, e4m3_piece, e4m3x4_to_f16x2x2, f16x2_to_f32,
                     f32x2_to_bf16x2, gmem_tensor, smem_tensor, stage_rows_async, ue8m0_exponent)
-from ._mla_cute import LOG2_E, a_view, mn_view, quad_max, quad_sum
+from ._mla_cute import LOG2_E, a_view, mn_view, quad_max, quad_sum, split_chunks
 from .dsv4_attention import comp_record_words, window_record_words
 from .base import NUM_THREADS
 
@@ -233,14 +233,7 @@ def build_dsv4_decode_tile(block):
             if ready > E:
                 ready = Int32(E)
             nk = W + T + ready
-        n_chunks = (nk + CH - 1) // CH
-        per = (n_chunks + S - 1) // S
-        c_lo = s * per
-        if c_lo > n_chunks:
-            c_lo = n_chunks
-        c_hi = c_lo + per
-        if c_hi > n_chunks:
-            c_hi = n_chunks
+        c_lo, c_hi = split_chunks(nk, CH, S, s)
 
         # q rides in the first stage's cp.async group
         sQv = cute.make_tensor(sQ.iterator, cute.make_layout((MP, D // 8, 8), stride=(RS, 8, 1)))

@@ -76,6 +76,48 @@ def quad_sum(v: Float32) -> Float32:
     return v + cute.arch.shuffle_sync_bfly(v, offset=1, mask=-1, mask_and_clamp=31)
 
 
+@cute.jit
+def split_chunks(nk: Int32, chunk: cutlass.Constexpr, splits: cutlass.Constexpr, s: Int32):
+    """Chunk range [c_lo, c_hi) of split s when the nk keys' chunks are cut into `splits` equal
+    ranges of whole chunks (splits past the end get an empty range)."""
+    n_chunks = (nk + chunk - 1) // chunk
+    per = (n_chunks + splits - 1) // splits
+    c_lo = s * per
+    if c_lo > n_chunks:
+        c_lo = n_chunks
+    c_hi = c_lo + per
+    if c_hi > n_chunks:
+        c_hi = n_chunks
+    return c_lo, c_hi
+
+
+@cute.jit
+def mask_future(sc, first_tok: Int32, length: Int32, q_tokens: cutlass.Constexpr, tq: Int32):
+    """-inf on the scores sc (1, n) of tokens first_tok .. first_tok + n - 1 that query token tq
+    (of the last q_tokens of a `length`-token sequence) may not see: token > length - T + tq."""
+    for e in cutlass.range_constexpr(cute.size(sc)):
+        if first_tok + e > length - q_tokens + tq:
+            sc[0, e] = -math.inf
+
+
+@cute.jit
+def online_softmax_step(sc, m_run: Float32, l_run: Float32, scale_log2: cutlass.Constexpr,
+                        lanes: cutlass.Constexpr):
+    """One chunk of a row's online softmax, the row's scores spread over `lanes` aligned lanes
+    (sc: this lane's (1, n) of them, unscaled): (P = exp(scale (s - m_new)), the rescale factor
+    of the running output, the new running max and sum). A row with no visible key yet keeps max
+    -inf and sum 0."""
+    mx = group_max(sc.load().reduce(cute.ReductionOp.MAX, -math.inf, 0), lanes)
+    m_new = cute.arch.fmax(m_run, mx)
+    m_use = m_new
+    if m_new == -math.inf:
+        m_use = Float32(0.0)
+    p = cute.math.exp2(sc.load() * scale_log2 - m_use * scale_log2, fastmath=True)
+    alpha = cute.math.exp2(m_run * scale_log2 - m_use * scale_log2, fastmath=True)
+    l_new = l_run * alpha + group_sum(p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0), lanes)
+    return p, alpha, m_new, l_new
+
+
 def build_mla_decode_tile(block):
     OWN = block.own_smem_bytes()          # its TileSmem capacity
     c = block.config
@@ -268,17 +310,8 @@ def build_mla_decode_tile(block):
             tqd = (grow0 + srow) // H
             if tqd > T - 1:
                 tqd = T - 1
-            for e in cutlass.range_constexpr(EPL):
-                if ci * CH + j0 + e > length - T + tqd:
-                    sc[0, e] = NEG_INF
-        mx = group_max(sc.load().reduce(cute.ReductionOp.MAX, NEG_INF, 0), LPR)
-        m_new = cute.arch.fmax(m_run, mx)
-        m_use = m_new
-        if m_new == NEG_INF:
-            m_use = Float32(0.0)
-        p = cute.math.exp2(sc.load() * scale_log2 - m_use * scale_log2, fastmath=True)
-        alpha = cute.math.exp2(m_run * scale_log2 - m_use * scale_log2, fastmath=True)
-        l_new = l_run * alpha + group_sum(p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0), LPR)
+            mask_future(sc, ci * CH + j0, length, T, tqd)
+        p, alpha, m_new, l_new = online_softmax_step(sc, m_run, l_run, scale_log2, LPR)
         cute.local_tile(sP, (1, EPL), (srow, lane % LPR)).store(p.to(MDT))
         if lane % LPR == 0:
             sRow[0, srow] = alpha
@@ -377,14 +410,7 @@ def build_mla_decode_tile(block):
         nk = length                             # keys walked: tokens, or index-list positions
         if cutlass.const_expr(SPARSE):
             nk = Int32(IW)
-        n_chunks = (nk + CH - 1) // CH
-        per = (n_chunks + S - 1) // S
-        c_lo = s * per
-        if c_lo > n_chunks:
-            c_lo = n_chunks
-        c_hi = c_lo + per
-        if c_hi > n_chunks:
-            c_hi = n_chunks
+        c_lo, c_hi = split_chunks(nk, CH, S, s)
 
         # pipeline prologue first (the KV stream matters, Q is small)
         for k in cutlass.range_constexpr(ST - 1):

@@ -34,7 +34,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from ._cute import (DTYPE_MAP, TileSmem, e4m3x4_to_f16x2x2, f32_to_f16x2_splat, fence_proxy_async_smem, gmem_tensor,
                     mul_f16x2, smem_tensor)
-from ._mla_cute import LOG2_E, group_max, group_sum
+from ._mla_cute import LOG2_E, mask_future, online_softmax_step, split_chunks
 from .base import NUM_THREADS
 
 NUM_WARPS = NUM_THREADS // 32
@@ -190,17 +190,8 @@ def build_mla_decode_wgmma_tile(block):
             tqd = (grow0 + srow) // H
             if tqd > T - 1:
                 tqd = T - 1
-            for e in cutlass.range_constexpr(EPL):
-                if ci * CH + j0 + e > length - T + tqd:
-                    sc[0, e] = NEG_INF
-        mx = group_max(sc.load().reduce(cute.ReductionOp.MAX, NEG_INF, 0), LPR)
-        m_new = cute.arch.fmax(m_run, mx)
-        m_use = m_new
-        if m_new == NEG_INF:
-            m_use = Float32(0.0)
-        p = cute.math.exp2(sc.load() * scale_log2 - m_use * scale_log2, fastmath=True)
-        alpha = cute.math.exp2(m_run * scale_log2 - m_use * scale_log2, fastmath=True)
-        l_new = l_run * alpha + group_sum(p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0), LPR)
+            mask_future(sc, ci * CH + j0, length, T, tqd)
+        p, alpha, m_new, l_new = online_softmax_step(sc, m_run, l_run, scale_log2, LPR)
         # P's EPL tokens lie in one 16-byte piece of row srow (EPL divides 8)
         _, r, pc = swz(srow, j0 // 8)
         cute.local_tile(sPw, (1, EPL), (r * 8 + pc, (j0 % 8) // EPL)).store(p.to(MDT))
@@ -274,14 +265,7 @@ def build_mla_decode_wgmma_tile(block):
 
         # ---- split bounds (whole chunks) ----------------------------------------------------------
         length = mLen[b]
-        n_chunks = (length + CH - 1) // CH
-        per = (n_chunks + S - 1) // S
-        c_lo = s * per
-        if c_lo > n_chunks:
-            c_lo = n_chunks
-        c_hi = c_lo + per
-        if c_hi > n_chunks:
-            c_hi = n_chunks
+        c_lo, c_hi = split_chunks(length, CH, S, s)
 
         for k in cutlass.range_constexpr(ST - 1):
             if c_lo + k < c_hi:

@@ -77,6 +77,20 @@ def quad_sum(v: Float32) -> Float32:
 
 
 @cute.jit
+def dequant_unit(s8w, sScSt, st: Int32, j: Int32, u: Int32, group: cutlass.Constexpr, ro):
+    """The fp8 cache's unit of dequantisation: e4m3 elements 8u .. 8u + 7 of row j of stage st
+    (s8w: the stages as (stage, row, unit, 2) words) times their group's scale (sScSt) -> ro:
+    4 f16x2 words (one exact cvt.rn.f16x2.e4m3x2 per pair, one packed multiply)."""
+    sc2 = f32_to_f16x2_splat(sScSt[st, j, (u * 8) // group, 0])
+    rw = cute.make_rmem_tensor((2,), Int32)
+    rw.store(s8w[st, j, u, None].load())
+    for w in cutlass.range_constexpr(2):
+        lo, hi = e4m3x4_to_f16x2x2(rw[w])
+        ro[2 * w] = mul_f16x2(lo, sc2)
+        ro[2 * w + 1] = mul_f16x2(hi, sc2)
+
+
+@cute.jit
 def split_chunks(nk: Int32, chunk: cutlass.Constexpr, splits: cutlass.Constexpr, s: Int32):
     """Chunk range [c_lo, c_hi) of split s when the nk keys' chunks are cut into `splits` equal
     ranges of whole chunks (splits past the end get an empty range)."""
@@ -250,20 +264,12 @@ def build_mla_decode_tile(block):
         8 e4m3 (2 words) -> 4 f16x2 words, each times the f16x2 scale."""
         s8w = smem_tensor(sStage.iterator.toint(), Int32, (ST, CH, RS8 // 8, 2))
         skw = smem_tensor(skv.iterator.toint(), Int32, (NBUF, CH, RS // 8, 4))
-        rw = cute.make_rmem_tensor((2,), Int32)
         ro = cute.make_rmem_tensor((4,), Int32)
         for k in cutlass.range_constexpr(CVT):
             i = tid + k * NUM_THREADS
             if i < NCV:
-                j = i // CV
-                u = i % CV
-                sc2 = f32_to_f16x2_splat(sScSt[st, j, (u * 8) // G, 0])
-                rw.store(s8w[st, j, u, None].load())
-                for w in cutlass.range_constexpr(2):
-                    lo, hi = e4m3x4_to_f16x2x2(rw[w])
-                    ro[2 * w] = mul_f16x2(lo, sc2)
-                    ro[2 * w + 1] = mul_f16x2(hi, sc2)
-                skw[dst, j, u, None].store(ro.load())
+                dequant_unit(s8w, sScSt, st, i // CV, i % CV, G, ro)
+                skw[dst, i // CV, i % CV, None].store(ro.load())
 
     @cute.jit
     def scores(sKV, sS, mma, frag_q, nw, kp, buf):

@@ -32,9 +32,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
-from ._cute import (DTYPE_MAP, TileSmem, e4m3x4_to_f16x2x2, f32_to_f16x2_splat, fence_proxy_async_smem, gmem_tensor,
-                    mul_f16x2, smem_tensor)
-from ._mla_cute import LOG2_E, mask_future, online_softmax_step, split_chunks
+from ._cute import DTYPE_MAP, TileSmem, fence_proxy_async_smem, gmem_tensor, smem_tensor
+from ._mla_cute import LOG2_E, dequant_unit, mask_future, online_softmax_step, split_chunks
 from .base import NUM_THREADS
 
 NUM_WARPS = NUM_THREADS // 32
@@ -161,19 +160,13 @@ def build_mla_decode_wgmma_tile(block):
         """fp8: stage st's e4m3 rows times their group scales -> the swizzled f16 chunk buffer
         (a unit: 8 e4m3 = 2 words -> 4 f16x2 words = one 16-byte piece)."""
         s8w = smem_tensor(sStage8.iterator.toint(), Int32, (ST, CH, RS8 // 8, 2))
-        rw = cute.make_rmem_tensor((2,), Int32)
         ro = cute.make_rmem_tensor((4,), Int32)
         for k in cutlass.range_constexpr(CVT):
             i = tid + k * NUM_THREADS
             if i < NCV:
                 j = i // PIECES
                 u = i % PIECES
-                sc2 = f32_to_f16x2_splat(sScSt[st, j, (u * 8) // G, 0])
-                rw.store(s8w[st, j, u, None].load())
-                for w in cutlass.range_constexpr(2):
-                    lo, hi = e4m3x4_to_f16x2x2(rw[w])
-                    ro[2 * w] = mul_f16x2(lo, sc2)
-                    ro[2 * w + 1] = mul_f16x2(hi, sc2)
+                dequant_unit(s8w, sScSt, st, j, u, G, ro)
                 kb, r, pc = swz(j, u)
                 sBufW[(kb * CH + r) * 8 + pc, None].store(ro.load())
 

@@ -102,8 +102,9 @@ def build_mla_decode_wgmma_tile(block):
     assert MP % 16 == 0 and MP <= 32 and EPL <= 8 and 8 % EPL == 0
 
     def swz(row, piece):
-        """16-byte piece index, within a (rows, KB blocks) operand of `nrows` rows starting at a
-        1 KB boundary, of (row, piece): block-major, the 128-byte swizzle inside (trace-time or
+        """Where 16-byte piece `piece` of row `row` lies in a swizzled operand (rows x KB 64-column
+        blocks, from a 1 KB boundary): (column block, row, piece slot within the row's 128 bytes,
+        XOR-ed with row % 8). The caller flattens it with its own row count (trace-time or
         dynamic ints)."""
         return (piece // 8, row, (piece % 8) ^ (row % 8))
 

@@ -7,8 +7,8 @@ bf16 matmuls + fp32 softmax) and the floor (cache bytes / copy bandwidth measure
                               [--set chunk=64,stages=3,splits=64,min_chunks=4,cols=512]
 
 --set overrides every case's decode config (chunk, stages, q_in_regs), the split count
-(splits: a fixed count; min_chunks: choose_splits' shortest split) and the combine's columns per
-tile (cols).
+(splits: a fixed count; min_chunks: choose_splits' shortest split), the combine's columns per
+tile (cols) and pdl=1 (both launches programmatic-dependent).
 
 Timing: both launches (decode, combine) of many calls captured in one CUDA graph; when one
 call's cache is smaller than 256 MB, calls rotate over several copies of the page pool (through
@@ -77,6 +77,8 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
                                                   chunk=ov["chunk"])
     ov.pop("min_chunks", None)
     cols = ov.pop("cols", 0)
+    pdl = bool(ov.pop("pdl", 0))          # both launches programmatic-dependent (the combine's CTAs
+                                          # may be resident, waiting, as the decode's last ones run)
     npg = -(-ctx // page)
     cfg0 = MLADecodeConfig(heads=heads, softmax_scale=scale, batch=batch, q_tokens=T, rope=rope, page_size=page,
                            num_pages=1, max_seq_len=ctx, num_splits=splits, kv_dtype=kvd, **ov)
@@ -107,7 +109,7 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     out = torch.empty(batch, T, heads, blk.d_v, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(batch, T, heads, device="cuda")
     t0 = time.time()
-    fn_dec, fn_comb = standalone(blk), standalone(comb)
+    fn_dec, fn_comb = standalone(blk, pdl=pdl), standalone(comb, pdl=pdl)
     compile_s = time.time() - t0
     tables = []
     for i in range(copies):

@@ -116,12 +116,14 @@ def run_emulated(blk, t):
     return out
 
 
-@pytest.mark.parametrize("splits,cols,want_cols", [(3, 0, 512), (16, 0, 128), (20, 256, 256), (132, 512, 512)])
-def test_combine_tilings_cover_every_output_once(splits, cols, want_cols):
-    """Combine tiles = (sequence, query token, head, column slice): auto 128 columns from 16 splits
-    (a batch-1 step's many splits spread over many SMs), whole rows below; every tiling writes each
-    output exactly once and equals the reference merge, -inf splits (no visible token) included."""
-    B, T, H, L = 2, 2, 3, 512
+@pytest.mark.parametrize("splits,H,cols,want_cols", [(3, 3, 0, 512), (16, 3, 0, 32), (16, 4, 0, 64), (16, 8, 0, 128),
+                                                      (20, 3, 256, 256), (132, 3, 512, 512), (40, 3, 32, 32)])
+def test_combine_tilings_cover_every_output_once(splits, H, cols, want_cols):
+    """Combine tiles = (sequence, query token, head, column slice): from 16 splits auto takes the
+    widest of 128 / 64 / 32 columns that still gives 128 tiles (a batch-1 step's many splits
+    spread over many SMs; here 2 x 2 x H rows), whole rows below; every tiling writes each output
+    exactly once and equals the reference merge, -inf splits (no visible token) included."""
+    B, T, L = 2, 2, 512
     comb = MLACombineBlock(MLACombineConfig(heads=H, batch=B, q_tokens=T, d_v=L, num_splits=splits,
                                             cols_per_tile=cols))
     assert comb.cols_per_tile == want_cols

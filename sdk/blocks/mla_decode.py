@@ -560,6 +560,7 @@ class MLACombineBlock(Block):
     split groups are summed in shared memory. Supported: d_v a multiple of 128."""
     name = "mla_combine"
     Config = MLACombineConfig
+    TILES_WANTED = 128
 
     @property
     def rows(self) -> int:
@@ -567,20 +568,26 @@ class MLACombineBlock(Block):
 
     @property
     def cols_per_tile(self) -> int:
-        """Auto: 128 columns when the splits are many (a tile then still reads S x 512 B), else
-        the whole row (a tile reads S x d_v x 4 B: few tiles for a large batch of few splits)."""
+        """Auto, with many splits (16 or more): the widest of 128 / 64 / 32 columns that still
+        makes TILES_WANTED tiles (about an SM each: a batch-1 step's combine is a few dependent
+        L2 round trips a tile, so its time is how many splits a thread walks; narrower tiles
+        give more threads per split), else 32. Few splits: the whole row (a tile reads
+        S x d_v x 4 B: few tiles for a large batch of few splits)."""
         c = self.config
         if c.cols_per_tile:
             return c.cols_per_tile
-        return 128 if c.num_splits >= 16 else c.d_v
+        if c.num_splits < 16:
+            return c.d_v
+        rows = c.batch * self.rows
+        return next((cw for cw in (128, 64) if rows * (c.d_v // cw) >= self.TILES_WANTED), 32)
 
     def check(self):
         c = self.config
         cw = self.cols_per_tile
         if c.d_v % 128:
             self.unsupported(f"mla_combine: d_v={c.d_v} must be a multiple of 128")
-        if cw not in (128, 256, 512, 1024) or c.d_v % cw:
-            self.unsupported(f"mla_combine: cols_per_tile={cw} must be 128, 256, 512 or 1024 and divide "
+        if cw not in (32, 64, 128, 256, 512, 1024) or c.d_v % cw:
+            self.unsupported(f"mla_combine: cols_per_tile={cw} must be 32, 64, 128, 256, 512 or 1024 and divide "
                              f"d_v={c.d_v}")
         if c.num_splits < 1:
             self.unsupported("mla_combine: num_splits >= 1")

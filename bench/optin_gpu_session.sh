@@ -33,7 +33,7 @@
 #    with `--set mma=warp` (batch 1 / 8 / 64), then compute-sanitizer on one wgmma case.
 # 11: issue 5 at batch 1 (the twenty-fifth session): test_mla_gpu.py whole (the combine's narrower
 #    auto tiles), then mla_bench at the new auto (32 / 64-column combine tiles) against cols=128 /
-#    64, both launches with PDL, and the decode's per-chunk period at 66 / 33 splits (half / a
+#    64, decode + combine as one launch (fused=1: standalone_pair), both launches with PDL, and the decode's per-chunk period at 66 / 33 splits (half / a
 #    quarter of the SMs: constant if one CTA's chunk loop is the bound, falling if DRAM is); then
 #    Nsight Compute on one batch-1 decode + combine (NCU_SCRIPT: a script running them once).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
@@ -96,15 +96,17 @@ if [ "${1:-1}" = 10 ]; then   # the MLA decode tile on warpgroup MMAs (issue 5):
 fi
 
 if [ "${1:-1}" = 11 ]; then   # issue 5 at batch 1: the combine's tiling and launch, the decode's chunk period
-  GPU_TESTS="tests/gpu/test_mla_gpu.py" TESTS_S=190 OUT="$OUT/tests" DEVICE_ALL_S=200 bash bench/device_all.sh tests
+  GPU_TESTS="tests/gpu/test_mla_gpu.py" TESTS_S=170 OUT="$OUT/tests" DEVICE_ALL_S=180 bash bench/device_all.sh tests
   C=kimi_k3_tp8:131072:1,glm_53_tp8:131072:1,kimi_k3_tp16:131072:1,kimi_k3_tp8:32768:1,kimi_k3_tp8:32768:8
   K=kimi_k3_tp8:131072:1
-  BENCH_S_mla=80 BENCH_ARGS_mla="--cases $C" BENCH_S_mla_pdl=80 BENCH_ARGS_mla_pdl="--cases $C --set pdl=1" \
+  BENCH_S_mla=70 BENCH_ARGS_mla="--cases $C" BENCH_S_mla_fused=70 BENCH_ARGS_mla_fused="--cases $C --set fused=1" \
+    BENCH_S_mla_fc64=30 BENCH_ARGS_mla_fc64="--cases $K --set fused=1,cols=64" \
+    BENCH_S_mla_pdl=30 BENCH_ARGS_mla_pdl="--cases $K --set pdl=1" \
     BENCH_S_mla_c128=30 BENCH_ARGS_mla_c128="--cases $K --set cols=128" \
-    BENCH_S_mla_c64=30 BENCH_ARGS_mla_c64="--cases $K --set cols=64" \
     BENCH_S_mla_s66=30 BENCH_ARGS_mla_s66="--cases $K --set splits=66" \
     BENCH_S_mla_s33=30 BENCH_ARGS_mla_s33="--cases $K --set splits=33" \
-    DEVICE_ALL_S=280 bash bench/device_all.sh bench:mla bench:mla@pdl bench:mla@c128 bench:mla@c64 bench:mla@s66 bench:mla@s33
+    DEVICE_ALL_S=300 bash bench/device_all.sh bench:mla bench:mla@fused bench:mla@fc64 bench:mla@pdl bench:mla@c128 \
+      bench:mla@s66 bench:mla@s33
   # where the batch-1 decode's time goes (stall reasons, SM activity spread); NCU_SCRIPT runs it once
   [ -n "${NCU_SCRIPT:-}" ] && timeout 90 ncu --clock-control none -k regex:kernel_cutlass -c 2 --section SpeedOfLight \
     --section WarpStateStats --section SchedulerStats --section SourceCounters \

@@ -15,6 +15,8 @@ only inside functions that build device code (never at `import sdk`).
 - `standalone(block, arch)`: the block's own kernel for tests and benchmarks: one CTA per tile,
   or, for a streaming block, a persistent grid (one CTA per SM) walking tiles bid, bid + grid, ...
   through the same smem ring as the megakernel, launched with PDL by default (`pdl=False` opts out).
+- `standalone_pair(first, then)`: two dependent one-tile-per-CTA blocks in one launch (first's
+  tiles one wave, a grid barrier, then's tiles over the grid): a split-KV decode and its combine.
 """
 from __future__ import annotations
 

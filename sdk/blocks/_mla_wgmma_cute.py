@@ -67,8 +67,6 @@ def build_mla_decode_wgmma_tile(block):
     PS, MAXP, S = c.page_size, block.max_pages, c.num_splits
     KB = DQK // ATOM                      # 64-column blocks of a row
     PIECES = DQK // 8                     # 16-byte pieces of a row
-    NPIECE = CH * PIECES
-    PPT = -(-NPIECE // NUM_THREADS)
     QP = MP * PIECES
     QPT = -(-QP // NUM_THREADS)
     STAGE_EL = CH * DQK                   # elements of a stage
@@ -88,8 +86,7 @@ def build_mla_decode_wgmma_tile(block):
     NG = DQK // G
     RS8 = DQK + 16                        # fp8 stage row stride (bytes): +16 B
     P8 = DQK // 16                        # fp8: 16-byte pieces of a row
-    NPIECE8 = CH * P8
-    PPT8 = -(-NPIECE8 // NUM_THREADS)
+    ROW_PIECES = P8 if FP8 else PIECES    # 16-byte pieces of a cache row
     NSC = CH * NG                         # fp8: scales per chunk
     SPT = -(-NSC // NUM_THREADS)
     NCV = CH * PIECES                     # fp8 dequant: 8-element units of a chunk (one f16 piece each)
@@ -128,15 +125,20 @@ def build_mla_decode_wgmma_tile(block):
         page_row0 = Int32(0)
         if cutlass.const_expr(WHOLE_PAGE_CHUNKS):
             page_row0 = mBT[b, (ci * CH) // PS] * PS + (ci * CH) % PS
-        if cutlass.const_expr(FP8):
-            for k in cutlass.range_constexpr(PPT8):
-                i = tid + k * NUM_THREADS
-                if i < NPIECE8:
-                    j = i // P8
-                    p = i % P8
-                    row = cache_row(mBT, b, length, ci, j, page_row0)
-                    src = gmem_tensor(kv_addr + Int64(row) * Int64(ROW_BYTES) + Int64(p * 16), kvdt, (16,), 16)
+        # the rows' 16-byte pieces: fp8 into the padded stage row, bf16 into the swizzled place
+        for k in cutlass.range_constexpr(-(-CH * ROW_PIECES // NUM_THREADS)):
+            i = tid + k * NUM_THREADS
+            if i < CH * ROW_PIECES:
+                j = i // ROW_PIECES
+                p = i % ROW_PIECES
+                row = cache_row(mBT, b, length, ci, j, page_row0)
+                src = gmem_tensor(kv_addr + Int64(row) * Int64(ROW_BYTES) + Int64(p * 16), kvdt, (128 // kvdt.width,), 16)
+                if cutlass.const_expr(FP8):
                     cute.copy(g2s, src, sStage8[st, j, p, None])
+                else:
+                    kb, r, pc = swz(j, p)
+                    cute.copy(g2s, src, sPieces[((st * KB + kb) * CH + r) * 8 + pc, None])
+        if cutlass.const_expr(FP8):
             for k in cutlass.range_constexpr(SPT):
                 i = tid + k * NUM_THREADS
                 if i < NSC:
@@ -145,16 +147,6 @@ def build_mla_decode_wgmma_tile(block):
                     row = cache_row(mBT, b, length, ci, j, page_row0)
                     src = gmem_tensor(sc_addr + Int64(row) * Int64(NG * 4) + Int64(gi * 4), Float32, (1,), 4)
                     cute.copy(g2s4, src, sScSt[st, j, gi, None])
-        else:
-            for k in cutlass.range_constexpr(PPT):
-                i = tid + k * NUM_THREADS
-                if i < NPIECE:
-                    j = i // PIECES
-                    p = i % PIECES
-                    row = cache_row(mBT, b, length, ci, j, page_row0)
-                    src = gmem_tensor(kv_addr + Int64(row) * Int64(ROW_BYTES) + Int64(p * 16), BFloat16, (8,), 16)
-                    kb, r, pc = swz(j, p)
-                    cute.copy(g2s, src, sPieces[((st * KB + kb) * CH + r) * 8 + pc, None])
 
     @cute.jit
     def dequant(sStage8, sScSt, sBufW, tid, st):

@@ -32,10 +32,11 @@
 #    then bench/mla_bench.py at its default (choose_mma: wgmma for bf16 at chunk 64 on Hopper) and
 #    with `--set mma=warp` (batch 1 / 8 / 64), then compute-sanitizer on one wgmma case.
 # 11: issue 5 at batch 1 (the twenty-fifth session): test_mla_gpu.py whole (the combine's narrower
-#    auto tiles), then mla_bench at the new auto (32 / 64-column combine tiles) against cols=128 /
-#    64, decode + combine as one launch (fused=1: standalone_pair), both launches with PDL, and the decode's per-chunk period at 66 / 33 splits (half / a
-#    quarter of the SMs: constant if one CTA's chunk loop is the bound, falling if DRAM is); then
-#    Nsight Compute on one batch-1 decode + combine (NCU_SCRIPT: a script running them once).
+#    auto tiles, the block-table prefetch, decode + combine in one launch), then mla_bench at the
+#    new defaults against cols=128 (the old auto), fused=1 (standalone_pair), PDL, 66 splits (half
+#    the SMs: the same per-chunk time if one CTA's chunk loop is the bound); OLD_BENCH (a runner
+#    with the wgmma tile before the prefetch) as the same-call baseline; Nsight Compute on one
+#    batch-1 decode + combine (NCU_SCRIPT).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -95,20 +96,23 @@ if [ "${1:-1}" = 10 ]; then   # the MLA decode tile on warpgroup MMAs (issue 5):
   exit
 fi
 
-if [ "${1:-1}" = 11 ]; then   # issue 5 at batch 1: the combine's tiling and launch, the decode's chunk period
-  GPU_TESTS="tests/gpu/test_mla_gpu.py" TESTS_S=170 OUT="$OUT/tests" DEVICE_ALL_S=180 bash bench/device_all.sh tests
+if [ "${1:-1}" = 11 ]; then   # issue 5 at batch 1: the combine's tiling and launch, the block-table prefetch
+  GPU_TESTS="tests/gpu/test_mla_gpu.py" TESTS_S=160 OUT="$OUT/tests" DEVICE_ALL_S=170 bash bench/device_all.sh tests
   C=kimi_k3_tp8:131072:1,glm_53_tp8:131072:1,kimi_k3_tp16:131072:1,kimi_k3_tp8:32768:1,kimi_k3_tp8:32768:8
   K=kimi_k3_tp8:131072:1
-  BENCH_S_mla=70 BENCH_ARGS_mla="--cases $C" BENCH_S_mla_fused=70 BENCH_ARGS_mla_fused="--cases $C --set fused=1" \
-    BENCH_S_mla_fc64=30 BENCH_ARGS_mla_fc64="--cases $K --set fused=1,cols=64" \
-    BENCH_S_mla_pdl=30 BENCH_ARGS_mla_pdl="--cases $K --set pdl=1" \
-    BENCH_S_mla_c128=30 BENCH_ARGS_mla_c128="--cases $K --set cols=128" \
-    BENCH_S_mla_s66=30 BENCH_ARGS_mla_s66="--cases $K --set splits=66" \
-    BENCH_S_mla_s33=30 BENCH_ARGS_mla_s33="--cases $K --set splits=33" \
-    DEVICE_ALL_S=300 bash bench/device_all.sh bench:mla bench:mla@fused bench:mla@fc64 bench:mla@pdl bench:mla@c128 \
-      bench:mla@s66 bench:mla@s33
+  BENCH_S_mla=70 BENCH_ARGS_mla="--cases $C,kimi_k3_tp8:32768:64" BENCH_S_mla_fused=60 BENCH_ARGS_mla_fused="--cases $C --set fused=1" \
+    BENCH_S_mla_fc64=25 BENCH_ARGS_mla_fc64="--cases $K --set fused=1,cols=64" \
+    BENCH_S_mla_c128=25 BENCH_ARGS_mla_c128="--cases $K --set cols=128" \
+    BENCH_S_mla_pdl=25 BENCH_ARGS_mla_pdl="--cases $K --set pdl=1" \
+    BENCH_S_mla_s66=25 BENCH_ARGS_mla_s66="--cases $K --set splits=66" \
+    DEVICE_ALL_S=240 bash bench/device_all.sh bench:mla bench:mla@fused bench:mla@fc64 bench:mla@c128 bench:mla@pdl \
+      bench:mla@s66
+  # the same-call baseline of the block-table prefetch: the wgmma tile without it (OLD_BENCH: a
+  # runner that swaps it in), K3 / GLM-5.3 at batch 1 and K3 at batch 64
+  [ -n "${OLD_BENCH:-}" ] && timeout 70 python $OLD_BENCH --out "$OUT/old" \
+    --cases $K,glm_53_tp8:131072:1,kimi_k3_tp8:32768:64 > "$OUT/old.log" 2>&1; echo "old bench rc=$?"
   # where the batch-1 decode's time goes (stall reasons, SM activity spread); NCU_SCRIPT runs it once
-  [ -n "${NCU_SCRIPT:-}" ] && timeout 90 ncu --clock-control none -k regex:kernel_cutlass -c 2 --section SpeedOfLight \
+  [ -n "${NCU_SCRIPT:-}" ] && timeout 70 ncu --clock-control none -k regex:kernel_cutlass -c 2 --section SpeedOfLight \
     --section WarpStateStats --section SchedulerStats --section SourceCounters \
     --metrics sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_active.min,dram__bytes_read.sum \
     python $NCU_SCRIPT > "$OUT/ncu.txt" 2>&1; echo "ncu rc=$?"

@@ -106,6 +106,19 @@ def split_chunks(nk: Int32, chunk: cutlass.Constexpr, splits: cutlass.Constexpr,
 
 
 @cute.jit
+def chunk_first_row(mBT, b: Int32, ci: Int32, c_hi: Int32, chunk: cutlass.Constexpr, page: cutlass.Constexpr,
+                    whole_pages: cutlass.Constexpr):
+    """First pool row of chunk ci (< c_hi) when chunks never straddle a page (`whole_pages`; else
+    0: each row looks its own page up). The chunk loops read it one chunk ahead: a block-table
+    load just before a chunk's copies put an L2 round trip into every chunk's issue."""
+    row0 = Int32(0)
+    if cutlass.const_expr(whole_pages):
+        if ci < c_hi:
+            row0 = mBT[b, (ci * chunk) // page] * page + (ci * chunk) % page
+    return row0
+
+
+@cute.jit
 def mask_future(sc, first_tok: Int32, length: Int32, q_tokens: cutlass.Constexpr, tq: Int32):
     """-inf on the scores sc (1, n) of tokens first_tok .. first_tok + n - 1 that query token tq
     (of the last q_tokens of a `length`-token sequence) may not see: token > length - T + tq."""
@@ -225,13 +238,11 @@ def build_mla_decode_tile(block):
         return gmem_tensor(sc_addr + Int64(row) * Int64(NG * 4), Float32, (NG, 1), 4)
 
     @cute.jit
-    def load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, ci, st, sStage, sScSt, sTok, tid, g2s, g2s4):
-        """cp.async the cache rows of chunk ci into stage st (sparse: and the chunk's tokens for
-        the mask into sTok[st], plain stores: read after the barriers the chunk passes)."""
-        page_row0 = Int32(0)
-        if cutlass.const_expr(WHOLE_PAGE_CHUNKS):
-            # the chunk lies in one page: one block-table read for all its rows
-            page_row0 = mBT[b, (ci * CH) // PS] * PS + (ci * CH) % PS
+    def load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, ci, page_row0, st, sStage, sScSt, sTok, tid,
+                   g2s, g2s4):
+        """cp.async the cache rows of chunk ci (in one page: from page_row0, chunk_first_row)
+        into stage st (sparse: and the chunk's tokens for the mask into sTok[st], plain stores:
+        read after the barriers the chunk passes)."""
         for k in cutlass.range_constexpr(PPT):
             i = tid + k * NUM_THREADS
             if i < NPIECE:
@@ -421,8 +432,9 @@ def build_mla_decode_tile(block):
         # pipeline prologue first (the KV stream matters, Q is small)
         for k in cutlass.range_constexpr(ST - 1):
             if c_lo + k < c_hi:
-                load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, c_lo + k, k, sStage, sScSt, sTok, tid,
-                           g2s, g2s4)
+                load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, c_lo + k,
+                           chunk_first_row(mBT, b, c_lo + k, c_hi, CH, PS, WHOLE_PAGE_CHUNKS), k, sStage, sScSt,
+                           sTok, tid, g2s, g2s4)
             cute.arch.cp_async_commit_group()
 
         # the query rows: every thread's pieces loaded at once (an unroll-1 loop waited for each
@@ -491,14 +503,17 @@ def build_mla_decode_tile(block):
 
         m_run = Float32(NEG_INF)
         l_run = Float32(0.0)
+        row0_next = chunk_first_row(mBT, b, c_lo + ST - 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)
         for ci in cutlass.range(c_lo, c_hi, unroll=1):
             it = ci - c_lo
             st = it % ST
             cute.arch.cp_async_wait_group(ST - 2)
             cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
             nxt = ci + ST - 1
+            row0 = row0_next
+            row0_next = chunk_first_row(mBT, b, nxt + 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)   # a chunk ahead
             if nxt < c_hi:
-                load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, (it + ST - 1) % ST, sStage,
+                load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, row0, (it + ST - 1) % ST, sStage,
                            sScSt, sTok, tid, g2s, g2s4)
             cute.arch.cp_async_commit_group()
             buf = st

@@ -33,7 +33,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from ._cute import DTYPE_MAP, TileSmem, fence_proxy_async_smem, gmem_tensor, smem_tensor
-from ._mla_cute import LOG2_E, dequant_unit, mask_future, online_softmax_step, split_chunks
+from ._mla_cute import LOG2_E, chunk_first_row, dequant_unit, mask_future, online_softmax_step, split_chunks
 from .base import NUM_THREADS
 
 NUM_WARPS = NUM_THREADS // 32
@@ -119,12 +119,10 @@ def build_mla_decode_wgmma_tile(block):
         return row
 
     @cute.jit
-    def load_chunk(kv_addr, sc_addr, mBT, b, length, ci, st, sPieces, sStage8, sScSt, tid, g2s, g2s4):
-        """cp.async chunk ci into stage st: bf16 rows straight into their swizzled places; fp8
-        rows into plain padded rows, with their scales (dequantised after the chunk lands)."""
-        page_row0 = Int32(0)
-        if cutlass.const_expr(WHOLE_PAGE_CHUNKS):
-            page_row0 = mBT[b, (ci * CH) // PS] * PS + (ci * CH) % PS
+    def load_chunk(kv_addr, sc_addr, mBT, b, length, ci, page_row0, st, sPieces, sStage8, sScSt, tid, g2s, g2s4):
+        """cp.async chunk ci (its first pool row page_row0, see chunk_first_row) into stage st: bf16
+        rows straight into their swizzled places; fp8 rows into plain padded rows, with their
+        scales (dequantised after the chunk lands)."""
         # the rows' 16-byte pieces: fp8 into the padded stage row, bf16 into the swizzled place
         for k in cutlass.range_constexpr(-(-CH * ROW_PIECES // NUM_THREADS)):
             i = tid + k * NUM_THREADS
@@ -255,7 +253,9 @@ def build_mla_decode_wgmma_tile(block):
 
         for k in cutlass.range_constexpr(ST - 1):
             if c_lo + k < c_hi:
-                load_chunk(kv_addr, sc_addr, mBT, b, length, c_lo + k, k, sPieces, sStage8, sScSt, tid, g2s, g2s4)
+                load_chunk(kv_addr, sc_addr, mBT, b, length, c_lo + k,
+                           chunk_first_row(mBT, b, c_lo + k, c_hi, CH, PS, WHOLE_PAGE_CHUNKS), k, sPieces, sStage8,
+                           sScSt, tid, g2s, g2s4)
             cute.arch.cp_async_commit_group()
 
         # the query rows (zero padding), swizzled like the keys
@@ -310,15 +310,18 @@ def build_mla_decode_wgmma_tile(block):
             sRow[2, srow] = 0.0
         m_run = Float32(NEG_INF)
         l_run = Float32(0.0)
+        row0_next = chunk_first_row(mBT, b, c_lo + ST - 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)
         for ci in cutlass.range(c_lo, c_hi, unroll=1):
             it = ci - c_lo
             st = it % ST
             cute.arch.cp_async_wait_group(ST - 2)
             cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
             nxt = ci + ST - 1
+            row0 = row0_next
+            row0_next = chunk_first_row(mBT, b, nxt + 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)   # a chunk ahead
             if nxt < c_hi:
-                load_chunk(kv_addr, sc_addr, mBT, b, length, nxt, (it + ST - 1) % ST, sPieces, sStage8, sScSt,
-                           tid, g2s, g2s4)
+                load_chunk(kv_addr, sc_addr, mBT, b, length, nxt, row0, (it + ST - 1) % ST, sPieces, sStage8,
+                           sScSt, tid, g2s, g2s4)
             cute.arch.cp_async_commit_group()
             buf = st
             if cutlass.const_expr(FP8):

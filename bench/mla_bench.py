@@ -8,8 +8,7 @@ bf16 matmuls + fp32 softmax) and the floor (cache bytes / copy bandwidth measure
 
 --set overrides every case's decode config (chunk, stages, q_in_regs), the split count
 (splits: a fixed count; min_chunks: choose_splits' shortest split), the combine's columns per
-tile (cols), pdl=1 (both launches programmatic-dependent) and fused=1 (decode and combine in one
-launch, `standalone_pair`, where the decode's tiles fit one wave).
+tile (cols) and pdl=1 (both launches programmatic-dependent).
 
 Timing: both launches (decode, combine) of many calls captured in one CUDA graph; when one
 call's cache is smaller than 256 MB, calls rotate over several copies of the page pool (through
@@ -63,7 +62,7 @@ def torch_decode_fn(q, kv, kv_scale, bt, lens_list, heads, T, d_v, scale, page):
 
 
 def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None):
-    from sdk.blocks._cute import pair_error, pair_workspace, standalone, standalone_pair
+    from sdk.blocks._cute import standalone
     from sdk.blocks.mla_decode import (MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig,
                                        absorbed_attention, choose_chunk, choose_mma, choose_splits, quantize_kv_fp8,
                                        row_groups)
@@ -80,7 +79,6 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     cols = ov.pop("cols", 0)
     pdl = bool(ov.pop("pdl", 0))          # both launches programmatic-dependent (the combine's CTAs
                                           # may be resident, waiting, as the decode's last ones run)
-    fused = bool(ov.pop("fused", 0))      # decode + combine as one launch (standalone_pair: one wave)
     npg = -(-ctx // page)
     cfg0 = MLADecodeConfig(heads=heads, softmax_scale=scale, batch=batch, q_tokens=T, rope=rope, page_size=page,
                            num_pages=1, max_seq_len=ctx, num_splits=splits, kv_dtype=kvd, **ov)
@@ -112,9 +110,7 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     lse = torch.empty(batch, T, heads, device="cuda")
     t0 = time.time()
     fn_dec, fn_comb = standalone(blk, pdl=pdl), standalone(comb, pdl=pdl)
-    fn_pair = standalone_pair(blk, comb, pdl=pdl) if fused else None
     compile_s = time.time() - t0
-    ws = pair_workspace()
     tables = []
     for i in range(copies):
         bt = perm[i].contiguous()
@@ -123,17 +119,10 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
         optab = torch.tensor([ops[n].data_ptr() for n in blk.operands()], dtype=torch.int64, device="cuda")
         tables.append((bt, optab))
     ctab = torch.tensor([x.data_ptr() for x in (o_part, lse_part, out, lse)], dtype=torch.int64, device="cuda")
-    if fused:                             # the pair's tables: decode's operands, the combine's, the workspace
-        tables = [(bt, torch.cat([o, ctab, torch.tensor([ws.data_ptr()], dtype=torch.int64, device="cuda")]))
-                  for bt, o in tables]
-    timeout_ns = int(2e9)
 
     def call(optab):
-        if fused:
-            fn_pair(optab.data_ptr(), timeout_ns, cu_stream())
-        else:
-            fn_dec(optab.data_ptr(), cu_stream())
-            fn_comb(ctab.data_ptr(), cu_stream())
+        fn_dec(optab.data_ptr(), cu_stream())
+        fn_comb(ctab.data_ptr(), cu_stream())
 
     # correctness of the timed configuration (copy 0), poisoned outputs
     for x in (o_part, lse_part, out, lse):
@@ -152,8 +141,6 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     us, mode = timed([lambda o=o: call(o) for _, o in tables] * reps)
     # the decode launch alone: what the combine (its own launch) adds is us - decode_us
     decode_us, _ = timed([lambda o=o: fn_dec(o.data_ptr(), cu_stream()) for _, o in tables] * reps)
-    if pair_error(ws):
-        raise RuntimeError(pair_error(ws))
 
     torch_us, torch_note = None, "skipped (gather would exceed memory)"
     gather_bytes = batch * npg * page * d * 2 * (2 if blk.fp8 else 1)
@@ -172,7 +159,7 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
     rec = {"case": f"{shard} B={batch} ctx={ctx} T={T} {kvd}{tag}", "overrides": overrides or {}, "shard": shard, "heads": heads, "rope": rope,
            "batch": batch, "context": ctx, "q_tokens": T, "kv_dtype": kvd, "num_splits": splits,
-           "chunk": cfg.chunk, "mma": cfg.mma, "launch": "pair" if fused else "two", "pdl": pdl, "stages": blk.stages, "combine_tiles": comb.num_tiles(), "kv_bytes": kvb, "us": us,
+           "chunk": cfg.chunk, "mma": cfg.mma, "pdl": pdl, "stages": blk.stages, "combine_tiles": comb.num_tiles(), "kv_bytes": kvb, "us": us,
            "decode_us": decode_us, "gbs": kvb / (us * 1e3),
            "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
            "speedup_vs_torch_graph": (torch_us / us) if torch_us else None, "torch_note": torch_note,

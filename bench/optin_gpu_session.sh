@@ -32,11 +32,9 @@
 #    then bench/mla_bench.py at its default (choose_mma: wgmma for bf16 at chunk 64 on Hopper) and
 #    with `--set mma=warp` (batch 1 / 8 / 64), then compute-sanitizer on one wgmma case.
 # 11: issue 5 at batch 1 (the twenty-fifth session): test_mla_gpu.py whole (the combine's narrower
-#    auto tiles, the block-table prefetch, decode + combine in one launch), then mla_bench at the
-#    new defaults against cols=128 (the old auto), fused=1 (standalone_pair), PDL, 66 splits (half
-#    the SMs: the same per-chunk time if one CTA's chunk loop is the bound); OLD_BENCH (a runner
-#    with the wgmma tile before the prefetch) as the same-call baseline; Nsight Compute on one
-#    batch-1 decode + combine (NCU_SCRIPT).
+#    auto tiles, the block-table prefetch), then mla_bench at the defaults and with both launches
+#    PDL (pdl=1), twice each, interleaved; Nsight Compute on one batch-1 decode + combine
+#    (NCU_SCRIPT: a script running them once).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -96,21 +94,13 @@ if [ "${1:-1}" = 10 ]; then   # the MLA decode tile on warpgroup MMAs (issue 5):
   exit
 fi
 
-if [ "${1:-1}" = 11 ]; then   # issue 5 at batch 1: the combine's tiling and launch, the block-table prefetch
+if [ "${1:-1}" = 11 ]; then   # issue 5 at batch 1: the combine's tiling, the block-table prefetch, PDL
   GPU_TESTS="tests/gpu/test_mla_gpu.py" TESTS_S=160 OUT="$OUT/tests" DEVICE_ALL_S=170 bash bench/device_all.sh tests
-  C=kimi_k3_tp8:131072:1,glm_53_tp8:131072:1,kimi_k3_tp16:131072:1,kimi_k3_tp8:32768:1,kimi_k3_tp8:32768:8
-  K=kimi_k3_tp8:131072:1
-  BENCH_S_mla=70 BENCH_ARGS_mla="--cases $C,kimi_k3_tp8:32768:64" BENCH_S_mla_fused=60 BENCH_ARGS_mla_fused="--cases $C --set fused=1" \
-    BENCH_S_mla_fc64=25 BENCH_ARGS_mla_fc64="--cases $K --set fused=1,cols=64" \
-    BENCH_S_mla_c128=25 BENCH_ARGS_mla_c128="--cases $K --set cols=128" \
-    BENCH_S_mla_pdl=25 BENCH_ARGS_mla_pdl="--cases $K --set pdl=1" \
-    BENCH_S_mla_s66=25 BENCH_ARGS_mla_s66="--cases $K --set splits=66" \
-    DEVICE_ALL_S=240 bash bench/device_all.sh bench:mla bench:mla@fused bench:mla@fc64 bench:mla@c128 bench:mla@pdl \
-      bench:mla@s66
-  # the same-call baseline of the block-table prefetch: the wgmma tile without it (OLD_BENCH: a
-  # runner that swaps it in), K3 / GLM-5.3 at batch 1 and K3 at batch 64
-  [ -n "${OLD_BENCH:-}" ] && timeout 70 python $OLD_BENCH --out "$OUT/old" \
-    --cases $K,glm_53_tp8:131072:1,kimi_k3_tp8:32768:64 > "$OUT/old.log" 2>&1; echo "old bench rc=$?"
+  C=kimi_k3_tp8:131072:1,glm_53_tp8:131072:1,kimi_k3_tp16:131072:1,kimi_k3_tp8:32768:1,kimi_k3_tp8:32768:8,kimi_k3_tp8:32768:64
+  # default and PDL twice each, interleaved (a difference smaller than their spread is none)
+  BENCH_S_mla=60 BENCH_ARGS_mla="--cases $C" BENCH_S_mla_pdl=60 BENCH_ARGS_mla_pdl="--cases $C --set pdl=1" \
+    BENCH_S_mla_again=60 BENCH_ARGS_mla_again="--cases $C" BENCH_S_mla_pdl2=60 BENCH_ARGS_mla_pdl2="--cases $C --set pdl=1" \
+    DEVICE_ALL_S=250 bash bench/device_all.sh bench:mla bench:mla@pdl bench:mla@again bench:mla@pdl2
   # where the batch-1 decode's time goes (stall reasons, SM activity spread); NCU_SCRIPT runs it once
   [ -n "${NCU_SCRIPT:-}" ] && timeout 70 ncu --clock-control none -k regex:kernel_cutlass -c 2 --section SpeedOfLight \
     --section WarpStateStats --section SchedulerStats --section SourceCounters \

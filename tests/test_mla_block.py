@@ -314,19 +314,3 @@ def test_choose_mma_takes_wgmma_on_hopper_for_long_bf16_splits():
     assert choose_mma(1, 131072, "fp8_e4m3", hopper) == "warp"
     assert choose_mma(1, 131072, "bf16", (10, 0)) == "warp" and choose_mma(1, 131072, "bf16", None) == "warp"
 
-
-def test_decode_and_combine_pair_compiles_and_refuses_two_waves():
-    """standalone_pair (decode + combine in one launch, a grid barrier between): compiles for
-    sm_90a with the wgmma tile; refused when the decode's tiles exceed the SMs (the barrier needs
-    every CTA resident) and for streaming blocks."""
-    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
-    from sdk.blocks._cute import standalone_pair
-    from sdk.blocks.gemv import GemvBlock, GemvConfig
-    blk = MLADecodeBlock(MLADecodeConfig(heads=12, softmax_scale=192 ** -0.5, batch=1, num_splits=132, num_pages=2048,
-                                         max_seq_len=131072, chunk=64, mma="wgmma"))
-    comb = MLACombineBlock(MLACombineConfig(heads=12, batch=1, d_v=512, num_splits=132))
-    assert callable(standalone_pair(blk, comb, arch="sm_90a"))
-    with pytest.raises(ValueError, match="132 tiles, more than the 64 SMs"):
-        standalone_pair(blk, comb, arch="sm_90a", num_sms=64)
-    with pytest.raises(ValueError, match="streams through the ring"):
-        standalone_pair(GemvBlock(GemvConfig(n=256, k=256)), comb, arch="sm_90a")

@@ -503,18 +503,18 @@ def build_mla_decode_tile(block):
 
         m_run = Float32(NEG_INF)
         l_run = Float32(0.0)
-        row0_next = chunk_first_row(mBT, b, c_lo + ST - 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)
+        kv_row0_next = chunk_first_row(mBT, b, c_lo + ST - 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)
         for ci in cutlass.range(c_lo, c_hi, unroll=1):
             it = ci - c_lo
             st = it % ST
             cute.arch.cp_async_wait_group(ST - 2)
             cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
             nxt = ci + ST - 1
-            row0 = row0_next
-            row0_next = chunk_first_row(mBT, b, nxt + 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)   # a chunk ahead
+            kv_row0 = kv_row0_next
+            kv_row0_next = chunk_first_row(mBT, b, nxt + 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)   # a chunk ahead
             if nxt < c_hi:
-                load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, row0, (it + ST - 1) % ST, sStage,
-                           sScSt, sTok, tid, g2s, g2s4)
+                load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, kv_row0, (it + ST - 1) % ST,
+                           sStage, sScSt, sTok, tid, g2s, g2s4)
             cute.arch.cp_async_commit_group()
             buf = st
             if cutlass.const_expr(FP8):

@@ -32,9 +32,8 @@
 #    then bench/mla_bench.py at its default (choose_mma: wgmma for bf16 at chunk 64 on Hopper) and
 #    with `--set mma=warp` (batch 1 / 8 / 64), then compute-sanitizer on one wgmma case.
 # 11: issue 5 at batch 1 (the twenty-fifth session): test_mla_gpu.py whole (the combine's narrower
-#    auto tiles, the block-table prefetch), then mla_bench at the defaults and with both launches
-#    PDL (pdl=1), twice each, interleaved; Nsight Compute on one batch-1 decode + combine
-#    (NCU_SCRIPT: a script running them once).
+#    auto tiles, the block-table prefetch, chunk stealing), then mla_bench at the defaults, with
+#    steal=1, steal=1 + pdl=1 and pdl=1, the default and steal twice, interleaved.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -94,18 +93,18 @@ if [ "${1:-1}" = 10 ]; then   # the MLA decode tile on warpgroup MMAs (issue 5):
   exit
 fi
 
-if [ "${1:-1}" = 11 ]; then   # issue 5 at batch 1: the combine's tiling, the block-table prefetch, PDL
+if [ "${1:-1}" = 11 ]; then   # issue 5 at batch 1: the combine's tiling, the block-table prefetch, stealing, PDL
   GPU_TESTS="tests/gpu/test_mla_gpu.py" TESTS_S=160 OUT="$OUT/tests" DEVICE_ALL_S=170 bash bench/device_all.sh tests
-  C=kimi_k3_tp8:131072:1,glm_53_tp8:131072:1,kimi_k3_tp16:131072:1,kimi_k3_tp8:32768:1,kimi_k3_tp8:32768:8,kimi_k3_tp8:32768:64
-  # default and PDL twice each, interleaved (a difference smaller than their spread is none)
-  BENCH_S_mla=60 BENCH_ARGS_mla="--cases $C" BENCH_S_mla_pdl=60 BENCH_ARGS_mla_pdl="--cases $C --set pdl=1" \
-    BENCH_S_mla_again=60 BENCH_ARGS_mla_again="--cases $C" BENCH_S_mla_pdl2=60 BENCH_ARGS_mla_pdl2="--cases $C --set pdl=1" \
-    DEVICE_ALL_S=250 bash bench/device_all.sh bench:mla bench:mla@pdl bench:mla@again bench:mla@pdl2
-  # where the batch-1 decode's time goes (stall reasons, SM activity spread); NCU_SCRIPT runs it once
-  [ -n "${NCU_SCRIPT:-}" ] && timeout 70 ncu --clock-control none -k regex:kernel_cutlass -c 2 --section SpeedOfLight \
-    --section WarpStateStats --section SchedulerStats --section SourceCounters \
-    --metrics sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_active.min,dram__bytes_read.sum \
-    python $NCU_SCRIPT > "$OUT/ncu.txt" 2>&1; echo "ncu rc=$?"
+  C=kimi_k3_tp8:131072:1,glm_53_tp8:131072:1,kimi_k3_tp16:131072:1,kimi_k3_tp8:32768:8,kimi_k3_tp8:32768:64
+  # each form twice, interleaved (a difference smaller than their spread is none)
+  BENCH_S_mla=50 BENCH_ARGS_mla="--cases $C,kimi_k3_tp8:32768:1" \
+    BENCH_S_mla_steal=50 BENCH_ARGS_mla_steal="--cases $C --set steal=1" \
+    BENCH_S_mla_stpdl=50 BENCH_ARGS_mla_stpdl="--cases $C --set steal=1,pdl=1" \
+    BENCH_S_mla_again=50 BENCH_ARGS_mla_again="--cases $C" \
+    BENCH_S_mla_steal2=50 BENCH_ARGS_mla_steal2="--cases $C --set steal=1" \
+    BENCH_S_mla_pdl=50 BENCH_ARGS_mla_pdl="--cases $C --set pdl=1" \
+    DEVICE_ALL_S=320 bash bench/device_all.sh bench:mla bench:mla@steal bench:mla@stpdl bench:mla@again bench:mla@steal2 \
+      bench:mla@pdl
   exit
 fi
 

@@ -6,9 +6,9 @@ bf16 matmuls + fp32 softmax) and the floor (cache bytes / copy bandwidth measure
     python -m bench.mla_bench --out bench/results/h200 [--quick] [--cases shard:ctx:batch:kv:T,..]
                               [--set chunk=64,stages=3,splits=64,min_chunks=4,cols=512]
 
---set overrides every case's decode config (chunk, stages, q_in_regs, mma, steal), the split count
+--set overrides every case's decode config (chunk, stages, q_in_regs, mma), the split count
 (splits: a fixed count; min_chunks: choose_splits' shortest split), the combine's columns per
-tile (cols) and pdl=1 (both launches programmatic-dependent).
+tile (cols) and pdl=0 (plain launches; the default launches both with PDL).
 
 Timing: both launches (decode, combine) of many calls captured in one CUDA graph; when one
 call's cache is smaller than 256 MB, calls rotate over several copies of the page pool (through
@@ -77,8 +77,10 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
                                                   chunk=ov["chunk"])
     ov.pop("min_chunks", None)
     cols = ov.pop("cols", 0)
-    pdl = bool(ov.pop("pdl", 0))          # both launches programmatic-dependent (the combine's CTAs
-                                          # may be resident, waiting, as the decode's last ones run)
+    # both launches programmatic-dependent (PDL: each launch's CTAs start as the previous one's
+    # last CTAs run, then wait for its results): measured faster at batch 1 (H200, 2026-12-06:
+    # Kimi K3 TP8 128K 45.5 vs 46.9-47.3 us); pdl=0 launches plainly
+    pdl = bool(ov.pop("pdl", 1))
     npg = -(-ctx // page)
     cfg0 = MLADecodeConfig(heads=heads, softmax_scale=scale, batch=batch, q_tokens=T, rope=rope, page_size=page,
                            num_pages=1, max_seq_len=ctx, num_splits=splits, kv_dtype=kvd, **ov)
@@ -108,7 +110,6 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     lse_part = torch.empty(batch, splits, blk.rows, device="cuda")
     out = torch.empty(batch, T, heads, blk.d_v, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(batch, T, heads, device="cuda")
-    claims = torch.zeros(batch * blk.row_groups, 2, dtype=torch.int32, device="cuda")   # steal's counters
     t0 = time.time()
     fn_dec, fn_comb = standalone(blk, pdl=pdl), standalone(comb, pdl=pdl)
     compile_s = time.time() - t0
@@ -116,7 +117,7 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     for i in range(copies):
         bt = perm[i].contiguous()
         ops = {"q": q, "kv": kv, "kv_scale": kv_scale, "block_table": bt, "seq_lens": lens,
-               "o_part": o_part, "lse_part": lse_part, "chunk_claims": claims}
+               "o_part": o_part, "lse_part": lse_part}
         optab = torch.tensor([ops[n].data_ptr() for n in blk.operands()], dtype=torch.int64, device="cuda")
         tables.append((bt, optab))
     ctab = torch.tensor([x.data_ptr() for x in (o_part, lse_part, out, lse)], dtype=torch.int64, device="cuda")
@@ -142,8 +143,6 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     us, mode = timed([lambda o=o: call(o) for _, o in tables] * reps)
     # the decode launch alone: what the combine (its own launch) adds is us - decode_us
     decode_us, _ = timed([lambda o=o: fn_dec(o.data_ptr(), cu_stream()) for _, o in tables] * reps)
-    if cfg.steal and claims.any():
-        raise RuntimeError(f"steal: the chunk counters were not re-armed: {claims.tolist()[:4]}")
 
     torch_us, torch_note = None, "skipped (gather would exceed memory)"
     gather_bytes = batch * npg * page * d * 2 * (2 if blk.fp8 else 1)
@@ -162,7 +161,7 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
     rec = {"case": f"{shard} B={batch} ctx={ctx} T={T} {kvd}{tag}", "overrides": overrides or {}, "shard": shard, "heads": heads, "rope": rope,
            "batch": batch, "context": ctx, "q_tokens": T, "kv_dtype": kvd, "num_splits": splits,
-           "chunk": cfg.chunk, "mma": cfg.mma, "steal": bool(cfg.steal), "pdl": pdl, "stages": blk.stages, "combine_tiles": comb.num_tiles(), "kv_bytes": kvb, "us": us,
+           "chunk": cfg.chunk, "mma": cfg.mma, "pdl": pdl, "stages": blk.stages, "combine_tiles": comb.num_tiles(), "kv_bytes": kvb, "us": us,
            "decode_us": decode_us, "gbs": kvb / (us * 1e3),
            "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
            "speedup_vs_torch_graph": (torch_us / us) if torch_us else None, "torch_note": torch_note,

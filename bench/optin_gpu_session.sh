@@ -32,8 +32,8 @@
 #    then bench/mla_bench.py at its default (choose_mma: wgmma for bf16 at chunk 64 on Hopper) and
 #    with `--set mma=warp` (batch 1 / 8 / 64), then compute-sanitizer on one wgmma case.
 # 11: issue 5 at batch 1 (the twenty-fifth session): test_mla_gpu.py whole (the combine's narrower
-#    auto tiles, the block-table prefetch, chunk stealing), then mla_bench at the defaults, with
-#    steal=1, steal=1 + pdl=1 and pdl=1, the default and steal twice, interleaved.
+#    auto tiles, the block-table prefetch; `11 bench` skips it), then mla_bench at its defaults
+#    (both launches PDL) against plain launches (pdl=0), twice each, interleaved.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -93,18 +93,16 @@ if [ "${1:-1}" = 10 ]; then   # the MLA decode tile on warpgroup MMAs (issue 5):
   exit
 fi
 
-if [ "${1:-1}" = 11 ]; then   # issue 5 at batch 1: the combine's tiling, the block-table prefetch, stealing, PDL
-  GPU_TESTS="tests/gpu/test_mla_gpu.py" TESTS_S=160 OUT="$OUT/tests" DEVICE_ALL_S=170 bash bench/device_all.sh tests
+if [ "${1:-1}" = 11 ]; then   # issue 5 at batch 1: the combine's tiling, the block-table prefetch, PDL
+  [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_mla_gpu.py" TESTS_S=160 OUT="$OUT/tests" DEVICE_ALL_S=170 \
+    bash bench/device_all.sh tests
   C=kimi_k3_tp8:131072:1,glm_53_tp8:131072:1,kimi_k3_tp16:131072:1,kimi_k3_tp8:32768:8,kimi_k3_tp8:32768:64
-  # each form twice, interleaved (a difference smaller than their spread is none)
+  # the default (both launches PDL) against plain launches, twice each, interleaved
   BENCH_S_mla=50 BENCH_ARGS_mla="--cases $C,kimi_k3_tp8:32768:1" \
-    BENCH_S_mla_steal=50 BENCH_ARGS_mla_steal="--cases $C --set steal=1" \
-    BENCH_S_mla_stpdl=50 BENCH_ARGS_mla_stpdl="--cases $C --set steal=1,pdl=1" \
+    BENCH_S_mla_plain=50 BENCH_ARGS_mla_plain="--cases $C,kimi_k3_tp8:32768:1 --set pdl=0" \
     BENCH_S_mla_again=50 BENCH_ARGS_mla_again="--cases $C" \
-    BENCH_S_mla_steal2=50 BENCH_ARGS_mla_steal2="--cases $C --set steal=1" \
-    BENCH_S_mla_pdl=50 BENCH_ARGS_mla_pdl="--cases $C --set pdl=1" \
-    DEVICE_ALL_S=320 bash bench/device_all.sh bench:mla bench:mla@steal bench:mla@stpdl bench:mla@again bench:mla@steal2 \
-      bench:mla@pdl
+    BENCH_S_mla_plain2=50 BENCH_ARGS_mla_plain2="--cases $C --set pdl=0" \
+    DEVICE_ALL_S=220 bash bench/device_all.sh bench:mla bench:mla@plain bench:mla@again bench:mla@plain2
   exit
 fi
 

@@ -315,24 +315,3 @@ def test_choose_mma_takes_wgmma_on_hopper_for_long_bf16_splits():
     assert choose_mma(1, 131072, "bf16", (10, 0)) == "warp" and choose_mma(1, 131072, "bf16", None) == "warp"
 
 
-
-def test_chunk_stealing_config():
-    """steal=True: the wgmma tile at 2 stages only; one int32 [claimed, done] pair per (sequence,
-    row group) as the last operand, 16 bytes of shared memory for the claims ahead; compiles for
-    sm_90a (bf16, fp8, row groups, 16-token pages)."""
-    cfg = dict(heads=40, softmax_scale=0.07, batch=3, num_pages=512, max_seq_len=8192, num_splits=8, chunk=64)
-    blk = MLADecodeBlock(MLADecodeConfig(**cfg, mma="wgmma", steal=True))
-    blk.check()
-    assert blk.operand_specs()[-1].name == "chunk_claims"
-    assert blk.operand_specs()[-1].shape == (3 * blk.row_groups, 2) and blk.row_groups == 2
-    assert blk.smem_bytes() == MLADecodeBlock(MLADecodeConfig(**cfg, mma="wgmma")).smem_bytes() + 16
-    with pytest.raises(UnsupportedConfigError, match="steal"):
-        MLADecodeBlock(MLADecodeConfig(**cfg, steal=True)).check()                        # mma.sync
-    with pytest.raises(UnsupportedConfigError, match="steal"):
-        MLADecodeBlock(MLADecodeConfig(**{**cfg, "heads": 8, "rope": 0}, mma="wgmma", stages=3, steal=True)).check()
-    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
-    from sdk.blocks._cute import standalone
-    for kw in (dict(), dict(kv_dtype="fp8_e4m3", stages=2), dict(page_size=16, heads=8, rope=0)):
-        b = MLADecodeBlock(MLADecodeConfig(**{**cfg, **kw}, mma="wgmma", steal=True))
-        b.check()
-        assert callable(standalone(b, "sm_90a"))

@@ -96,7 +96,6 @@ def build_mla_decode_wgmma_tile(block):
     scale_log2 = block.scale * LOG2_E
     scale_nat = block.scale
     NEG_INF = -math.inf
-    STEAL = c.steal                       # chunks claimed from a counter (2 stages), not a fixed range
     assert MP % 16 == 0 and MP <= 32 and EPL <= 8 and 8 % EPL == 0
 
     def swz(row, piece):
@@ -230,7 +229,6 @@ def build_mla_decode_wgmma_tile(block):
         wg = tid // WG_THREADS
         s = t % S
         b = t // S
-        bg = b                                 # (sequence, row group): its chunk counter (steal)
         grow0 = Int32(0)
         nrows = Int32(TR)
         if cutlass.const_expr(RG > 1):
@@ -247,9 +245,6 @@ def build_mla_decode_wgmma_tile(block):
         mLen = gmem_tensor(ptrs[n_kv + 1], Int32, (B,), 4)
         mO = gmem_tensor(ptrs[n_kv + 2], Float32, (B, S, R, DV), 4)
         mL = gmem_tensor(ptrs[n_kv + 3], Float32, (B, S, R), 4)
-        claims = None                          # steal: [claimed, done] of this sequence's row group
-        if cutlass.const_expr(STEAL):
-            claims = cute.make_ptr(Int32, ptrs[n_kv + 4], cute.AddressSpace.gmem, assumed_align=4) + 2 * bg
 
         # ---- shared memory: chunk buffers, Q, P at a 1 KB boundary (the swizzle atoms' period) ---
         smem = TileSmem(scratch, OWN)
@@ -268,9 +263,6 @@ def build_mla_decode_wgmma_tile(block):
         sS = smem.allocate_tensor(Float32, cute.make_layout((2, MP, CH), stride=(MP * SROW, SROW, 1)),
                                   byte_alignment=16)
         sRow = smem.allocate_tensor(Float32, cute.make_layout((3, MP), stride=(MP, 1)), byte_alignment=16)
-        sClaim = None                          # steal: the claimed chunks ahead
-        if cutlass.const_expr(STEAL):
-            sClaim = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         # MMA views. K (tokens x d_qk, per stage) K-major; V^T (value columns x tokens) MN-major,
         # this warpgroup's half of the columns; Q and P (rows x d_qk / tokens) K-major.
         sK = sw_tensor(MDT, base, cute.make_layout(((8, CH // 8), (ATOM, KB), NBUF),
@@ -294,14 +286,6 @@ def build_mla_decode_wgmma_tile(block):
         # ---- split bounds (whole chunks) ----------------------------------------------------------
         length = mLen[b]
         c_lo, c_hi = split_chunks(length, CH, S, s)
-        if cutlass.const_expr(STEAL):
-            # tile s takes chunks s and s + S, then claims 2S + (the counter's next value) until
-            # the claims pass the sequence's end: a tile the DRAM serves faster takes more chunks
-            c_lo = s
-            c_hi = (length + CH - 1) // CH
-            if tid == 0:
-                sClaim[1] = s + S
-                sClaim[2] = 2 * S + cute.arch.atomic_add(claims, Int32(1), sem="relaxed", scope="gpu")
 
         for k in cutlass.range_constexpr(ST - 1):
             if c_lo + k < c_hi:
@@ -364,48 +348,21 @@ def build_mla_decode_wgmma_tile(block):
             sRow[2, srow] = 0.0
         m_run = Float32(NEG_INF)
         l_run = Float32(0.0)
-        if cutlass.const_expr(STEAL):
-            # claims two chunks ahead in sClaim[k % 4]: at iteration k chunk k + 1 is issued and
-            # chunk k + 2's block-table entry read; thread 0's claim for k + 3 lands by the end
-            kv_row0_next = chunk_first_row(mBT, b, s + S, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)
-            ci = c_lo
-            it = Int32(0)
-            while ci < c_hi:
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.sync_threads()        # chunk ci landed; every warp is done with the last one
-                nxt = sClaim[(it + 1) % 4]
-                after = sClaim[(it + 2) % 4]
-                claim = Int32(0)
-                if tid == 0:
-                    claim = 2 * S + cute.arch.atomic_add(claims, Int32(1), sem="relaxed", scope="gpu")
-                kv_row0 = kv_row0_next
-                kv_row0_next = chunk_first_row(mBT, b, after, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)
-                if nxt < c_hi:
-                    load_chunk(kv_addr, sc_addr, mBT, b, length, nxt, kv_row0, (it + 1) % 2, sPieces, sStage8,
-                               sScSt, tid, g2s, g2s4)
-                cute.arch.cp_async_commit_group()
-                m_run, l_run = compute_chunk(mma, shared, ci, it % 2, m_run, l_run, srow, lane, length, grow0, wg,
-                                             tid)
-                if tid == 0:
-                    sClaim[(it + 3) % 4] = claim     # its slot was last read two iterations ago
-                ci = nxt
-                it = it + 1
-        else:
-            kv_row0_next = chunk_first_row(mBT, b, c_lo + ST - 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)
-            for ci in cutlass.range(c_lo, c_hi, unroll=1):
-                it = ci - c_lo
-                st = it % ST
-                cute.arch.cp_async_wait_group(ST - 2)
-                cute.arch.sync_threads()        # chunk ci landed; every warp is done with ci - 1
-                nxt = ci + ST - 1
-                kv_row0 = kv_row0_next
-                kv_row0_next = chunk_first_row(mBT, b, nxt + 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)   # a chunk ahead
-                if nxt < c_hi:
-                    load_chunk(kv_addr, sc_addr, mBT, b, length, nxt, kv_row0, (it + ST - 1) % ST, sPieces,
-                               sStage8, sScSt, tid, g2s, g2s4)
-                cute.arch.cp_async_commit_group()
-                m_run, l_run = compute_chunk(mma, shared, ci, st, m_run, l_run, srow, lane, length, grow0, wg,
-                                             tid)
+        kv_row0_next = chunk_first_row(mBT, b, c_lo + ST - 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)
+        for ci in cutlass.range(c_lo, c_hi, unroll=1):
+            it = ci - c_lo
+            st = it % ST
+            cute.arch.cp_async_wait_group(ST - 2)
+            cute.arch.sync_threads()        # chunk ci landed; every warp is done with ci - 1
+            nxt = ci + ST - 1
+            kv_row0 = kv_row0_next
+            kv_row0_next = chunk_first_row(mBT, b, nxt + 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)   # a chunk ahead
+            if nxt < c_hi:
+                load_chunk(kv_addr, sc_addr, mBT, b, length, nxt, kv_row0, (it + ST - 1) % ST, sPieces,
+                           sStage8, sScSt, tid, g2s, g2s4)
+            cute.arch.cp_async_commit_group()
+            m_run, l_run = compute_chunk(mma, shared, ci, st, m_run, l_run, srow, lane, length, grow0, wg,
+                                         tid)
 
         cute.arch.cp_async_wait_group(0)
 
@@ -427,13 +384,6 @@ def build_mla_decode_wgmma_tile(block):
                 lse = sRow[1, tid] * scale_nat + cute.math.log(l, fastmath=False)
             if tid < nrows:
                 mL[b, s, row0 + tid] = lse
-        if cutlass.const_expr(STEAL):
-            if tid == 0:
-                # every tile of the group is past its last claim once all are done: the last one
-                # re-arms the counters for the next launch
-                if cute.arch.atomic_add(claims + 1, Int32(1), sem="acq_rel", scope="gpu") == S - 1:
-                    cute.arch.store(claims, Int32(0), sem="relaxed", scope="gpu")
-                    cute.arch.store(claims + 1, Int32(0), sem="relaxed", scope="gpu")
         cute.arch.sync_threads()                # smem is reused by the next instruction
 
     return tile

@@ -158,8 +158,6 @@ class MLADecodeConfig:
     mma: str = "warp"                  # "warp": mma.sync m16n8k16 from ldmatrix fragments (every arch);
                                        # "wgmma": Hopper warpgroup MMAs from swizzled shared memory
                                        # (sm_90a only; dense cache, chunk 64; _mla_wgmma_cute.py)
-    steal: bool = False                # wgmma, 2 stages: a sequence's tiles claim its chunks from a
-                                       # counter (operand chunk_claims) instead of fixed ranges
 
 
 class MLADecodeBlock(Block):
@@ -292,7 +290,7 @@ class MLADecodeBlock(Block):
             b = 1024 + bufs * c.chunk * self.d_qk * 2 + self.m_pad * self.d_qk * 2 + self.m_pad * c.chunk * 2
             if self.fp8:                         # padded fp8 stages and their scales
                 b += stages * c.chunk * (self.d_qk + 16) + stages * c.chunk * (self.d_qk // c.scale_group) * 4
-            return b + self.nwk * self.m_pad * self.score_row * 4 + 3 * self.m_pad * 4 + (16 if c.steal else 0)
+            return b + self.nwk * self.m_pad * self.score_row * 4 + 3 * self.m_pad * 4
         rs = self.d_qk + 8                       # padded bf16 row: conflict-free ldmatrix
         b = self.m_pad * rs * 2                  # sQ
         b += self.nwk * self.m_pad * self.score_row * 4                    # sS partial scores
@@ -337,8 +335,6 @@ class MLADecodeBlock(Block):
                 self.unsupported("mla_decode mma=wgmma: a dense cache at chunk 64 (sparse lists take mma=warp)")
             if self.d_qk % 64 or self.d_v % 128:
                 self.unsupported(f"mla_decode mma=wgmma: d_qk={self.d_qk} a multiple of 64, d_v={self.d_v} of 128")
-        if c.steal and (not self.wgmma or self.stages != 2):
-            self.unsupported(f"mla_decode steal=True: mma=wgmma with 2 stages (mma={c.mma!r}, stages={self.stages})")
         if self.smem_bytes() > 227 * 1024:
             self.unsupported(f"mla_decode: {self.smem_bytes()} B of shared memory > 227 KiB "
                              f"(lower stages or chunk)")
@@ -356,8 +352,6 @@ class MLADecodeBlock(Block):
             specs.append(OperandSpec("index", (c.batch, c.q_tokens, c.index_width), "int32"))
         specs += [OperandSpec("o_part", (c.batch, c.num_splits, self.rows, self.d_v), "fp32", output=True),
                   OperandSpec("lse_part", (c.batch, c.num_splits, self.rows), "fp32", output=True)]
-        if c.steal:     # per (sequence, row group): [chunks claimed, tiles done]; zero, re-armed by the tiles
-            specs.append(OperandSpec("chunk_claims", (c.batch * self.row_groups, 2), "int32", output=True))
         return specs
 
     def num_tiles(self) -> int:

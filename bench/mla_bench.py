@@ -161,7 +161,8 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
     rec = {"case": f"{shard} B={batch} ctx={ctx} T={T} {kvd}{tag}", "overrides": overrides or {}, "shard": shard, "heads": heads, "rope": rope,
            "batch": batch, "context": ctx, "q_tokens": T, "kv_dtype": kvd, "num_splits": splits,
-           "chunk": cfg.chunk, "mma": cfg.mma, "pdl": pdl, "stages": blk.stages, "combine_tiles": comb.num_tiles(), "kv_bytes": kvb, "us": us,
+           "chunk": cfg.chunk, "mma": cfg.mma, "pdl": pdl, "stages": blk.stages, "combine_tiles": comb.num_tiles(),
+           "kv_bytes": kvb, "us": us,
            "decode_us": decode_us, "gbs": kvb / (us * 1e3),
            "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,
            "speedup_vs_torch_graph": (torch_us / us) if torch_us else None, "torch_note": torch_note,

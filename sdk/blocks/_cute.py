@@ -619,4 +619,3 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
     host.__annotations__["stream"] = cuda.CUstream
     args = (Int64(0), cuda.CUstream(0))
     return cute.compile(host, *args, options=f"--gpu-arch {arch}") if arch else cute.compile(host, *args)
-

@@ -130,7 +130,8 @@ def build_mla_decode_wgmma_tile(block):
                 j = i // ROW_PIECES
                 p = i % ROW_PIECES
                 row = cache_row(mBT, b, length, ci, j, page_row0)
-                src = gmem_tensor(kv_addr + Int64(row) * Int64(ROW_BYTES) + Int64(p * 16), kvdt, (128 // kvdt.width,), 16)
+                src = gmem_tensor(kv_addr + Int64(row) * Int64(ROW_BYTES) + Int64(p * 16), kvdt,
+                                  (128 // kvdt.width,), 16)
                 if cutlass.const_expr(FP8):
                     cute.copy(g2s, src, sStage8[st, j, p, None])
                 else:
@@ -353,7 +354,7 @@ def build_mla_decode_wgmma_tile(block):
             it = ci - c_lo
             st = it % ST
             cute.arch.cp_async_wait_group(ST - 2)
-            cute.arch.sync_threads()        # chunk ci landed; every warp is done with ci - 1
+            cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
             nxt = ci + ST - 1
             kv_row0 = kv_row0_next
             kv_row0_next = chunk_first_row(mBT, b, nxt + 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)   # a chunk ahead
@@ -361,8 +362,7 @@ def build_mla_decode_wgmma_tile(block):
                 load_chunk(kv_addr, sc_addr, mBT, b, length, nxt, kv_row0, (it + ST - 1) % ST, sPieces,
                            sStage8, sScSt, tid, g2s, g2s4)
             cute.arch.cp_async_commit_group()
-            m_run, l_run = compute_chunk(mma, shared, ci, st, m_run, l_run, srow, lane, length, grow0, wg,
-                                         tid)
+            m_run, l_run = compute_chunk(mma, shared, ci, st, m_run, l_run, srow, lane, length, grow0, wg, tid)
 
         cute.arch.cp_async_wait_group(0)
 

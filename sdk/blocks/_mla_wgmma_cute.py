@@ -187,42 +187,6 @@ def build_mla_decode_wgmma_tile(block):
         return m_new, l_new
 
     @cute.jit
-    def compute_chunk(mma, shared, ci, st, m_run, l_run, srow, lane, length, grow0, wg, tid):
-        """Chunk ci (landed in stage st): S^T over this warpgroup's half of d_qk, the softmax
-        step, O^T += V^T P^T. Returns the lane's row's running max and sum."""
-        tiled_qk, tiled_pv, tSrK, tSrQ, tOrV, tOrP, accS, accO, cS, cO = mma
-        sS, sPw, sRow, sStage8, sScSt, sBufW = shared
-        buf = st
-        if cutlass.const_expr(FP8):
-            buf = 0
-            dequant(sStage8, sScSt, sBufW, tid, st)
-            fence_proxy_async_smem()        # the f16 chunk (st.shared) -> the MMAs' async proxy
-            cute.arch.sync_threads()
-
-        # S^T partial (this warpgroup's half of d_qk)
-        accS.fill(0.0)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(KH):
-            cute.gemm(tiled_qk, accS, tSrK[None, None, wg * KH + k, buf], tSrQ[None, None, wg * KH + k], accS)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        for i in cutlass.range_constexpr(cute.size(accS)):
-            sS[wg, cS[i][1], cS[i][0]] = accS[i]
-        cute.arch.sync_threads()            # both halves of chunk ci's scores in sS
-        m_run, l_run = softmax(sS, sPw, sRow, srow, lane, length, grow0, ci, m_run, l_run)
-        fence_proxy_async_smem()            # P (st.shared) -> the MMAs' async proxy
-        cute.arch.sync_threads()            # P and the rescale factors shared
-
-        for i in cutlass.range_constexpr(cute.size(accO)):
-            accO[i] = accO[i] * sRow[0, cO[i][1]]
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(CH // 16):
-            cute.gemm(tiled_pv, accO, tOrV[None, None, k, buf], tOrP[None, None, k], accO)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        return m_run, l_run
-
-    @cute.jit
     def tile(ptrs, t: Int32, scratch):
         tid, _, _ = cute.arch.thread_idx()
         lane = tid % 32
@@ -340,8 +304,6 @@ def build_mla_decode_wgmma_tile(block):
         cS = thr_qk.partition_C(cute.make_identity_tensor((CH, MP)))   # (token, row) of accS
         cO = thr_pv.partition_C(cute.make_identity_tensor((DVG, MP)))  # (column, row) of accO
         accO.fill(0.0)
-        mma = (tiled_qk, tiled_pv, tSrK, tSrQ, tOrV, tOrP, accS, accO, cS, cO)
-        shared = (sS, sPw, sRow, sStage8, sScSt, sBufW)
 
         srow = wid * RPW + lane // LPR
         if lane % LPR == 0:                     # a split without chunks: no key, lse = -inf
@@ -362,7 +324,34 @@ def build_mla_decode_wgmma_tile(block):
                 load_chunk(kv_addr, sc_addr, mBT, b, length, nxt, kv_row0, (it + ST - 1) % ST, sPieces,
                            sStage8, sScSt, tid, g2s, g2s4)
             cute.arch.cp_async_commit_group()
-            m_run, l_run = compute_chunk(mma, shared, ci, st, m_run, l_run, srow, lane, length, grow0, wg, tid)
+            buf = st
+            if cutlass.const_expr(FP8):
+                buf = 0
+                dequant(sStage8, sScSt, sBufW, tid, st)
+                fence_proxy_async_smem()        # the f16 chunk (st.shared) -> the MMAs' async proxy
+                cute.arch.sync_threads()
+
+            # S^T partial (this warpgroup's half of d_qk)
+            accS.fill(0.0)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(KH):
+                cute.gemm(tiled_qk, accS, tSrK[None, None, wg * KH + k, buf], tSrQ[None, None, wg * KH + k], accS)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                sS[wg, cS[i][1], cS[i][0]] = accS[i]
+            cute.arch.sync_threads()            # both halves of chunk ci's scores in sS
+            m_run, l_run = softmax(sS, sPw, sRow, srow, lane, length, grow0, ci, m_run, l_run)
+            fence_proxy_async_smem()            # P (st.shared) -> the MMAs' async proxy
+            cute.arch.sync_threads()            # P and the rescale factors shared
+
+            for i in cutlass.range_constexpr(cute.size(accO)):
+                accO[i] = accO[i] * sRow[0, cO[i][1]]
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(CH // 16):
+                cute.gemm(tiled_pv, accO, tOrV[None, None, k, buf], tOrP[None, None, k], accO)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
 
         cute.arch.cp_async_wait_group(0)
 

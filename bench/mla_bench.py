@@ -8,7 +8,8 @@ bf16 matmuls + fp32 softmax) and the floor (cache bytes / copy bandwidth measure
 
 --set overrides every case's decode config (chunk, stages, q_in_regs, mma), the split count
 (splits: a fixed count; min_chunks: choose_splits' shortest split), the combine's columns per
-tile (cols) and pdl=0 (plain launches; the default launches both with PDL).
+tile (cols), pdl=0 (plain launches; the default launches both with PDL) and kv_before_wait=0 (with
+PDL, the decode tiles' first chunk copies after griddepcontrol.wait, not before).
 
 Timing: both launches (decode, combine) of many calls captured in one CUDA graph; when one
 call's cache is smaller than 256 MB, calls rotate over several copies of the page pool (through
@@ -81,6 +82,9 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     # last CTAs run, then wait for its results): measured faster at batch 1 (H200, 2026-12-06:
     # Kimi K3 TP8 128K 45.5 vs 46.9-47.3 us); pdl=0 launches plainly
     pdl = bool(ov.pop("pdl", 1))
+    # with PDL each decode tile copies its first chunks before its wait (kv_before_wait: the grid
+    # before it writes no cache row these read); kv_before_wait=0 keeps every read after the wait
+    ov["kv_before_wait"] = pdl and bool(ov.get("kv_before_wait", 1))
     npg = -(-ctx // page)
     cfg0 = MLADecodeConfig(heads=heads, softmax_scale=scale, batch=batch, q_tokens=T, rope=rope, page_size=page,
                            num_pages=1, max_seq_len=ctx, num_splits=splits, kv_dtype=kvd, **ov)
@@ -161,7 +165,8 @@ def bench_case(shard, ctx, batch, kvd, copy_bw, T=1, quick=False, overrides=None
     tag = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
     rec = {"case": f"{shard} B={batch} ctx={ctx} T={T} {kvd}{tag}", "overrides": overrides or {}, "shard": shard, "heads": heads, "rope": rope,
            "batch": batch, "context": ctx, "q_tokens": T, "kv_dtype": kvd, "num_splits": splits,
-           "chunk": cfg.chunk, "mma": cfg.mma, "pdl": pdl, "stages": blk.stages, "combine_tiles": comb.num_tiles(),
+           "chunk": cfg.chunk, "mma": cfg.mma, "pdl": pdl, "kv_before_wait": cfg.kv_before_wait, "stages": blk.stages,
+           "combine_tiles": comb.num_tiles(),
            "kv_bytes": kvb, "us": us,
            "decode_us": decode_us, "gbs": kvb / (us * 1e3),
            "floor_us": floor_us, "fraction_of_floor": floor_us / us, "torch_graph_us": torch_us,

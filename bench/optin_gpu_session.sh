@@ -34,6 +34,10 @@
 # 11: issue 5 at batch 1 (the twenty-fifth session): test_mla_gpu.py whole (the combine's narrower
 #    auto tiles, the block-table prefetch; `11 bench` skips it), then mla_bench at its defaults
 #    (both launches PDL) against plain launches (pdl=0), twice each, interleaved.
+# 12: issue 5 at batch 1 (the twenty-sixth session): the decode tiles' first chunk copies before
+#    their PDL wait (kv_before_wait) - its chain test (two cases sharing o_part, no host sync),
+#    the wgmma tile's tests; then mla_bench at its default against kv_before_wait=0 and plain
+#    launches, interleaved (`12 bench` skips the tests).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -103,6 +107,21 @@ if [ "${1:-1}" = 11 ]; then   # issue 5 at batch 1: the combine's tiling, the bl
     BENCH_S_mla_again=50 BENCH_ARGS_mla_again="--cases $C" \
     BENCH_S_mla_plain2=50 BENCH_ARGS_mla_plain2="--cases $C --set pdl=0" \
     DEVICE_ALL_S=220 bash bench/device_all.sh bench:mla bench:mla@plain bench:mla@again bench:mla@plain2
+  exit
+fi
+
+if [ "${1:-1}" = 12 ]; then   # issue 5 at batch 1: the decode's first chunks copied before its PDL wait
+  [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_mla_gpu.py::test_kv_before_wait_pdl_chain \
+    tests/gpu/test_mla_gpu.py::test_wgmma_tile tests/gpu/test_mla_gpu.py::test_kimi_k3_tp8_single_sequence_contexts" \
+    TESTS_S=170 OUT="$OUT/tests" DEVICE_ALL_S=180 bash bench/device_all.sh tests
+  C=kimi_k3_tp8:131072:1,glm_53_tp8:131072:1,kimi_k3_tp16:131072:1,kimi_k3_tp8:32768:8,kimi_k3_tp8:131072:1:fp8_e4m3
+  # the default (PDL, first chunks before the wait) against PDL alone and plain launches, interleaved
+  BENCH_S_mla=50 BENCH_ARGS_mla="--cases $C" \
+    BENCH_S_mla_pdl=50 BENCH_ARGS_mla_pdl="--cases $C --set kv_before_wait=0" \
+    BENCH_S_mla_plain=50 BENCH_ARGS_mla_plain="--cases $C --set pdl=0" \
+    BENCH_S_mla_again=50 BENCH_ARGS_mla_again="--cases $C" \
+    BENCH_S_mla_pdl2=50 BENCH_ARGS_mla_pdl2="--cases $C --set kv_before_wait=0" \
+    DEVICE_ALL_S=270 bash bench/device_all.sh bench:mla bench:mla@pdl bench:mla@plain bench:mla@again bench:mla@pdl2
   exit
 fi
 

@@ -243,7 +243,8 @@ def test_row_groups_cut_the_rows_evenly():
 @pytest.mark.parametrize("kw", [dict(heads=0), dict(heads=12, q_tokens=0), dict(heads=8, chunk=48),
                                 dict(heads=8, max_tile_rows=24),
                                 dict(heads=8, kv_dtype="int8"), dict(heads=8, rope=8),
-                                dict(heads=8, kv_dtype="fp8_e4m3", scale_group=128, rope=64)])
+                                dict(heads=8, kv_dtype="fp8_e4m3", scale_group=128, rope=64),
+                                dict(heads=8, rope=0, index_width=64, kv_before_wait=True)])
 def test_unsupported_configs_fail_loudly(kw):
     with pytest.raises(UnsupportedConfigError):
         MLADecodeBlock(MLADecodeConfig(softmax_scale=0.1, **kw))
@@ -302,6 +303,19 @@ def test_wgmma_tile_compiles_for_hopper(heads, T, rope, kvd):
                                          kv_dtype=kvd))
     blk.check()
     assert callable(standalone(blk, "sm_90a"))
+
+
+@pytest.mark.parametrize("mma,chunk,kvd", [("wgmma", 64, "bf16"), ("warp", 32, "bf16"), ("warp", 64, "fp8_e4m3")])
+def test_kv_before_wait_compiles_and_waits_in_the_tile(mma, chunk, kvd):
+    """kv_before_wait: the tile issues its first chunks, then griddepcontrol.wait itself, so the
+    standalone PDL kernel does not wait at its start (tile_waits_for_grid); both tiles compile."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from sdk.blocks._cute import standalone
+    cfg = dict(heads=12, softmax_scale=0.07, q_tokens=2, num_pages=64, max_seq_len=4096, num_splits=4, chunk=chunk,
+               mma=mma, kv_dtype=kvd)
+    blk = MLADecodeBlock(MLADecodeConfig(**cfg, kv_before_wait=True))
+    assert blk.tile_waits_for_grid() and not MLADecodeBlock(MLADecodeConfig(**cfg)).tile_waits_for_grid()
+    assert callable(standalone(blk, "sm_90a", pdl=True))
 
 
 def test_choose_mma_takes_wgmma_on_hopper_for_long_bf16_splits():

@@ -499,11 +499,13 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     copy with 2 or 3 CTAs per SM vs 81.6% one tile per CTA, 2026-12-03 - so there is none.)
 
     pdl: launch with programmatic dependent launch. None (the default) = on for streaming blocks,
-    off for the one-tile-per-CTA kernel. One tile per CTA with pdl=True: every CTA waits
-    (griddepcontrol.wait) at its start, before any read or write, so only the launch itself (CTA
-    rasterisation, the first wave's start) overlaps the previous grid's tail - for short kernels of
-    many CTAs (the KDA state update; loading the state before the wait measured slower on the core
-    step, 80.8 vs 81.7% of copy: not kept). Streaming: a launch fills its weight ring on the SMs the
+    off for the one-tile-per-CTA kernel. One tile per CTA with pdl=True: every CTA lets the next
+    launch start (griddepcontrol.launch_dependents), then waits (griddepcontrol.wait) before any
+    read or write, so only the launch itself (CTA rasterisation, the first wave's start) overlaps
+    the previous grid's tail - for short kernels of many CTAs (the KDA state update; loading the
+    state before the wait measured slower on the core step, 80.8 vs 81.7% of copy: not kept). A
+    block whose tile waits itself (`tile_waits_for_grid`: the MLA decode's `kv_before_wait`) issues
+    its first copies of data the previous grid does not write before that wait. Streaming: a launch fills its weight ring on the SMs the
     previous launch has left and waits only before it reads activations or writes outputs. Its
     default:
     measured on the H200 (2026-12-03), GEMV bf16 M=1 7168 x 2048 alone 52.4% -> 69.3% of the copy
@@ -522,6 +524,7 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
         raise ValueError(f"standalone: num_ctas sets a streaming block's persistent grid; {type(block).__name__} "
                          f"runs one tile per CTA ({block.num_tiles()} CTAs)")
     pdl = bool(pdl)
+    tile_waits = block.tile_waits_for_grid()     # the tile waits itself, after its early copies
     tile_fn = block.device_tile()
     prologue = block.device_prologue() if block.has_prologue() else None
     nops = len(block.operands())
@@ -533,15 +536,18 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
         scratch = scratch_region(smem, [block])
         mOps = gmem_tensor(optab, Int64, (nops,), 8)
         bid, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(pdl):
+            # the next launch may start its CTAs once every CTA of this grid has started (they wait
+            # for this grid before they read its outputs): in a chain - decode, combine, decode -
+            # the third grid's CTAs then start on the SMs the first one leaves
+            cute.arch.griddepcontrol_launch_dependents()
         # the operand table is the host's (no kernel writes it): read before the wait
         ptrs = [mOps[j] for j in range(nops)]
         if cutlass.const_expr(prologue is not None):
             prologue(ptrs, bid, scratch)           # weights only: before the wait, as in the megakernel
-        if cutlass.const_expr(pdl):
-            # the previous grid's writes (e.g. the state it updated) are visible after the wait;
-            # the next launch may start its CTAs as this grid's last ones start
+        if cutlass.const_expr(pdl and not tile_waits):
+            # the previous grid's writes (e.g. the state it updated) are visible after the wait
             cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(prologue is not None):
             cute.arch.sync_threads()
         tile_fn(ptrs, bid, scratch)

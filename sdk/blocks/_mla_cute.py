@@ -119,6 +119,32 @@ def chunk_first_row(mBT, b: Int32, ci: Int32, c_hi: Int32, chunk: cutlass.Conste
 
 
 @cute.jit
+def first_chunks(issue, c_lo: Int32, length: Int32, q_tokens: cutlass.Constexpr, chunk: cutlass.Constexpr,
+                 stages: cutlass.Constexpr, before_wait: cutlass.Constexpr):
+    """The pipeline's first stages - 1 chunks, one cp.async group each (`issue(k)` copies chunk
+    c_lo + k into stage k). `before_wait` (MLADecodeConfig.kv_before_wait): when those chunks hold
+    only rows older than the step's q_tokens new ones, they are copied BEFORE griddepcontrol.wait,
+    while the previous grid - which may write q and the new rows, not the older rows, the block
+    table or the lengths - still runs; then the wait. Otherwise (or for a chunk range reaching the
+    new rows) the copies follow the wait. The caller reads q and writes outputs after this."""
+    if cutlass.const_expr(before_wait):
+        early = (c_lo + stages - 1) * chunk <= length - q_tokens
+        if early:
+            for k in cutlass.range_constexpr(stages - 1):
+                issue(k)
+                cute.arch.cp_async_commit_group()
+        cute.arch.griddepcontrol_wait()
+        if not early:
+            for k in cutlass.range_constexpr(stages - 1):
+                issue(k)
+                cute.arch.cp_async_commit_group()
+    else:
+        for k in cutlass.range_constexpr(stages - 1):
+            issue(k)
+            cute.arch.cp_async_commit_group()
+
+
+@cute.jit
 def mask_future(sc, first_tok: Int32, length: Int32, q_tokens: cutlass.Constexpr, tq: Int32):
     """-inf on the scores sc (1, n) of tokens first_tok .. first_tok + n - 1 that query token tq
     (of the last q_tokens of a `length`-token sequence) may not see: token > length - T + tq."""
@@ -192,6 +218,7 @@ def build_mla_decode_tile(block):
     HIDDEN = 0x7FFFFFFF                  # sparse mask: a token no query sees
     ROW_BYTES = DQK * (1 if FP8 else 2)  # one cache row
     WHOLE_PAGE_CHUNKS = (not SPARSE) and PS % CH == 0   # dense chunks never straddle a page
+    BEFORE_WAIT = c.kv_before_wait       # the first chunks' copies before griddepcontrol.wait
     NBUF = 1 if FP8 else ST              # MMA-ready chunk buffers: the stages, or fp8's f16 one
     RPW = MP // NUM_WARPS                # softmax: rows of one warp (2 or 4) ..
     LPR = 32 // RPW                      # .. lanes of one row (16 or 8) ..
@@ -430,12 +457,13 @@ def build_mla_decode_tile(block):
         c_lo, c_hi = split_chunks(nk, CH, S, s)
 
         # pipeline prologue first (the KV stream matters, Q is small)
-        for k in cutlass.range_constexpr(ST - 1):
+        def issue_first(k):
             if c_lo + k < c_hi:
                 load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, c_lo + k,
                            chunk_first_row(mBT, b, c_lo + k, c_hi, CH, PS, WHOLE_PAGE_CHUNKS), k, sStage, sScSt,
                            sTok, tid, g2s, g2s4)
-            cute.arch.cp_async_commit_group()
+
+        first_chunks(issue_first, c_lo, length, T, CH, ST, BEFORE_WAIT)
 
         # the query rows: every thread's pieces loaded at once (an unroll-1 loop waited for each
         # load in turn - serial round trips in the tile's fixed cost), then stored (zero padding)

@@ -33,7 +33,8 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from ._cute import DTYPE_MAP, TileSmem, fence_proxy_async_smem, gmem_tensor, smem_tensor
-from ._mla_cute import LOG2_E, chunk_first_row, dequant_unit, mask_future, online_softmax_step, split_chunks
+from ._mla_cute import (LOG2_E, chunk_first_row, dequant_unit, first_chunks, mask_future, online_softmax_step,
+                        split_chunks)
 from .base import NUM_THREADS
 
 NUM_WARPS = NUM_THREADS // 32
@@ -93,6 +94,7 @@ def build_mla_decode_wgmma_tile(block):
     CVT = -(-NCV // NUM_THREADS)
     NBUF = 1 if FP8 else ST               # MMA-ready chunk buffers: the stages, or fp8's f16 one
     WHOLE_PAGE_CHUNKS = PS % CH == 0
+    BEFORE_WAIT = c.kv_before_wait        # the first chunks' copies before griddepcontrol.wait
     scale_log2 = block.scale * LOG2_E
     scale_nat = block.scale
     NEG_INF = -math.inf
@@ -252,12 +254,13 @@ def build_mla_decode_wgmma_tile(block):
         length = mLen[b]
         c_lo, c_hi = split_chunks(length, CH, S, s)
 
-        for k in cutlass.range_constexpr(ST - 1):
+        def issue_first(k):
             if c_lo + k < c_hi:
                 load_chunk(kv_addr, sc_addr, mBT, b, length, c_lo + k,
                            chunk_first_row(mBT, b, c_lo + k, c_hi, CH, PS, WHOLE_PAGE_CHUNKS), k, sPieces, sStage8,
                            sScSt, tid, g2s, g2s4)
-            cute.arch.cp_async_commit_group()
+
+        first_chunks(issue_first, c_lo, length, T, CH, ST, BEFORE_WAIT)
 
         # the query rows (zero padding), swizzled like the keys
         rQ = cute.make_rmem_tensor((QPT, 8), BFloat16)

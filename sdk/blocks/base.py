@@ -244,6 +244,12 @@ class Block:
     def _build_device_tile(self):
         raise NotImplementedError
 
+    def tile_waits_for_grid(self) -> bool:
+        """The tile itself calls griddepcontrol.wait, after the copies it may issue before it (e.g.
+        MLADecodeConfig.kv_before_wait); a standalone PDL kernel then does not wait at its start.
+        (Inside the megakernel the call is a no-op: the launch has waited before any tile runs.)"""
+        return False
+
     # -- an optional prologue before the tile's dependency wait (plain tiles) -------------------
     def has_prologue(self) -> bool:
         """Whether device_prologue() is used (static: the kernels compile it in or not)."""

@@ -158,6 +158,11 @@ class MLADecodeConfig:
     mma: str = "warp"                  # "warp": mma.sync m16n8k16 from ldmatrix fragments (every arch);
                                        # "wgmma": Hopper warpgroup MMAs from swizzled shared memory
                                        # (sm_90a only; dense cache, chunk 64; _mla_wgmma_cute.py)
+    kv_before_wait: bool = False       # standalone PDL launch: each tile copies its first chunks
+                                       # BEFORE griddepcontrol.wait, over the previous grid's tail.
+                                       # The contract: the grid before it may write q and the step's
+                                       # q_tokens new cache rows, not older rows, the block table or
+                                       # the lengths (a dense cache; see docs/mla_decode.md)
 
 
 class MLADecodeBlock(Block):
@@ -268,6 +273,9 @@ class MLADecodeBlock(Block):
     def smem_bytes(self) -> int:
         return self._smem_bytes(self.stages)
 
+    def tile_waits_for_grid(self) -> bool:
+        return self.config.kv_before_wait
+
     def own_smem_bytes(self) -> int:
         return self.smem_bytes()
 
@@ -335,6 +343,9 @@ class MLADecodeBlock(Block):
                 self.unsupported("mla_decode mma=wgmma: a dense cache at chunk 64 (sparse lists take mma=warp)")
             if self.d_qk % 64 or self.d_v % 128:
                 self.unsupported(f"mla_decode mma=wgmma: d_qk={self.d_qk} a multiple of 64, d_v={self.d_v} of 128")
+        if c.kv_before_wait and self.sparse:
+            self.unsupported("mla_decode: kv_before_wait needs a dense cache (a sparse tile's rows come from "
+                             "index lists the grid before it writes)")
         if self.smem_bytes() > 227 * 1024:
             self.unsupported(f"mla_decode: {self.smem_bytes()} B of shared memory > 227 KiB "
                              f"(lower stages or chunk)")

@@ -37,7 +37,8 @@
 # 12: issue 5 at batch 1 (the twenty-sixth session): the decode tiles' first chunk copies before
 #    their PDL wait (kv_before_wait) - its chain test (two cases sharing o_part, no host sync),
 #    the wgmma tile's tests; then mla_bench at its default against kv_before_wait=0 and plain
-#    launches, interleaved (`12 bench` skips the tests).
+#    launches, interleaved; GLM-5.3 with 3 stages (two chunks before the wait) and the fp8 cache
+#    on the wgmma tile (`12 bench` skips the tests).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -121,7 +122,10 @@ if [ "${1:-1}" = 12 ]; then   # issue 5 at batch 1: the decode's first chunks co
     BENCH_S_mla_plain=50 BENCH_ARGS_mla_plain="--cases $C --set pdl=0" \
     BENCH_S_mla_again=50 BENCH_ARGS_mla_again="--cases $C" \
     BENCH_S_mla_pdl2=50 BENCH_ARGS_mla_pdl2="--cases $C --set kv_before_wait=0" \
-    DEVICE_ALL_S=270 bash bench/device_all.sh bench:mla bench:mla@pdl bench:mla@plain bench:mla@again bench:mla@pdl2
+    BENCH_S_mla_glm3=30 BENCH_ARGS_mla_glm3="--cases glm_53_tp8:131072:1 --set stages=3" \
+    BENCH_S_mla_fp8wg=40 BENCH_ARGS_mla_fp8wg="--cases kimi_k3_tp8:131072:1:fp8_e4m3,glm_53_tp8:131072:1:fp8_e4m3 --set mma=wgmma,chunk=64" \
+    DEVICE_ALL_S=340 bash bench/device_all.sh bench:mla bench:mla@pdl bench:mla@plain bench:mla@again bench:mla@pdl2 \
+    bench:mla@glm3 bench:mla@fp8wg
   exit
 fi
 

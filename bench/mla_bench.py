@@ -222,6 +222,7 @@ def bench_program_case(shard, ctx, batch, copy_bw, overrides=None):
     torch_us, _ = timed([torch_step] * 4)
     rec = {"case": f"{shard} B={batch} ctx={ctx} program" + "".join(f" {k}={v}" for k, v in (overrides or {}).items()),
            "config_overrides": overrides or {}, "decode_chunk": dec.config.chunk, "decode_stages": dec.stages,
+           "decode_mma": dec.config.mma,
            "shard": shard, "heads": heads, "batch": batch,
            "context": ctx, "program_ops": [op.label for op in prog.ops], "instructions": len(prog.instructions),
            "num_splits": cfg.splits, "kv_bytes": kvb, "weight_bytes": wb, "us": us, "gbs": (kvb + wb) / (us * 1e3),

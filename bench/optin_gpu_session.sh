@@ -37,8 +37,8 @@
 # 12: issue 5 at batch 1 (the twenty-sixth session): the decode tiles' first chunk copies before
 #    their PDL wait (kv_before_wait) - its chain test (two cases sharing o_part, no host sync),
 #    the wgmma tile's tests; then mla_bench at its default against kv_before_wait=0 and plain
-#    launches, interleaved; GLM-5.3 with 3 stages (two chunks before the wait) and the fp8 cache
-#    on the wgmma tile (`12 bench` skips the tests).
+#    launches, interleaved; the attention program with the mma.sync against the wgmma decode tile
+#    (decode_mma) and its GPU test (`12 bench` skips the tests).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -113,19 +113,21 @@ fi
 
 if [ "${1:-1}" = 12 ]; then   # issue 5 at batch 1: the decode's first chunks copied before its PDL wait
   [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_mla_gpu.py::test_kv_before_wait_pdl_chain \
-    tests/gpu/test_mla_gpu.py::test_wgmma_tile tests/gpu/test_mla_gpu.py::test_kimi_k3_tp8_single_sequence_contexts" \
+    tests/gpu/test_mla_gpu.py::test_attention_program_one_launch tests/gpu/test_mla_gpu.py::test_wgmma_tile" \
     TESTS_S=170 OUT="$OUT/tests" DEVICE_ALL_S=180 bash bench/device_all.sh tests
   C=kimi_k3_tp8:131072:1,glm_53_tp8:131072:1,kimi_k3_tp16:131072:1,kimi_k3_tp8:32768:8,kimi_k3_tp8:131072:1:fp8_e4m3
-  # the default (PDL, first chunks before the wait) against PDL alone and plain launches, interleaved
+  P=kimi_k3_tp8:131072:1:program,kimi_k3_tp8:32768:64:program,kimi_k3_tp8:131072:8:program
+  # the default (PDL, first chunks before the wait) against PDL alone and plain launches, interleaved;
+  # the attention program (one launch) with the mma.sync decode tile against the wgmma one
   BENCH_S_mla=50 BENCH_ARGS_mla="--cases $C" \
     BENCH_S_mla_pdl=50 BENCH_ARGS_mla_pdl="--cases $C --set kv_before_wait=0" \
     BENCH_S_mla_plain=50 BENCH_ARGS_mla_plain="--cases $C --set pdl=0" \
     BENCH_S_mla_again=50 BENCH_ARGS_mla_again="--cases $C" \
     BENCH_S_mla_pdl2=50 BENCH_ARGS_mla_pdl2="--cases $C --set kv_before_wait=0" \
-    BENCH_S_mla_glm3=30 BENCH_ARGS_mla_glm3="--cases glm_53_tp8:131072:1 --set stages=3" \
-    BENCH_S_mla_fp8wg=40 BENCH_ARGS_mla_fp8wg="--cases kimi_k3_tp8:131072:1:fp8_e4m3,glm_53_tp8:131072:1:fp8_e4m3 --set mma=wgmma,chunk=64" \
-    DEVICE_ALL_S=340 bash bench/device_all.sh bench:mla bench:mla@pdl bench:mla@plain bench:mla@again bench:mla@pdl2 \
-    bench:mla@glm3 bench:mla@fp8wg
+    BENCH_S_mla_prog=60 BENCH_ARGS_mla_prog="--cases $P" \
+    BENCH_S_mla_progwg=60 BENCH_ARGS_mla_progwg="--cases $P --set decode_mma=wgmma" \
+    DEVICE_ALL_S=400 bash bench/device_all.sh bench:mla bench:mla@pdl bench:mla@plain bench:mla@again bench:mla@pdl2 \
+    bench:mla@prog bench:mla@progwg
   exit
 fi
 

@@ -104,6 +104,14 @@ def hopper_megakernel_cases():
                            fp8_decode="wgmma")]
 
 
+def hopper_program_cases():
+    """(name, program) of megakernels with Hopper-only tiles: compiled for sm_90a alone."""
+    from .megakernel.mla_attention import MLAAttentionConfig, build_program
+    cfg = MLAAttentionConfig(heads=12, batch=1, num_pages=2048, max_seq_len=131072, decode_mma="wgmma")
+    return [("megakernel MLA attention program with the wgmma decode tile (Kimi K3 TP8, B=1 128K)",
+             build_program(cfg))]
+
+
 def sublayer_megakernel_cases():
     """(name, program) of attention sublayers: a megakernel whose plain tiles (decode, compressor,
     prologue) allocate the arena beside the weight ring, compiled for every arch."""
@@ -220,7 +228,7 @@ def compile_check(archs=ARCHS, num_sms: int = 132) -> dict:
                 sched = schedule(prog, num_sms)
                 compile_megakernel(prog.opcodes.blocks, num_sms, sched.max_len, timing=True, arch=arch)
             time_case(res, f"megakernel mlp_stack {cfg}", build)
-        for name, prog in sublayer_megakernel_cases():
+        for name, prog in sublayer_megakernel_cases() + (hopper_program_cases() if hopper else []):
             time_case(res, name, lambda prog=prog: compile_megakernel(
                 prog.opcodes.blocks, num_sms, schedule(prog, num_sms).max_len, timing=True, arch=arch))
     return report

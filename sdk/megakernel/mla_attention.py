@@ -50,6 +50,9 @@ class MLAAttentionConfig:
                                         # program takes 64 where choose_chunk does (its 2 stages of 74 KB;
                                         # Kimi K3 TP8 program B=64 32K 675 -> 639 us, B=8 128K 331 -> 315,
                                         # H200 2026-12-04), else 32; the sublayers 32 (no room beside their ring)
+    decode_mma: str = "warp"            # the decode tile's MMAs: "warp" (mma.sync, every arch) or "wgmma"
+                                        # (Hopper warpgroup MMAs: a bf16 cache at 64-token chunks;
+                                        # MLADecodeConfig.mma)
     decode_max_rows: int = 32           # query rows of a decode tile (16: the sublayers' last resort
                                         # for shared memory - mla_layer.build_program)
     head_proj_in_flight: bool = True    # W_UK / W_UV tiles load all their rows' weights at once
@@ -82,7 +85,8 @@ def decode_block(cfg: MLAAttentionConfig) -> MLADecodeBlock:
         heads=cfg.heads, softmax_scale=cfg.softmax_scale, batch=cfg.batch, q_tokens=cfg.q_tokens,
         kv_lora=cfg.kv_lora, rope=cfg.rope, scale_factor=cfg.scale_factor, page_size=cfg.page_size,
         num_pages=cfg.num_pages, max_seq_len=cfg.max_seq_len, num_splits=cfg.splits, kv_dtype=cfg.kv_dtype,
-        chunk=cfg.decode_chunk or 32, stages=cfg.decode_stages, max_tile_rows=cfg.decode_max_rows))
+        chunk=cfg.decode_chunk or 32, stages=cfg.decode_stages, max_tile_rows=cfg.decode_max_rows,
+        mma=cfg.decode_mma))
 
 
 def add_cache_inputs(prog: Program, cfg: MLAAttentionConfig) -> MLADecodeBlock:

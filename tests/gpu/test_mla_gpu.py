@@ -322,12 +322,14 @@ def test_chain_against_reference_mla():
     assert rel_err(o.view(B, T, H, v), want) <= BF16_TOL, f"seed {seed}"
 
 
-@pytest.mark.parametrize("T,kvd,chunk", [(1, "bf16", 32), (2, "fp8_e4m3", 32), (1, "bf16", 64)])
-def test_attention_program_one_launch(T, kvd, chunk):
+@pytest.mark.parametrize("T,kvd,chunk,mma", [(1, "bf16", 32, "warp"), (2, "fp8_e4m3", 32, "warp"), (1, "bf16", 64, "warp"),
+                                            (1, "bf16", 64, "wgmma"), (2, "bf16", 64, "wgmma")])
+def test_attention_program_one_launch(T, kvd, chunk, mma):
     """W_UK -> split-KV decode -> combine -> W_UV as megakernel instructions in ONE launch (Kimi K3
     TP8 shard: 12 heads), ragged batch, pages scattered, outputs and scratch poisoned, three
     launches of the same runtime (counter epochs) each equal to the expanded fp32 reference.
-    chunk 64: the decode's 64-token stages (decode_chunk, 2 stages of 74 KB)."""
+    chunk 64: the decode's 64-token stages (decode_chunk, 2 stages of 74 KB); wgmma: the Hopper
+    decode tile inside the megakernel (decode_mma)."""
     need_gpu()
     from sdk.megakernel.mla_attention import (MLAAttentionConfig, build_program, make_inputs, make_weights,
                                               reference)
@@ -337,7 +339,7 @@ def test_attention_program_one_launch(T, kvd, chunk):
     lens = [T, 700, 4097, 20000]
     cfg = MLAAttentionConfig(heads=12, batch=4, q_tokens=T, num_pages=sum(-(-x // 64) for x in lens) + 4,
                              max_seq_len=20000, kv_dtype=kvd, scale_factor=1.21, decode_chunk=chunk,
-                             decode_stages=3 if chunk == 32 else 0)
+                             decode_stages=3 if chunk == 32 else 0, decode_mma=mma)
     prog = build_program(cfg)
     weights = make_weights(cfg, seed=seed, device="cuda")
     inputs = make_inputs(cfg, lens, seed=seed + 1, device="cuda")

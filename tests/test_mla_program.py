@@ -46,6 +46,27 @@ def test_program_takes_64_token_chunks_for_long_splits(batch, ctx, kvd, chunk, s
     assert decode_block(cfg).config.chunk == 32          # what the sublayers' add_attention_core builds
 
 
+@pytest.mark.parametrize("ctx", [512, 131072])
+def test_program_with_the_wgmma_decode_tile(ctx):
+    """decode_mma="wgmma": the Hopper decode tile inside the program, at 64-token chunks whatever
+    the context (the only chunk it takes) in its auto 2 stages; inputs and reference build from
+    the same config; the instruction stream (the PyVM emulates the tile, not its MMAs) equals the
+    reference at the short context."""
+    cfg = MLAAttentionConfig(heads=12, batch=2, max_seq_len=ctx, num_pages=2 * -(-ctx // 64), decode_mma="wgmma")
+    dec = build_program(cfg).ops[1].block
+    assert (dec.config.mma, dec.config.chunk, dec.stages) == ("wgmma", 64, 2)
+    if ctx > 512:
+        return
+    prog = build_program(cfg)
+    weights, inputs = make_weights(cfg, seed=3), make_inputs(cfg, [ctx, 70], seed=4)
+    vm, _ = PyVM.from_program(prog, num_sms=5, weights={k: v for k, v in weights.items() if k != "kv_b_proj"})
+    for name, x in inputs.items():
+        vm.tensors[name].copy_(x)
+    vm.tensors["o"].fill_(float("nan"))
+    vm.step(seed=0)
+    assert rel_err(vm.tensors["o"], reference(cfg, weights, inputs)) < 1e-2
+
+
 def test_program_rejects_lengths_over_the_built_limit():
     cfg = MLAAttentionConfig(heads=4, batch=1, num_pages=4, max_seq_len=128)
     with pytest.raises(ValueError, match="lens"):

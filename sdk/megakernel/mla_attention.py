@@ -81,11 +81,13 @@ class MLAAttentionConfig:
 
 
 def decode_block(cfg: MLAAttentionConfig) -> MLADecodeBlock:
+    chunk = cfg.decode_chunk or (64 if cfg.decode_mma == "wgmma" else 32)    # wgmma takes only 64
+    stages = cfg.decode_stages if cfg.decode_chunk or chunk == 32 else 0     # 64 unasked: the auto stages
     return MLADecodeBlock(MLADecodeConfig(
         heads=cfg.heads, softmax_scale=cfg.softmax_scale, batch=cfg.batch, q_tokens=cfg.q_tokens,
         kv_lora=cfg.kv_lora, rope=cfg.rope, scale_factor=cfg.scale_factor, page_size=cfg.page_size,
         num_pages=cfg.num_pages, max_seq_len=cfg.max_seq_len, num_splits=cfg.splits, kv_dtype=cfg.kv_dtype,
-        chunk=cfg.decode_chunk or 32, stages=cfg.decode_stages, max_tile_rows=cfg.decode_max_rows,
+        chunk=chunk, stages=stages, max_tile_rows=cfg.decode_max_rows,
         mma=cfg.decode_mma))
 
 
@@ -128,10 +130,11 @@ def add_attention_core(prog: Program, cfg: MLAAttentionConfig, dec: MLADecodeBlo
 
 def build_program(cfg: MLAAttentionConfig) -> Program:
     """The attention program; decode_chunk 0 takes 64-token chunks (auto stages: the 2 of 74 KB
-    that fit, for every supported row count) where choose_chunk does - long splits - else 32."""
+    that fit, for every supported row count) where choose_chunk does - long splits - or the wgmma
+    tile is asked for (it takes only 64), else 32."""
     if cfg.decode_chunk:
         return _build(cfg)
-    if choose_chunk(cfg.batch, cfg.max_seq_len, cfg.num_sms) == 64:
+    if cfg.decode_mma == "wgmma" or choose_chunk(cfg.batch, cfg.max_seq_len, cfg.num_sms) == 64:
         return _build(replace(cfg, decode_chunk=64, decode_stages=0))
     return _build(replace(cfg, decode_chunk=32))
 

@@ -67,6 +67,22 @@ def test_program_with_the_wgmma_decode_tile(ctx):
     assert rel_err(vm.tensors["o"], reference(cfg, weights, inputs)) < 1e-2
 
 
+def test_program_decode_mma_auto(monkeypatch):
+    """decode_mma "auto" (the default): the wgmma tile on a Hopper GPU for a bf16 cache at 64-token
+    chunks (long splits), else the mma.sync tile - with no GPU, at 32-token chunks, for fp8."""
+    import torch
+    long = dict(batch=1, max_seq_len=131072, num_pages=2048)
+    assert build_program(MLAAttentionConfig(**long)).ops[1].block.config.mma == "warp"        # no GPU here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert build_program(MLAAttentionConfig(**long)).ops[1].block.config.mma == "wgmma"
+    assert build_program(MLAAttentionConfig(**long, kv_dtype="fp8_e4m3")).ops[1].block.config.mma == "warp"
+    short = MLAAttentionConfig(batch=1, max_seq_len=4096, num_pages=64)
+    assert build_program(short).ops[1].block.config.mma == "warp"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    assert build_program(MLAAttentionConfig(**long)).ops[1].block.config.mma == "warp"
+
+
 def test_program_rejects_lengths_over_the_built_limit():
     cfg = MLAAttentionConfig(heads=4, batch=1, num_pages=4, max_seq_len=128)
     with pytest.raises(ValueError, match="lens"):

@@ -320,8 +320,8 @@ def _extend(cfg: DSALayerConfig, prog: Program, dec: MLADecodeBlock, ops: dict, 
     Hi, d, P = cfg.index_heads, cfg.index_head_dim, cfg.kpool
     score, topk = cfg.blocks()
     E = cfg.max_entries
-    sparse = MLADecodeBlock(replace(dec.config, index_width=cfg.width, **({"chunk": cfg.decode_chunk}
-                                                                           if cfg.decode_chunk else {})))
+    sparse = MLADecodeBlock(replace(dec.config, index_width=cfg.width, mma="warp",   # sparse: the mma.sync tile
+                                    **({"chunk": cfg.decode_chunk} if cfg.decode_chunk else {})))
     if cfg.shared:
         prog.buffer("index", (B, T, cfg.width), "int32", "input")
         return sparse, [ops["rope_append"], ops["w_uk"]]

@@ -22,7 +22,7 @@ import torch
 from ..blocks.base import NUM_THREADS
 from ..blocks.mla_decode import (MLACombineBlock, MLACombineConfig, MLADecodeBlock, MLADecodeConfig,
                                  MLAHeadProjBlock, MLAHeadProjConfig, absorb_weights, choose_chunk,
-                                 choose_splits, row_groups)
+                                 choose_mma, choose_splits, row_groups)
 from .program import Program
 
 
@@ -50,9 +50,12 @@ class MLAAttentionConfig:
                                         # program takes 64 where choose_chunk does (its 2 stages of 74 KB;
                                         # Kimi K3 TP8 program B=64 32K 675 -> 639 us, B=8 128K 331 -> 315,
                                         # H200 2026-12-04), else 32; the sublayers 32 (no room beside their ring)
-    decode_mma: str = "warp"            # the decode tile's MMAs: "warp" (mma.sync, every arch) or "wgmma"
-                                        # (Hopper warpgroup MMAs: a bf16 cache at 64-token chunks;
-                                        # MLADecodeConfig.mma)
+    decode_mma: str = "auto"            # the decode tile's MMAs: "warp" (mma.sync, every arch), "wgmma"
+                                        # (Hopper warpgroup MMAs: a bf16 cache, 64-token chunks;
+                                        # MLADecodeConfig.mma) or "auto": wgmma where choose_mma takes it
+                                        # for this machine's GPU (none: warp) and the chunk is 64 - Kimi
+                                        # K3 TP8 program, H100 2026-12-06: B=1 128K 71.5-71.9 -> 69.3-70.0
+                                        # us, B=64 32K 851-852 -> 837-839, B=8 128K 417-418 -> 412-413
     decode_max_rows: int = 32           # query rows of a decode tile (16: the sublayers' last resort
                                         # for shared memory - mla_layer.build_program)
     head_proj_in_flight: bool = True    # W_UK / W_UV tiles load all their rows' weights at once
@@ -83,12 +86,16 @@ class MLAAttentionConfig:
 def decode_block(cfg: MLAAttentionConfig) -> MLADecodeBlock:
     chunk = cfg.decode_chunk or (64 if cfg.decode_mma == "wgmma" else 32)    # wgmma takes only 64
     stages = cfg.decode_stages if cfg.decode_chunk or chunk == 32 else 0     # 64 unasked: the auto stages
+    mma = cfg.decode_mma
+    if mma == "auto":
+        groups = row_groups(cfg.q_tokens * cfg.heads, cfg.decode_max_rows)
+        cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        mma = choose_mma(cfg.batch * groups, cfg.max_seq_len, cfg.kv_dtype, cap, cfg.num_sms) if chunk == 64 else "warp"
     return MLADecodeBlock(MLADecodeConfig(
         heads=cfg.heads, softmax_scale=cfg.softmax_scale, batch=cfg.batch, q_tokens=cfg.q_tokens,
         kv_lora=cfg.kv_lora, rope=cfg.rope, scale_factor=cfg.scale_factor, page_size=cfg.page_size,
         num_pages=cfg.num_pages, max_seq_len=cfg.max_seq_len, num_splits=cfg.splits, kv_dtype=cfg.kv_dtype,
-        chunk=chunk, stages=stages, max_tile_rows=cfg.decode_max_rows,
-        mma=cfg.decode_mma))
+        chunk=chunk, stages=stages, max_tile_rows=cfg.decode_max_rows, mma=mma))
 
 
 def add_cache_inputs(prog: Program, cfg: MLAAttentionConfig) -> MLADecodeBlock:

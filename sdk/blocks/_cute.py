@@ -505,9 +505,9 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
     the previous grid's tail - for short kernels of many CTAs (the KDA state update; loading the
     state before the wait measured slower on the core step, 80.8 vs 81.7% of copy: not kept). A
     block whose tile waits itself (`tile_waits_for_grid`: the MLA decode's `kv_before_wait`) issues
-    its first copies of data the previous grid does not write before that wait. Streaming: a launch fills its weight ring on the SMs the
-    previous launch has left and waits only before it reads activations or writes outputs. Its
-    default:
+    its first copies of data the previous grid does not write before that wait. Streaming: a
+    launch fills its weight ring on the SMs the previous launch has left and waits only before it
+    reads activations or writes outputs. Its default:
     measured on the H200 (2026-12-03), GEMV bf16 M=1 7168 x 2048 alone 52.4% -> 69.3% of the copy
     bandwidth, 4096 x 7168 73.4% -> 86.7%, outputs equal. `pdl=False` launches plainly. (The
     megakernel's own launch keeps PDL opt-in: `MegakernelRuntime(pdl=...)`, see its docstring.)

@@ -126,7 +126,9 @@ def first_chunks(issue, c_lo: Int32, length: Int32, q_tokens: cutlass.Constexpr,
     only rows older than the step's q_tokens new ones, they are copied BEFORE griddepcontrol.wait,
     while the previous grid - which may write q and the new rows, not the older rows, the block
     table or the lengths - still runs; then the wait. Otherwise (or for a chunk range reaching the
-    new rows) the copies follow the wait. The caller reads q and writes outputs after this."""
+    new rows) the copies follow the wait. The caller reads q and writes outputs after this.
+    (The loop is written out in each branch: the DSL refuses a local function that a staged `if`
+    calls when it captures the caller's names - SCOPE_CLOSURE_CAPTURE.)"""
     if cutlass.const_expr(before_wait):
         early = (c_lo + stages - 1) * chunk <= length - q_tokens
         if early:

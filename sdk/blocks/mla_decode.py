@@ -786,6 +786,8 @@ def mla_compile_cases() -> list:
                                                max_seq_len=32768)),
         MLADecodeBlock(MLADecodeConfig(heads=12, softmax_scale=k3, batch=1, num_splits=132,
                                        num_pages=2048, max_seq_len=131072)),             # Kimi K3 TP8
+        MLADecodeBlock(MLADecodeConfig(heads=12, softmax_scale=k3, batch=1, num_splits=132, num_pages=2048,
+                                       max_seq_len=131072, chunk=64, kv_before_wait=True)),  # .. its copies early
         MLADecodeBlock(MLADecodeConfig(heads=6, softmax_scale=k3, batch=8, q_tokens=2, num_splits=16,
                                        kv_dtype="fp8_e4m3", num_pages=4096, max_seq_len=32768)),
         MLADecodeBlock(MLADecodeConfig(heads=8, softmax_scale=256 ** -0.5, rope=0, batch=64, num_splits=2,

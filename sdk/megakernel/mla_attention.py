@@ -137,13 +137,11 @@ def add_attention_core(prog: Program, cfg: MLAAttentionConfig, dec: MLADecodeBlo
 
 def build_program(cfg: MLAAttentionConfig) -> Program:
     """The attention program; decode_chunk 0 takes 64-token chunks (auto stages: the 2 of 74 KB
-    that fit, for every supported row count) where choose_chunk does - long splits - or the wgmma
-    tile is asked for (it takes only 64), else 32."""
-    if cfg.decode_chunk:
-        return _build(cfg)
-    if cfg.decode_mma == "wgmma" or choose_chunk(cfg.batch, cfg.max_seq_len, cfg.num_sms) == 64:
-        return _build(replace(cfg, decode_chunk=64, decode_stages=0))
-    return _build(replace(cfg, decode_chunk=32))
+    that fit, for every supported row count) where choose_chunk does - long splits - else
+    decode_block's default (32, or 64 for the wgmma tile)."""
+    if not cfg.decode_chunk and choose_chunk(cfg.batch, cfg.max_seq_len, cfg.num_sms) == 64:
+        cfg = replace(cfg, decode_chunk=64, decode_stages=0)
+    return _build(cfg)
 
 
 def _build(cfg: MLAAttentionConfig) -> Program:

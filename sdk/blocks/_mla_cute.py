@@ -76,16 +76,39 @@ def quad_sum(v: Float32) -> Float32:
     return v + cute.arch.shuffle_sync_bfly(v, offset=1, mask=-1, mask_and_clamp=31)
 
 
+# fp8 dequant units a thread loads before it converts any. The units' shared loads then wait in
+# flight together: a loop of load -> convert -> store runs one unit at a time, since the compiler
+# cannot tell the e4m3 stage from the f16 buffer a store writes and keeps each load after the
+# previous store.
+DEQUANT_BATCH = 6
+
+
 @cute.jit
-def dequant_unit(s8w, sScSt, st: Int32, j: Int32, u: Int32, group: cutlass.Constexpr, ro):
-    """The fp8 cache's unit of dequantisation: e4m3 elements 8u .. 8u + 7 of row j of stage st
-    (s8w: the stages as (stage, row, unit, 2) words) times their group's scale (sScSt) -> ro:
-    4 f16x2 words (one exact cvt.rn.f16x2.e4m3x2 per pair, one packed multiply)."""
-    sc2 = f32_to_f16x2_splat(sScSt[st, j, (u * 8) // group, 0])
-    rw = cute.make_rmem_tensor((2,), Int32)
-    rw.store(s8w[st, j, u, None].load())
+def dequant_load_batch(s8w, sScSt, st: Int32, tid: Int32, k0: cutlass.Constexpr, k1: cutlass.Constexpr,
+                       threads: cutlass.Constexpr, units: cutlass.Constexpr, per_row: cutlass.Constexpr,
+                       group: cutlass.Constexpr, rw, rs):
+    """Load half of the fp8 dequant, thread tid's turns k0 .. k1 - 1 over a chunk's units (unit i:
+    e4m3 elements 8u .. 8u + 7 of row j = i // per_row, u = i % per_row, of stage st; s8w: the
+    stages as (stage, row, unit, 2) words): the unit's 2 words -> rw[k - k0, :], its group's scale
+    (sScSt) -> rs[k - k0]. A turn past the last unit loads that one again (harmless: the caller
+    skips its store)."""
+    for k in cutlass.range_constexpr(k0, k1):
+        i = tid + k * threads
+        if cutlass.const_expr((k + 1) * threads > units):
+            i = min(i, units - 1)
+        j = i // per_row
+        u = i % per_row
+        rs[k - k0] = sScSt[st, j, (u * 8) // group, 0]
+        rw[k - k0, None].store(s8w[st, j, u, None].load())
+
+
+@cute.jit
+def dequant_convert(rw, rs, k: cutlass.Constexpr, ro):
+    """Convert half: loaded unit k's 2 e4m3 words times its scale -> ro: 4 f16x2 words (one exact
+    cvt.rn.f16x2.e4m3x2 per pair, one packed multiply)."""
+    sc2 = f32_to_f16x2_splat(rs[k])
     for w in cutlass.range_constexpr(2):
-        lo, hi = e4m3x4_to_f16x2x2(rw[w])
+        lo, hi = e4m3x4_to_f16x2x2(rw[k, w])
         ro[2 * w] = mul_f16x2(lo, sc2)
         ro[2 * w + 1] = mul_f16x2(hi, sc2)
 
@@ -304,12 +327,17 @@ def build_mla_decode_tile(block):
         8 e4m3 (2 words) -> 4 f16x2 words, each times the f16x2 scale."""
         s8w = smem_tensor(sStage.iterator.toint(), Int32, (ST, CH, RS8 // 8, 2))
         skw = smem_tensor(skv.iterator.toint(), Int32, (NBUF, CH, RS // 8, 4))
+        rw = cute.make_rmem_tensor((DEQUANT_BATCH, 2), Int32)
+        rs = cute.make_rmem_tensor((DEQUANT_BATCH,), Float32)
         ro = cute.make_rmem_tensor((4,), Int32)
-        for k in cutlass.range_constexpr(CVT):
-            i = tid + k * NUM_THREADS
-            if i < NCV:
-                dequant_unit(s8w, sScSt, st, i // CV, i % CV, G, ro)
-                skw[dst, i // CV, i % CV, None].store(ro.load())
+        for k0 in cutlass.range_constexpr(0, CVT, DEQUANT_BATCH):
+            k1 = min(k0 + DEQUANT_BATCH, CVT)
+            dequant_load_batch(s8w, sScSt, st, tid, k0, k1, NUM_THREADS, NCV, CV, G, rw, rs)
+            for k in cutlass.range_constexpr(k0, k1):
+                i = tid + k * NUM_THREADS
+                if i < NCV:
+                    dequant_convert(rw, rs, k - k0, ro)
+                    skw[dst, i // CV, i % CV, None].store(ro.load())
 
     @cute.jit
     def scores(sKV, sS, mma, frag_q, nw, kp, buf):

@@ -33,8 +33,8 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from ._cute import DTYPE_MAP, TileSmem, fence_proxy_async_smem, gmem_tensor, smem_tensor
-from ._mla_cute import (LOG2_E, chunk_first_row, dequant_unit, first_chunks, mask_future, online_softmax_step,
-                        split_chunks)
+from ._mla_cute import (DEQUANT_BATCH, LOG2_E, chunk_first_row, dequant_convert, dequant_load_batch, first_chunks,
+                        mask_future, online_softmax_step, split_chunks)
 from .base import NUM_THREADS
 
 NUM_WARPS = NUM_THREADS // 32
@@ -154,15 +154,18 @@ def build_mla_decode_wgmma_tile(block):
         """fp8: stage st's e4m3 rows times their group scales -> the swizzled f16 chunk buffer
         (a unit: 8 e4m3 = 2 words -> 4 f16x2 words = one 16-byte piece)."""
         s8w = smem_tensor(sStage8.iterator.toint(), Int32, (ST, CH, RS8 // 8, 2))
+        rw = cute.make_rmem_tensor((DEQUANT_BATCH, 2), Int32)
+        rs = cute.make_rmem_tensor((DEQUANT_BATCH,), Float32)
         ro = cute.make_rmem_tensor((4,), Int32)
-        for k in cutlass.range_constexpr(CVT):
-            i = tid + k * NUM_THREADS
-            if i < NCV:
-                j = i // PIECES
-                u = i % PIECES
-                dequant_unit(s8w, sScSt, st, j, u, G, ro)
-                kb, r, pc = swz(j, u)
-                sBufW[(kb * CH + r) * 8 + pc, None].store(ro.load())
+        for k0 in cutlass.range_constexpr(0, CVT, DEQUANT_BATCH):
+            k1 = min(k0 + DEQUANT_BATCH, CVT)
+            dequant_load_batch(s8w, sScSt, st, tid, k0, k1, NUM_THREADS, NCV, PIECES, G, rw, rs)
+            for k in cutlass.range_constexpr(k0, k1):
+                i = tid + k * NUM_THREADS
+                if i < NCV:
+                    dequant_convert(rw, rs, k - k0, ro)
+                    kb, r, pc = swz(i // PIECES, i % PIECES)
+                    sBufW[(kb * CH + r) * 8 + pc, None].store(ro.load())
 
     @cute.jit
     def softmax(sS, sPw, sRow, srow, lane, length, grow0, ci, m_run, l_run):

@@ -7,10 +7,12 @@
     ... python -m bench.profile_block topk 8256 512 [cache_row=0,...]   (entries, k)
     ... python -m bench.profile_block compress 128 1 [channels_per_tile=32]  (ratio, batch)
     ... python -m bench.profile_block experts glm_53 gateup 2 [mma=1,...]      (model, stage, hits)
+    ... python -m bench.profile_block stack 2048 8 fp8_e4m3 [down_rows=32,...]  (intermediate, layers)
 
 gemv: N K M weight-dtype, GemvConfig overrides (e.g. fp8_decode=int); kda: heads batch, KDAConfig
 overrides; topk: one row of `entries` indexer-like scores (sums of weighted ReLUs), TopKConfig
 overrides; compress: V4.1's 512-channel compressor with every window closing, DSV4CompressConfig
+overrides; stack: the one-launch MLP stack megakernel at batch 1 (hidden 7168), MLPStackConfig
 overrides; experts: a model's MoE layer expert op (moe_layer.preset at batch 1, MXFP4) with one
 token routed to `hits` local experts (the question: is the batch-1 CUDA-core tile issue- or
 latency-bound - stall reasons), ExpertsConfig overrides. Random inputs, no timing, no reference (bench/megakernel_bench.py and bench/kda_bench.py
@@ -106,10 +108,30 @@ def experts_table(model: str, stage: str, hits: int, ov: dict, device="cuda"):
     return blk, torch.tensor(ptrs, dtype=torch.int64, device=device), t
 
 
+def run_stack(intermediate: int, layers: int, wd: str, ov: dict):
+    """The MLP stack megakernel (bench/megakernel_bench.py's stack case) launched 4 times."""
+    from sdk.megakernel.mlp_stack import MLPStackConfig, build_program, make_weights
+    from sdk.megakernel.pyvm import PyVM
+    from sdk.megakernel.runtime import MegakernelRuntime
+    cfg = MLPStackConfig(intermediate=intermediate, layers=layers, weight_dtype=wd, **ov)
+    prog = build_program(cfg)
+    tensors = PyVM.alloc(prog, device="cuda")
+    tensors.update(make_weights(cfg, seed=1, device="cuda"))
+    tensors["x"].copy_(torch.randn(cfg.batch, cfg.hidden, device="cuda").to(torch.bfloat16))
+    rt = MegakernelRuntime(prog, tensors)
+    for _ in range(4):
+        rt.launch()
+    torch.cuda.synchronize()
+    rt.check()
+    print(f"{cfg}: 4 launches, {len(prog.instructions)} instructions")
+
+
 def main(argv=None):
     from bench.common import cu_stream, parse_overrides
     from sdk.blocks._cute import standalone
     a = argv if argv is not None else sys.argv[1:]
+    if a[0] == "stack":
+        return run_stack(int(a[1]), int(a[2]), a[3], parse_overrides(a[4] if len(a) > 4 else None))
     if a[0] == "gemv":
         blk, optab, keep = gemv_table(int(a[1]), int(a[2]), int(a[3]), a[4], parse_overrides(a[5] if len(a) > 5 else None))
     elif a[0] == "kda":
@@ -121,7 +143,7 @@ def main(argv=None):
     elif a[0] == "experts":
         blk, optab, keep = experts_table(a[1], a[2], int(a[3]), parse_overrides(a[4] if len(a) > 4 else None))
     else:
-        raise SystemExit(f"unknown block {a[0]!r}: gemv | kda | topk | compress | experts")
+        raise SystemExit(f"unknown block {a[0]!r}: gemv | kda | topk | compress | experts | stack")
     fn = standalone(blk)
     for _ in range(4):
         fn(optab.data_ptr(), cu_stream())

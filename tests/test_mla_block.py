@@ -330,3 +330,27 @@ def test_choose_mma_takes_wgmma_on_hopper_for_long_bf16_splits():
     assert choose_mma(1, 131072, "bf16", (10, 0)) == "warp" and choose_mma(1, 131072, "bf16", None) == "warp"
 
 
+
+
+def test_bulk_copy_refusals_smem_and_compile():
+    """bulk_copy (on by default where it applies): an fp8 dense cache on the mma.sync tile with
+    chunks inside pages; unpadded e4m3
+    stages (the dequant reads them, not ldmatrix) plus one mbarrier a stage - 3 stages of 64
+    tokens fit at d_qk 576; compiles for sm_90a, sm_100a and sm_103a."""
+    cfg = dict(heads=12, softmax_scale=0.07, chunk=64, kv_dtype="fp8_e4m3", bulk_copy=True, num_pages=64,
+               max_seq_len=4096, num_splits=4)
+    for bad in (dict(kv_dtype="bf16"), dict(mma="wgmma"), dict(page_size=32), dict(rope=0, index_width=64)):
+        with pytest.raises(UnsupportedConfigError, match="bulk_copy"):
+            MLADecodeBlock(MLADecodeConfig(**{**cfg, **bad}))
+    auto = {**cfg, "bulk_copy": None}           # the default: wherever the conditions hold
+    assert MLADecodeBlock(MLADecodeConfig(**auto)).bulk
+    assert not MLADecodeBlock(MLADecodeConfig(**{**auto, "page_size": 32})).bulk
+    assert not MLADecodeBlock(MLADecodeConfig(**{**auto, "kv_dtype": "bf16"})).bulk
+    blk = MLADecodeBlock(MLADecodeConfig(**cfg, stages=3))
+    plain = MLADecodeBlock(MLADecodeConfig(**{**cfg, "bulk_copy": False}, stages=3))
+    assert plain.smem_bytes() - blk.smem_bytes() == 3 * 64 * 16 - 3 * 8
+    assert blk.smem_bytes() <= 227 * 1024
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from sdk.blocks._cute import standalone
+    for arch in ("sm_90a", "sm_100a", "sm_103a"):
+        assert callable(standalone(blk, arch))

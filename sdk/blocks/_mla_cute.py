@@ -83,20 +83,65 @@ def quad_sum(v: Float32) -> Float32:
 DEQUANT_BATCH = 6
 
 
+MBAR_MAX_TRIES = 1 << 22              # bounded mbarrier waits (each try_wait blocks up to a HW window)
+
+
+@cute.jit
+def mbar_init(addr: Int32):
+    cute.arch.inline_ptx("mbarrier.init.shared::cta.b64 [{$r0}], 1;", read_only_args=[addr])
+
+
+@cute.jit
+def mbar_inval(addr: Int32):
+    cute.arch.inline_ptx("mbarrier.inval.shared::cta.b64 [{$r0}];", read_only_args=[addr])
+
+
+@cute.jit
+def bulk_copies_g2s(bar: Int32, dst0: Int32, src0: Int64, n0: cutlass.Constexpr, dst1: Int32, src1: Int64,
+                    n1: cutlass.Constexpr):
+    """One thread: two cp.async.bulk copies global -> shared (sizes multiples of 16, addresses
+    16-byte aligned) completing on the mbarrier at `bar`, which expects their bytes. The fence
+    orders the barrier-ordered generic reads of the stage before the async proxy's writes."""
+    cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
+    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
+                         read_only_args=[bar, Int32(n0 + n1)])
+    for dst, src, n in ((dst0, src0, n0), (dst1, src1, n1)):
+        cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                             "[{$r0}], [{$r1}], {$r2}, [{$r3}];", read_only_args=[dst, src, Int32(n), bar])
+
+
+@cute.jit
+def mbar_wait(addr: Int32, phase: Int32):
+    """Wait for the mbarrier's phase `phase` (parity) to complete; bounded: traps (a launch error
+    the host sees) instead of hanging if the bytes never arrive."""
+    done = Int32(0)
+    tries = Int32(0)
+    while done == 0:
+        done = cute.arch.inline_ptx(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; selp.u32 {$w0}, 1, 0, p; }",
+            write_only_types=[Int32], read_only_args=[addr, phase])
+        tries = tries + 1
+        if tries > MBAR_MAX_TRIES:
+            cute.arch.inline_ptx("trap;")
+
+
 @cute.jit
 def dequant_load_batch(s8w, sScSt, st: Int32, tid: Int32, k0: cutlass.Constexpr, k1: cutlass.Constexpr,
                        threads: cutlass.Constexpr, units: cutlass.Constexpr, per_row: cutlass.Constexpr,
-                       group: cutlass.Constexpr, rw, rs):
+                       group: cutlass.Constexpr, rw, rs, last_row=None):
     """Load half of the fp8 dequant, thread tid's turns k0 .. k1 - 1 over a chunk's units (unit i:
     e4m3 elements 8u .. 8u + 7 of row j = i // per_row, u = i % per_row, of stage st; s8w: the
     stages as (stage, row, unit, 2) words): the unit's 2 words -> rw[k - k0, :], its group's scale
     (sScSt) -> rs[k - k0]. A turn past the last unit loads that one again (harmless: the caller
-    skips its store)."""
+    skips its store). `last_row`: rows past it read that row (a bulk-copied chunk's rows past the
+    sequence's end hold whatever the page holds; their dequantised copies must stay finite)."""
     for k in cutlass.range_constexpr(k0, k1):
         i = tid + k * threads
         if cutlass.const_expr((k + 1) * threads > units):
             i = min(i, units - 1)
         j = i // per_row
+        if cutlass.const_expr(last_row is not None):
+            j = min(j, last_row)
         u = i % per_row
         rs[k - k0] = sScSt[st, j, (u * 8) // group, 0]
         rw[k - k0, None].store(s8w[st, j, u, None].load())
@@ -221,7 +266,8 @@ def build_mla_decode_tile(block):
     G = c.scale_group
     NG = DQK // G
     RS = DQK + 8                         # bf16 smem row stride (elements): +16 B
-    RS8 = DQK + 16                       # fp8 stage row stride (bytes): +16 B
+    BULK = block.bulk                    # fp8: a chunk's rows + scales as 2 bulk copies (whole pages)
+    RS8 = DQK + (0 if BULK else 16)      # fp8 stage row stride (bytes): +16 B for cp.async's pieces
     SROW = block.score_row               # fp32 row stride of the partial scores sS: CH + 8
     EP = 16 if FP8 else 8                # elements per 16-byte piece
     PIECES = DQK // EP                   # 16-byte pieces per cache row
@@ -291,18 +337,27 @@ def build_mla_decode_tile(block):
 
     @cute.jit
     def load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, ci, page_row0, st, sStage, sScSt, sTok, tid,
-                   g2s, g2s4):
+                   g2s, g2s4, bar_base):
         """cp.async the cache rows of chunk ci (in one page: from page_row0, chunk_first_row)
         into stage st (sparse: and the chunk's tokens for the mask into sTok[st], plain stores:
-        read after the barriers the chunk passes)."""
-        for k in cutlass.range_constexpr(PPT):
-            i = tid + k * NUM_THREADS
-            if i < NPIECE:
-                j = i // PIECES
-                p = i % PIECES
-                row = cache_row(mBT, mIdx, b, tq, length, nk, ci, j, page_row0)
-                cute.copy(g2s, kv_row(kv_addr, row)[p, None], sStage[st, j, p, None])
-        if cutlass.const_expr(FP8):
+        read after the barriers the chunk passes). BULK: thread 0 copies the chunk's rows and
+        their scales (contiguous within the page) as two bulk copies onto stage st's mbarrier."""
+        if cutlass.const_expr(BULK):
+            if tid == 0:
+                bulk_copies_g2s(bar_base + st * 8,
+                                sStage.iterator.toint() + st * (CH * RS8),
+                                kv_addr + Int64(page_row0) * Int64(ROW_BYTES), CH * ROW_BYTES,
+                                sScSt.iterator.toint() + st * (CH * NG * 4),
+                                sc_addr + Int64(page_row0) * Int64(NG * 4), CH * NG * 4)
+        else:
+            for k in cutlass.range_constexpr(PPT):
+                i = tid + k * NUM_THREADS
+                if i < NPIECE:
+                    j = i // PIECES
+                    p = i % PIECES
+                    row = cache_row(mBT, mIdx, b, tq, length, nk, ci, j, page_row0)
+                    cute.copy(g2s, kv_row(kv_addr, row)[p, None], sStage[st, j, p, None])
+        if cutlass.const_expr(FP8 and not BULK):
             for k in cutlass.range_constexpr(SPT):
                 i = tid + k * NUM_THREADS
                 if i < NSC:
@@ -322,9 +377,10 @@ def build_mla_decode_tile(block):
 
     # ---- the chunk's phases (outside `tile`: staged control flow cannot call closures) ------
     @cute.jit
-    def dequant(sStage, sScSt, skv, tid, st, dst):
+    def dequant(sStage, sScSt, skv, tid, st, dst, last):
         """fp8: stage st's e4m3 rows times their group scales -> f16 chunk buffer dst. A unit:
-        8 e4m3 (2 words) -> 4 f16x2 words, each times the f16x2 scale."""
+        8 e4m3 (2 words) -> 4 f16x2 words, each times the f16x2 scale. BULK: rows past `last`
+        (the sequence's last token in the chunk) repeat it."""
         s8w = smem_tensor(sStage.iterator.toint(), Int32, (ST, CH, RS8 // 8, 2))
         skw = smem_tensor(skv.iterator.toint(), Int32, (NBUF, CH, RS // 8, 4))
         rw = cute.make_rmem_tensor((DEQUANT_BATCH, 2), Int32)
@@ -332,7 +388,10 @@ def build_mla_decode_tile(block):
         ro = cute.make_rmem_tensor((4,), Int32)
         for k0 in cutlass.range_constexpr(0, CVT, DEQUANT_BATCH):
             k1 = min(k0 + DEQUANT_BATCH, CVT)
-            dequant_load_batch(s8w, sScSt, st, tid, k0, k1, NUM_THREADS, NCV, CV, G, rw, rs)
+            if cutlass.const_expr(BULK):
+                dequant_load_batch(s8w, sScSt, st, tid, k0, k1, NUM_THREADS, NCV, CV, G, rw, rs, last)
+            else:
+                dequant_load_batch(s8w, sScSt, st, tid, k0, k1, NUM_THREADS, NCV, CV, G, rw, rs)
             for k in cutlass.range_constexpr(k0, k1):
                 i = tid + k * NUM_THREADS
                 if i < NCV:
@@ -468,6 +527,16 @@ def build_mla_decode_tile(block):
         sTok = None
         if cutlass.const_expr(SPARSE):
             sTok = smem.allocate_tensor(Int32, cute.make_layout((ST, CH), stride=(CH, 1)), byte_alignment=16)
+        bar_base = Int32(0)
+        if cutlass.const_expr(BULK):
+            # one mbarrier per stage (arrival count 1: thread 0's expect_tx), fresh for every tile
+            sBar = smem.allocate_tensor(Int64, cute.make_layout(ST), byte_alignment=8)
+            bar_base = sBar.iterator.toint()
+            if tid == 0:
+                for s_ in cutlass.range_constexpr(ST):
+                    mbar_init(bar_base + s_ * 8)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
         # P of the chunk (MMA operand type) and, per row, [0] the chunk's rescale factor, [1], [2]
         # the running max and sum (written by the row's softmax lanes)
         sP = smem.allocate_tensor(MDT, cute.make_layout((MP, CH), stride=(PROW, 1)), byte_alignment=16)
@@ -491,7 +560,7 @@ def build_mla_decode_tile(block):
             if c_lo + k < c_hi:
                 load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, c_lo + k,
                            chunk_first_row(mBT, b, c_lo + k, c_hi, CH, PS, WHOLE_PAGE_CHUNKS), k, sStage, sScSt,
-                           sTok, tid, g2s, g2s4)
+                           sTok, tid, g2s, g2s4, bar_base)
 
         first_chunks(issue_first, c_lo, length, T, CH, ST, BEFORE_WAIT)
 
@@ -565,19 +634,22 @@ def build_mla_decode_tile(block):
         for ci in cutlass.range(c_lo, c_hi, unroll=1):
             it = ci - c_lo
             st = it % ST
-            cute.arch.cp_async_wait_group(ST - 2)
+            if cutlass.const_expr(BULK):
+                mbar_wait(bar_base + st * 8, (it // ST) % 2)    # the stage's (it // ST)-th fill
+            else:
+                cute.arch.cp_async_wait_group(ST - 2)
             cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1
             nxt = ci + ST - 1
             kv_row0 = kv_row0_next
             kv_row0_next = chunk_first_row(mBT, b, nxt + 1, c_hi, CH, PS, WHOLE_PAGE_CHUNKS)   # a chunk ahead
             if nxt < c_hi:
                 load_chunk(kv_addr, sc_addr, mBT, mIdx, b, tq, length, nk, nxt, kv_row0, (it + ST - 1) % ST,
-                           sStage, sScSt, sTok, tid, g2s, g2s4)
+                           sStage, sScSt, sTok, tid, g2s, g2s4, bar_base)
             cute.arch.cp_async_commit_group()
             buf = st
             if cutlass.const_expr(FP8):
                 buf = 0
-                dequant(sStage, sScSt, skv, tid, st, 0)
+                dequant(sStage, sScSt, skv, tid, st, 0, nk - 1 - ci * CH)
                 cute.arch.sync_threads()
             scores(sKV, sS, mma_qk, frag_q, nw, kp, buf)
             cute.arch.sync_threads()            # all partial scores of chunk ci in sS
@@ -586,6 +658,12 @@ def build_mla_decode_tile(block):
             rescale_pv(accO, sRow, sKVt, mma_pv, frag_p, wid, lane, buf)
 
         cute.arch.cp_async_wait_group(0)        # nothing in flight when the tile ends
+        if cutlass.const_expr(BULK):
+            # every fill was waited for in the loop (and a barrier passed since): retire the
+            # mbarriers before the next instruction reuses their shared memory
+            if tid == 0:
+                for s_ in cutlass.range_constexpr(ST):
+                    mbar_inval(bar_base + s_ * 8)
 
         # ---- epilogue: normalised partial output and its lse ----------------------------------
         cute.arch.sync_threads()                # the row owners' last max / sum (or their init)

@@ -163,6 +163,11 @@ class MLADecodeConfig:
                                        # The contract: the grid before it may write q and the step's
                                        # q_tokens new cache rows, not older rows, the block table or
                                        # the lengths (a dense cache; see docs/mla_decode.md)
+    bulk_copy: bool | None = None      # each chunk's rows and scales as two cp.async.bulk copies
+                                       # (one thread) onto the stage's mbarrier instead of 16-byte
+                                       # cp.async by every thread: an fp8 cache on the mma.sync tile
+                                       # with chunks within a page. None = wherever that holds
+                                       # (docs/mla_decode.md)
 
 
 class MLADecodeBlock(Block):
@@ -253,7 +258,8 @@ class MLADecodeBlock(Block):
         c = self.config
         if c.stages:
             return c.stages
-        # auto: as many stages as fit in ~200 KB (H200 / B200 allow 227 KB), 2..8
+        # auto: as many stages as fit in ~200 KB (H200 / B200 allow 227 KB; a megakernel's records
+        # and other tiles sit beside it), 2..8
         fixed = self._smem_bytes(0)
         per = self._smem_bytes(1) - fixed
         return max(2, min(8, (200 * 1024 - fixed) // per))
@@ -261,6 +267,17 @@ class MLADecodeBlock(Block):
     @property
     def fp8(self) -> bool:
         return self.config.kv_dtype == "fp8_e4m3"
+
+    @property
+    def bulk_ok(self) -> bool:
+        """The bulk copies' conditions: an fp8 cache (its stage is read by the dequant, so its rows
+        need no padding), the mma.sync tile, dense chunks that never straddle a page."""
+        c = self.config
+        return self.fp8 and not self.wgmma and not self.sparse and c.page_size % c.chunk == 0
+
+    @property
+    def bulk(self) -> bool:
+        return self.bulk_ok if self.config.bulk_copy is None else self.config.bulk_copy
 
     @property
     def max_pages(self) -> int:
@@ -304,7 +321,8 @@ class MLADecodeBlock(Block):
         b += self.nwk * self.m_pad * self.score_row * 4                    # sS partial scores
         b += self.m_pad * self.p_row * 2 + 3 * self.m_pad * 4              # sP, rescale + row stats
         if self.fp8:
-            b += stages * c.chunk * (self.d_qk + 16)                       # fp8 stages
+            b += stages * c.chunk * (self.d_qk + (0 if self.bulk else 16))     # fp8 stages (padded rows
+            b += stages * 8 if self.bulk else 0                            # for cp.async), mbarriers
             b += stages * c.chunk * (self.d_qk // c.scale_group) * 4       # their scales
             b += c.chunk * rs * 2                                          # dequantised chunk
         else:
@@ -343,6 +361,9 @@ class MLADecodeBlock(Block):
                 self.unsupported("mla_decode mma=wgmma: a dense cache at chunk 64 (sparse lists take mma=warp)")
             if self.d_qk % 64 or self.d_v % 128:
                 self.unsupported(f"mla_decode mma=wgmma: d_qk={self.d_qk} a multiple of 64, d_v={self.d_v} of 128")
+        if c.bulk_copy and not self.bulk_ok:
+            self.unsupported("mla_decode: bulk_copy needs an fp8 cache, mma='warp', a dense cache and "
+                             f"chunks within a page (page_size={c.page_size} a multiple of chunk={c.chunk})")
         if c.kv_before_wait and self.sparse:
             self.unsupported("mla_decode: kv_before_wait needs a dense cache (a sparse tile's rows come from "
                              "index lists the grid before it writes)")
@@ -790,6 +811,9 @@ def mla_compile_cases() -> list:
                                        max_seq_len=131072, chunk=64, kv_before_wait=True)),  # .. its copies early
         MLADecodeBlock(MLADecodeConfig(heads=6, softmax_scale=k3, batch=8, q_tokens=2, num_splits=16,
                                        kv_dtype="fp8_e4m3", num_pages=4096, max_seq_len=32768)),
+        MLADecodeBlock(MLADecodeConfig(heads=12, softmax_scale=k3, batch=1, num_splits=132, num_pages=2048,
+                                       max_seq_len=131072, kv_dtype="fp8_e4m3", chunk=64, stages=3,
+                                       bulk_copy=True)),                                 # .. fp8, bulk copies
         MLADecodeBlock(MLADecodeConfig(heads=8, softmax_scale=256 ** -0.5, rope=0, batch=64, num_splits=2,
                                        num_pages=32768, max_seq_len=32768, chunk=64, stages=2)),  # GLM-5.3 TP8
         MLACombineBlock(MLACombineConfig(heads=12, batch=1, num_splits=132)),

@@ -150,6 +150,37 @@ def test_wgmma_tile(heads, T, rope, scale, lens, page, kvd):
 
 
 
+
+@pytest.mark.parametrize("heads,T,rope,scale,lens,page,chunk,splits", [
+    (12, 1, 64, K3_SCALE, [131072], 64, 64, 0), (8, 1, 0, GLM_SCALE, [131072], 64, 64, 0),
+    (12, 1, 64, K3_SCALE, [1], 64, 64, 12), (12, 1, 64, K3_SCALE, [65], 64, 32, 12),
+    (12, 2, 64, K3_SCALE, [4097, 2, 9000, 300], 64, 32, 0), (8, 4, 0, GLM_SCALE, [9000, 4, 777], 64, 64, 0),
+    (12, 1, 64, K3_SCALE, [5000, 1, 3001], 16, 16, 0), (40, 1, 64, K3_SCALE, [4097, 1000], 64, 64, 0)])
+@pytest.mark.parametrize("bulk", [True, False])
+def test_fp8_bulk_copy(heads, T, rope, scale, lens, page, chunk, splits, bulk):
+    """fp8 cache, mma.sync tile with bulk_copy (each chunk's rows and scales as two cp.async.bulk
+    copies onto the stage's mbarrier; rows past a sequence's end hold whatever the page holds and
+    must not reach the output) and without (16-byte cp.async, rows clamped): 128K single sequences
+    (K3 TP8, GLM-5.3 TP8), splits of one chunk or none (1 and 65 tokens over 12 splits), ragged
+    batches with T = 2 / 4, 16-token pages and chunks, row groups (40 heads)."""
+    need_gpu()
+    from sdk.blocks.mla_decode import MLADecodeConfig, choose_splits, row_groups
+    seed = clock_seed()
+    groups = row_groups(T * heads)
+    cfg = MLADecodeConfig(heads=heads, softmax_scale=scale, scale_factor=1.21, batch=len(lens), q_tokens=T, rope=rope,
+                          page_size=page, num_pages=sum(-(-x // page) for x in lens) + 4, max_seq_len=max(lens),
+                          num_splits=splits or choose_splits(len(lens) * groups, max(lens), chunk=chunk), chunk=chunk,
+                          kv_dtype="fp8_e4m3", bulk_copy=bulk)
+    blk, t = make_case(cfg, lens, seed)
+    assert blk.bulk == bulk
+    # the last page's rows past each sequence's end: NaN (e4m3 0x7f, and its scales), which a row
+    # read past the end would carry into the output
+    for b, n in enumerate(lens):
+        last = int(t["block_table"][b, (n - 1) // page])
+        t["kv"].view(torch.uint8)[last, n % page or page:] = 0x7F
+        t["kv_scale"][last, n % page or page:] = float("nan")
+    check(blk, t, seed)
+
 @pytest.mark.parametrize("mma,chunk,kvd", [("wgmma", 64, "bf16"), ("wgmma", 64, "fp8_e4m3"), ("warp", 32, "bf16"),
                                            ("warp", 64, "fp8_e4m3")])
 def test_kv_before_wait_pdl_chain(mma, chunk, kvd):

@@ -125,3 +125,30 @@ def test_profile_block_experts_table_routes_one_token_to_the_asked_hits():
     one["counts"][hit[1]] = 0
     one["hits"][0] = 1                                         # the second expert dropped: a different sum
     assert not torch.allclose(blk.reference(**one)["out"].float(), out)
+
+
+def test_ncu_source_cuts_the_table_at_barriers(tmp_path):
+    """bench/ncu_source.py: an ncu source table (SASS rows with their stall samples) summed
+    between barriers - the regions' samples, reasons and opcodes, and the top instructions."""
+    import csv
+    from bench.ncu_source import regions, load, opcode, report
+    hdr = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+           "Instructions Executed", "stall_long_sb", "stall_short_sb", "stall_barrier", "stall_long_sb (Not Issued)"]
+    rows = [["0x0", "LDGSTS.E.128 [R1], desc[UR4][R2.64]", "2", "2", "16", "0", "1", "0", "0"],
+            ["0x10", "IADD3 R3, R2, R1, RZ", "30", "30", "16", "29", "0", "0", "0"],
+            ["0x20", "BAR.SYNC.DEFER_BLOCKING 0x0", "1", "1", "16", "0", "0", "1", "0"],
+            ["0x30", "@!P0 LDS R4, [R5]", "7", "7", "16", "0", "3", "4", "0"],
+            ["0x40", "HMMA.16816.F32 R8, R4, R6, R8", "10", "10", "32", "0", "9", "0", "0"]]
+    path = tmp_path / "t.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "k"])
+        w.writerow(hdr)
+        w.writerows(rows)
+    assert opcode("@!P0 LDS R4, [R5]") == "LDS" and opcode("BAR.SYNC.DEFER_BLOCKING 0x0") == "BAR"
+    regs = regions(*load(str(path)))
+    assert [(r["first"], r["last"], r["samples"], r["executed"]) for r in regs] == [(0, 1, 32, 16), (2, 4, 18, 32)]
+    assert regs[0]["reasons"] == {"long_sb": 29, "short_sb": 1, "barrier": 0}
+    assert regs[1]["reasons"]["barrier"] == 5 and regs[1]["opcodes"] == {"BAR": 1, "LDS": 1, "HMMA": 1}
+    text = report(str(path), min_share=0.0, top=1)
+    assert "64.0%" in text and "36.0%" in text and "IADD3 R3, R2, R1, RZ" in text and "long_sb:29" in text

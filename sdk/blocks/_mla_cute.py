@@ -357,14 +357,12 @@ def build_mla_decode_tile(block):
                     p = i % PIECES
                     row = cache_row(mBT, mIdx, b, tq, length, nk, ci, j, page_row0)
                     cute.copy(g2s, kv_row(kv_addr, row)[p, None], sStage[st, j, p, None])
-        if cutlass.const_expr(FP8 and not BULK):
-            for k in cutlass.range_constexpr(SPT):
-                i = tid + k * NUM_THREADS
-                if i < NSC:
-                    j = i // NG
-                    gi = i % NG
-                    row = cache_row(mBT, mIdx, b, tq, length, nk, ci, j, page_row0)
-                    cute.copy(g2s4, scale_row(sc_addr, row)[gi, None], sScSt[st, j, gi, None])
+            if cutlass.const_expr(FP8):             # the rows' scales, one 4-byte copy each
+                for k in cutlass.range_constexpr(SPT):
+                    i = tid + k * NUM_THREADS
+                    if i < NSC:
+                        row = cache_row(mBT, mIdx, b, tq, length, nk, ci, i // NG, page_row0)
+                        cute.copy(g2s4, scale_row(sc_addr, row)[i % NG, None], sScSt[st, i // NG, i % NG, None])
         if cutlass.const_expr(SPARSE):
             for j in cutlass.range(tid, CH, NUM_THREADS, unroll=1):
                 e = ci * CH + j

@@ -39,6 +39,9 @@
 #    the wgmma tile's tests; then mla_bench at its default against kv_before_wait=0 and plain
 #    launches, interleaved; the attention program with the mma.sync against the wgmma decode tile
 #    (decode_mma) and its GPU test (`12 bench` skips the tests).
+# 13: issue 5 on an H200 in one short call (the twenty-seventh session): only when the GPU is an
+#    H200 (else it exits at once), mla_bench at its default against kv_before_wait=0 (bf16 shards,
+#    batch 1 x 128K) and bulk_copy=0 (the fp8 cache at batch 1 and 64), interleaved; no tests.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -128,6 +131,18 @@ if [ "${1:-1}" = 12 ]; then   # issue 5 at batch 1: the decode's first chunks co
     BENCH_S_mla_progwg=60 BENCH_ARGS_mla_progwg="--cases $P --set decode_mma=wgmma" \
     DEVICE_ALL_S=400 bash bench/device_all.sh bench:mla bench:mla@pdl bench:mla@plain bench:mla@again bench:mla@pdl2 \
     bench:mla@prog bench:mla@progwg
+  exit
+fi
+
+if [ "${1:-1}" = 13 ]; then   # issue 5's batch-1 and fp8 figures on an H200, benches only
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200: nothing run"; exit 0; }
+  C=kimi_k3_tp8:131072:1,glm_53_tp8:131072:1,kimi_k3_tp16:131072:1,kimi_k3_tp8:131072:1:fp8_e4m3,kimi_k3_tp8:32768:64:fp8_e4m3
+  BENCH_S_mla=45 BENCH_ARGS_mla="--cases $C" \
+    BENCH_S_mla_pdl=45 BENCH_ARGS_mla_pdl="--cases $C --set kv_before_wait=0" \
+    BENCH_S_mla_cp=45 BENCH_ARGS_mla_cp="--cases $C --set bulk_copy=0" \
+    BENCH_S_mla_again=45 BENCH_ARGS_mla_again="--cases $C" \
+    BENCH_S_mla_pdl2=45 BENCH_ARGS_mla_pdl2="--cases $C --set kv_before_wait=0" \
+    DEVICE_ALL_S=230 bash bench/device_all.sh bench:mla bench:mla@pdl bench:mla@cp bench:mla@again bench:mla@pdl2
   exit
 fi
 

@@ -324,8 +324,8 @@ class MLADecodeBlock(Block):
         b += self.nwk * self.m_pad * self.score_row * 4                    # sS partial scores
         b += self.m_pad * self.p_row * 2 + 3 * self.m_pad * 4              # sP, rescale + row stats
         if self.fp8:
-            b += stages * c.chunk * (self.d_qk + (0 if self.bulk else 16))     # fp8 stages (padded rows
-            b += stages * 8 if self.bulk else 0                            # for cp.async), mbarriers
+            b += stages * c.chunk * (self.d_qk + (0 if self.bulk else 16))     # fp8 stages (rows padded
+            b += stages * 8 if self.bulk else 0                            # for cp.async); bulk: mbarriers
             b += stages * c.chunk * (self.d_qk // c.scale_group) * 4       # their scales
             b += c.chunk * rs * 2                                          # dequantised chunk
         else:

@@ -386,10 +386,8 @@ def build_mla_decode_tile(block):
         ro = cute.make_rmem_tensor((4,), Int32)
         for k0 in cutlass.range_constexpr(0, CVT, DEQUANT_BATCH):
             k1 = min(k0 + DEQUANT_BATCH, CVT)
-            if cutlass.const_expr(BULK):
-                dequant_load_batch(s8w, sScSt, st, tid, k0, k1, NUM_THREADS, NCV, CV, G, rw, rs, last)
-            else:
-                dequant_load_batch(s8w, sScSt, st, tid, k0, k1, NUM_THREADS, NCV, CV, G, rw, rs)
+            dequant_load_batch(s8w, sScSt, st, tid, k0, k1, NUM_THREADS, NCV, CV, G, rw, rs,
+                               last if BULK else None)
             for k in cutlass.range_constexpr(k0, k1):
                 i = tid + k * NUM_THREADS
                 if i < NCV:

@@ -261,6 +261,36 @@ def mma_m16n8k16(kind: str, a, b, c):
         write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
 
 
+def mma_m16n8k32_e4m3(a, b, c):
+    """One warp mma.sync m16n8k32 with e4m3 A and B, fp32 accumulate (sm_89+): a = 4 and b = 2
+    32-bit registers of 4 e4m3 each in the fragment layout (a: rows g / g + 8, bytes 4q .. 4q + 3
+    of k 0..15 / 16..31; b: column g, the same k bytes), c = the 4 fp32 accumulators; returns
+    the 4 new accumulators."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
+        "{{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
+
+
+@cute.jit
+def ldmatrix_x4(addr: Int32):
+    """Four 8 x 16-byte matrices from shared memory (lane l gives the address of row l % 8 of
+    matrix l // 8): register j of thread (g = lane // 4, q = lane % 4) holds bytes 4q .. 4q + 3
+    of row g of matrix j."""
+    return cute.arch.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Int32] * 4, read_only_args=[addr])
+
+
+@cute.jit
+def ldmatrix_x2(addr: Int32):
+    """Two 8 x 16-byte matrices (lanes 0..15 give the row addresses), as ldmatrix_x4."""
+    return cute.arch.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {{$w0}, {$w1}}, [{$r0}];",
+        write_only_types=[Int32] * 2, read_only_args=[addr])
+
+
 def tree_sum(values: list):
     """Sum of a list of traced values as a balanced tree (a plain Python helper, unrolled when
     traced: the DSL would turn a `while` inside a jit function into a device loop)."""

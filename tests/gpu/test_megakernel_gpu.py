@@ -140,6 +140,20 @@ def test_mlp_stack_fp8_mma8(batch):
     _check_stack_steps(cfg, seed=17, steps=2)
 
 
+@pytest.mark.parametrize("wd,decode,batch", [("fp8_e4m3", "hfma2", 1), ("fp8_e4m3", "mma8", 1), ("bf16", "hfma2", 1),
+                                             ("fp8_e4m3", "hfma2", 8)])
+def test_mlp_stack_two_ctas_per_sm(wd, decode, batch):
+    """The one-launch stack with two CTAs sharing each SM (MegakernelRuntime(ctas_per_sm=2): a grid
+    of 2 x SMs CTAs, each with half the shared memory and registers capped to fit both), its
+    tiles cut for that grid; three steps (epochs) against the reference."""
+    need_gpu()
+    from sdk.megakernel.mlp_stack import MLPStackConfig
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype=wd,
+                         fp8_decode=decode, num_sms=2 * sms)
+    _check_stack_steps(cfg, seed=19, steps=3, ctas_per_sm=2)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_mlp_stack_fp8_alu_decode(batch):
     """The one-launch fp8 stack with the CUDA-core tiles' e4m3 -> f16 in integer ops
@@ -310,11 +324,11 @@ def test_mlp_stack_many_tiles_per_sm(batch, wd):
     _check_stack_steps(cfg, seed=7, steps=3)
 
 
-def _check_stack_steps(cfg, seed, steps):
+def _check_stack_steps(cfg, seed, steps, **kw):
     """`steps` launches of the stack, each on fresh random x with the output poisoned, each equal
     to the fp32 reference within the bf16 bound."""
     from sdk.megakernel.mlp_stack import reference
-    rt, weights = _stack_runtime(cfg, seed=seed)
+    rt, weights = _stack_runtime(cfg, seed=seed, **kw)
     for step in range(steps):
         x = torch.randn(cfg.batch, cfg.hidden, device="cuda").to(torch.bfloat16)
         rt.tensors["x"].copy_(x)

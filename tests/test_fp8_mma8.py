@@ -68,17 +68,18 @@ def test_mma8_limits_named():
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_mma8_compiles(arch):
-    """Standalone GEMVs (8-row tiles, the fused norm at m = 1 and 4, 2 n8 tiles at m = 8, x in two
-    staged blocks) and the one-launch fp8 stack."""
+    """Standalone GEMVs (8-row tiles, the fused norm merged at m = 1 / 2 from bf16 / fp32 x and in
+    two passes at m = 4, 2 n8 tiles at m = 8, x in two staged blocks) and the one-launch fp8 stack."""
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     from sdk.blocks._cute import standalone
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     from sdk.megakernel.kernel import compile_megakernel
     from sdk.megakernel.mlp_stack import MLPStackConfig, build_program
     from sdk.schedule import schedule
-    for m, n, k, rows, norm in ((1, 2048, 2048, 8, False), (1, 1024, 7168, 16, True), (4, 1024, 7168, 16, True),
-                                (8, 1024, 7168, 32, False), (1, 1024, 36864, 16, True)):
+    for m, n, k, rows, norm, xdt in ((1, 2048, 2048, 8, False, "bf16"), (1, 1024, 7168, 16, True, "bf16"),
+                                     (2, 1024, 7168, 16, True, "fp32"), (4, 1024, 7168, 16, True, "bf16"),
+                                     (8, 1024, 7168, 32, False, "bf16"), (1, 1024, 36864, 16, True, "bf16")):
         standalone(GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype="fp8_e4m3", norm=norm, swiglu=True, mma=False,
-                                        fp8_decode="mma8", rows_per_tile=rows)), arch)
+                                        fp8_decode="mma8", rows_per_tile=rows, x_dtype=xdt)), arch)
     prog = build_program(MLPStackConfig(intermediate=2048, layers=2, weight_dtype="fp8_e4m3", fp8_decode="mma8"))
     compile_megakernel(prog.opcodes.blocks, 132, schedule(prog, 132).max_len, timing=True, arch=arch)

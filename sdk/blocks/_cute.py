@@ -217,6 +217,20 @@ def e4m3_piece(v):
         write_only_types=[Int32, Int32] + [Float32] * 8, read_only_args=list(v))
 
 
+@cute.jit
+def e4m3_piece4(v):
+    """e4m3_piece for 4 values: (one word of their 4 e4m3 bytes, the 4 remainders)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 h0, h1, l0, l1, u0, u1; .reg .b32 f0, f1; .reg .f32 a0, a1, a2, a3; "
+        "cvt.rn.satfinite.e4m3x2.f32 h0, {$r1}, {$r0}; cvt.rn.satfinite.e4m3x2.f32 h1, {$r3}, {$r2}; "
+        "mov.b32 {$w0}, {h0, h1}; "
+        "cvt.rn.f16x2.e4m3x2 f0, h0; cvt.rn.f16x2.e4m3x2 f1, h1; "
+        "mov.b32 {l0, u0}, f0; mov.b32 {l1, u1}, f1; "
+        "cvt.f32.f16 a0, l0; cvt.f32.f16 a1, u0; cvt.f32.f16 a2, l1; cvt.f32.f16 a3, u1; "
+        "sub.f32 {$w1}, {$r0}, a0; sub.f32 {$w2}, {$r1}, a1; sub.f32 {$w3}, {$r2}, a2; sub.f32 {$w4}, {$r3}, a3; }",
+        write_only_types=[Int32] + [Float32] * 4, read_only_args=list(v))
+
+
 def wgmma_fp8_sync(n: int, groups: int, descs_a, descs_b, zero):
     """`groups` accumulator sets of one warpgroup wgmma m64n{n}k32 (e4m3 x e4m3 -> fp32), each
     the sum of 4 k32 steps (a 128-wide K block: the first step with scale-d 0, so the set starts

@@ -544,7 +544,7 @@ class GemvBlock(Block):
         from cutlass import Int64
 
         from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, e4m3_piece, e4m3x4_to_f16x2x2,
-                            e4m3x4_to_f16x2x2_shifted, f32_bits, fence_proxy_async_smem, gmem_tensor,
+                            e4m3_piece4, e4m3x4_to_f16x2x2_shifted, f32_bits, fence_proxy_async_smem, gmem_tensor,
                             ldmatrix_x2, ldmatrix_x4, mma_m16n8k16, mma_m16n8k32_e4m3, mul_f16x2, producer_slot,
                             smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
 
@@ -586,7 +586,7 @@ class GemvBlock(Block):
         GN = N // G                             # output rows of a group
         wg = self.wgmma
         mma8 = self.mma8
-        merged_norm = norm and whole_x and M <= MERGED_NORM_MAX_M and not (wg or mma8)
+        merged_norm = norm and whole_x and M <= MERGED_NORM_MAX_M and not wg
         pre_res = c.residual is not None and RW * M <= 16   # residual prefetched in registers
         # the MMA path (see _mma_faces' comments in consume_mma / end_mma)
         mma = self.use_mma
@@ -596,6 +596,7 @@ class GemvBlock(Block):
         XBYTES = self._x_row_bytes(KX)          # staged x, then the cross-warp sums
         RED_WORDS = self.red_smem_bytes() // 4
         RED_TC = XBYTES + (MMA8_SCALE_BYTES if mma8 else 0)   # the cross-warp sums (mma8: after x's scales)
+        XPB = KX + 16                           # mma8: bytes per staged piece row
         EPI = -(-(R * M) // NT) if (tc or wg) else 0   # epilogue outputs per thread
         # fp8_decode="hfma2" (CUDA cores): e4m3x2 -> f16x2 (one conversion per 2 weights), products
         # as packed f16 FMAs (fma.rn.f16x2) in 2 chains of 4 per 16-byte unit, each chain's f16x2
@@ -731,7 +732,8 @@ class GemvBlock(Block):
                     NJ = -(-NU // NT)
                     if cutlass.const_expr(merged_norm):
                         # one pass: x and the norm weight into registers (one round trip), the
-                        # sums of squares, then x * rstd * w as bf16 straight into sx
+                        # sums of squares, then x * rstd * w as bf16 straight into sx (hfma2: f16
+                        # times the token's scale; mma8: e4m3 pieces of it)
                         mNWv = gmem_tensor(ptrs[i_nw], BFloat16, (K // XV, XV), 16)
                         xr = cute.make_rmem_tensor((M, NJ, XV), Float32)
                         wr = cute.make_rmem_tensor((NJ, XV), Float32)
@@ -754,21 +756,41 @@ class GemvBlock(Block):
                         rstds = [cute.math.rsqrt(tot[m] / Float32(K) + Float32(eps), fastmath=False)
                                  for m in range(M)]
                         tscale = [Float32(X_PRESCALE) for _ in range(M)]
-                        if cutlass.const_expr(hfma2):
-                            # per-token scales of the normalised row (see consume_hfma2)
+                        if cutlass.const_expr(hfma2 or mma8):
+                            # per-token scales of the normalised row (see consume_hfma2 / consume_mma8)
                             amax = [Float32(0.0) for _ in range(M)]
                             for m in cutlass.range_constexpr(M):
                                 for j in cutlass.range_constexpr(NJ):
                                     a = abs_max(xr[m, j, None].load() * rstds[m] * wr[j, None].load())
                                     amax[m] = cute.arch.fmax(amax[m], Float32(cutlass.select_(
                                         tid + NT * j < NU, a, Float32(0.0))))
-                            tscale = list(token_scales(amax, scratch, sx, X_BOOST))
-                        for m in cutlass.range_constexpr(M):
-                            for j in cutlass.range_constexpr(NJ):
-                                u = tid + NT * j
-                                if u < NU:
-                                    sXv[m, u, None].store(x_order(xr[m, j, None].load() * (rstds[m] * tscale[m])
-                                                                  * wr[j, None].load()).to(SXT))
+                            if cutlass.const_expr(mma8):
+                                tscale = list(token_scales(amax, scratch, sx, 16.0, 1.0 / 16.0))
+                            else:
+                                tscale = list(token_scales(amax, scratch, sx, X_BOOST))
+                        if cutlass.const_expr(mma8):
+                            # XV values a unit: XV / 4 words of each piece's row
+                            sXp = smem_tensor(sx, Int32, (M * PX, XPB // 4))
+                            rv = cute.make_rmem_tensor((XV,), Float32)
+                            for m in cutlass.range_constexpr(M):
+                                for j in cutlass.range_constexpr(NJ):
+                                    u = tid + NT * j
+                                    if u < NU:
+                                        rv.store(xr[m, j, None].load() * (rstds[m] * tscale[m]) * wr[j, None].load())
+                                        vals = [rv[e] for e in range(XV)]
+                                        for pc in cutlass.range_constexpr(PX):
+                                            outs = e4m3_piece(vals) if XV == 8 else e4m3_piece4(vals)
+                                            nwd = XV // 4
+                                            for wi in cutlass.range_constexpr(nwd):
+                                                sXp[m * PX + pc, u * nwd + wi] = outs[wi]
+                                            vals = [outs[nwd + e] * Float32(16.0) for e in range(XV)]
+                        else:
+                            for m in cutlass.range_constexpr(M):
+                                for j in cutlass.range_constexpr(NJ):
+                                    u = tid + NT * j
+                                    if u < NU:
+                                        sXv[m, u, None].store(x_order(xr[m, j, None].load() * (rstds[m] * tscale[m])
+                                                                      * wr[j, None].load()).to(SXT))
                     else:
                         # rstd of every token over the whole row, kept in scratch[STATS_OFFSET + m]
                         sums = []
@@ -1204,7 +1226,6 @@ class GemvBlock(Block):
         # bytes apart): matrices bytes 0-15 | 16-31 of rows n = lane % 8 (rows past the pieces
         # read row 0: their columns are weighted 0).
         KW = KC // 256                          # k32 blocks per warp per chunk
-        XPB = KX + 16                           # bytes per staged piece row
 
         @cute.jit
         def consume_mma8(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):

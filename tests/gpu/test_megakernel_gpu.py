@@ -108,22 +108,23 @@ def test_gemv_fp8_wgmma(m, n, k, rows, swiglu, norm, residual):
     assert rel_err(t["y"], block.reference(**t)["y"]) <= BF16_TOL
 
 
-@pytest.mark.parametrize("m,n,k,rows,swiglu,norm,residual", [
-    (1, 2048, 2048, 8, False, False, "bf16"),     # 8-row tiles: the m16 tile's rows 8..15 repeat row 7
-    (1, 1024, 7168, 16, True, True, None),        # the gate/up shape, fused norm
-    (2, 7168, 2048, 64, False, False, "fp32"),    # the down shape, 3 pieces x 2 tokens, 4 m16 tiles
-    (4, 1024, 7168, 16, True, True, None),        # 2 pieces x 4 tokens
-    (8, 1024, 7168, 32, True, False, None),       # 2 pieces x 8 tokens: two n8 tiles (mma=False)
-    (1, 1024, 36864, 16, False, True, None),      # x staged in 2 blocks, each with its own scales
+@pytest.mark.parametrize("m,n,k,rows,swiglu,norm,residual,xdt", [
+    (1, 2048, 2048, 8, False, False, "bf16", "bf16"),   # 8-row tiles: the m16 tile's rows 8..15 repeat row 7
+    (1, 1024, 7168, 16, True, True, None, "bf16"),      # the gate/up shape, fused norm merged (8 a unit)
+    (2, 1024, 7168, 16, True, True, None, "fp32"),      # ... from the fp32 residual (4 a unit), 2 tokens
+    (2, 7168, 2048, 64, False, False, "fp32", "bf16"),  # the down shape, 3 pieces x 2 tokens, 4 m16 tiles
+    (4, 1024, 7168, 16, True, True, None, "bf16"),      # 2 pieces x 4 tokens, the norm in two passes
+    (8, 1024, 7168, 32, True, False, None, "bf16"),     # 2 pieces x 8 tokens: two n8 tiles (mma=False)
+    (1, 1024, 36864, 16, False, True, None, "bf16"),    # x staged in 2 blocks, each with its own scales
 ])
-def test_gemv_fp8_mma8(m, n, k, rows, swiglu, norm, residual):
+def test_gemv_fp8_mma8(m, n, k, rows, swiglu, norm, residual, xdt):
     """fp8_decode="mma8": the weights from the ring stage straight into mma.sync m16n8k32 e4m3
     (ldmatrix, no conversion) against x as e4m3 pieces in the MMA's columns; equal to the fp32
     reference within the bf16 bound."""
     need_gpu()
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype="fp8_e4m3", swiglu=swiglu, norm=norm,
-                                 residual=residual, fp8_decode="mma8", rows_per_tile=rows, mma=False))
+                                 residual=residual, fp8_decode="mma8", rows_per_tile=rows, mma=False, x_dtype=xdt))
     assert block.mma8 and (block.x_block < k) == (k == 36864)
     t = gemv_inputs(block, 500 + m)
     run_standalone(block, t)

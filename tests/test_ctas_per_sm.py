@@ -35,3 +35,20 @@ def test_two_ctas_per_sm_compiles(arch):
     from sdk.schedule import schedule
     prog = build_program(MLPStackConfig(intermediate=2048, layers=2, weight_dtype="fp8_e4m3", num_sms=264))
     compile_megakernel(prog.opcodes.blocks, 264, schedule(prog, 264).max_len, arch=arch, ctas_per_sm=2)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_relaxed_wait_poll_compiles(arch, monkeypatch):
+    """SDK_WAIT_POLL=relaxed (bounded_wait polls with relaxed loads, one fence.acq_rel after):
+    the stack compiles, and the compile cache keys on the poll mode."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from sdk.blocks import _cute
+    from sdk.megakernel import kernel
+    from sdk.megakernel.mlp_stack import MLPStackConfig, build_program
+    from sdk.schedule import schedule
+    prog = build_program(MLPStackConfig(intermediate=2048, layers=2, weight_dtype="fp8_e4m3"))
+    args = (prog.opcodes.blocks, 132, schedule(prog, 132).max_len)
+    a = kernel.compile_megakernel(*args, arch=arch)
+    monkeypatch.setattr(_cute, "WAIT_POLL", "relaxed")
+    b = kernel.compile_megakernel(*args, arch=arch)
+    assert a is not b

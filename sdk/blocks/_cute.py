@@ -19,6 +19,7 @@ only inside functions that build device code (never at `import sdk`).
 from __future__ import annotations
 
 import math
+import os
 
 import cutlass
 import cutlass.cute as cute
@@ -28,6 +29,12 @@ from cutlass.memory import SmemAllocator
 from .allreduce import ERR_PEER_TIMEOUT
 from .base import NUM_THREADS, PRODUCER_FIRST, SCRATCH_WORDS, coresident_stages, ring_geometry
 from .formats import E2M1_STEPS
+
+# How bounded_wait polls (read when kernels are traced): "acquire" loads, or "relaxed" loads and
+# one fence after (opt-in A/B, SDK_WAIT_POLL=relaxed).
+WAIT_POLL = os.environ.get("SDK_WAIT_POLL", "acquire")
+if WAIT_POLL not in ("acquire", "relaxed"):
+    raise ValueError(f"SDK_WAIT_POLL={WAIT_POLL!r}: acquire or relaxed")
 
 DTYPE_MAP = {
     "bf16": cutlass.BFloat16,
@@ -412,15 +419,26 @@ def bounded_wait(ptr, target: Int32, ebase, timeout_ns: Int64, code: cutlass.Con
     counters of this launch, "sys" for flags peers write), bounded by `timeout_ns` of globaltimer.
     Returns 1 when met, 0 when it gave up: another CTA had set the error word `ebase`, or the
     timeout expired - then, if the word was still zero, this thread claims it with `code` and
-    writes `info` (7 values; None stands for the value last seen) into words 1..7."""
+    writes `info` (7 values; None stands for the value last seen) into words 1..7.
+    WAIT_POLL "relaxed" (opt-in, SDK_WAIT_POLL=relaxed; not yet measured): the loop polls with
+    relaxed loads, the counter and the error word in flight together (an acquire load orders the
+    error word's load after its own round trip), and a fence.acq_rel after the last read makes
+    it an acquire (the PTX memory model's fence-after-read pattern)."""
+    relaxed = WAIT_POLL == "relaxed"
+    sem = "relaxed" if relaxed else "acquire"
     status = Int32(1)
-    v = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
+    v = cute.arch.load(ptr, Int32, sem=sem, scope=scope)
     if v < target:
         t0 = cute.arch.globaltimer()
         while v < target and status == 1:
-            v = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
+            v = cute.arch.load(ptr, Int32, sem=sem, scope=scope)
+            err = Int32(0)
+            if cutlass.const_expr(relaxed):
+                err = cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu")
             if v < target:
-                if cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu") != 0:
+                if cutlass.const_expr(not relaxed):
+                    err = cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu")
+                if err != 0:
                     status = Int32(0)
                 if cute.arch.globaltimer() - t0 > timeout_ns:
                     status = Int32(0)
@@ -429,6 +447,11 @@ def bounded_wait(ptr, target: Int32, ebase, timeout_ns: Int64, code: cutlass.Con
                         for j, val in enumerate(info):
                             cute.arch.store(ebase + (j + 1), Int32(v if val is None else val), sem="relaxed",
                                             scope="gpu")
+    if cutlass.const_expr(relaxed):
+        if cutlass.const_expr(scope == "sys"):
+            cute.arch.fence_acq_rel_sys()
+        else:
+            cute.arch.fence_acq_rel_gpu()
     return status
 
 

@@ -334,7 +334,9 @@ def compile_megakernel(blocks, num_sms: int, max_len: int, timing: bool = False,
     """Compiled megakernel `fn(pI, pN, pC, pE, pT, pTim, timeout_ns, stream)`, cached in-process on
     (block static configs, num_sms (the grid's CTAs), max_len, timing, arch, pdl, the records'
     window, CTAs per SM)."""
-    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, records_window, ctas_per_sm)
+    from ..blocks import _cute
+    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, records_window, ctas_per_sm,
+           _cute.WAIT_POLL)
     if key not in _cache:
         import cuda.bindings.driver as cuda
         host = build(blocks, num_sms, max_len, timing, pdl, records_window, ctas_per_sm)

@@ -169,7 +169,7 @@ if [ "${1:-1}" = 14 ]; then   # issue 3: the fp8 GEMV / stack consumer on mma.sy
     BENCH_S_megakernel_relaxed=70 BENCH_ARGS_megakernel_relaxed="--no-timeline --parts stack --stack-cases \"$S2\"" \
     BENCH_ENV_megakernel_relaxed="SDK_WAIT_POLL=relaxed" \
     BENCH_S_megakernel_again=70 BENCH_ARGS_megakernel_again="--no-timeline --parts stack --stack-cases \"$S2\"" \
-    DEVICE_ALL_S=340 bash bench/device_all.sh bench:megakernel bench:megakernel@relaxed bench:megakernel@again
+    DEVICE_ALL_S=${P14_S:-340} bash bench/device_all.sh bench:megakernel bench:megakernel@relaxed bench:megakernel@again
   exit
 fi
 

@@ -179,12 +179,11 @@ def _stack_name(cfg) -> str:
             + ("" if cfg.fuse_norm is None else f" fuse_norm={cfg.fuse_norm}")
             + (f" rows={cfg.gateup_rows}/{cfg.down_rows}" if cfg.gateup_rows or cfg.down_rows else "")
             + (f" {cfg.fp8_decode}-decode" if cfg.fp8_decode != "hfma2" else "")
-            + (f" num_sms={cfg.num_sms}" if cfg.num_sms != 132 else "")
             + (f" chunk_k={cfg.gateup_chunk_k}/{cfg.down_chunk_k}" if cfg.gateup_chunk_k or cfg.down_chunk_k else ""))
 
 
 def bench_stack(cfg, copy_bw, timeline_path=None, pdl=False):
-    from sdk.blocks.base import ring_geometry, smem_budget
+    from sdk.blocks.base import ring_geometry
     from sdk.megakernel.mlp_stack import build_program, make_weights, reference, weight_bytes
     from sdk.megakernel.pyvm import PyVM
     from sdk.megakernel.runtime import MegakernelRuntime
@@ -193,9 +192,7 @@ def bench_stack(cfg, copy_bw, timeline_path=None, pdl=False):
     weights = make_weights(cfg, seed=1, device="cuda")
     tensors.update(weights)
     t0 = time.time()
-    # tiles cut for more CTAs than SMs (cfg.num_sms = 2 x SMs): that many CTAs an SM share it
-    ctas = max(1, cfg.num_sms // _num_sms())
-    rt = MegakernelRuntime(prog, tensors, pdl=pdl, ctas_per_sm=ctas)
+    rt = MegakernelRuntime(prog, tensors, pdl=pdl)
     compile_s = time.time() - t0
     x = torch.randn(cfg.batch, cfg.hidden, device="cuda").to(torch.bfloat16)
     tensors["x"].copy_(x)
@@ -210,14 +207,13 @@ def bench_stack(cfg, copy_bw, timeline_path=None, pdl=False):
     step, _ = torch_stack_calls(cfg, weights, x)
     torch_us, _ = timed([step] * reps)
     floor_us = wbytes / (copy_bw * 1e3)
-    rec = {"case": _stack_name(cfg) + (" pdl" if pdl else ""), "pdl": pdl, "ctas_per_sm": ctas,
+    rec = {"case": _stack_name(cfg) + (" pdl" if pdl else ""), "pdl": pdl,
            "fuse_norm": cfg.norm_fused,
            "rows_per_tile": [b.config.rows_per_tile for b in prog.opcodes.blocks if hasattr(b.config, "rows_per_tile")],
            "tile_balance": [round(b.tile_balance(rt.num_sms), 3) for b in prog.opcodes.blocks
                             if hasattr(b, "tile_balance")],
            "max_instructions_per_sm": rt.max_len,
-           "ring": dict(zip(("stage_bytes", "stages", "x_bytes"),
-                            ring_geometry(prog.opcodes.blocks, budget=smem_budget(ctas)))),
+           "ring": dict(zip(("stage_bytes", "stages", "x_bytes"), ring_geometry(prog.opcodes.blocks))),
            "kind": "mlp_stack", "hidden": cfg.hidden, "intermediate": cfg.intermediate,
            "layers": cfg.layers, "batch": cfg.batch, "weight_dtype": cfg.weight_dtype,
            "weight_bytes": wbytes, "us": us, "us_per_layer": us / cfg.layers, "gbs": wbytes / (us * 1e3),
@@ -226,7 +222,7 @@ def bench_stack(cfg, copy_bw, timeline_path=None, pdl=False):
            "launches_per_step": 1, "instructions": len(prog.instructions), "max_per_sm": rt.max_len,
            "sched_est_us": rt.schedule.est_ns / 1e3, "compile_s": compile_s}
     if timeline_path:
-        rt_t = MegakernelRuntime(prog, tensors, timing=True, ctas_per_sm=ctas)
+        rt_t = MegakernelRuntime(prog, tensors, timing=True)
         rt_t.run()
         flush_l2()                      # recorded from HBM, as the timed loop's rotated copies run
         rt_t.run()

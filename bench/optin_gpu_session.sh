@@ -42,11 +42,6 @@
 # 13: issue 5 on an H200 in one short call (the twenty-seventh session): only when the GPU is an
 #    H200 (else it exits at once), mla_bench at its default against kv_before_wait=0 (bf16 shards,
 #    batch 1 x 128K) and bulk_copy=0 (the fp8 cache at batch 1 and 64), interleaved; no tests.
-# 14: issue 3's fp8 consumer on mma.sync m16n8k32 e4m3 (fp8_decode="mma8", the twenty-eighth
-#    session): test_megakernel_gpu.py whole (`14 bench` skips it), then the fp8 GEMVs and stacks
-#    with mma8 against the default hfma2, and the stacks with two CTAs an SM (num_sms 264:
-#    MegakernelRuntime(ctas_per_sm=2)) (the first stack case, mma8 I=2048, with its timeline); then
-#    three stacks with the waits polled relaxed (SDK_WAIT_POLL=relaxed) and the same three again.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -148,28 +143,6 @@ if [ "${1:-1}" = 13 ]; then   # issue 5's batch-1 and fp8 figures on an H200, be
     BENCH_S_mla_again=45 BENCH_ARGS_mla_again="--cases $C" \
     BENCH_S_mla_pdl2=45 BENCH_ARGS_mla_pdl2="--cases $C --set kv_before_wait=0" \
     DEVICE_ALL_S=230 bash bench/device_all.sh bench:mla bench:mla@pdl bench:mla@cp bench:mla@again bench:mla@pdl2
-  exit
-fi
-
-if [ "${1:-1}" = 14 ]; then   # issue 3: the fp8 GEMV / stack consumer on mma.sync m16n8k32 e4m3
-  [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_megakernel_gpu.py" TESTS_S=190 OUT="$OUT/tests" DEVICE_ALL_S=200 \
-    bash bench/device_all.sh tests
-  F="'fp8_e4m3', None, True"
-  G="[(18432, 7168, 1, $F, {'fp8_decode': 'mma8'}), (18432, 7168, 1, $F), (7168, 2048, 1, $F, {'fp8_decode': 'mma8'}),
-      (7168, 2048, 1, $F), (4096, 7168, 1, $F, {'fp8_decode': 'mma8'}), (4096, 7168, 1, $F)]"
-  L8="'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'"
-  L4="'intermediate': 18432, 'layers': 4, 'weight_dtype': 'fp8_e4m3'"
-  # num_sms 264: two CTAs an SM (the bench gives the runtime ctas_per_sm=2)
-  S="[{$L8, 'fp8_decode': 'mma8'}, {$L8}, {$L8, 'num_sms': 264}, {$L8, 'num_sms': 264, 'fp8_decode': 'mma8'},
-      {$L4, 'fp8_decode': 'mma8'}, {$L4}, {$L8, 'batch': 4, 'fp8_decode': 'mma8'}, {$L8, 'batch': 4},
-      {'intermediate': 2048, 'layers': 8}, {'intermediate': 2048, 'layers': 8, 'num_sms': 264}]"
-  # and the counter waits polled with relaxed loads + one fence (SDK_WAIT_POLL=relaxed)
-  S2="[{$L8, 'fp8_decode': 'mma8'}, {$L8}, {'intermediate': 2048, 'layers': 8}]"
-  BENCH_S_megakernel=200 BENCH_ARGS_megakernel="--parts gemv,stack --gemv-cases \"$G\" --stack-cases \"$S\"" \
-    BENCH_S_megakernel_relaxed=70 BENCH_ARGS_megakernel_relaxed="--no-timeline --parts stack --stack-cases \"$S2\"" \
-    BENCH_ENV_megakernel_relaxed="SDK_WAIT_POLL=relaxed" \
-    BENCH_S_megakernel_again=70 BENCH_ARGS_megakernel_again="--no-timeline --parts stack --stack-cases \"$S2\"" \
-    DEVICE_ALL_S=${P14_S:-340} bash bench/device_all.sh bench:megakernel bench:megakernel@relaxed bench:megakernel@again
   exit
 fi
 

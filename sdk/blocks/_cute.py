@@ -19,7 +19,6 @@ only inside functions that build device code (never at `import sdk`).
 from __future__ import annotations
 
 import math
-import os
 
 import cutlass
 import cutlass.cute as cute
@@ -29,12 +28,6 @@ from cutlass.memory import SmemAllocator
 from .allreduce import ERR_PEER_TIMEOUT
 from .base import NUM_THREADS, PRODUCER_FIRST, SCRATCH_WORDS, coresident_stages, ring_geometry
 from .formats import E2M1_STEPS
-
-# How bounded_wait polls (read when kernels are traced): "acquire" loads, or "relaxed" loads and
-# one fence after (opt-in A/B, SDK_WAIT_POLL=relaxed).
-WAIT_POLL = os.environ.get("SDK_WAIT_POLL", "acquire")
-if WAIT_POLL not in ("acquire", "relaxed"):
-    raise ValueError(f"SDK_WAIT_POLL={WAIT_POLL!r}: acquire or relaxed")
 
 DTYPE_MAP = {
     "bf16": cutlass.BFloat16,
@@ -224,20 +217,6 @@ def e4m3_piece(v):
         write_only_types=[Int32, Int32] + [Float32] * 8, read_only_args=list(v))
 
 
-@cute.jit
-def e4m3_piece4(v):
-    """e4m3_piece for 4 values: (one word of their 4 e4m3 bytes, the 4 remainders)."""
-    return cute.arch.inline_ptx(
-        "{ .reg .b16 h0, h1, l0, l1, u0, u1; .reg .b32 f0, f1; .reg .f32 a0, a1, a2, a3; "
-        "cvt.rn.satfinite.e4m3x2.f32 h0, {$r1}, {$r0}; cvt.rn.satfinite.e4m3x2.f32 h1, {$r3}, {$r2}; "
-        "mov.b32 {$w0}, {h0, h1}; "
-        "cvt.rn.f16x2.e4m3x2 f0, h0; cvt.rn.f16x2.e4m3x2 f1, h1; "
-        "mov.b32 {l0, u0}, f0; mov.b32 {l1, u1}, f1; "
-        "cvt.f32.f16 a0, l0; cvt.f32.f16 a1, u0; cvt.f32.f16 a2, l1; cvt.f32.f16 a3, u1; "
-        "sub.f32 {$w1}, {$r0}, a0; sub.f32 {$w2}, {$r1}, a1; sub.f32 {$w3}, {$r2}, a2; sub.f32 {$w4}, {$r3}, a3; }",
-        write_only_types=[Int32] + [Float32] * 4, read_only_args=list(v))
-
-
 def wgmma_fp8_sync(n: int, groups: int, descs_a, descs_b, zero):
     """`groups` accumulator sets of one warpgroup wgmma m64n{n}k32 (e4m3 x e4m3 -> fp32), each
     the sum of 4 k32 steps (a 128-wide K block: the first step with scale-d 0, so the set starts
@@ -280,36 +259,6 @@ def mma_m16n8k16(kind: str, a, b, c):
         "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
         "{{$r6}, {$r7}, {$r8}, {$r9}};",
         write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
-
-
-def mma_m16n8k32_e4m3(a, b, c):
-    """One warp mma.sync m16n8k32 with e4m3 A and B, fp32 accumulate (sm_89+): a = 4 and b = 2
-    32-bit registers of 4 e4m3 each in the fragment layout (a: rows g / g + 8, bytes 4q .. 4q + 3
-    of k 0..15 / 16..31; b: column g, the same k bytes), c = the 4 fp32 accumulators; returns
-    the 4 new accumulators."""
-    return cute.arch.inline_ptx(
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
-        "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
-        "{{$r6}, {$r7}, {$r8}, {$r9}};",
-        write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
-
-
-@cute.jit
-def ldmatrix_x4(addr: Int32):
-    """Four 8 x 16-byte matrices from shared memory (lane l gives the address of row l % 8 of
-    matrix l // 8): register j of thread (g = lane // 4, q = lane % 4) holds bytes 4q .. 4q + 3
-    of row g of matrix j."""
-    return cute.arch.inline_ptx(
-        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-        write_only_types=[Int32] * 4, read_only_args=[addr])
-
-
-@cute.jit
-def ldmatrix_x2(addr: Int32):
-    """Two 8 x 16-byte matrices (lanes 0..15 give the row addresses), as ldmatrix_x4."""
-    return cute.arch.inline_ptx(
-        "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {{$w0}, {$w1}}, [{$r0}];",
-        write_only_types=[Int32] * 2, read_only_args=[addr])
 
 
 def tree_sum(values: list):
@@ -419,26 +368,15 @@ def bounded_wait(ptr, target: Int32, ebase, timeout_ns: Int64, code: cutlass.Con
     counters of this launch, "sys" for flags peers write), bounded by `timeout_ns` of globaltimer.
     Returns 1 when met, 0 when it gave up: another CTA had set the error word `ebase`, or the
     timeout expired - then, if the word was still zero, this thread claims it with `code` and
-    writes `info` (7 values; None stands for the value last seen) into words 1..7.
-    WAIT_POLL "relaxed" (opt-in, SDK_WAIT_POLL=relaxed; not yet measured): the loop polls with
-    relaxed loads, the counter and the error word in flight together (an acquire load orders the
-    error word's load after its own round trip), and a fence.acq_rel after the last read makes
-    it an acquire (the PTX memory model's fence-after-read pattern)."""
-    relaxed = WAIT_POLL == "relaxed"
-    sem = "relaxed" if relaxed else "acquire"
+    writes `info` (7 values; None stands for the value last seen) into words 1..7."""
     status = Int32(1)
-    v = cute.arch.load(ptr, Int32, sem=sem, scope=scope)
+    v = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
     if v < target:
         t0 = cute.arch.globaltimer()
         while v < target and status == 1:
-            v = cute.arch.load(ptr, Int32, sem=sem, scope=scope)
-            err = Int32(0)
-            if cutlass.const_expr(relaxed):
-                err = cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu")
+            v = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
             if v < target:
-                if cutlass.const_expr(not relaxed):
-                    err = cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu")
-                if err != 0:
+                if cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu") != 0:
                     status = Int32(0)
                 if cute.arch.globaltimer() - t0 > timeout_ns:
                     status = Int32(0)
@@ -447,11 +385,6 @@ def bounded_wait(ptr, target: Int32, ebase, timeout_ns: Int64, code: cutlass.Con
                         for j, val in enumerate(info):
                             cute.arch.store(ebase + (j + 1), Int32(v if val is None else val), sem="relaxed",
                                             scope="gpu")
-    if cutlass.const_expr(relaxed):
-        if cutlass.const_expr(scope == "sys"):
-            cute.arch.fence_acq_rel_sys()
-        else:
-            cute.arch.fence_acq_rel_gpu()
     return status
 
 

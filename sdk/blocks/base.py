@@ -84,24 +84,12 @@ PRODUCER_FIRST = 32
 PRODUCER_THREADS = NUM_THREADS - PRODUCER_FIRST
 
 
-def smem_budget(ctas_per_sm: int = 1) -> int:
-    """Shared memory of one CTA when `ctas_per_sm` CTAs share an SM: SMEM_BUDGET alone, else the
-    SM's share per CTA with the same margin below the hardware's limit."""
-    if ctas_per_sm < 1:
-        raise ValueError(f"ctas_per_sm={ctas_per_sm}: at least 1")
-    if ctas_per_sm == 1:
-        return SMEM_BUDGET
-    return (SM_SMEM - ctas_per_sm * CTA_RESERVED_SMEM) // ctas_per_sm - (227 * 1024 - SMEM_BUDGET)
-
-
-def ring_geometry(blocks, max_stages: int | None = None, reserved: int = 0,
-                  budget: int = SMEM_BUDGET) -> tuple[int, int, int]:
+def ring_geometry(blocks, max_stages: int | None = None, reserved: int = 0) -> tuple[int, int, int]:
     """(stage bytes, number of stages, activation smem bytes) of the smem ring that serves these
     blocks; (0, 0, 0) when none streams. Stages are sized for the largest chunk of any block;
     as many as fit (at most `max_stages`, default MAX_STAGES) beside `reserved` bytes of other
     shared memory (the megakernel's instruction records, and the shared memory the other blocks'
-    tiles allocate for themselves: the compiler gives every tile's allocations their own bytes)
-    in `budget` bytes of one CTA (smem_budget)."""
+    tiles allocate for themselves: the compiler gives every tile's allocations their own bytes)."""
     stream = [b for b in blocks if b.stream_chunks() > 0]
     if not stream:
         return 0, 0, 0
@@ -110,7 +98,7 @@ def ring_geometry(blocks, max_stages: int | None = None, reserved: int = 0,
     up = lambda v: -(-v // 128) * 128
     stage = up(max(b.chunk_bytes() for b in stream))
     xbytes = up(max(max(b.x_smem_bytes() for b in stream), 16))
-    free = budget - xbytes - 4 * SCRATCH_WORDS - 256 - reserved
+    free = SMEM_BUDGET - xbytes - 4 * SCRATCH_WORDS - 256 - reserved
     stages = min(max_stages or MAX_STAGES, free // stage)
     if stages < 2:
         beside = "".join(f", {name} tiles {n} B" for name, n in own)

@@ -54,10 +54,9 @@ MERGED_NORM_MAX_M = 2               # fused norm in one pass (x held in register
 MMA_MIN_M = 8                       # tensor cores from this batch (below, CUDA cores stream bf16
                                     # at ~90% of the bandwidth and need no cross-warp sum)
 MMA_ACCUMULATORS = 64               # fp32 accumulator registers per thread on the MMA path
-FP8_DECODES = ("cvt", "int", "hfma2", "hfma2_alu", "wgmma", "mma8")
+FP8_DECODES = ("cvt", "int", "hfma2", "hfma2_alu", "wgmma")
 WGMMA_MAX_M = 4                     # fp8_decode="wgmma": tokens x x pieces fill one 8-row core matrix
 WGMMA_REGS = 64                     # ... fp32 wgmma accumulators per thread per asm statement
-MMA8_SCALE_BYTES = 32               # fp8_decode="mma8": the staged x's inverse token scales (m <= 8)
 
 
 @dataclass(frozen=True)
@@ -92,10 +91,7 @@ class GemvConfig:
                                          # weights straight from the ring into warpgroup MMAs, x as
                                          # a sum of e4m3 pieces - no per-weight instruction;
                                          # "hfma2_alu" (opt-in, not yet measured): hfma2 with the
-                                         # e4m3 -> f16 step in integer ops, no F2FP; "mma8" (sm_89+,
-                                         # opt-in, not yet measured): the weights straight from the
-                                         # ring into warp mma.sync m16n8k32 e4m3 (ldmatrix, no
-                                         # conversion), x as e4m3 pieces in the MMA's columns
+                                         # e4m3 -> f16 step in integer ops, no F2FP
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
@@ -229,17 +225,15 @@ class GemvBlock(Block):
 
     @property
     def mma_tiles(self) -> tuple[int, int]:
-        """(m16 tiles over the rows, n8 tiles over the tokens) of the MMA path; mma8: n8 tiles
-        over the columns of x's pieces (token m, piece p in column m x_pieces + p)."""
-        cols = self.config.m * (self.x_pieces if self.mma8 else 1)
-        return -(-self.config.rows_per_tile // 16), -(-cols // 8)
+        """(m16 tiles over the rows, n8 tiles over the tokens) of the MMA path."""
+        return -(-self.config.rows_per_tile // 16), -(-self.config.m // 8)
 
     @property
     def accumulators(self) -> int:
         """fp32 accumulators per thread: rows per warp x weights x tokens (CUDA cores), or 4 per
         (weight, m16 tile, n8 tile) fragment (MMA)."""
         c = self.config
-        if self.use_mma or self.mma8:
+        if self.use_mma:
             mt, nt = self.mma_tiles
             return self.nw * mt * nt * 4
         if self.wgmma:
@@ -272,11 +266,8 @@ class GemvBlock(Block):
         return best
 
     def _mma_chunk_ok(self, kc: int) -> bool:
-        """MMA: each of the 8 warps takes whole k16 blocks of the chunk (kc % 128 == 0; mma8: k32
-        blocks, kc % 256 == 0); with fp8, a warp's share lies inside one 128-wide scale block
-        (kc <= 1024)."""
-        if self.mma8:
-            return kc % 256 == 0 and kc <= 1024
+        """MMA: each of the 8 warps takes whole k16 blocks of the chunk (kc % 128 == 0); with fp8,
+        a warp's share lies inside one 128-wide scale block (kc <= 1024)."""
         if not self.use_mma:
             return True
         return kc % 128 == 0 and (self.config.weight_dtype != "fp8_e4m3" or kc <= 1024)
@@ -292,10 +283,7 @@ class GemvBlock(Block):
 
     def _x_row_bytes(self, kx: int) -> int:
         """Shared memory of kx staged columns of x: M rows of bf16 (f16), or (wgmma) one 8-row
-        core-matrix column block of e4m3 pieces, or (mma8) M x pieces rows of e4m3, each padded
-        by 16 bytes (ldmatrix rows on 8 different bank groups)."""
-        if self.mma8:
-            return self.config.m * self.x_pieces * (kx + 16)
+        core-matrix column block of e4m3 pieces."""
         return 8 * kx if self.wgmma else self.config.m * kx * 2
 
     @property
@@ -305,14 +293,8 @@ class GemvBlock(Block):
         return c.weight_dtype == "fp8_e4m3" and not self.use_mma and c.fp8_decode == "wgmma"
 
     @property
-    def mma8(self) -> bool:
-        """fp8 weights straight from the ring into mma.sync m16n8k32 e4m3 (fp8_decode="mma8")."""
-        c = self.config
-        return c.weight_dtype == "fp8_e4m3" and not self.use_mma and c.fp8_decode == "mma8"
-
-    @property
     def x_pieces(self) -> int:
-        """wgmma / mma8: e4m3 pieces per token of the staged x (x * scale = p0 + p1 / 16 + p2 / 256:
+        """wgmma: e4m3 pieces per token of the staged x (x * scale = p0 + p1 / 16 + p2 / 256:
         3 pieces keep 2^-12 of each value, 2 pieces 2^-8); tokens x pieces <= 8 rows."""
         return 3 if 3 * self.config.m <= 8 else 2
 
@@ -375,13 +357,6 @@ class GemvBlock(Block):
             self.unsupported("gemv: the MMA path takes bf16 or fp8 weights, not fp32")
         if self.use_mma and not self._mma_chunk_ok(kc):
             self.unsupported(f"gemv MMA: chunk_k={kc} must be a multiple of 128 (and <= 1024 for fp8)")
-        if self.mma8:
-            if c.m > 8:
-                self.unsupported(f"gemv fp8_decode=mma8: m={c.m} tokens (at most 8: their scales and sums "
-                                 f"take 8 slots; from {MMA_MIN_M} the mma.sync path converts instead)")
-            if not self._mma_chunk_ok(kc):
-                self.unsupported(f"gemv fp8_decode=mma8: chunk_k={kc} must be a multiple of 256 and <= 1024 "
-                                 "(each warp's k32 blocks inside one 128-wide scale block)")
 
     def operand_specs(self):
         c = self.config
@@ -436,8 +411,6 @@ class GemvBlock(Block):
         # then the two warpgroups' sums [warpgroup][8 piece rows][nw * R] fp32
         if self.wgmma:
             return self._x_row_bytes(self.x_block) + 16 + 2 * 8 * self.nw * self.config.rows_per_tile * 4
-        if self.mma8:     # the pieces, 32 bytes of inverse x scales, the cross-warp sums
-            return self._x_row_bytes(self.x_block) + MMA8_SCALE_BYTES + self.red_smem_bytes()
         return self.config.m * self.x_block * 2 + self.red_smem_bytes() + (4 * self.config.m if self.hfma2 else 0)
 
     @property
@@ -447,10 +420,7 @@ class GemvBlock(Block):
         return c.weight_dtype == "fp8_e4m3" and not self.use_mma and c.fp8_decode in ("hfma2", "hfma2_alu")
 
     def red_smem_bytes(self) -> int:
-        """MMA path: the cross-warp sums [weight][token n8-padded][row m16-padded] fp32, after x
-        (mma8: 8 tokens, after x and its scales)."""
-        if self.mma8:
-            return self.nw * 8 * self.mma_tiles[0] * 16 * 4
+        """MMA path: the cross-warp sums [weight][token n8-padded][row m16-padded] fp32, after x."""
         if not self.use_mma:
             return 0
         mt, nt = self.mma_tiles
@@ -544,8 +514,8 @@ class GemvBlock(Block):
         from cutlass import Int64
 
         from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, e4m3_piece, e4m3x4_to_f16x2x2,
-                            e4m3_piece4, e4m3x4_to_f16x2x2_shifted, f32_bits, fence_proxy_async_smem, gmem_tensor,
-                            ldmatrix_x2, ldmatrix_x4, mma_m16n8k16, mma_m16n8k32_e4m3, mul_f16x2, producer_slot,
+                            e4m3x4_to_f16x2x2_shifted, f32_bits,
+                            fence_proxy_async_smem, gmem_tensor, mma_m16n8k16, mul_f16x2, producer_slot,
                             smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
 
         c = self.config
@@ -585,19 +555,15 @@ class GemvBlock(Block):
         G = c.groups                            # grouped: tile t reads x's columns of its group
         GN = N // G                             # output rows of a group
         wg = self.wgmma
-        mma8 = self.mma8
         merged_norm = norm and whole_x and M <= MERGED_NORM_MAX_M and not wg
         pre_res = c.residual is not None and RW * M <= 16   # residual prefetched in registers
         # the MMA path (see _mma_faces' comments in consume_mma / end_mma)
         mma = self.use_mma
-        tc = mma or mma8                        # the warp-MMA accumulators, cross-warp sums, epilogue
         MT, NTN = self.mma_tiles
         KBW = KC // 128                         # k16 blocks per warp per chunk
         XBYTES = self._x_row_bytes(KX)          # staged x, then the cross-warp sums
         RED_WORDS = self.red_smem_bytes() // 4
-        RED_TC = XBYTES + (MMA8_SCALE_BYTES if mma8 else 0)   # the cross-warp sums (mma8: after x's scales)
-        XPB = KX + 16                           # mma8: bytes per staged piece row
-        EPI = -(-(R * M) // NT) if (tc or wg) else 0   # epilogue outputs per thread
+        EPI = -(-(R * M) // NT) if (mma or wg) else 0   # epilogue outputs per thread
         # fp8_decode="hfma2" (CUDA cores): e4m3x2 -> f16x2 (one conversion per 2 weights), products
         # as packed f16 FMAs (fma.rn.f16x2) in 2 chains of 4 per 16-byte unit, each chain's f16x2
         # then widened to fp32 and summed there: ~1.5 instructions per weight instead of the "cvt"
@@ -639,7 +605,7 @@ class GemvBlock(Block):
         # useful rows (D row g = lane / 4 < M P), and end_wgmma adds the two in shared memory.
         # (Warpgroup 0 running every wgmma with warpgroup 1 alone issuing the copies measured
         # the same on the H200: not kept.)
-        PX = self.x_pieces if (wg or mma8) else 1
+        PX = self.x_pieces if wg else 1
         NC = nw * R                             # the wgmma's N
         KB = KC // 128                          # 128-wide K blocks per chunk
         KBG = KB // 2                           # ... per warpgroup
@@ -690,11 +656,11 @@ class GemvBlock(Block):
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
             warp = tid // 32
-            if cutlass.const_expr(tc):
+            if cutlass.const_expr(mma):
                 acc = cute.make_rmem_tensor((nw, MT, NTN, 4), Float32)
                 # zero the cross-warp sums (read by the previous tile's end before the barrier
                 # that closed its instruction; read by this tile's end after the chunks' barriers)
-                sRed = smem_tensor(sx + RED_TC, Float32, (RED_WORDS,))
+                sRed = smem_tensor(sx + XBYTES, Float32, (RED_WORDS,))
                 for j in cutlass.range_constexpr(-(-RED_WORDS // NT)):
                     if tid + NT * j < RED_WORDS:
                         sRed[tid + NT * j] = Float32(0.0)
@@ -704,7 +670,7 @@ class GemvBlock(Block):
                 acc = cute.make_rmem_tensor((RW, nw, M), Float32)
             acc.fill(0.0)
             # the residual rows of this tile, loaded now so the epilogue does not wait for them
-            if cutlass.const_expr(tc or wg):
+            if cutlass.const_expr(mma or wg):
                 # the residual of the epilogue's outputs of this thread: o = tid + NT * e,
                 # token-major (see end_mma)
                 resv = cute.make_rmem_tensor((max(EPI, 1),), Float32)
@@ -716,7 +682,7 @@ class GemvBlock(Block):
                             resv[e] = mR[o // R, t * R + o % R].to(Float32)
             else:
                 resv = cute.make_rmem_tensor((RW, M), Float32)
-            if cutlass.const_expr(pre_res and not (tc or wg)):
+            if cutlass.const_expr(pre_res and not (mma or wg)):
                 mR = gmem_tensor(ptrs[i_res], rdt, (M, N), 2 if c.residual == "bf16" else 4)
                 if lane == 0:
                     for rr in cutlass.range_constexpr(RW):
@@ -732,8 +698,7 @@ class GemvBlock(Block):
                     NJ = -(-NU // NT)
                     if cutlass.const_expr(merged_norm):
                         # one pass: x and the norm weight into registers (one round trip), the
-                        # sums of squares, then x * rstd * w as bf16 straight into sx (hfma2: f16
-                        # times the token's scale; mma8: e4m3 pieces of it)
+                        # sums of squares, then x * rstd * w as bf16 straight into sx
                         mNWv = gmem_tensor(ptrs[i_nw], BFloat16, (K // XV, XV), 16)
                         xr = cute.make_rmem_tensor((M, NJ, XV), Float32)
                         wr = cute.make_rmem_tensor((NJ, XV), Float32)
@@ -756,41 +721,21 @@ class GemvBlock(Block):
                         rstds = [cute.math.rsqrt(tot[m] / Float32(K) + Float32(eps), fastmath=False)
                                  for m in range(M)]
                         tscale = [Float32(X_PRESCALE) for _ in range(M)]
-                        if cutlass.const_expr(hfma2 or mma8):
-                            # per-token scales of the normalised row (see consume_hfma2 / consume_mma8)
+                        if cutlass.const_expr(hfma2):
+                            # per-token scales of the normalised row (see consume_hfma2)
                             amax = [Float32(0.0) for _ in range(M)]
                             for m in cutlass.range_constexpr(M):
                                 for j in cutlass.range_constexpr(NJ):
                                     a = abs_max(xr[m, j, None].load() * rstds[m] * wr[j, None].load())
                                     amax[m] = cute.arch.fmax(amax[m], Float32(cutlass.select_(
                                         tid + NT * j < NU, a, Float32(0.0))))
-                            if cutlass.const_expr(mma8):
-                                tscale = list(token_scales(amax, scratch, sx, 16.0, 1.0 / 16.0))
-                            else:
-                                tscale = list(token_scales(amax, scratch, sx, X_BOOST))
-                        if cutlass.const_expr(mma8):
-                            # XV values a unit: XV / 4 words of each piece's row
-                            sXp = smem_tensor(sx, Int32, (M * PX, XPB // 4))
-                            rv = cute.make_rmem_tensor((XV,), Float32)
-                            for m in cutlass.range_constexpr(M):
-                                for j in cutlass.range_constexpr(NJ):
-                                    u = tid + NT * j
-                                    if u < NU:
-                                        rv.store(xr[m, j, None].load() * (rstds[m] * tscale[m]) * wr[j, None].load())
-                                        vals = [rv[e] for e in range(XV)]
-                                        for pc in cutlass.range_constexpr(PX):
-                                            outs = e4m3_piece(vals) if XV == 8 else e4m3_piece4(vals)
-                                            nwd = XV // 4
-                                            for wi in cutlass.range_constexpr(nwd):
-                                                sXp[m * PX + pc, u * nwd + wi] = outs[wi]
-                                            vals = [outs[nwd + e] * Float32(16.0) for e in range(XV)]
-                        else:
-                            for m in cutlass.range_constexpr(M):
-                                for j in cutlass.range_constexpr(NJ):
-                                    u = tid + NT * j
-                                    if u < NU:
-                                        sXv[m, u, None].store(x_order(xr[m, j, None].load() * (rstds[m] * tscale[m])
-                                                                      * wr[j, None].load()).to(SXT))
+                            tscale = list(token_scales(amax, scratch, sx, X_BOOST))
+                        for m in cutlass.range_constexpr(M):
+                            for j in cutlass.range_constexpr(NJ):
+                                u = tid + NT * j
+                                if u < NU:
+                                    sXv[m, u, None].store(x_order(xr[m, j, None].load() * (rstds[m] * tscale[m])
+                                                                  * wr[j, None].load()).to(SXT))
                     else:
                         # rstd of every token over the whole row, kept in scratch[STATS_OFFSET + m]
                         sums = []
@@ -808,7 +753,7 @@ class GemvBlock(Block):
                                 scratch[STATS_OFFSET + m] = cute.math.rsqrt(tot[m] / Float32(K) + Float32(eps),
                                                                             fastmath=False)
                         cute.arch.sync_threads()
-            if cutlass.const_expr(tc or wg):
+            if cutlass.const_expr(mma or wg):
                 return acc, resv, sx
             return acc, resv
 
@@ -893,7 +838,7 @@ class GemvBlock(Block):
             # stage the next x block (bf16) when chunk ch starts one - unless the whole x is
             # already in sx (staged by the previous tile of this op, or by the merged norm);
             # the previous block's readers finished before the last chunk's closing barrier
-            if cutlass.const_expr(wg or mma8):
+            if cutlass.const_expr(wg):
                 rv = cute.make_rmem_tensor((8,), Float32)
             if cutlass.const_expr(not merged_norm):
                 stage = ch % CPX == 0
@@ -947,21 +892,6 @@ class GemvBlock(Block):
                                         sXp[ku // 2, row, (ku % 2) * 2] = Int32(0)
                                         sXp[ku // 2, row, (ku % 2) * 2 + 1] = Int32(0)
                         fence_proxy_async_smem()    # the pieces are read by wgmma (async proxy)
-                    elif cutlass.const_expr(mma8):
-                        # the per-token scales as wgmma's, then each unit of 8 scaled values as PX
-                        # e4m3 pieces into rows m PX + p (XPB bytes each), bytes 8 ku .. 8 ku + 7
-                        mNWh = mNW if cutlass.const_expr(norm) else None
-                        scales = block_scales(mX, mNWh, scratch, sx, xb, tid, 16.0, 1.0 / 16.0)
-                        sXp = smem_tensor(sx, Int32, (M * PX, XPB // 4))
-                        for j in cutlass.range_constexpr(NJX):
-                            m, ku, v = x_unit(mX, mNWh, scratch, xb, j, tid)
-                            rv.store(v * scale_of(scales, m))
-                            vals = [rv[e] for e in range(8)]
-                            for pc in cutlass.range_constexpr(PX):
-                                outs = e4m3_piece(vals)
-                                sXp[m * PX + pc, 2 * ku] = outs[0]
-                                sXp[m * PX + pc, 2 * ku + 1] = outs[1]
-                                vals = [outs[2 + e] * Float32(16.0) for e in range(8)]
                     else:
                         for j in cutlass.range_constexpr(-(-(M * XU) // NT)):
                             u = tid + NT * j
@@ -1177,26 +1107,22 @@ class GemvBlock(Block):
             lane = tid % 32
             g = lane // 4
             q = lane % 4
-            RP, MP = MT * 16, (8 if mma8 else NTN * 8)
+            RP, MP = MT * 16, NTN * 8
             # 1. every warp adds its partial sums into [weight][token][row] (fragment c holds
-            #    row g (+8 for c >= 2), columns 2q, 2q+1: tokens, or (mma8) pieces of token
-            #    column // PX, already weighted - past the last piece they are 0, added to token
-            #    M - 1); padded rows / tokens are never read
+            #    row g (+8 for c >= 2), tokens 2q, 2q+1); padded rows / tokens are never read
             for i in cutlass.range_constexpr(nw):
                 for mt in cutlass.range_constexpr(MT):
                     for nt in cutlass.range_constexpr(NTN):
                         for v in cutlass.range_constexpr(4):
                             row = mt * 16 + g + 8 * (v // 2)
                             tok = nt * 8 + 2 * q + v % 2
-                            if cutlass.const_expr(mma8):
-                                tok = cutlass.min(tok // PX, Int32(M - 1))
-                            ptr = cute.make_ptr(Float32, sx + RED_TC + 4 * ((i * MP + tok) * RP + row),
+                            ptr = cute.make_ptr(Float32, sx + XBYTES + 4 * ((i * MP + tok) * RP + row),
                                                 cute.AddressSpace.smem, assumed_align=4)
                             cute.arch.atomic_add(ptr, acc[i, mt, nt, v], scope="cta")
             cute.arch.sync_threads()
             # 2. the epilogue: thread tid has outputs o = tid + NT e, token-major (a warp writes
             #    consecutive rows of one token: contiguous in y)
-            sRed = smem_tensor(sx + RED_TC, Float32, (nw, MP, RP))
+            sRed = smem_tensor(sx + XBYTES, Float32, (nw, MP, RP))
             mY = gmem_tensor(ptrs[i_y], odt, (M, N), 2 if c.out_dtype == "bf16" else 4)
             for e in cutlass.range_constexpr(EPI):
                 o = tid + NT * e
@@ -1211,64 +1137,6 @@ class GemvBlock(Block):
                     mY[tok, t * R + row] = a.to(odt)
             # the sums are zeroed by the next tile's begin: no thread may still be reading them
             cute.arch.sync_threads()
-
-        # -- fp8_decode="mma8": mma.sync m16n8k32 e4m3 x e4m3 (fp32 accumulate), swap-AB as the MMA
-        # path - but the weights go from the ring stage into the A fragments by ldmatrix as they
-        # are (no conversion instruction), and B is x as PX e4m3 pieces (x * 2^s = p0 + p1 / 16 +
-        # p2 / 256, max |x| 2^s in [128, 256)) in the MMA's columns: column n = token n // PX,
-        # piece n % PX - ONE MMA takes 16 rows x 32 weights for every token and piece at batch
-        # <= 2. The 8 warps split each chunk's k32 blocks (all of a warp's inside one 128-wide
-        # scale block); each block's sums start from zero and are promoted to the fp32
-        # accumulators with the weight scale x the column's 16^-p x the token's 2^-s.
-        # ldmatrix: lane l gives row l % 8 of matrix l // 8. A (weights, rows PITCH units apart:
-        # 8 rows on 8 bank groups): matrices (rows 0-7 | 8-15) x (bytes 0-15 | 16-31) of the
-        # k32 block = a0 (row g), a1 (row g + 8), a2, a3 (bytes 16-31). B (pieces, rows XPB
-        # bytes apart): matrices bytes 0-15 | 16-31 of rows n = lane % 8 (rows past the pieces
-        # read row 0: their columns are weighted 0).
-        KW = KC // 256                          # k32 blocks per warp per chunk
-
-        @cute.jit
-        def consume_mma8(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):
-            acc = state[0]
-            tid, _, _ = cute.arch.thread_idx()
-            lane = tid % 32
-            warp = tid // 32
-            q = lane % 4
-            lj = lane // 8
-            xo = (ch % CPX) * KC                 # the chunk's first byte in a staged piece row
-            sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU * 4))
-            sInv = smem_tensor(sx + XBYTES, Float32, (M,))
-            arows = [Int32(cutlass.select_(mt * 16 + 8 * (lj % 2) + lane % 8 < R,
-                                           mt * 16 + 8 * (lj % 2) + lane % 8, R - 1)) for mt in range(MT)]
-            brows = [Int32(cutlass.select_(nt * 8 + lane % 8 < M * PX, nt * 8 + lane % 8, 0)) for nt in range(NTN)]
-            # the weight of this thread's columns n = nt 8 + 2q + v
-            colw = []
-            for nt in cutlass.range_constexpr(NTN):
-                for v in cutlass.range_constexpr(2):
-                    n = nt * 8 + 2 * q + v
-                    pw = Float32(1.0)
-                    for pc in cutlass.range_constexpr(1, PX):
-                        pw = Float32(cutlass.select_(n % PX == pc, Float32(16.0 ** -pc), pw))
-                    tk = cutlass.min(n // PX, Int32(M - 1))
-                    colw.append(Float32(cutlass.select_(n < M * PX, pw * sInv[tk], Float32(0.0))))
-            part = cute.make_rmem_tensor((nw, MT, NTN, 4), Float32)
-            part.fill(0.0)
-            for s_ in cutlass.range_constexpr(KW):
-                kb = warp * KW + s_              # the k32 block of the chunk
-                bf = [ldmatrix_x2(sx + brows[nt] * XPB + xo + kb * 32 + (lj % 2) * 16) for nt in range(NTN)]
-                for i in cutlass.range_constexpr(nw):
-                    for mt in cutlass.range_constexpr(MT):
-                        a = ldmatrix_x4(stage_addr + ((i * R + arows[mt]) * PITCH + 2 * kb + lj // 2) * 16)
-                        for nt in cutlass.range_constexpr(NTN):
-                            cf = mma_m16n8k32_e4m3(a, bf[nt], [part[i, mt, nt, v] for v in range(4)])
-                            for v in cutlass.range_constexpr(4):
-                                part[i, mt, nt, v] = cf[v]
-            for i in cutlass.range_constexpr(nw):
-                sc = sS[i, (warp * KW * 32) // SB]
-                for mt in cutlass.range_constexpr(MT):
-                    for nt in cutlass.range_constexpr(NTN):
-                        for v in cutlass.range_constexpr(4):
-                            acc[i, mt, nt, v] = acc[i, mt, nt, v] + sc * colw[2 * nt + v % 2] * part[i, mt, nt, v]
 
         @cute.jit
         def consume_wgmma(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):
@@ -1341,7 +1209,6 @@ class GemvBlock(Block):
 
         if wg:
             return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_wgmma, end=end_wgmma)
-        if tc:
-            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma8 if mma8 else consume_mma,
-                               end=end_mma)
+        if mma:
+            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma, end=end_mma)
         return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_hfma2 if hfma2 else consume, end=end)

@@ -49,22 +49,17 @@ from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..blocks._cute import bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile
-from ..blocks.base import NUM_THREADS, ring_geometry, smem_budget
+from ..blocks.base import NUM_THREADS, ring_geometry
 from . import isa
 from .program import records_geometry
 
 OPTAB_EXTENT = 1 << 24        # static extent of the operand table view (never bounds-checked)
 
 
-def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, records_window: int | None = None,
-          ctas_per_sm: int = 1):
+def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, records_window: int | None = None):
     """The `@cute.jit` host function launching the megakernel for these opcode variants. pdl:
     launched as a programmatic dependent launch (see the kernel's griddepcontrol.wait).
-    records_window: program.records_geometry's (None: its choice). num_sms: the grid's CTAs (each
-    walks its own list); ctas_per_sm > 1: that many share an SM - each gets smem_budget(ctas_per_sm)
-    of shared memory and ptxas fits the registers (nvvm.minctasm) - so a grid of SMs x ctas_per_sm
-    CTAs is resident at once, which the counters' waits need (no CTA may wait for one that has
-    not started)."""
+    records_window: program.records_geometry's (None: its choice)."""
     nops = [len(b.operands()) for b in blocks]
     nch = [b.stream_chunks() for b in blocks]
     tiles = [None if nch[k] else b.device_tile() for k, b in enumerate(blocks)]
@@ -72,10 +67,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
     faces = [b.device_stream() if nch[k] else None for k, b in enumerate(blocks)]
     S, L, W = num_sms, max_len, isa.WORDS
     NOPS, rec_bytes, WIN = records_geometry(blocks, max_len, records_window)
-    stage_bytes, P, xbytes = ring_geometry(blocks, reserved=rec_bytes, budget=smem_budget(ctas_per_sm))
-    # several CTAs an SM: the registers capped to fit them (a carveout given, so that the DSL does
-    # not ask a GPU for the SM's shared memory - compile checks run without one)
-    fit = dict(min_blocks_per_mp=ctas_per_sm, preferred_smem_carveout=100) if ctas_per_sm > 1 else {}
+    stage_bytes, P, xbytes = ring_geometry(blocks, reserved=rec_bytes)
     # record slots in smem: every record of the list (WIN 0), or a window of WIN slots that the
     # list streams through, half a window at a time (record r in slot r % WIN)
     LR = WIN or L
@@ -319,7 +311,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
     def host(pI: Int64, pN: Int64, pC: Int64, pE: Int64, pT: Int64, pTim: Int64, timeout_ns: Int64,
              stream: "cuda.CUstream"):
         kernel(pI, pN, pC, pE, pT, pTim, timeout_ns).launch(
-            grid=(S, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, use_pdl=pdl, **fit)
+            grid=(S, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
     import cuda.bindings.driver as cuda
     host.__annotations__["stream"] = cuda.CUstream
@@ -330,16 +322,13 @@ _cache: dict = {}
 
 
 def compile_megakernel(blocks, num_sms: int, max_len: int, timing: bool = False, arch: str | None = None,
-                       pdl: bool = False, records_window: int | None = None, ctas_per_sm: int = 1):
+                       pdl: bool = False, records_window: int | None = None):
     """Compiled megakernel `fn(pI, pN, pC, pE, pT, pTim, timeout_ns, stream)`, cached in-process on
-    (block static configs, num_sms (the grid's CTAs), max_len, timing, arch, pdl, the records'
-    window, CTAs per SM)."""
-    from ..blocks import _cute
-    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, records_window, ctas_per_sm,
-           _cute.WAIT_POLL)
+    (block static configs, num_sms, max_len, timing, arch, pdl, the records' window)."""
+    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, records_window)
     if key not in _cache:
         import cuda.bindings.driver as cuda
-        host = build(blocks, num_sms, max_len, timing, pdl, records_window, ctas_per_sm)
+        host = build(blocks, num_sms, max_len, timing, pdl, records_window)
         args = (Int64(0),) * 6 + (Int64(1), cuda.CUstream(0))
         if arch:
             _cache[key] = cute.compile(host, *args, options=f"--gpu-arch {arch}")

@@ -37,7 +37,7 @@ class MegakernelRuntime:
     def __init__(self, program, tensors: dict[str, torch.Tensor], *, num_sms: int | None = None,
                  timing: bool = False, timeout_s: float = 2.0, device="cuda",
                  error: torch.Tensor | None = None, pdl: bool = False, schedule_order: str = "phase",
-                 records_window: int | None = None, ctas_per_sm: int = 1):
+                 records_window: int | None = None):
         # error: use this int32[ERROR_WORDS] tensor as the error word (blocks that wait on other
         # GPUs, e.g. the all-reduce, bind the same tensor as an operand, so that their timeout
         # stops this launch's other CTAs too); default: a fresh one.
@@ -48,16 +48,11 @@ class MegakernelRuntime:
         # (2026-12-03); the standalone streaming kernel (blocks._cute.standalone) has it on.
         # records_window: the instruction records' smem window (program.records_geometry); None:
         # all resident when they fit, else the largest window that fits its budget.
-        # ctas_per_sm: CTAs sharing each SM (kernel.build: each with that share of the shared
-        # memory, registers capped to fit); the grid, the schedule's lists and self.num_sms are
-        # then num_sms x ctas_per_sm CTAs - cut the program's tiles for that many.
         self.program = program
         self.device = torch.device(device)
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        num_sms *= ctas_per_sm
-        self.num_sms = num_sms                  # the grid's CTAs, each walking its own list
-        self.ctas_per_sm = ctas_per_sm
+        self.num_sms = num_sms
         check_buffers(program, tensors, "cuda")
         self.tensors = tensors
         self.schedule = schedule(program, num_sms, order=schedule_order)   # sdk.schedule.op_order
@@ -83,7 +78,7 @@ class MegakernelRuntime:
         self.timeout_ns = int(timeout_s * 1e9)
         from .kernel import compile_megakernel
         self.fn = compile_megakernel(program.opcodes.blocks, num_sms, self.max_len, timing, pdl=pdl,
-                                     records_window=self.records_window, ctas_per_sm=ctas_per_sm)
+                                     records_window=self.records_window)
         self._args = [t.data_ptr() for t in (self.words, self.lengths, self.counters, self.error,
                                                self.optab, self.timing_buf)]
 

@@ -108,53 +108,6 @@ def test_gemv_fp8_wgmma(m, n, k, rows, swiglu, norm, residual):
     assert rel_err(t["y"], block.reference(**t)["y"]) <= BF16_TOL
 
 
-@pytest.mark.parametrize("m,n,k,rows,swiglu,norm,residual,xdt", [
-    (1, 2048, 2048, 8, False, False, "bf16", "bf16"),   # 8-row tiles: the m16 tile's rows 8..15 repeat row 7
-    (1, 1024, 7168, 16, True, True, None, "bf16"),      # the gate/up shape, fused norm merged (8 a unit)
-    (2, 1024, 7168, 16, True, True, None, "fp32"),      # ... from the fp32 residual (4 a unit), 2 tokens
-    (2, 7168, 2048, 64, False, False, "fp32", "bf16"),  # the down shape, 3 pieces x 2 tokens, 4 m16 tiles
-    (4, 1024, 7168, 16, True, True, None, "bf16"),      # 2 pieces x 4 tokens, the norm in two passes
-    (8, 1024, 7168, 32, True, False, None, "bf16"),     # 2 pieces x 8 tokens: two n8 tiles (mma=False)
-    (1, 1024, 36864, 16, False, True, None, "bf16"),    # x staged in 2 blocks, each with its own scales
-])
-def test_gemv_fp8_mma8(m, n, k, rows, swiglu, norm, residual, xdt):
-    """fp8_decode="mma8": the weights from the ring stage straight into mma.sync m16n8k32 e4m3
-    (ldmatrix, no conversion) against x as e4m3 pieces in the MMA's columns; equal to the fp32
-    reference within the bf16 bound."""
-    need_gpu()
-    from sdk.blocks.gemv import GemvBlock, GemvConfig
-    block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype="fp8_e4m3", swiglu=swiglu, norm=norm,
-                                 residual=residual, fp8_decode="mma8", rows_per_tile=rows, mma=False, x_dtype=xdt))
-    assert block.mma8 and (block.x_block < k) == (k == 36864)
-    t = gemv_inputs(block, 500 + m)
-    run_standalone(block, t)
-    assert rel_err(t["y"], block.reference(**t)["y"]) <= BF16_TOL
-
-
-@pytest.mark.parametrize("batch", [1, 2, 4])
-def test_mlp_stack_fp8_mma8(batch):
-    """The one-launch fp8 stack with every GEMV on mma.sync m16n8k32 e4m3 (fp8_decode="mma8")."""
-    need_gpu()
-    from sdk.megakernel.mlp_stack import MLPStackConfig
-    cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype="fp8_e4m3",
-                         fp8_decode="mma8")
-    _check_stack_steps(cfg, seed=17, steps=2)
-
-
-@pytest.mark.parametrize("wd,decode,batch", [("fp8_e4m3", "hfma2", 1), ("fp8_e4m3", "mma8", 1), ("bf16", "hfma2", 1),
-                                             ("fp8_e4m3", "hfma2", 8)])
-def test_mlp_stack_two_ctas_per_sm(wd, decode, batch):
-    """The one-launch stack with two CTAs sharing each SM (MegakernelRuntime(ctas_per_sm=2): a grid
-    of 2 x SMs CTAs, each with half the shared memory and registers capped to fit both), its
-    tiles cut for that grid; three steps (epochs) against the reference."""
-    need_gpu()
-    from sdk.megakernel.mlp_stack import MLPStackConfig
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype=wd,
-                         fp8_decode=decode, num_sms=2 * sms)
-    _check_stack_steps(cfg, seed=19, steps=3, ctas_per_sm=2)
-
-
 @pytest.mark.parametrize("batch", [1, 2])
 def test_mlp_stack_fp8_alu_decode(batch):
     """The one-launch fp8 stack with the CUDA-core tiles' e4m3 -> f16 in integer ops
@@ -325,11 +278,11 @@ def test_mlp_stack_many_tiles_per_sm(batch, wd):
     _check_stack_steps(cfg, seed=7, steps=3)
 
 
-def _check_stack_steps(cfg, seed, steps, **kw):
+def _check_stack_steps(cfg, seed, steps):
     """`steps` launches of the stack, each on fresh random x with the output poisoned, each equal
     to the fp32 reference within the bf16 bound."""
     from sdk.megakernel.mlp_stack import reference
-    rt, weights = _stack_runtime(cfg, seed=seed, **kw)
+    rt, weights = _stack_runtime(cfg, seed=seed)
     for step in range(steps):
         x = torch.randn(cfg.batch, cfg.hidden, device="cuda").to(torch.bfloat16)
         rt.tensors["x"].copy_(x)

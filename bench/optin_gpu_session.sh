@@ -42,6 +42,9 @@
 # 13: issue 5 on an H200 in one short call (the twenty-seventh session): only when the GPU is an
 #    H200 (else it exits at once), mla_bench at its default against kv_before_wait=0 (bf16 shards,
 #    batch 1 x 128K) and bulk_copy=0 (the fp8 cache at batch 1 and 64), interleaved; no tests.
+# 15: the GEMV ring's copies spread by rows (GEMV_ISSUE "rows", the twenty-eighth session): the
+#    megakernel and MoE GPU tests (`15 bench` skips them), then the fp8 / bf16 GEMVs and stacks and
+#    the MoE layer at batch 1 against the old unit mapping (SDK_GEMV_ISSUE=units), interleaved.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -143,6 +146,26 @@ if [ "${1:-1}" = 13 ]; then   # issue 5's batch-1 and fp8 figures on an H200, be
     BENCH_S_mla_again=45 BENCH_ARGS_mla_again="--cases $C" \
     BENCH_S_mla_pdl2=45 BENCH_ARGS_mla_pdl2="--cases $C --set kv_before_wait=0" \
     DEVICE_ALL_S=230 bash bench/device_all.sh bench:mla bench:mla@pdl bench:mla@cp bench:mla@again bench:mla@pdl2
+  exit
+fi
+
+if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old unit mapping
+  [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_megakernel_gpu.py tests/gpu/test_moe_gpu.py" TESTS_S=190 \
+    OUT="$OUT/tests" DEVICE_ALL_S=200 bash bench/device_all.sh tests
+  F="'fp8_e4m3', None, True"
+  G="[(18432, 7168, 1, $F), (7168, 2048, 1, $F), (7168, 2048, 1, 'bf16', None, True)]"
+  S="[{'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'}, {'intermediate': 2048, 'layers': 8},
+      {'intermediate': 18432, 'layers': 4, 'weight_dtype': 'fp8_e4m3'}]"
+  M="--no-timeline --cases kimi_k3:1:mxfp4,glm_53:1:mxfp4"
+  BENCH_S_megakernel=90 BENCH_ARGS_megakernel="--no-timeline --parts gemv,stack --gemv-cases \"$G\" --stack-cases \"$S\"" \
+    BENCH_S_megakernel_units=90 BENCH_ARGS_megakernel_units="--no-timeline --parts gemv,stack --gemv-cases \"$G\" --stack-cases \"$S\"" \
+    BENCH_ENV_megakernel_units="SDK_GEMV_ISSUE=units" \
+    BENCH_S_megakernel_again=60 BENCH_ARGS_megakernel_again="--no-timeline --parts stack --stack-cases \"$S\"" \
+    BENCH_S_megakernel_units2=60 BENCH_ARGS_megakernel_units2="--no-timeline --parts stack --stack-cases \"$S\"" \
+    BENCH_ENV_megakernel_units2="SDK_GEMV_ISSUE=units" \
+    BENCH_S_moe=45 BENCH_ARGS_moe="$M" BENCH_S_moe_units=45 BENCH_ARGS_moe_units="$M" BENCH_ENV_moe_units="SDK_GEMV_ISSUE=units" \
+    DEVICE_ALL_S=${P15_S:-350} bash bench/device_all.sh bench:megakernel bench:megakernel@units bench:megakernel@again \
+    bench:megakernel@units2 bench:moe bench:moe@units
   exit
 fi
 

@@ -22,3 +22,17 @@ def test_import_sdk_without_cutlass():
             "build_program(MLPStackConfig(hidden=1024, intermediate=512, layers=1)); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("mode", ["rows", "units"])
+def test_gemv_ring_issue_modes_compile(mode, monkeypatch):
+    """GemvBlock's ring copies by rows (the default: affine addresses, warp-uniform guards) and by
+    units (SDK_GEMV_ISSUE=units, the A/B twin until measured): bf16 and fp8 (with its scales), a
+    row count that leaves some producer warps a row short (16 rows over 7 warps)."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from sdk.blocks import gemv
+    from sdk.blocks._cute import standalone
+    monkeypatch.setattr(gemv, "GEMV_ISSUE", mode)
+    for wd, k in (("bf16", 3072), ("fp8_e4m3", 5120)):      # shapes no other test compiles (cache)
+        standalone(gemv.GemvBlock(gemv.GemvConfig(n=1024, k=k, weight_dtype=wd, swiglu=True, rows_per_tile=16)),
+                   "sm_90a")

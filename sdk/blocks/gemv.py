@@ -39,6 +39,7 @@ docs/megakernel.md ("The GEMV consumer").
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,13 @@ class GemvConfig:
                                          # "hfma2_alu" (opt-in, not yet measured): hfma2 with the
                                          # e4m3 -> f16 step in integer ops, no F2FP
 
+
+# How a ring chunk's copies are spread over the producer threads (read when kernels are traced):
+# "rows" (warp w rows w, w + 7, ..., lane l units l, l + 32, ...), or "units" (the old mapping:
+# unit p + NP j cut into row and column per copy) - an A/B switch until measured, SDK_GEMV_ISSUE.
+GEMV_ISSUE = os.environ.get("SDK_GEMV_ISSUE", "rows")
+if GEMV_ISSUE not in ("rows", "units"):
+    raise ValueError(f"SDK_GEMV_ISSUE={GEMV_ISSUE!r}: rows or units")
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
 MAX_ACCUMULATORS = 128              # fp32 accumulators per thread (rows per warp x weights x tokens)
@@ -549,6 +557,7 @@ class GemvBlock(Block):
         i_y = i_x + 1 + int(norm) + int(bool(c.residual))
         XV = 16 // (2 if c.x_dtype == "bf16" else 4)   # x elements per 16-byte load (norm pass)
         NP = PRODUCER_THREADS
+        NPW = NP // 32                          # producer warps
         XE = min(E, 8)                          # x elements per smem load in consume
         PD = max(1, E // 4)                     # partial sums per 16-byte unit (a power of 2)
         whole_x = CPX == self.stream_chunks()   # x staged once per tile (at chunk 0): reusable
@@ -625,7 +634,21 @@ class GemvBlock(Block):
             sW8 = smem_tensor(stage_addr, wdt, (nw * R // 8, KCU, 8, E))     # wgmma: core matrices
             for i in cutlass.range_constexpr(nw):
                 mW = gmem_tensor(ptrs[i_w[i]], wdt, (N, K // E, E), 16)
-                for j in cutlass.range_constexpr(-(-(R * KCU) // NP)):
+                if cutlass.const_expr(not wg and GEMV_ISSUE == "rows"):
+                    # producer warp pw copies rows pw, pw + NPW, ..., its lane l units l, l + 32,
+                    # ... of each: every copy's addresses are this thread's first ones plus a
+                    # constant (one row or 32 units on), and the guard is warp-uniform - instead
+                    # of a unit index cut into row and column per copy (~12 instructions and a
+                    # branch each: as many as the consumer's own per chunk at fp8)
+                    pw = p // 32
+                    pl = p - 32 * pw
+                    for b in cutlass.range_constexpr(-(-R // NPW)):
+                        prow = pw + NPW * b
+                        if (p >= 0) & (prow < R):
+                            for a in cutlass.range_constexpr(KCU // 32):
+                                cute.copy(atom, mW[t * R + prow, ch * KCU + pl + 32 * a, None],
+                                          sW[i, prow, pl + 32 * a, None])
+                for j in cutlass.range_constexpr(0 if (not wg and GEMV_ISSUE == "rows") else -(-(R * KCU) // NP)):
                     u = p + NP * j
                     if (p >= 0) & (u < R * KCU):
                         if cutlass.const_expr(wg):

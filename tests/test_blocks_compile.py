@@ -24,15 +24,13 @@ def test_import_sdk_without_cutlass():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
-@pytest.mark.parametrize("mode", ["rows", "units"])
-def test_gemv_ring_issue_modes_compile(mode, monkeypatch):
-    """GemvBlock's ring copies by rows (the default: affine addresses, warp-uniform guards) and by
-    units (SDK_GEMV_ISSUE=units, the A/B twin until measured): bf16 and fp8 (with its scales), a
-    row count that leaves some producer warps a row short (16 rows over 7 warps)."""
+
+def test_gemv_ring_rows_compile():
+    """GemvBlock's ring copies by rows (producer warp w rows w, w + 7, ...): bf16 and fp8 (with its
+    scales), 16 rows over the 7 producer warps (some a row short), one and two weights."""
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     from sdk.blocks import gemv
     from sdk.blocks._cute import standalone
-    monkeypatch.setattr(gemv, "GEMV_ISSUE", mode)
-    for wd, k in (("bf16", 3072), ("fp8_e4m3", 5120)):      # shapes no other test compiles (cache)
-        standalone(gemv.GemvBlock(gemv.GemvConfig(n=1024, k=k, weight_dtype=wd, swiglu=True, rows_per_tile=16)),
+    for wd, k, swiglu in (("bf16", 3072, True), ("fp8_e4m3", 5120, True), ("fp8_e4m3", 5120, False)):
+        standalone(gemv.GemvBlock(gemv.GemvConfig(n=1024, k=k, weight_dtype=wd, swiglu=swiglu, rows_per_tile=16)),
                    "sm_90a")

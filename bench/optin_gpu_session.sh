@@ -45,6 +45,9 @@
 # 15: the GEMV ring's copies spread by rows (GEMV_ISSUE "rows", the twenty-eighth session): the
 #    megakernel and MoE GPU tests (`15 bench` skips them), then the fp8 / bf16 GEMVs and stacks and
 #    the MoE layer at batch 1 against the old unit mapping (SDK_GEMV_ISSUE=units), interleaved.
+# 16: fp8 down tiles straddling two scale blocks (the twenty-eighth session, unrun): their GPU tests
+#    (`16 bench` skips them), then the fp8 stack L=8 I=2048 with 56-row down tiles (128 SMs) against
+#    the default 64 (112 SMs), interleaved, twice.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -166,6 +169,16 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
     BENCH_S_moe=45 BENCH_ARGS_moe="$M" BENCH_S_moe_units=45 BENCH_ARGS_moe_units="$M" BENCH_ENV_moe_units="SDK_GEMV_ISSUE=units" \
     DEVICE_ALL_S=${P15_S:-350} bash bench/device_all.sh bench:megakernel bench:megakernel@units bench:megakernel@again \
     bench:megakernel@units2 bench:moe bench:moe@units
+  exit
+fi
+
+if [ "${1:-1}" = 16 ]; then   # issue 3: 56-row fp8 down tiles (straddling scale blocks) against 64
+  [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_megakernel_gpu.py" TESTS_S=190 OUT="$OUT/tests" DEVICE_ALL_S=200 \
+    bash bench/device_all.sh tests
+  L8="'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'"
+  S="[{$L8, 'down_rows': 56}, {$L8}, {$L8, 'down_rows': 56}, {$L8}, {$L8, 'batch': 2, 'down_rows': 56}, {$L8, 'batch': 2}]"
+  BENCH_S_megakernel=150 BENCH_ARGS_megakernel="--parts stack --stack-cases \"$S\"" \
+    DEVICE_ALL_S=${P16_S:-160} bash bench/device_all.sh bench:megakernel
   exit
 fi
 

@@ -115,6 +115,8 @@ def balanced_configs(configs: list[GemvConfig], num_sms: int = 132, max_rows: in
     best, best_key = None, None
     warps = NUM_THREADS // 32
     for r in range(8, max_rows + 1, 8):
+        if any(c.weight_dtype == "fp8_e4m3" and c.scale_block % r for c in configs):
+            continue            # fp8 tiles straddling two scale blocks: explicit rows only (unmeasured)
         try:
             cands = [GemvBlock(dataclasses.replace(c, rows_per_tile=r, chunk_k=0)) for c in configs]
         except UnsupportedConfigError:
@@ -337,9 +339,11 @@ class GemvBlock(Block):
             if c.n % c.scale_block or c.k % 512 or kc % 512:
                 self.unsupported(f"gemv fp8: n={c.n} must be a multiple of {c.scale_block}, k={c.k} and "
                                  f"chunk_k={kc} of 512 (the 128-wide scales are copied 4 at a time)")
-            if c.scale_block % c.rows_per_tile:
+            if c.scale_block % c.rows_per_tile and (self.use_mma or self.wgmma or not self.hfma2
+                                                    or c.rows_per_tile > c.scale_block):
                 self.unsupported(f"gemv fp8: rows_per_tile={c.rows_per_tile} must divide the "
-                                 f"{c.scale_block}-row scale block")
+                                 f"{c.scale_block}-row scale block (tiles that straddle two blocks: "
+                                 f"the CUDA-core hfma2 consumer only)")
         if not self.x_block:
             self.unsupported(f"gemv: m={c.m} x chunk_k={kc} bf16 activations exceed {X_SMEM_MAX} B of smem")
         if c.swiglu_limit is not None and not c.swiglu:
@@ -403,8 +407,16 @@ class GemvBlock(Block):
         # one pad unit per row (rows start on different banks); wgmma: none (core matrices)
         return self.chunk_k // self.elems_per_load + (0 if self.wgmma else 1)
 
+    @property
+    def scale_rows(self) -> int:
+        """fp8: the 128-row scale blocks one tile's rows may touch - 1 when rows_per_tile divides
+        the block, else 2 (a straddling tile: the CUDA-core fp8 consumers only, opt-in)."""
+        c = self.config
+        return 1 if c.weight_dtype != "fp8_e4m3" or c.scale_block % c.rows_per_tile == 0 else 2
+
     def chunk_bytes(self) -> int:
-        return 16 * (self.nw * self.config.rows_per_tile * self.pitch_units + self.nw * self.scale_units)
+        return 16 * (self.nw * self.config.rows_per_tile * self.pitch_units
+                     + self.nw * self.scale_units * self.scale_rows)
 
     def x_smem_bytes(self) -> int:
         # hfma2: the staged block's per-token scales (fp32) follow it; wgmma: 16 bytes of them,
@@ -529,6 +541,7 @@ class GemvBlock(Block):
         PITCH = self.pitch_units
         WU = nw * R * PITCH                     # weight units in a stage
         SU = self.scale_units
+        SRB = self.scale_rows                   # fp8: the scale blocks a tile's rows touch (1 or 2)
         KX = self.x_block
         CPX = KX // KC                          # chunks per staged x block
         XU = KX // 8                            # bf16 x units (8 elements) per token per x block
@@ -658,11 +671,17 @@ class GemvBlock(Block):
             if cutlass.const_expr(fp8):
                 satom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                             Float32, num_bits_per_copy=128)
-                sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU, 4))
+                sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SRB, SU, 4))
                 for i in cutlass.range_constexpr(nw):
                     mS = gmem_tensor(ptrs[i_s[i]], Float32, (N // SB, K // 512, 4), 16)
-                    if (p >= 0) & (p < SU):
-                        cute.copy(satom, mS[(t * R) // SB, ch * SU + p, None], sS[i, p, None])
+                    for rb in cutlass.range_constexpr(SRB):
+                        # a straddling tile's second block (its last row's; past the end of N
+                        # only when the tile does not straddle: then the first block again)
+                        blk = (t * R) // SB
+                        if cutlass.const_expr(rb == 1):
+                            blk = (t * R + R - 1) // SB
+                        if (p >= 0) & (p < SU):
+                            cute.copy(satom, mS[blk, ch * SU + p, None], sS[i, rb, p, None])
 
         @cute.jit
         def begin(ptrs, t: Int32, sx, scratch, fresh: Int32):
@@ -951,7 +970,11 @@ class GemvBlock(Block):
             sXw = smem_tensor(sx, Int32, (M, KX // 8, 4))                  # 4 words = 8 f16 of x
             sInv = smem_tensor(sx + XBYTES, Float32, (M,))                 # per-token x scales, inverted
             xo = (ch % CPX) * (KC // 8)
-            sc = cute.make_rmem_tensor((nw,), Float32)
+            sc = cute.make_rmem_tensor((nw, RW), Float32)
+            # each of this warp's rows: its scale block among the tile's SRB (0: the first)
+            rbs = [Int32(0) for _ in range(RW)]
+            if cutlass.const_expr(SRB > 1):
+                rbs = [(t * R + warp + NWARP * rr) // SB - (t * R) // SB for rr in range(RW)]
             for cj in cutlass.range_constexpr(KCU // 32):
                 cu = lane + 32 * cj
                 # the unit's weights as 8 f16x2 pairs (elements 2p, 2p + 1) per row. One 16-byte
@@ -969,9 +992,13 @@ class GemvBlock(Block):
                                 lo, hi = e4m3x4_to_f16x2x2(rw[wi])
                             wp[i][rr][2 * wi] = lo
                             wp[i][rr][2 * wi + 1] = hi
-                sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU * 4))
+                sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SRB, SU * 4))
                 for i in cutlass.range_constexpr(nw):
-                    sc[i] = sS[i, cu // (SB // E)]
+                    if cutlass.const_expr(SRB > 1):
+                        for rr in cutlass.range_constexpr(RW):
+                            sc[i, rr] = sS[i, rbs[rr], cu // (SB // E)]
+                    else:
+                        sc[i, 0] = sS[i, 0, cu // (SB // E)]
                 rx = cute.make_rmem_tensor((2, 4), Int32)
                 for m in cutlass.range_constexpr(M):
                     for h in cutlass.range_constexpr(2):
@@ -986,7 +1013,7 @@ class GemvBlock(Block):
                                 a0 = fma_f16x2(wp[i][rr][2 * p], xp[2 * p], a0)
                                 a1 = fma_f16x2(wp[i][rr][2 * p + 1], xp[2 * p + 1], a1)
                             d = f16x2_sum_f32(a0) + f16x2_sum_f32(a1)
-                            acc[rr, i, m] = acc[rr, i, m] + d * (sc[i] * inv_m)
+                            acc[rr, i, m] = acc[rr, i, m] + d * (sc[i, rr if SRB > 1 else 0] * inv_m)
 
         @cute.jit
         def consume(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):

@@ -108,6 +108,31 @@ def test_gemv_fp8_wgmma(m, n, k, rows, swiglu, norm, residual):
     assert rel_err(t["y"], block.reference(**t)["y"]) <= BF16_TOL
 
 
+@pytest.mark.parametrize("m,rows,swiglu,residual", [(1, 56, False, "bf16"), (2, 24, True, None), (1, 40, False, "fp32")])
+def test_gemv_fp8_straddling_tiles(m, rows, swiglu, residual):
+    """fp8 tiles whose rows straddle two 128-row scale blocks (hfma2): each row scaled by its own
+    block's scale; n = 48 tiles, so every straddle position occurs."""
+    need_gpu()
+    from sdk.blocks.gemv import GemvBlock, GemvConfig
+    block = GemvBlock(GemvConfig(n=48 * rows, k=2048, m=m, weight_dtype="fp8_e4m3", swiglu=swiglu,
+                                 residual=residual, out_dtype="fp32" if residual == "fp32" else "bf16",
+                                 rows_per_tile=rows))
+    assert block.scale_rows == 2
+    t = gemv_inputs(block, 600 + rows)
+    run_standalone(block, t)
+    assert rel_err(t["y"], block.reference(**t)["y"]) <= BF16_TOL
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_mlp_stack_fp8_straddling_down_tiles(batch):
+    """The one-launch fp8 stack with 56-row down tiles (128 tiles, straddling scale blocks)."""
+    need_gpu()
+    from sdk.megakernel.mlp_stack import MLPStackConfig
+    cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype="fp8_e4m3",
+                         down_rows=56)
+    _check_stack_steps(cfg, seed=23, steps=2)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_mlp_stack_fp8_alu_decode(batch):
     """The one-launch fp8 stack with the CUDA-core tiles' e4m3 -> f16 in integer ops

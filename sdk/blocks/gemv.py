@@ -98,6 +98,13 @@ TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilo
 MAX_ACCUMULATORS = 128              # fp32 accumulators per thread (rows per warp x weights x tokens)
 
 
+def straddles(config: GemvConfig, rows: int) -> bool:
+    """fp8 tiles of `rows` rows would straddle two scale blocks: legal for the hfma2 consumer
+    (GemvBlock.scale_rows), but unmeasured - the automatic cuts (balanced_configs, standalone_rows)
+    skip them; explicit rows_per_tile take them."""
+    return config.weight_dtype == "fp8_e4m3" and config.scale_block % rows != 0
+
+
 def balanced_config(config: GemvConfig, num_sms: int = 132, max_rows: int = 64) -> GemvConfig:
     """`config` with the rows_per_tile that finishes the op soonest on `num_sms` SMs: the most
     tiles any SM gets x (the tile's weight bytes + TILE_OVERHEAD_BYTES), among the legal row
@@ -115,8 +122,8 @@ def balanced_configs(configs: list[GemvConfig], num_sms: int = 132, max_rows: in
     best, best_key = None, None
     warps = NUM_THREADS // 32
     for r in range(8, max_rows + 1, 8):
-        if any(c.weight_dtype == "fp8_e4m3" and c.scale_block % r for c in configs):
-            continue            # fp8 tiles straddling two scale blocks: explicit rows only (unmeasured)
+        if any(straddles(c, r) for c in configs):
+            continue
         try:
             cands = [GemvBlock(dataclasses.replace(c, rows_per_tile=r, chunk_k=0)) for c in configs]
         except UnsupportedConfigError:
@@ -173,6 +180,8 @@ def standalone_rows(config: GemvConfig, num_sms: int = 132) -> GemvConfig:
     import dataclasses
     legal = []
     for r in range(8, 129, 8):
+        if straddles(config, r):
+            continue
         try:
             legal.append(GemvBlock(dataclasses.replace(config, rows_per_tile=r)))
         except UnsupportedConfigError:

@@ -684,8 +684,8 @@ class GemvBlock(Block):
                 for i in cutlass.range_constexpr(nw):
                     mS = gmem_tensor(ptrs[i_s[i]], Float32, (N // SB, K // 512, 4), 16)
                     for rb in cutlass.range_constexpr(SRB):
-                        # a straddling tile's second block (its last row's; past the end of N
-                        # only when the tile does not straddle: then the first block again)
+                        # block 1: the tile's last row's (the first block again for the tiles
+                        # of a straddling cut that lie inside one block)
                         blk = (t * R) // SB
                         if cutlass.const_expr(rb == 1):
                             blk = (t * R + R - 1) // SB

@@ -348,8 +348,7 @@ class GemvBlock(Block):
             if c.n % c.scale_block or c.k % 512 or kc % 512:
                 self.unsupported(f"gemv fp8: n={c.n} must be a multiple of {c.scale_block}, k={c.k} and "
                                  f"chunk_k={kc} of 512 (the 128-wide scales are copied 4 at a time)")
-            if c.scale_block % c.rows_per_tile and (self.use_mma or self.wgmma or not self.hfma2
-                                                    or c.rows_per_tile > c.scale_block):
+            if straddles(c, c.rows_per_tile) and (not self.hfma2 or c.rows_per_tile > c.scale_block):
                 self.unsupported(f"gemv fp8: rows_per_tile={c.rows_per_tile} must divide the "
                                  f"{c.scale_block}-row scale block (tiles that straddle two blocks: "
                                  f"the CUDA-core hfma2 consumer only)")
@@ -419,9 +418,8 @@ class GemvBlock(Block):
     @property
     def scale_rows(self) -> int:
         """fp8: the 128-row scale blocks one tile's rows may touch - 1 when rows_per_tile divides
-        the block, else 2 (a straddling tile: the CUDA-core fp8 consumers only, opt-in)."""
-        c = self.config
-        return 1 if c.weight_dtype != "fp8_e4m3" or c.scale_block % c.rows_per_tile == 0 else 2
+        the block, else 2 (a straddling tile: the hfma2 consumer only, opt-in)."""
+        return 2 if straddles(self.config, self.config.rows_per_tile) else 1
 
     def chunk_bytes(self) -> int:
         return 16 * (self.nw * self.config.rows_per_tile * self.pitch_units

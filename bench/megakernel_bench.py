@@ -31,7 +31,9 @@ def bench_gemv(n, k, m, wd, copy_bw, max_stages=None, pdl=True, overrides=None):
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     from sdk.megakernel.mlp_stack import quantize_fp8
     overrides = overrides or {}
-    cfg_kw = {kk: v for kk, v in overrides.items() if kk != "num_ctas"}    # num_ctas: the grid (SMs)
+    # num_ctas: the grid (SMs); l2_hot: one weight copy, re-read from the L2 launch after launch
+    # (the consumer's own rate: the L2 feeds an SM faster than its share of the HBM)
+    cfg_kw = {kk: v for kk, v in overrides.items() if kk not in ("num_ctas", "l2_hot")}
     block = GemvBlock(GemvConfig(n=n, k=k, m=m, weight_dtype=wd, **cfg_kw))
     # persistent: one CTA per SM, weights through the smem ring; pdl (standalone's default, the
     # " no-pdl" cases without): back-to-back launches overlap (the next one fills its ring on the
@@ -39,7 +41,7 @@ def bench_gemv(n, k, m, wd, copy_bw, max_stages=None, pdl=True, overrides=None):
     fn = standalone(block, max_stages=max_stages, pdl=pdl, num_ctas=overrides.get("num_ctas"))
     stages = ring_geometry([block], max_stages)[1]
     wbytes = block.weight_bytes()
-    copies = max(2, -(-L2_FLUSH_BYTES // wbytes))
+    copies = 1 if overrides.get("l2_hot") else max(2, -(-L2_FLUSH_BYTES // wbytes))
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     tables, copies_w = [], []

@@ -47,7 +47,8 @@
 #    the MoE layer at batch 1 against the old unit mapping (SDK_GEMV_ISSUE=units), interleaved.
 # 16: fp8 down tiles straddling two scale blocks (the twenty-eighth session, unrun): their GPU tests
 #    (`16 bench` skips them), then the fp8 GEMV 7168x2048 alone and the fp8 stack L=8 I=2048 with
-#    56-row (down) tiles (128 SMs) against the default cut, interleaved, twice.
+#    56-row (down) tiles (128 SMs) against the default cut, interleaved, twice; and the fp8
+#    consumer's own rate: 7168 x 2048 / 4096 with the weights hot in the L2 (the time's slope).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -178,7 +179,10 @@ if [ "${1:-1}" = 16 ]; then   # issue 3: 56-row fp8 down tiles (straddling scale
   L8="'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'"
   S="[{$L8, 'down_rows': 56}, {$L8}, {$L8, 'down_rows': 56}, {$L8}, {$L8, 'batch': 2, 'down_rows': 56}, {$L8, 'batch': 2}]"
   G8="7168, 2048, 1, 'fp8_e4m3', None, True"
-  G="[($G8, {'rows_per_tile': 56}), ($G8), ($G8, {'rows_per_tile': 56}), ($G8)]"
+  H="7168, 4096, 1, 'fp8_e4m3', None, True"
+  G="[($G8, {'rows_per_tile': 56}), ($G8), ($G8, {'rows_per_tile': 56}), ($G8), ($G8, {'rows_per_tile': 56, 'l2_hot': True})"
+  G="$G, ($H, {'rows_per_tile': 56, 'l2_hot': True}), ($G8, {'rows_per_tile': 64, 'l2_hot': True}), ($H, {'rows_per_tile': 64, 'l2_hot': True})"
+  G="$G, (7168, 1024, 1, 'bf16', None, True, {'rows_per_tile': 56, 'l2_hot': True}), (7168, 2048, 1, 'bf16', None, True, {'rows_per_tile': 56, 'l2_hot': True})]"
   BENCH_S_megakernel=170 BENCH_ARGS_megakernel="--parts gemv,stack --gemv-cases \"$G\" --stack-cases \"$S\"" \
     DEVICE_ALL_S=${P16_S:-180} bash bench/device_all.sh bench:megakernel
   exit

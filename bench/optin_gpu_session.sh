@@ -182,9 +182,11 @@ if [ "${1:-1}" = 16 ]; then   # issue 3: 56-row fp8 down tiles (straddling scale
   H="7168, 4096, 1, 'fp8_e4m3', None, True"
   G="[($G8, {'rows_per_tile': 56}), ($G8), ($G8, {'rows_per_tile': 56}), ($G8), ($G8, {'rows_per_tile': 56, 'l2_hot': True})"
   G="$G, ($H, {'rows_per_tile': 56, 'l2_hot': True}), ($G8, {'rows_per_tile': 64, 'l2_hot': True}), ($H, {'rows_per_tile': 64, 'l2_hot': True})"
-  G="$G, (7168, 1024, 1, 'bf16', None, True, {'rows_per_tile': 56, 'l2_hot': True}), (7168, 2048, 1, 'bf16', None, True, {'rows_per_tile': 56, 'l2_hot': True})]"
-  BENCH_S_megakernel=170 BENCH_ARGS_megakernel="--parts gemv,stack --gemv-cases \"$G\" --stack-cases \"$S\"" \
-    DEVICE_ALL_S=${P16_S:-180} bash bench/device_all.sh bench:megakernel
+  G="$G, (7168, 1024, 1, 'bf16', None, True, {'rows_per_tile': 56, 'l2_hot': True}), (7168, 2048, 1, 'bf16', None, True, {'rows_per_tile': 56, 'l2_hot': True})"
+  Q="4096, 7168, 1, 'fp8_e4m3', None, True"    # the stack's gate/up chunks: 32 rows x 1024 columns
+  G="$G, ($Q, {'rows_per_tile': 32, 'chunk_k': 1024, 'l2_hot': True}), ($Q, {'rows_per_tile': 32, 'chunk_k': 1024})]"
+  BENCH_S_megakernel=260 BENCH_ARGS_megakernel="--parts gemv,stack --gemv-cases \"$G\" --stack-cases \"$S\"" \
+    DEVICE_ALL_S=${P16_S:-270} bash bench/device_all.sh bench:megakernel
   exit
 fi
 

@@ -177,12 +177,14 @@ if [ "${1:-1}" = 16 ]; then   # issue 3: 56-row fp8 down tiles (straddling scale
   [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_megakernel_gpu.py" TESTS_S=190 OUT="$OUT/tests" DEVICE_ALL_S=200 \
     bash bench/device_all.sh tests
   L8="'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'"
-  S="[{$L8, 'down_rows': 56}, {$L8}, {$L8, 'down_rows': 56}, {$L8}, {$L8, 'batch': 2, 'down_rows': 56}, {$L8, 'batch': 2}]"
+  S="[{$L8, 'down_rows': 56}, {$L8}, {$L8, 'down_rows': 56}, {$L8}, {$L8, 'batch': 2, 'down_rows': 56}, {$L8, 'batch': 2}, {$L8, 'fp8_decode': 'hfma2_alu'}]"
   G8="7168, 2048, 1, 'fp8_e4m3', None, True"
   H="7168, 4096, 1, 'fp8_e4m3', None, True"
   G="[($G8, {'rows_per_tile': 56}), ($G8), ($G8, {'rows_per_tile': 56}), ($G8), ($G8, {'rows_per_tile': 56, 'l2_hot': True})"
   G="$G, ($H, {'rows_per_tile': 56, 'l2_hot': True}), ($G8, {'rows_per_tile': 64, 'l2_hot': True}), ($H, {'rows_per_tile': 64, 'l2_hot': True})"
   G="$G, (7168, 1024, 1, 'bf16', None, True, {'rows_per_tile': 56, 'l2_hot': True}), (7168, 2048, 1, 'bf16', None, True, {'rows_per_tile': 56, 'l2_hot': True})"
+  A="'rows_per_tile': 56, 'l2_hot': True, 'fp8_decode': 'hfma2_alu'"     # no F2FP: is it the limit?
+  G="$G, ($G8, {$A}), ($H, {$A})"
   Q="4096, 7168, 1, 'fp8_e4m3', None, True"    # the stack's gate/up chunks: 32 rows x 1024 columns
   G="$G, ($Q, {'rows_per_tile': 32, 'chunk_k': 1024, 'l2_hot': True}), ($Q, {'rows_per_tile': 32, 'chunk_k': 1024})]"
   BENCH_S_megakernel=260 BENCH_ARGS_megakernel="--parts gemv,stack --gemv-cases \"$G\" --stack-cases \"$S\"" \

@@ -174,7 +174,7 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
 fi
 
 if [ "${1:-1}" = 16 ]; then   # issue 3: 56-row fp8 down tiles (straddling scale blocks) against 64
-  [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_megakernel_gpu.py" TESTS_S=190 OUT="$OUT/tests" DEVICE_ALL_S=200 \
+  [ "${2:-}" = bench ] || GPU_TESTS="${P16_TESTS:-tests/gpu/test_megakernel_gpu.py}" TESTS_S=190 OUT="$OUT/tests" DEVICE_ALL_S=200 \
     bash bench/device_all.sh tests
   L8="'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'"
   S="[{$L8, 'down_rows': 56}, {$L8}, {$L8, 'down_rows': 56}, {$L8}, {$L8, 'batch': 2, 'down_rows': 56}, {$L8, 'batch': 2}, {$L8, 'fp8_decode': 'hfma2_alu'}]"

@@ -39,6 +39,7 @@ docs/megakernel.md ("The GEMV consumer").
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,13 @@ import torch
 from ..reference.common import swiglu as swiglu_ref
 from ..errors import UnsupportedConfigError
 from .base import NUM_THREADS, PRODUCER_THREADS, STATS_OFFSET, Block, Cost, OperandSpec, StreamFaces
+
+# The hfma2 consumer's two f16x2 chains of a unit: "presum" adds them in f16x2 and widens once
+# (4 instructions, not 7; |sum| < 8 x 448 x 16 = 57344, inside f16); "split" widens each. An A/B
+# switch until measured: SDK_HFMA2_SUM.
+HFMA2_SUM = os.environ.get("SDK_HFMA2_SUM", "split")
+if HFMA2_SUM not in ("split", "presum"):
+    raise ValueError(f"SDK_HFMA2_SUM={HFMA2_SUM!r}: split or presum")
 
 CHUNK_TARGET_BYTES = 16 * 1024      # weight bytes per ring stage
 CHUNK_MAX_BYTES = 32 * 1024         # ... at most, for tiles too tall for the target
@@ -960,6 +968,11 @@ class GemvBlock(Block):
                                         read_only_args=[a, b, c_])
 
         @cute.jit
+        def add_f16x2(a: Int32, b: Int32) -> Int32:
+            return cute.arch.inline_ptx("add.rn.f16x2 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
+                                        read_only_args=[a, b])
+
+        @cute.jit
         def f16x2_sum_f32(v: Int32) -> Float32:
             """The two f16 halves of v, widened and added in fp32."""
             lo, hi = cute.arch.inline_ptx(
@@ -1019,7 +1032,10 @@ class GemvBlock(Block):
                             for p in cutlass.range_constexpr(1, 4):
                                 a0 = fma_f16x2(wp[i][rr][2 * p], xp[2 * p], a0)
                                 a1 = fma_f16x2(wp[i][rr][2 * p + 1], xp[2 * p + 1], a1)
-                            d = f16x2_sum_f32(a0) + f16x2_sum_f32(a1)
+                            if cutlass.const_expr(HFMA2_SUM == "presum"):
+                                d = f16x2_sum_f32(add_f16x2(a0, a1))
+                            else:
+                                d = f16x2_sum_f32(a0) + f16x2_sum_f32(a1)
                             acc[rr, i, m] = acc[rr, i, m] + d * (sc[i, rr if SRB > 1 else 0] * inv_m)
 
         @cute.jit

@@ -62,7 +62,7 @@ MERGED_NORM_MAX_M = 2               # fused norm in one pass (x held in register
 MMA_MIN_M = 8                       # tensor cores from this batch (below, CUDA cores stream bf16
                                     # at ~90% of the bandwidth and need no cross-warp sum)
 MMA_ACCUMULATORS = 64               # fp32 accumulator registers per thread on the MMA path
-FP8_DECODES = ("cvt", "int", "hfma2", "hfma2_alu", "wgmma")
+FP8_DECODES = ("cvt", "int", "hfma2", "hfma2_alu", "hfma2_mix", "wgmma")
 WGMMA_MAX_M = 4                     # fp8_decode="wgmma": tokens x x pieces fill one 8-row core matrix
 WGMMA_REGS = 64                     # ... fp32 wgmma accumulators per thread per asm statement
 
@@ -98,8 +98,10 @@ class GemvConfig:
                                          # "wgmma" (Hopper only, up to WGMMA_MAX_M tokens): the
                                          # weights straight from the ring into warpgroup MMAs, x as
                                          # a sum of e4m3 pieces - no per-weight instruction;
-                                         # "hfma2_alu" (opt-in, not yet measured): hfma2 with the
-                                         # e4m3 -> f16 step in integer ops, no F2FP
+                                         # "hfma2_alu" (opt-in): hfma2 with the e4m3 -> f16 step
+                                         # in integer ops, no F2FP (H100, L2-hot: 25% slower);
+                                         # "hfma2_mix" (opt-in, not yet measured): half the words
+                                         # each way, the F2FP pipe and the ALU side by side
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
@@ -442,9 +444,9 @@ class GemvBlock(Block):
 
     @property
     def hfma2(self) -> bool:
-        """fp8 on the CUDA cores with packed f16 FMAs (fp8_decode "hfma2" or "hfma2_alu")."""
+        """fp8 on the CUDA cores with packed f16 FMAs (fp8_decode "hfma2", "hfma2_alu", "hfma2_mix")."""
         c = self.config
-        return c.weight_dtype == "fp8_e4m3" and not self.use_mma and c.fp8_decode in ("hfma2", "hfma2_alu")
+        return c.weight_dtype == "fp8_e4m3" and not self.use_mma and c.fp8_decode in ("hfma2", "hfma2_alu", "hfma2_mix")
 
     def red_smem_bytes(self) -> int:
         """MMA path: the cross-warp sums [weight][token n8-padded][row m16-padded] fp32, after x."""
@@ -611,6 +613,11 @@ class GemvBlock(Block):
         # (x_order), and its weights come out * 2^-8: x is staged * 2^8 more (X_BOOST), the same
         # products as hfma2's, and the inverse scale stays 2^-s.
         alu = hfma2 and c.fp8_decode == "hfma2_alu"
+        # fp8_decode="hfma2_mix" (opt-in, not yet measured): words 1 and 3 of every 16-byte unit
+        # in integer ops, words 0 and 2 by F2FP - if F2FP's pipe is what bounds the consumer
+        # (Nsight: short-scoreboard stalls), the ALU takes half its load. x is staged to match:
+        # the odd words' elements swapped and * 2^8 (x_order), the even words' as they are.
+        mix = hfma2 and c.fp8_decode == "hfma2_mix"
         X_BOOST = 256.0 if alu else 1.0
         SXT = cutlass.Float16 if (fp8 and (mma or hfma2)) else BFloat16   # staged x: the MMA's B type
         # fp8_decode="int" (CUDA cores): e4m3 bits placed into bf16 bits - sign to bit 15, the
@@ -782,7 +789,7 @@ class GemvBlock(Block):
                                 u = tid + NT * j
                                 if u < NU:
                                     sXv[m, u, None].store(x_order(xr[m, j, None].load() * (rstds[m] * tscale[m])
-                                                                  * wr[j, None].load()).to(SXT))
+                                                                  * wr[j, None].load(), (u % 2) == 1).to(SXT))
                     else:
                         # rstd of every token over the whole row, kept in scratch[STATS_OFFSET + m]
                         sums = []
@@ -813,16 +820,26 @@ class GemvBlock(Block):
             se = Int32(cutlass.select_(se > 253, Int32(253), se))
             return bits_to_f32(se << 23), bits_to_f32((Int32(254) - se) << 23)
 
-        def x_order(v):
-            """A staged x vector (a multiple of 4 elements) in the order the weights' pairs come
-            in: hfma2_alu pairs bytes (0, 2) and (1, 3) of every 4, so elements 1 and 2 swap."""
-            if cutlass.const_expr(not alu):
+        def x_order(v, odd=None):
+            """A staged x vector (a multiple of 4 elements, starting on a multiple of its length)
+            in the order the weights' pairs come in: hfma2_alu pairs bytes (0, 2) and (1, 3) of
+            every 4, so elements 1 and 2 swap. hfma2_mix does that to the odd words of a 16-byte
+            unit alone, and scales them by 2^8 (their weights come out * 2^-8): elements 4..7 of
+            an 8-element vector, or a whole 4-element one whose word is odd (`odd`, run time)."""
+            if cutlass.const_expr(not (alu or mix)):
                 return v
-            r = cute.make_rmem_tensor((cute.size(v.shape),), Float32)
+            n = cute.size(v.shape)
+            r = cute.make_rmem_tensor((n,), Float32)
             r.store(v)
-            o = cute.make_rmem_tensor((cute.size(v.shape),), Float32)
-            for e in range(cute.size(v.shape)):              # unrolled at trace time
-                o[e] = r[e - e % 4 + (0, 2, 1, 3)[e % 4]]
+            o = cute.make_rmem_tensor((n,), Float32)
+            for e in range(n):                               # unrolled at trace time
+                swapped = r[e - e % 4 + (0, 2, 1, 3)[e % 4]]
+                if cutlass.const_expr(alu):
+                    o[e] = swapped
+                elif cutlass.const_expr(n == 4):
+                    o[e] = Float32(cutlass.select_(odd, swapped * Float32(256.0), r[e]))
+                else:
+                    o[e] = swapped * Float32(256.0) if (e // 4) % 2 else r[e]
             return o.load()
 
         def abs_max(v):
@@ -1006,7 +1023,7 @@ class GemvBlock(Block):
                     for rr in cutlass.range_constexpr(RW):
                         rw.store(sWw[i, warp + NWARP * rr, cu, None].load())
                         for wi in cutlass.range_constexpr(4):
-                            if cutlass.const_expr(alu):
+                            if cutlass.const_expr(alu or (mix and wi % 2 == 1)):
                                 lo, hi = e4m3x4_to_f16x2x2_shifted(rw[wi])
                             else:
                                 lo, hi = e4m3x4_to_f16x2x2(rw[wi])

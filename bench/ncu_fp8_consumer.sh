@@ -3,7 +3,7 @@
 # Compute on standalone fp8 GEMVs whose weights stay in the L2 (bench/profile_block.py launches
 # one a few times on the same weights) - the stack's gate/up shape (32 rows x 1024-column chunks,
 # K = 7168) with the F2FP decode, the integer one (hfma2_alu) and half each (hfma2_mix), and the down shape
-# (56 rows, K = 4096). Writes $OUT/ncu_<case>.txt.
+# (56 rows, K = 4096). Writes $OUT/ncu_<case>.txt; NCU_CASES="gateup down" runs those alone.
 #   source .device/prelude.sh && bash bench/ncu_fp8_consumer.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -16,6 +16,7 @@ for c in "gateup:4096 7168 1 fp8_e4m3 rows_per_tile=32,chunk_k=1024" \
          "down:7168 4096 1 fp8_e4m3 rows_per_tile=56" \
          "bf16:7168 2048 1 bf16 rows_per_tile=56"; do
   name=${c%%:*}; args=${c#*:}
+  [ -n "${NCU_CASES:-}" ] && [[ " $NCU_CASES " != *" $name "* ]] && continue    # a subset, by name
   timeout 120 ncu --clock-control none --kernel-name regex:cutlass --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section InstructionStats --metrics "$P" \
     python -m bench.profile_block gemv $args > "$OUT/ncu_$name.txt" 2>&1

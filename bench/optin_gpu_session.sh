@@ -53,7 +53,8 @@
 # 17: the fp8 consumer's bound (the twenty-ninth session): Nsight Compute on L2-hot fp8 GEMVs
 #    (bench/ncu_fp8_consumer.sh: the F2FP / integer / mixed decodes), the mixed decode's GPU tests
 #    (`17 bench` skips both), then the L2-hot GEMV slope and the fp8 stack L=8 I=2048 with
-#    fp8_decode="hfma2_mix" against the default, 56-row down tiles, batch 2, and the f16x2 presum.
+#    fp8_decode="hfma2_mix" against the default, 56-row down tiles, batch 2, and the f16x2 presum
+#    (P17_SHORT=1: batch 1 only, no presum; NCU_CASES picks the Nsight cases).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -186,15 +187,16 @@ if [ "${1:-1}" = 17 ]; then   # issue 3: what bounds the fp8 consumer, and the m
   fi
   L8="'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'"; MX="'fp8_decode': 'hfma2_mix'"
   B2="$L8, 'batch': 2"
-  S="[{$L8}, {$L8, $MX}, {$L8, 'down_rows': 56}, {$L8, $MX, 'down_rows': 56}, {$L8}, {$L8, $MX},"
-  S="$S {$B2, 'down_rows': 56}, {$B2}, {$B2, $MX}]"
+  S="[{$L8}, {$L8, $MX}, {$L8, 'down_rows': 56}, {$L8, $MX, 'down_rows': 56}, {$L8}, {$L8, $MX}"
+  [ "${P17_SHORT:-0}" = 1 ] || S="$S, {$B2, 'down_rows': 56}, {$B2}, {$B2, $MX}"     # P17_SHORT=1: batch 1 alone
+  S="$S]"
   G8="7168, 2048, 1, 'fp8_e4m3', None, True"; H="7168, 4096, 1, 'fp8_e4m3', None, True"
   R="'rows_per_tile': 56, 'l2_hot': True"
   G="[($G8, {$R}), ($H, {$R}), ($G8, {$R, $MX}), ($H, {$R, $MX})]"
   BENCH_S_megakernel=230 BENCH_ARGS_megakernel="--parts gemv,stack --no-timeline --gemv-cases \"$G\" --stack-cases \"$S\"" \
     BENCH_S_megakernel_presum=80 BENCH_ENV_megakernel_presum="SDK_HFMA2_SUM=presum" \
     BENCH_ARGS_megakernel_presum="--parts stack --no-timeline --stack-cases \"[{$L8, 'down_rows': 56}, {$L8}, {$L8, $MX}]\"" \
-    DEVICE_ALL_S=${P17_S:-320} bash bench/device_all.sh bench:megakernel bench:megakernel@presum
+    DEVICE_ALL_S=${P17_S:-320} bash bench/device_all.sh bench:megakernel $([ "${P17_SHORT:-0}" = 1 ] || echo bench:megakernel@presum)
   exit
 fi
 if [ "${1:-1}" = 16 ]; then   # issue 3: 56-row fp8 down tiles (straddling scale blocks) against 64

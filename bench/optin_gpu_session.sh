@@ -180,23 +180,26 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
 fi
 
 if [ "${1:-1}" = 17 ]; then   # issue 3: what bounds the fp8 consumer, and the mixed decode
+  # P17_MIN=1 (a short call): no Nsight, the mixed decode's tests alone, batch 1 mix against the default
   if [ "${2:-}" != bench ]; then
-    OUT="$OUT/ncu" bash bench/ncu_fp8_consumer.sh
-    GPU_TESTS="tests/gpu/test_megakernel_gpu.py -k decode" TESTS_S=150 OUT="$OUT/tests" \
-      DEVICE_ALL_S=160 bash bench/device_all.sh tests
+    [ "${P17_MIN:-0}" = 1 ] || OUT="$OUT/ncu" bash bench/ncu_fp8_consumer.sh
+    GPU_TESTS="tests/gpu/test_megakernel_gpu.py -k $([ "${P17_MIN:-0}" = 1 ] && echo mix || echo decode)" TESTS_S=150 \
+      OUT="$OUT/tests" DEVICE_ALL_S=160 bash bench/device_all.sh tests
   fi
   L8="'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'"; MX="'fp8_decode': 'hfma2_mix'"
   B2="$L8, 'batch': 2"
   S="[{$L8}, {$L8, $MX}, {$L8, 'down_rows': 56}, {$L8, $MX, 'down_rows': 56}, {$L8}, {$L8, $MX}"
-  [ "${P17_SHORT:-0}" = 1 ] || S="$S, {$B2, 'down_rows': 56}, {$B2}, {$B2, $MX}"     # P17_SHORT=1: batch 1 alone
+  [ "${P17_MIN:-0}" = 1 ] && S="[{$L8}, {$L8, $MX}, {$L8}, {$L8, $MX}"
+  [ "${P17_SHORT:-0}" = 1 ] || [ "${P17_MIN:-0}" = 1 ] || S="$S, {$B2, 'down_rows': 56}, {$B2}, {$B2, $MX}"     # P17_SHORT=1: batch 1 alone
   S="$S]"
   G8="7168, 2048, 1, 'fp8_e4m3', None, True"; H="7168, 4096, 1, 'fp8_e4m3', None, True"
   R="'rows_per_tile': 56, 'l2_hot': True"
   G="[($G8, {$R}), ($H, {$R}), ($G8, {$R, $MX}), ($H, {$R, $MX})]"
+  [ "${P17_MIN:-0}" = 1 ] && G="[($G8, {$R, $MX}), ($H, {$R, $MX})]"
   BENCH_S_megakernel=230 BENCH_ARGS_megakernel="--parts gemv,stack --no-timeline --gemv-cases \"$G\" --stack-cases \"$S\"" \
     BENCH_S_megakernel_presum=80 BENCH_ENV_megakernel_presum="SDK_HFMA2_SUM=presum" \
     BENCH_ARGS_megakernel_presum="--parts stack --no-timeline --stack-cases \"[{$L8, 'down_rows': 56}, {$L8}, {$L8, $MX}]\"" \
-    DEVICE_ALL_S=${P17_S:-320} bash bench/device_all.sh bench:megakernel $([ "${P17_SHORT:-0}" = 1 ] || echo bench:megakernel@presum)
+    DEVICE_ALL_S=${P17_S:-320} bash bench/device_all.sh bench:megakernel $([ "${P17_SHORT:-0}${P17_MIN:-0}" = 00 ] && echo bench:megakernel@presum)
   exit
 fi
 if [ "${1:-1}" = 16 ]; then   # issue 3: 56-row fp8 down tiles (straddling scale blocks) against 64

@@ -45,16 +45,14 @@
 # 15: the GEMV ring's copies spread by rows (GEMV_ISSUE "rows", the twenty-eighth session): the
 #    megakernel and MoE GPU tests (`15 bench` skips them), then the fp8 / bf16 GEMVs and stacks and
 #    the MoE layer at batch 1 against the old unit mapping (SDK_GEMV_ISSUE=units), interleaved.
-# 16: fp8 down tiles straddling two scale blocks (the twenty-eighth session, unrun): their GPU tests
-#    (`16 bench` skips them), then the fp8 GEMV 7168x2048 alone and the fp8 stack L=8 I=2048 with
-#    56-row (down) tiles (128 SMs) against the default cut, interleaved, twice; and the fp8
-#    consumer's own rate: 7168 x 2048 / 4096 with the weights hot in the L2 (the time's slope);
-#    then the hfma2 chains summed in f16x2 before widening (SDK_HFMA2_SUM=presum).
-# 17: the fp8 consumer's bound (the twenty-ninth session): Nsight Compute on L2-hot fp8 GEMVs
-#    (bench/ncu_fp8_consumer.sh: the F2FP / integer / mixed decodes), the mixed decode's GPU tests
-#    (`17 bench` skips both), then the L2-hot GEMV slope and the fp8 stack L=8 I=2048 with
-#    fp8_decode="hfma2_mix" against the default, 56-row down tiles, batch 2, and the f16x2 presum
-#    (P17_SHORT=1: batch 1 only, no presum; NCU_CASES picks the Nsight cases).
+# 16: fp8 tiles straddling two scale blocks (measured on an H100 in the twenty-ninth session:
+#    bench/results/h100/megakernel_v29_straddle_l2hot.json): their GPU tests (`16 bench` skips
+#    them), then the fp8 GEMV 7168x2048 alone and the fp8 stack L=8 I=2048 with 56-row (down)
+#    tiles (128 SMs) against the default cut, interleaved, twice; and the fp8 consumer's own
+#    rate: 7168 x 2048 / 4096 with the weights hot in the L2 (the time's slope), hfma2_alu too.
+# 17: what bounds the fp8 consumer (written in the twenty-ninth session, not yet run): Nsight
+#    Compute on L2-hot fp8 GEMVs (bench/ncu_fp8_consumer.sh; NCU_CASES picks cases), then the
+#    stack at batch 2 with 56-row down tiles against 64 again (one pair said 184.3 vs 179.8 us).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -179,27 +177,12 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
   exit
 fi
 
-if [ "${1:-1}" = 17 ]; then   # issue 3: what bounds the fp8 consumer, and the mixed decode
-  # P17_MIN=1 (a short call): no Nsight, the mixed decode's tests alone, batch 1 mix against the default
-  if [ "${2:-}" != bench ]; then
-    [ "${P17_MIN:-0}" = 1 ] || OUT="$OUT/ncu" bash bench/ncu_fp8_consumer.sh
-    GPU_TESTS="tests/gpu/test_megakernel_gpu.py -k $([ "${P17_MIN:-0}" = 1 ] && echo mix || echo decode)" TESTS_S=150 \
-      OUT="$OUT/tests" DEVICE_ALL_S=160 bash bench/device_all.sh tests
-  fi
-  L8="'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'"; MX="'fp8_decode': 'hfma2_mix'"
-  B2="$L8, 'batch': 2"
-  S="[{$L8}, {$L8, $MX}, {$L8, 'down_rows': 56}, {$L8, $MX, 'down_rows': 56}, {$L8}, {$L8, $MX}"
-  [ "${P17_MIN:-0}" = 1 ] && S="[{$L8}, {$L8, $MX}, {$L8}, {$L8, $MX}"
-  [ "${P17_SHORT:-0}" = 1 ] || [ "${P17_MIN:-0}" = 1 ] || S="$S, {$B2, 'down_rows': 56}, {$B2}, {$B2, $MX}"     # P17_SHORT=1: batch 1 alone
-  S="$S]"
-  G8="7168, 2048, 1, 'fp8_e4m3', None, True"; H="7168, 4096, 1, 'fp8_e4m3', None, True"
-  R="'rows_per_tile': 56, 'l2_hot': True"
-  G="[($G8, {$R}), ($H, {$R}), ($G8, {$R, $MX}), ($H, {$R, $MX})]"
-  [ "${P17_MIN:-0}" = 1 ] && G="[($G8, {$R, $MX}), ($H, {$R, $MX})]"
-  BENCH_S_megakernel=230 BENCH_ARGS_megakernel="--parts gemv,stack --no-timeline --gemv-cases \"$G\" --stack-cases \"$S\"" \
-    BENCH_S_megakernel_presum=80 BENCH_ENV_megakernel_presum="SDK_HFMA2_SUM=presum" \
-    BENCH_ARGS_megakernel_presum="--parts stack --no-timeline --stack-cases \"[{$L8, 'down_rows': 56}, {$L8}, {$L8, $MX}]\"" \
-    DEVICE_ALL_S=${P17_S:-320} bash bench/device_all.sh bench:megakernel $([ "${P17_SHORT:-0}${P17_MIN:-0}" = 00 ] && echo bench:megakernel@presum)
+if [ "${1:-1}" = 17 ]; then   # issue 3: what bounds the fp8 consumer; batch 2's down tiles
+  [ "${2:-}" = bench ] || OUT="$OUT/ncu" bash bench/ncu_fp8_consumer.sh
+  L8="'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'"; B2="$L8, 'batch': 2"
+  BENCH_S_megakernel=150 \
+    BENCH_ARGS_megakernel="--parts stack --no-timeline --stack-cases \"[{$B2, 'down_rows': 56}, {$B2}, {$B2, 'down_rows': 56}, {$B2}]\"" \
+    DEVICE_ALL_S=${P17_S:-160} bash bench/device_all.sh bench:megakernel
   exit
 fi
 if [ "${1:-1}" = 16 ]; then   # issue 3: 56-row fp8 down tiles (straddling scale blocks) against 64
@@ -216,11 +199,8 @@ if [ "${1:-1}" = 16 ]; then   # issue 3: 56-row fp8 down tiles (straddling scale
   G="$G, ($G8, {$A}), ($H, {$A})"
   Q="4096, 7168, 1, 'fp8_e4m3', None, True"    # the stack's gate/up chunks: 32 rows x 1024 columns
   G="$G, ($Q, {'rows_per_tile': 32, 'chunk_k': 1024, 'l2_hot': True}), ($Q, {'rows_per_tile': 32, 'chunk_k': 1024})]"
-  # then the hfma2 chains summed in f16x2 before widening (SDK_HFMA2_SUM=presum)
   BENCH_S_megakernel=260 BENCH_ARGS_megakernel="--parts gemv,stack --gemv-cases \"$G\" --stack-cases \"$S\"" \
-    BENCH_S_megakernel_presum=100 BENCH_ENV_megakernel_presum="SDK_HFMA2_SUM=presum" \
-    BENCH_ARGS_megakernel_presum="--parts gemv,stack --gemv-cases \"[($H, {'rows_per_tile': 56, 'l2_hot': True}), ($H, {'rows_per_tile': 56})]\" --stack-cases \"[{$L8}, {$L8, 'down_rows': 56}]\"" \
-    DEVICE_ALL_S=${P16_S:-380} bash bench/device_all.sh bench:megakernel bench:megakernel@presum
+    DEVICE_ALL_S=${P16_S:-270} bash bench/device_all.sh bench:megakernel
   exit
 fi
 

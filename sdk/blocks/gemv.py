@@ -39,7 +39,6 @@ docs/megakernel.md ("The GEMV consumer").
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +47,6 @@ from ..reference.common import swiglu as swiglu_ref
 from ..errors import UnsupportedConfigError
 from .base import NUM_THREADS, PRODUCER_THREADS, STATS_OFFSET, Block, Cost, OperandSpec, StreamFaces
 
-# The hfma2 consumer's two f16x2 chains of a unit: "presum" adds them in f16x2 and widens once
-# (4 instructions, not 7; |sum| < 8 x 448 x 16 = 57344, inside f16); "split" widens each. An A/B
-# switch until measured: SDK_HFMA2_SUM.
-HFMA2_SUM = os.environ.get("SDK_HFMA2_SUM", "split")
-if HFMA2_SUM not in ("split", "presum"):
-    raise ValueError(f"SDK_HFMA2_SUM={HFMA2_SUM!r}: split or presum")
-
 CHUNK_TARGET_BYTES = 16 * 1024      # weight bytes per ring stage
 CHUNK_MAX_BYTES = 32 * 1024         # ... at most, for tiles too tall for the target
 X_SMEM_MAX = 64 * 1024              # staged activations per tile at a time
@@ -62,7 +54,7 @@ MERGED_NORM_MAX_M = 2               # fused norm in one pass (x held in register
 MMA_MIN_M = 8                       # tensor cores from this batch (below, CUDA cores stream bf16
                                     # at ~90% of the bandwidth and need no cross-warp sum)
 MMA_ACCUMULATORS = 64               # fp32 accumulator registers per thread on the MMA path
-FP8_DECODES = ("cvt", "int", "hfma2", "hfma2_alu", "hfma2_mix", "wgmma")
+FP8_DECODES = ("cvt", "int", "hfma2", "hfma2_alu", "wgmma")
 WGMMA_MAX_M = 4                     # fp8_decode="wgmma": tokens x x pieces fill one 8-row core matrix
 WGMMA_REGS = 64                     # ... fp32 wgmma accumulators per thread per asm statement
 
@@ -99,9 +91,8 @@ class GemvConfig:
                                          # weights straight from the ring into warpgroup MMAs, x as
                                          # a sum of e4m3 pieces - no per-weight instruction;
                                          # "hfma2_alu" (opt-in): hfma2 with the e4m3 -> f16 step
-                                         # in integer ops, no F2FP (H100, L2-hot: 25% slower);
-                                         # "hfma2_mix" (opt-in, not yet measured): half the words
-                                         # each way, the F2FP pipe and the ALU side by side
+                                         # in integer ops, no F2FP (H100, weights hot in the L2:
+                                         # 25% slower; stack L=8 I=2048 69.0 vs 70.7%)
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
@@ -444,9 +435,9 @@ class GemvBlock(Block):
 
     @property
     def hfma2(self) -> bool:
-        """fp8 on the CUDA cores with packed f16 FMAs (fp8_decode "hfma2", "hfma2_alu", "hfma2_mix")."""
+        """fp8 on the CUDA cores with packed f16 FMAs (fp8_decode "hfma2" or "hfma2_alu")."""
         c = self.config
-        return c.weight_dtype == "fp8_e4m3" and not self.use_mma and c.fp8_decode in ("hfma2", "hfma2_alu", "hfma2_mix")
+        return c.weight_dtype == "fp8_e4m3" and not self.use_mma and c.fp8_decode in ("hfma2", "hfma2_alu")
 
     def red_smem_bytes(self) -> int:
         """MMA path: the cross-warp sums [weight][token n8-padded][row m16-padded] fp32, after x."""
@@ -605,19 +596,16 @@ class GemvBlock(Block):
         # scales follow it in smem and multiply each unit's fp32 sum. Each f16 product / partial
         # sum rounds at 2^-11 relative (bf16 outputs round at 2^-8).
         hfma2 = self.hfma2
-        # fp8_decode="hfma2_alu" (opt-in, not yet measured): hfma2 with the e4m3 -> f16 step in
-        # integer ops (e4m3x4_to_f16x2x2_shifted: 7 ALU ops per 4 weights, fixed latency) instead of
-        # F2FP, whose variable latency is a candidate for the fp8 tile's short-scoreboard stalls
-        # (Nsight Compute: 40% of its 5.2 cycles between issues, H200 2026-12-03). Its pairs are
+        # fp8_decode="hfma2_alu" (opt-in): hfma2 with the e4m3 -> f16 step in integer ops
+        # (e4m3x4_to_f16x2x2_shifted: 7 ALU ops per 4 weights, fixed latency) instead of F2FP,
+        # whose variable latency was a candidate for the fp8 tile's short-scoreboard stalls
+        # (Nsight Compute: 40% of its 5.2 cycles between issues, H200 2026-12-03). Measured (H100,
+        # 2026-12-06): 25% slower with the weights hot in the L2, and half the words each way
+        # (removed) 21% slower there: F2FP is not what bounds the consumer. Its pairs are
         # bytes (0, 2) and (1, 3), so x is staged with elements 1 and 2 of every 4 swapped
         # (x_order), and its weights come out * 2^-8: x is staged * 2^8 more (X_BOOST), the same
         # products as hfma2's, and the inverse scale stays 2^-s.
         alu = hfma2 and c.fp8_decode == "hfma2_alu"
-        # fp8_decode="hfma2_mix" (opt-in, not yet measured): words 1 and 3 of every 16-byte unit
-        # in integer ops, words 0 and 2 by F2FP - if F2FP's pipe is what bounds the consumer
-        # (Nsight: short-scoreboard stalls), the ALU takes half its load. x is staged to match:
-        # the odd words' elements swapped and * 2^8 (x_order), the even words' as they are.
-        mix = hfma2 and c.fp8_decode == "hfma2_mix"
         X_BOOST = 256.0 if alu else 1.0
         SXT = cutlass.Float16 if (fp8 and (mma or hfma2)) else BFloat16   # staged x: the MMA's B type
         # fp8_decode="int" (CUDA cores): e4m3 bits placed into bf16 bits - sign to bit 15, the
@@ -789,7 +777,7 @@ class GemvBlock(Block):
                                 u = tid + NT * j
                                 if u < NU:
                                     sXv[m, u, None].store(x_order(xr[m, j, None].load() * (rstds[m] * tscale[m])
-                                                                  * wr[j, None].load(), (u % 2) == 1).to(SXT))
+                                                                  * wr[j, None].load()).to(SXT))
                     else:
                         # rstd of every token over the whole row, kept in scratch[STATS_OFFSET + m]
                         sums = []
@@ -820,26 +808,16 @@ class GemvBlock(Block):
             se = Int32(cutlass.select_(se > 253, Int32(253), se))
             return bits_to_f32(se << 23), bits_to_f32((Int32(254) - se) << 23)
 
-        def x_order(v, odd=None):
-            """A staged x vector (a multiple of 4 elements, starting on a multiple of its length)
-            in the order the weights' pairs come in: hfma2_alu pairs bytes (0, 2) and (1, 3) of
-            every 4, so elements 1 and 2 swap. hfma2_mix does that to the odd words of a 16-byte
-            unit alone, and scales them by 2^8 (their weights come out * 2^-8): elements 4..7 of
-            an 8-element vector, or a whole 4-element one whose word is odd (`odd`, run time)."""
-            if cutlass.const_expr(not (alu or mix)):
+        def x_order(v):
+            """A staged x vector (a multiple of 4 elements) in the order the weights' pairs come
+            in: hfma2_alu pairs bytes (0, 2) and (1, 3) of every 4, so elements 1 and 2 swap."""
+            if cutlass.const_expr(not alu):
                 return v
-            n = cute.size(v.shape)
-            r = cute.make_rmem_tensor((n,), Float32)
+            r = cute.make_rmem_tensor((cute.size(v.shape),), Float32)
             r.store(v)
-            o = cute.make_rmem_tensor((n,), Float32)
-            for e in range(n):                               # unrolled at trace time
-                swapped = r[e - e % 4 + (0, 2, 1, 3)[e % 4]]
-                if cutlass.const_expr(alu):
-                    o[e] = swapped
-                elif cutlass.const_expr(n == 4):
-                    o[e] = Float32(cutlass.select_(odd, swapped * Float32(256.0), r[e]))
-                else:
-                    o[e] = swapped * Float32(256.0) if (e // 4) % 2 else r[e]
+            o = cute.make_rmem_tensor((cute.size(v.shape),), Float32)
+            for e in range(cute.size(v.shape)):              # unrolled at trace time
+                o[e] = r[e - e % 4 + (0, 2, 1, 3)[e % 4]]
             return o.load()
 
         def abs_max(v):
@@ -985,11 +963,6 @@ class GemvBlock(Block):
                                         read_only_args=[a, b, c_])
 
         @cute.jit
-        def add_f16x2(a: Int32, b: Int32) -> Int32:
-            return cute.arch.inline_ptx("add.rn.f16x2 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
-                                        read_only_args=[a, b])
-
-        @cute.jit
         def f16x2_sum_f32(v: Int32) -> Float32:
             """The two f16 halves of v, widened and added in fp32."""
             lo, hi = cute.arch.inline_ptx(
@@ -1023,7 +996,7 @@ class GemvBlock(Block):
                     for rr in cutlass.range_constexpr(RW):
                         rw.store(sWw[i, warp + NWARP * rr, cu, None].load())
                         for wi in cutlass.range_constexpr(4):
-                            if cutlass.const_expr(alu or (mix and wi % 2 == 1)):
+                            if cutlass.const_expr(alu):
                                 lo, hi = e4m3x4_to_f16x2x2_shifted(rw[wi])
                             else:
                                 lo, hi = e4m3x4_to_f16x2x2(rw[wi])
@@ -1049,10 +1022,7 @@ class GemvBlock(Block):
                             for p in cutlass.range_constexpr(1, 4):
                                 a0 = fma_f16x2(wp[i][rr][2 * p], xp[2 * p], a0)
                                 a1 = fma_f16x2(wp[i][rr][2 * p + 1], xp[2 * p + 1], a1)
-                            if cutlass.const_expr(HFMA2_SUM == "presum"):
-                                d = f16x2_sum_f32(add_f16x2(a0, a1))
-                            else:
-                                d = f16x2_sum_f32(a0) + f16x2_sum_f32(a1)
+                            d = f16x2_sum_f32(a0) + f16x2_sum_f32(a1)
                             acc[rr, i, m] = acc[rr, i, m] + d * (sc[i, rr if SRB > 1 else 0] * inv_m)
 
         @cute.jit

@@ -73,13 +73,12 @@ def test_gemv_grouped(m, wd):
 @pytest.mark.parametrize("m,norm,decode", [(1, False, "int"), (1, True, "int"), (4, True, "int"), (4, False, "int"),
                                            (1, False, "hfma2"), (1, True, "hfma2"), (4, True, "hfma2"),
                                            (2, False, "hfma2"), (1, False, "hfma2_alu"), (1, True, "hfma2_alu"),
-                                           (4, True, "hfma2_alu"), (2, False, "hfma2_alu"), (1, False, "hfma2_mix"),
-                                           (1, True, "hfma2_mix"), (4, True, "hfma2_mix"), (2, False, "hfma2_mix")])
+                                           (4, True, "hfma2_alu"), (2, False, "hfma2_alu")])
 def test_gemv_fp8_alternative_decodes(m, norm, decode):
     """fp8_decode="int" (e4m3 bits placed into bf16, x staged * 2^64), "hfma2" (packed f16 FMAs,
-    x staged as f16 with a per-token power-of-two scale), "hfma2_alu" (its e4m3 -> f16 in
-    integer ops, x staged in the pairs' order) and "hfma2_mix" (half the words each way): plain,
-    fused norm merged (m = 1) and staged per x block (m = 4), SwiGLU, tiles > SMs."""
+    x staged as f16 with a per-token power-of-two scale) and "hfma2_alu" (its e4m3 -> f16 in
+    integer ops, x staged in the pairs' order): plain, fused norm merged (m = 1) and staged per x
+    block (m = 4), SwiGLU, tiles > SMs."""
     need_gpu()
     from sdk.blocks.gemv import GemvBlock, GemvConfig
     block = GemvBlock(GemvConfig(n=1024, k=7168, m=m, weight_dtype="fp8_e4m3", swiglu=True, norm=norm,
@@ -134,16 +133,14 @@ def test_mlp_stack_fp8_straddling_down_tiles(batch):
     _check_stack_steps(cfg, seed=23, steps=2)
 
 
-@pytest.mark.parametrize("decode", ["hfma2_alu", "hfma2_mix"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_mlp_stack_fp8_alu_decode(batch, decode):
+def test_mlp_stack_fp8_alu_decode(batch):
     """The one-launch fp8 stack with the CUDA-core tiles' e4m3 -> f16 in integer ops
-    (fp8_decode="hfma2_alu"), or half of it (hfma2_mix: the fp32 residual's 4-element x vectors
-    staged by their word's parity)."""
+    (fp8_decode="hfma2_alu")."""
     need_gpu()
     from sdk.megakernel.mlp_stack import MLPStackConfig
     cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype="fp8_e4m3",
-                         fp8_decode=decode)
+                         fp8_decode="hfma2_alu")
     _check_stack_steps(cfg, seed=13, steps=2)
 
 

@@ -3,7 +3,8 @@
 # session, not yet run: the device time ran out). Nsight Compute on standalone fp8 GEMVs whose
 # weights stay in the L2 (bench/profile_block.py launches one a few times on the same weights):
 # the stack's gate/up shape (32 rows x 1024-column chunks, K = 7168) with the F2FP decode and the
-# integer one (hfma2_alu), the down shape (56 rows, K = 4096) and bf16. Writes
+# integer one (hfma2_alu), the down shape (56 rows, K = 4096), bf16, and the whole one-launch fp8
+# stack L=8 I=2048 (its weights from the HBM: the consumer's stalls in their real setting). Writes
 # $OUT/ncu_<case>.txt; NCU_CASES="gateup down" runs those alone.
 #   source .device/prelude.sh && bash bench/ncu_fp8_consumer.sh
 set -u
@@ -14,11 +15,12 @@ P='regex:sm__inst_executed_pipe_[a-z0-9_]+\.avg\.pct_of_peak_sustained_active|sm
 for c in "gateup:4096 7168 1 fp8_e4m3 rows_per_tile=32,chunk_k=1024" \
          "gateup_alu:4096 7168 1 fp8_e4m3 rows_per_tile=32,chunk_k=1024,fp8_decode=hfma2_alu" \
          "down:7168 4096 1 fp8_e4m3 rows_per_tile=56" \
-         "bf16:7168 2048 1 bf16 rows_per_tile=56"; do
+         "bf16:7168 2048 1 bf16 rows_per_tile=56" \
+         "stack:2048 8 fp8_e4m3"; do
   name=${c%%:*}; args=${c#*:}
   [ -n "${NCU_CASES:-}" ] && [[ " $NCU_CASES " != *" $name "* ]] && continue    # a subset, by name
   timeout 120 ncu --clock-control none --kernel-name regex:cutlass --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section InstructionStats --metrics "$P" \
-    python -m bench.profile_block gemv $args > "$OUT/ncu_$name.txt" 2>&1
+    python -m bench.profile_block $([ "$name" = stack ] && echo stack || echo gemv) $args > "$OUT/ncu_$name.txt" 2>&1
   echo "$name rc=$?"
 done

@@ -51,9 +51,9 @@
 #    tiles (128 SMs) against the default cut, interleaved, twice; and the fp8 consumer's own
 #    rate: 7168 x 2048 / 4096 with the weights hot in the L2 (the time's slope), hfma2_alu too.
 # 17: what bounds the fp8 consumer (written in the twenty-ninth session, not yet run): Nsight
-#    Compute on an L2-hot fp8 GEMV, the fp8 stack and bf16 (bench/ncu_fp8_consumer.sh; NCU_CASES
-#    picks cases), then the stack's batch-1 timeline and batch 2 with 56-row down tiles against 64
-#    again (one pair said 184.3 vs 179.8 us).
+#    Compute on the fp8 stack and an L2-hot fp8 GEMV (bench/ncu_fp8_consumer.sh; NCU_CASES picks
+#    cases), then the stack's batch-1 timeline (fp8, bf16 L=8 I=2048) and the dependency wait's
+#    error word read on every poll (SDK_WAIT_ERROR_EVERY=1) against every 8th, interleaved.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -178,13 +178,18 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
   exit
 fi
 
-if [ "${1:-1}" = 17 ]; then   # issue 3: what bounds the fp8 consumer; batch 2's down tiles
-  [ "${2:-}" = bench ] || NCU_CASES=${NCU_CASES:-"gateup stack bf16"} OUT="$OUT/ncu" bash bench/ncu_fp8_consumer.sh
-  L8="'intermediate': 2048, 'layers': 8, 'weight_dtype': 'fp8_e4m3'"; B2="$L8, 'batch': 2"
-  # the first case's timeline (batch 1): where each layer's boundary time goes
-  BENCH_S_megakernel=150 \
-    BENCH_ARGS_megakernel="--parts stack --stack-cases \"[{$L8}, {$B2, 'down_rows': 56}, {$B2}, {$B2, 'down_rows': 56}, {$B2}]\"" \
-    DEVICE_ALL_S=${P17_S:-160} bash bench/device_all.sh bench:megakernel
+if [ "${1:-1}" = 17 ]; then   # issue 3: what bounds the fp8 consumer; the wait's poll period
+  [ "${2:-}" = bench ] || NCU_CASES=${NCU_CASES:-"stack gateup"} OUT="$OUT/ncu" bash bench/ncu_fp8_consumer.sh
+  L8="'intermediate': 2048, 'layers': 8"; F8="$L8, 'weight_dtype': 'fp8_e4m3'"
+  S="--parts stack --stack-cases \"[{$F8}, {$L8}]\""
+  # the first case's timeline (batch 1): where each layer's boundary time goes; then the error
+  # word read on every poll (SDK_WAIT_ERROR_EVERY=1, the old form) against every 8th, interleaved
+  BENCH_S_megakernel=90 BENCH_ARGS_megakernel="$S" \
+    BENCH_S_megakernel_err1=75 BENCH_ARGS_megakernel_err1="--no-timeline $S" BENCH_ENV_megakernel_err1="SDK_WAIT_ERROR_EVERY=1" \
+    BENCH_S_megakernel_again=75 BENCH_ARGS_megakernel_again="--no-timeline $S" \
+    BENCH_S_megakernel_err1b=75 BENCH_ARGS_megakernel_err1b="--no-timeline $S" BENCH_ENV_megakernel_err1b="SDK_WAIT_ERROR_EVERY=1" \
+    DEVICE_ALL_S=${P17_S:-330} bash bench/device_all.sh bench:megakernel bench:megakernel@err1 bench:megakernel@again \
+    bench:megakernel@err1b
   exit
 fi
 if [ "${1:-1}" = 16 ]; then   # issue 3: 56-row fp8 down tiles (straddling scale blocks) against 64

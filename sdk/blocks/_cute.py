@@ -19,6 +19,7 @@ only inside functions that build device code (never at `import sdk`).
 from __future__ import annotations
 
 import math
+import os
 
 import cutlass
 import cutlass.cute as cute
@@ -28,6 +29,12 @@ from cutlass.memory import SmemAllocator
 from .allreduce import ERR_PEER_TIMEOUT
 from .base import NUM_THREADS, PRODUCER_FIRST, SCRATCH_WORDS, coresident_stages, ring_geometry
 from .formats import E2M1_STEPS
+
+# bounded_wait reads the error word (another CTA gave up) on every WAIT_ERROR_EVERY-th poll (a
+# power of two); SDK_WAIT_ERROR_EVERY=1 is the old every-poll form, an A/B switch until measured
+WAIT_ERROR_EVERY = int(os.environ.get("SDK_WAIT_ERROR_EVERY", "8"))
+if WAIT_ERROR_EVERY < 1 or WAIT_ERROR_EVERY & (WAIT_ERROR_EVERY - 1):
+    raise ValueError(f"SDK_WAIT_ERROR_EVERY={WAIT_ERROR_EVERY}: a power of two")
 
 DTYPE_MAP = {
     "bf16": cutlass.BFloat16,
@@ -373,11 +380,16 @@ def bounded_wait(ptr, target: Int32, ebase, timeout_ns: Int64, code: cutlass.Con
     v = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
     if v < target:
         t0 = cute.arch.globaltimer()
+        spins = Int32(0)
         while v < target and status == 1:
             v = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
-            if v < target:
+            spins = spins + 1
+            # the error word only every WAIT_ERROR_EVERY polls: its load waits for the acquire
+            # before it, so read on every poll it doubles the poll's period (two round trips)
+            if (v < target) & ((spins & (WAIT_ERROR_EVERY - 1)) == 0):
                 if cute.arch.load(ebase, Int32, sem="relaxed", scope="gpu") != 0:
                     status = Int32(0)
+            if v < target:
                 if cute.arch.globaltimer() - t0 > timeout_ns:
                     status = Int32(0)
                     old = cute.arch.atomic_cas(ebase, cmp=Int32(0), val=Int32(code), sem="relaxed", scope="gpu")

@@ -106,6 +106,14 @@ def test_timeline_op_table_summarises_each_op():
     assert rows["b.select"] == ["1", "1", "5.0", "9.0", "4.00", "4.00"]
     assert list(rows) == ["a.gemv", "b.select", "c.down"]
     assert op_table(rec).splitlines()[-1] == "span 10.0 us; SMs busy 70% of it (2 SMs)"
+    # the finer stamps: medians of wait, staging, chunks, epilogue over an op's streaming tiles
+    fine = dict(rec, wait_ns=[-500, 0, 4000, 5000], begun_ns=[500, 1500, None, 6200],
+                chunks_ns=[3000, 2500, None, 9000])
+    rows = {line.split()[0]: line.split()[1:] for line in op_table(fine).splitlines()[1:-1]}
+    assert op_table(fine).splitlines()[0].split()[-4:] == ["wait", "stage", "chunks", "epi"]
+    assert rows["a.gemv"][6:] == ["1.00", "0.50", "2.50", "1.00"]    # upper medians of (0.5, 1), (0.5, 0.5), ...
+    assert rows["b.select"] == ["1", "1", "5.0", "9.0", "4.00", "4.00"]          # a plain tile: no phases
+    assert rows["c.down"][6:] == ["1.00", "0.20", "2.80", "1.00"]
 
 
 def test_profile_block_experts_table_routes_one_token_to_the_asked_hits():

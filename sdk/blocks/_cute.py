@@ -345,7 +345,7 @@ def block_sum_multi(values, scratch: cute.Tensor, op: cutlass.Constexpr = "sum")
 
 @cute.jit
 def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
-                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce):
+                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce, stamp=None):
     """Run one tile of a streaming block. Consumer chunk number cseq (over the CTA's whole
     stream) sits in stage cseq % stages; after a chunk is consumed its stage is refilled with
     chunk cseq + stages of the stream (`produce`, which may belong to a later instruction).
@@ -354,8 +354,11 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     `fresh` = 0: the previous streaming tile of this CTA was of the same op (its staged
     activations are still in sx; see sdk/blocks/base.py). Returns the advanced (cseq, producer
     state p0, p1, p2). (Refilling a stage one chunk later, behind the next chunk's barrier - one
-    barrier a chunk - measured slower on the H200: docs/megakernel.md.)"""
+    barrier a chunk - measured slower on the H200: docs/megakernel.md.) `stamp` (the megakernel's
+    timing record, None without it): stamp("begun") after begin, stamp("chunks") before end."""
     st = faces.begin(ptrs, t, sx, scratch, fresh)
+    if cutlass.const_expr(stamp is not None):
+        stamp("begun")
     for ch in cutlass.range(nch, unroll=1):
         faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
         cute.arch.cp_async_wait_group(stages - 1)
@@ -364,8 +367,18 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
         cute.arch.sync_threads()
         p0, p1, p2 = produce(p0, p1, p2)
         cseq = cseq + 1
+    if cutlass.const_expr(stamp is not None):
+        stamp("chunks")
     faces.end(ptrs, t, st, scratch)
     return cseq, p0, p1, p2
+
+
+@cute.jit
+def timing_stamp(mTim: cute.Tensor, sm, i, k: cutlass.Constexpr):
+    """Thread 0: globaltimer into the timing record mTim[sm, i, k]."""
+    tid, _, _ = cute.arch.thread_idx()
+    if tid == 0:
+        mTim[sm, i, k] = cute.arch.globaltimer()
 
 
 @cute.jit

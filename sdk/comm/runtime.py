@@ -173,6 +173,6 @@ class TPRuntime:
         torch.cuda.synchronize(self.device)
 
     def timing_raw(self) -> list[torch.Tensor]:
-        """Per rank: the raw globaltimer record [num_sms, max_len, 2] (all ranks share the GPU's
+        """Per rank: the raw globaltimer record [num_sms, max_len, isa.TIMING_STAMPS] (all ranks share the GPU's
         clock, so ranks can be compared)."""
         return [rt.timing_buf.cpu() for rt in self.runtimes]

@@ -41,3 +41,11 @@ EXIT_COUNTER = 0
 ERROR_WORDS = 8
 ERR_TIMEOUT = 1
 ERROR_FIELDS = ("code", "counter", "instruction", "sm", "seen", "target", "opcode", "epoch")
+
+# The optional timing record: int64 [SMs, instructions, TIMING_STAMPS] of globaltimer ns, written
+# by thread 0. START (after the waits) and END (after the signal) bound the instruction; WAIT is
+# when its waits began (after its prologue), BEGUN when a streaming tile's begin (activations
+# staged) returned, CHUNKS when its chunk loop ended (before its epilogue); plain tiles leave
+# those two zero.
+STAMP_START, STAMP_END, STAMP_WAIT, STAMP_BEGUN, STAMP_CHUNKS = range(5)
+TIMING_STAMPS = 5

@@ -36,8 +36,9 @@ need a record past the window: it reads those from global memory (rare: a run of
 WIN / 2 plain tiles).
 
 No grid-wide barrier, no counter reset. A CTA leaves early (after the error word is set) instead
-of hanging. Optional timing record: globaltimer at start (after the wait) and end of every
-instruction, int64 [num_sms, max_len, 2].
+of hanging. Optional timing record: globaltimer when every instruction's waits begin, when they
+are met (its start), when a streaming tile's activations are staged and its chunks consumed, and
+at its end: int64 [num_sms, max_len, isa.TIMING_STAMPS].
 
 Supported: any list of blocks following the contract in `sdk/blocks/base.py`.
 """
@@ -48,12 +49,13 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..blocks._cute import bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile
+from ..blocks._cute import bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile, timing_stamp
 from ..blocks.base import NUM_THREADS, ring_geometry
 from . import isa
 from .program import records_geometry
 
 OPTAB_EXTENT = 1 << 24        # static extent of the operand table view (never bounds-checked)
+STAMP_OF = {"begun": isa.STAMP_BEGUN, "chunks": isa.STAMP_CHUNKS}     # stream_tile's timing stamps
 
 
 def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, records_window: int | None = None):
@@ -200,7 +202,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
         mN = gmem_tensor(pN, Int32, (S,), 4)
         mOps = gmem_tensor(pT, Int64, (OPTAB_EXTENT,), 8)
         mIw = gmem_tensor(pI, Int32, (S, L, W), 16)
-        mTim = gmem_tensor(pTim, Int64, (S, L, 2), 8)
+        mTim = gmem_tensor(pTim, Int64, (S, L, isa.TIMING_STAMPS), 8)
         cbase = cute.make_ptr(Int32, pC, cute.AddressSpace.gmem, assumed_align=4)
         ebase = cute.make_ptr(Int32, pE, cute.AddressSpace.gmem, assumed_align=4)
         n = mN[sm]
@@ -266,6 +268,8 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                     if op == k:
                         prologues[k]([sP[r, j] for j in range(nops[k])], t, scratch)
             if tid == 0:
+                if cutlass.const_expr(timing):
+                    mTim[sm, i, isa.STAMP_WAIT] = cute.arch.globaltimer()
                 st = Int32(1)
                 for (cw, ew) in isa.WAITS:
                     c = sW[r, cw]
@@ -277,7 +281,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                         last_c, last_t = c, target
                 flags[0] = st
                 if cutlass.const_expr(timing):
-                    mTim[sm, i, 0] = cute.arch.globaltimer()
+                    mTim[sm, i, isa.STAMP_START] = cute.arch.globaltimer()
             cute.arch.sync_threads()
             ok = flags[0]
             if ok != 0:
@@ -291,7 +295,8 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                             cseq, pi, pc, ps = stream_tile(
                                 faces[k], nch[k], P, stage_bytes, ptrs, t, ring_base, sx, scratch, fresh,
                                 cseq, pi, pc, ps,
-                                lambda a, b, c: produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, a, b, c))
+                                lambda a, b, c: produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, a, b, c),
+                                (lambda what: timing_stamp(mTim, sm, i, STAMP_OF[what])) if timing else None)
                             staged = base
                 cute.arch.sync_threads()
                 if tid == 0:
@@ -299,7 +304,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                     if sig >= 0:
                         cute.arch.atomic_add(cbase + sig, Int32(1), sem="release", scope="gpu")
                     if cutlass.const_expr(timing):
-                        mTim[sm, i, 1] = cute.arch.globaltimer()
+                        mTim[sm, i, isa.STAMP_END] = cute.arch.globaltimer()
             i = i + 1
         if cutlass.const_expr(P > 0):
             cute.arch.cp_async_wait_group(0)

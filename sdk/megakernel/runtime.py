@@ -74,7 +74,8 @@ class MegakernelRuntime:
         self.optab = torch.tensor(ptrs + [0] * nops, dtype=torch.int64, device=dev)
         self.timing = timing
         self.max_len = words.shape[1]
-        self.timing_buf = torch.zeros((num_sms, self.max_len, 2) if timing else (1,), dtype=torch.int64, device=dev)
+        self.timing_buf = torch.zeros((num_sms, self.max_len, isa.TIMING_STAMPS) if timing else (1,),
+                                      dtype=torch.int64, device=dev)
         self.timeout_ns = int(timeout_s * 1e9)
         from .kernel import compile_megakernel
         self.fn = compile_megakernel(program.opcodes.blocks, num_sms, self.max_len, timing, pdl=pdl,
@@ -117,21 +118,30 @@ class MegakernelRuntime:
         torch.cuda.synchronize(self.device)
 
     def timing_record(self) -> dict:
-        """Per-SM instruction timings of the last launch: start/end ns relative to the earliest
-        start, with the opcode and label of each instruction (for the timeline plot)."""
+        """Per-SM instruction timings of the last launch, ns relative to the earliest start: when
+        each instruction's waits began (wait_ns) and were met (start_ns), when a streaming tile's
+        activations were staged (begun_ns) and its chunks consumed (chunks_ns; both None for a
+        plain tile), its end (end_ns, after the signal); with the opcode and label of each
+        instruction (for the timeline plot and `bench.timeline --ops`)."""
         if not self.timing:
             raise ValueError("built with timing=False")
         tim = self.timing_buf.cpu().numpy()
-        t0 = min(int(tim[s, 0, 0]) for s in range(self.num_sms) if self.lengths_host[s] > 0)
-        rows = []
+        t0 = min(int(tim[s, 0, isa.STAMP_START]) for s in range(self.num_sms) if self.lengths_host[s] > 0)
+        stamps = {"start_ns": isa.STAMP_START, "end_ns": isa.STAMP_END, "wait_ns": isa.STAMP_WAIT,
+                  "begun_ns": isa.STAMP_BEGUN, "chunks_ns": isa.STAMP_CHUNKS}
+        rec = {"sm": [], "opcode": [], "label": [], **{k: [] for k in stamps}}
         for s, lst in enumerate(self.schedule.per_sm):
             for j, i in enumerate(lst):
                 ins = self.program.instructions[i]
-                rows.append((s, int(tim[s, j, 0]) - t0, int(tim[s, j, 1]) - t0, ins.opcode, ins.label))
-        names = [type(b).__name__ + ("+swiglu" if getattr(b.config, "swiglu", False) else "")
-                 for b in self.program.opcodes.blocks]
-        return {"sm": [r[0] for r in rows], "start_ns": [r[1] for r in rows], "end_ns": [r[2] for r in rows],
-                "opcode": [r[3] for r in rows], "label": [r[4] for r in rows], "opcode_names": names}
+                rec["sm"].append(s)
+                rec["opcode"].append(ins.opcode)
+                rec["label"].append(ins.label)
+                for k, x in stamps.items():
+                    v = int(tim[s, j, x])
+                    rec[k].append(v - t0 if v else None)
+        rec["opcode_names"] = [type(b).__name__ + ("+swiglu" if getattr(b.config, "swiglu", False) else "")
+                               for b in self.program.opcodes.blocks]
+        return rec
 
 
 def program_runtime(program, weights: dict, inputs: dict | None = None, device="cuda", **kw) -> MegakernelRuntime:

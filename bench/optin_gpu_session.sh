@@ -51,9 +51,9 @@
 #    tiles (128 SMs) against the default cut, interleaved, twice; and the fp8 consumer's own
 #    rate: 7168 x 2048 / 4096 with the weights hot in the L2 (the time's slope), hfma2_alu too.
 # 17: what bounds the fp8 consumer (written in the twenty-ninth session, not yet run): Nsight
-#    Compute on the fp8 stack and an L2-hot fp8 GEMV (bench/ncu_fp8_consumer.sh; NCU_CASES picks
-#    cases), then the stack's batch-1 timeline (fp8, bf16 L=8 I=2048) and the dependency wait's
-#    error word read on every poll (SDK_WAIT_ERROR_EVERY=1) against every 8th, interleaved.
+#    the stack's batch-1 timeline (fp8, bf16 L=8 I=2048) and the dependency wait's error word read
+#    on every poll (SDK_WAIT_ERROR_EVERY=1) against every 8th, interleaved; then Nsight Compute on
+#    the fp8 stack and an L2-hot fp8 GEMV (bench/ncu_fp8_consumer.sh; NCU_CASES picks cases).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -179,7 +179,6 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
 fi
 
 if [ "${1:-1}" = 17 ]; then   # issue 3: what bounds the fp8 consumer; the wait's poll period
-  [ "${2:-}" = bench ] || NCU_CASES=${NCU_CASES:-"stack gateup"} OUT="$OUT/ncu" bash bench/ncu_fp8_consumer.sh
   L8="'intermediate': 2048, 'layers': 8"; F8="$L8, 'weight_dtype': 'fp8_e4m3'"
   S="--parts stack --stack-cases \"[{$F8}, {$L8}]\""
   # the first case's timeline (batch 1): where each layer's boundary time goes; then the error
@@ -190,6 +189,7 @@ if [ "${1:-1}" = 17 ]; then   # issue 3: what bounds the fp8 consumer; the wait'
     BENCH_S_megakernel_err1b=75 BENCH_ARGS_megakernel_err1b="--no-timeline $S" BENCH_ENV_megakernel_err1b="SDK_WAIT_ERROR_EVERY=1" \
     DEVICE_ALL_S=${P17_S:-330} bash bench/device_all.sh bench:megakernel bench:megakernel@err1 bench:megakernel@again \
     bench:megakernel@err1b
+  [ "${2:-}" = bench ] || NCU_CASES=${NCU_CASES:-"stack gateup"} OUT="$OUT/ncu" bash bench/ncu_fp8_consumer.sh
   exit
 fi
 if [ "${1:-1}" = 16 ]; then   # issue 3: 56-row fp8 down tiles (straddling scale blocks) against 64

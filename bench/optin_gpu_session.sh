@@ -50,7 +50,7 @@
 #    them), then the fp8 GEMV 7168x2048 alone and the fp8 stack L=8 I=2048 with 56-row (down)
 #    tiles (128 SMs) against the default cut, interleaved, twice; and the fp8 consumer's own
 #    rate: 7168 x 2048 / 4096 with the weights hot in the L2 (the time's slope), hfma2_alu too.
-# 17: what bounds the fp8 consumer (written in the twenty-ninth session, not yet run): Nsight
+# 17: what bounds the fp8 stack (written in the twenty-ninth and thirtieth sessions, not yet run):
 #    the stack's batch-1 timeline (fp8, bf16 L=8 I=2048) and the dependency wait's error word read
 #    on every poll (SDK_WAIT_ERROR_EVERY=1) against every 8th, interleaved; then Nsight Compute on
 #    the fp8 stack and an L2-hot fp8 GEMV (bench/ncu_fp8_consumer.sh; NCU_CASES picks cases).

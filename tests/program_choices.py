@@ -10,8 +10,8 @@ difference:
   within DSA_TIE of the row's largest pool magnitude. A pool score is a head-weighted sum of ReLU'd
   dot products with cancellations, so its rounding noise follows the size of its terms, not of the
   score: the magnitude is the same sum with every term at its largest (|head weight| x |q_h| |k|,
-  `pool_scores`). Calibrated on the PyVM (GLM-5.3 small at batch 8, 36 steps, 42 seeds, 524
-  swapped pool pairs): the gap reached 0.0047 of the magnitude (p99 0.0026) but 0.28 of the top
+  `pool_scores`). Calibrated on the PyVM (bench/dsa_tie_calibration.py: GLM-5.3 small at batch 8,
+  36 steps, 42 seeds, 524 swapped pool pairs): the gap reached 0.0047 of the magnitude (p99 0.0026) but 0.28 of the top
   score (p99 0.13; the old bound, 0.2 of the top score, failed 2 of 53 seeds there, and the GPU
   once: a gap of 0.035 under a top score below 0.18) - a row's top score may even be 0. A wrong
   pool shows as a gap of the order of the top score: a median 0.036 of the magnitude, 3.6x the

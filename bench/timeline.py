@@ -45,24 +45,28 @@ def op_table(record: dict) -> str:
     start, last end, median / max tile time (us) - where the step's time goes, as numbers. Records
     with the finer stamps (sdk/megakernel/isa.py: wait_ns, begun_ns, chunks_ns) add the median
     wait (waits begun -> met), staging (-> activations staged), chunks (-> chunks consumed) and
-    epilogue (-> end, after the signal) of the op's streaming tiles."""
+    epilogue (-> end, after the signal) of the op's streaming tiles; with signal_ns too, the
+    epilogue ends at the signal and `sig` is the signal's release (-> end)."""
     ops: dict = {}
     n = len(record["start_ns"])
     fine = all(record.get(k) for k in ("wait_ns", "begun_ns", "chunks_ns"))
+    keys = ["wait_ns", "start_ns", "begun_ns", "chunks_ns"] + (["signal_ns"] if record.get("signal_ns") else [])
+    keys.append("end_ns")
     for j in range(n):
-        stamps = [record[k][j] for k in ("wait_ns", "start_ns", "begun_ns", "chunks_ns", "end_ns")] if fine else None
+        stamps = [record[k][j] for k in keys] if fine else None
         ops.setdefault(record["label"][j].split("[")[0], []).append(
             (record["sm"][j], record["start_ns"][j] / 1e3, record["end_ns"][j] / 1e3, stamps))
     med = lambda v: sorted(v)[len(v) // 2]
+    phases = ["wait", "stage", "chunks", "epi", "sig"][:len(keys) - 1]
     head = f"{'op':<20} {'tiles':>5} {'SMs':>4} {'first':>7} {'last':>7} {'median':>7} {'max':>7}"
-    lines = [head + (f" {'wait':>6} {'stage':>6} {'chunks':>6} {'epi':>6}" if fine else "")]
+    lines = [head + ("".join(f" {p:>6}" for p in phases) if fine else "")]
     for name, tiles in sorted(ops.items(), key=lambda kv: min(t[1] for t in kv[1])):
         dur = sorted(e - s for _, s, e, _ in tiles)
         line = (f"{name:<20} {len(tiles):>5} {len({t[0] for t in tiles}):>4} {min(t[1] for t in tiles):>7.1f} "
                 f"{max(t[2] for t in tiles):>7.1f} {dur[len(dur) // 2]:>7.2f} {dur[-1]:>7.2f}")
         streamed = [t[3] for t in tiles if fine and None not in t[3]]
         if streamed:
-            line += "".join(f" {med([(st[p + 1] - st[p]) / 1e3 for st in streamed]):>6.2f}" for p in range(4))
+            line += "".join(f" {med([(st[p + 1] - st[p]) / 1e3 for st in streamed]):>6.2f}" for p in range(len(phases)))
         lines.append(line)
     span = max(record["end_ns"]) / 1e3
     busy = sum(e - s for s, e in zip(record["start_ns"], record["end_ns"])) / 1e3

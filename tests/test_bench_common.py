@@ -114,6 +114,13 @@ def test_timeline_op_table_summarises_each_op():
     assert rows["a.gemv"][6:] == ["1.00", "0.50", "2.50", "1.00"]    # upper medians of (0.5, 1), (0.5, 0.5), ...
     assert rows["b.select"] == ["1", "1", "5.0", "9.0", "4.00", "4.00"]          # a plain tile: no phases
     assert rows["c.down"][6:] == ["1.00", "0.20", "2.80", "1.00"]
+    # with the signal stamp: the epilogue ends at it, `sig` is the release (-> end)
+    sig = dict(fine, signal_ns=[3600, 2900, 8000, 9700])
+    table = op_table(sig).splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in table[1:-1]}
+    assert table[0].split()[-5:] == ["wait", "stage", "chunks", "epi", "sig"]
+    assert rows["a.gemv"][6:] == ["1.00", "0.50", "2.50", "0.60", "0.40"]
+    assert rows["c.down"][6:] == ["1.00", "0.20", "2.80", "0.70", "0.30"]
 
 
 def test_profile_block_experts_table_routes_one_token_to_the_asked_hits():

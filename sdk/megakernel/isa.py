@@ -45,7 +45,7 @@ ERROR_FIELDS = ("code", "counter", "instruction", "sm", "seen", "target", "opcod
 # The optional timing record: int64 [SMs, instructions, TIMING_STAMPS] of globaltimer ns, written
 # by thread 0. START (after the waits) and END (after the signal) bound the instruction; WAIT is
 # when its waits began (after its prologue), BEGUN when a streaming tile's begin (activations
-# staged) returned, CHUNKS when its chunk loop ended (before its epilogue); plain tiles leave
-# those two zero.
-STAMP_START, STAMP_END, STAMP_WAIT, STAMP_BEGUN, STAMP_CHUNKS = range(5)
-TIMING_STAMPS = 5
+# staged) returned, CHUNKS when its chunk loop ended (before its epilogue; plain tiles leave
+# those two zero), SIGNAL after the tile's closing barrier, before the release atomic.
+STAMP_START, STAMP_END, STAMP_WAIT, STAMP_BEGUN, STAMP_CHUNKS, STAMP_SIGNAL = range(6)
+TIMING_STAMPS = 6

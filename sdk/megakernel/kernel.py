@@ -37,12 +37,21 @@ WIN / 2 plain tiles).
 
 No grid-wide barrier, no counter reset. A CTA leaves early (after the error word is set) instead
 of hanging. Optional timing record: globaltimer when every instruction's waits begin, when they
-are met (its start), when a streaming tile's activations are staged and its chunks consumed, and
-at its end: int64 [num_sms, max_len, isa.TIMING_STAMPS].
+are met (its start), when a streaming tile's activations are staged and its chunks consumed,
+before its signal and at its end: int64 [num_sms, max_len, isa.TIMING_STAMPS].
+
+The refill of a streaming tile's last stage (REFILL_DEFER, env SDK_REFILL_DEFER; an A/B until
+measured): "none" issues it right after the chunk, like every other; "signal" after the tile's
+signal (its release waits for no copy of this tile's refill); "begin" after the next streaming
+tile has staged its activations (or before the next plain tile), so the signal, the next wait's
+polls and the staging loads do not queue behind 32 KB of copies on their way from the HBM. The
+copies' count per chunk is unchanged: each refill is still issued before the next chunk's wait.
 
 Supported: any list of blocks following the contract in `sdk/blocks/base.py`.
 """
 from __future__ import annotations
+
+import os
 
 import cutlass
 import cutlass.cute as cute
@@ -53,6 +62,10 @@ from ..blocks._cute import bounded_wait, gmem_tensor, scratch_region, smem_tenso
 from ..blocks.base import NUM_THREADS, ring_geometry
 from . import isa
 from .program import records_geometry
+
+REFILL_DEFER = os.environ.get("SDK_REFILL_DEFER", "none")
+if REFILL_DEFER not in ("none", "signal", "begin"):
+    raise ValueError(f"SDK_REFILL_DEFER={REFILL_DEFER!r}: none, signal or begin")
 
 OPTAB_EXTENT = 1 << 24        # static extent of the operand table view (never bounds-checked)
 STAMP_OF = {"begun": isa.STAMP_BEGUN, "chunks": isa.STAMP_CHUNKS}     # stream_tile's timing stamps
@@ -244,6 +257,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
         ok = Int32(1)
         last_c, last_t = Int32(-1), Int32(0)    # thread 0: a wait already met on this CTA
         staged = Int32(-1)                      # operand base of the last streaming tile
+        deferred = Int32(0)                     # 1: the last streaming tile's last refill is due
         while i < n and ok != 0:
             if cutlass.const_expr(WIN):
                 # the window's first half is done with (the consumer is past it, the producer at
@@ -289,6 +303,10 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                     if op == k:
                         ptrs = [sP[r, j] for j in range(nops[k])]
                         if cutlass.const_expr(nch[k] == 0):
+                            if cutlass.const_expr(REFILL_DEFER == "begin"):
+                                if deferred != 0:
+                                    pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, pi, pc, ps)
+                                    deferred = Int32(0)
                             tiles[k](ptrs, t, scratch)
                         else:
                             fresh = Int32(cutlass.select_(base == staged, 0, 1))
@@ -296,15 +314,26 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                                 faces[k], nch[k], P, stage_bytes, ptrs, t, ring_base, sx, scratch, fresh,
                                 cseq, pi, pc, ps,
                                 lambda a, b, c: produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, a, b, c),
-                                (lambda what: timing_stamp(mTim, sm, i, STAMP_OF[what])) if timing else None)
+                                (lambda what: timing_stamp(mTim, sm, i, STAMP_OF[what])) if timing else None,
+                                None if REFILL_DEFER == "none" else deferred)
                             staged = base
+                            if cutlass.const_expr(REFILL_DEFER != "none"):
+                                deferred = Int32(1)
                 cute.arch.sync_threads()
                 if tid == 0:
                     sig = sW[r, isa.SIGNAL]
+                    if cutlass.const_expr(timing):
+                        mTim[sm, i, isa.STAMP_SIGNAL] = cute.arch.globaltimer()
                     if sig >= 0:
                         cute.arch.atomic_add(cbase + sig, Int32(1), sem="release", scope="gpu")
                     if cutlass.const_expr(timing):
                         mTim[sm, i, isa.STAMP_END] = cute.arch.globaltimer()
+                if cutlass.const_expr(REFILL_DEFER == "signal"):
+                    # after the release: the barrier holds the refill until thread 0's fence is done
+                    if deferred != 0:
+                        cute.arch.sync_threads()
+                        pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, pi, pc, ps)
+                        deferred = Int32(0)
             i = i + 1
         if cutlass.const_expr(P > 0):
             cute.arch.cp_async_wait_group(0)
@@ -330,7 +359,7 @@ def compile_megakernel(blocks, num_sms: int, max_len: int, timing: bool = False,
                        pdl: bool = False, records_window: int | None = None):
     """Compiled megakernel `fn(pI, pN, pC, pE, pT, pTim, timeout_ns, stream)`, cached in-process on
     (block static configs, num_sms, max_len, timing, arch, pdl, the records' window)."""
-    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, records_window)
+    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, records_window, REFILL_DEFER)
     if key not in _cache:
         import cuda.bindings.driver as cuda
         host = build(blocks, num_sms, max_len, timing, pdl, records_window)

@@ -121,14 +121,15 @@ class MegakernelRuntime:
         """Per-SM instruction timings of the last launch, ns relative to the earliest start: when
         each instruction's waits began (wait_ns) and were met (start_ns), when a streaming tile's
         activations were staged (begun_ns) and its chunks consumed (chunks_ns; both None for a
-        plain tile), its end (end_ns, after the signal); with the opcode and label of each
+        plain tile), when its signal's release began (signal_ns) and its end (end_ns, after the
+        signal); with the opcode and label of each
         instruction (for the timeline plot and `bench.timeline --ops`)."""
         if not self.timing:
             raise ValueError("built with timing=False")
         tim = self.timing_buf.cpu().numpy()
         t0 = min(int(tim[s, 0, isa.STAMP_START]) for s in range(self.num_sms) if self.lengths_host[s] > 0)
         stamps = {"start_ns": isa.STAMP_START, "end_ns": isa.STAMP_END, "wait_ns": isa.STAMP_WAIT,
-                  "begun_ns": isa.STAMP_BEGUN, "chunks_ns": isa.STAMP_CHUNKS}
+                  "begun_ns": isa.STAMP_BEGUN, "chunks_ns": isa.STAMP_CHUNKS, "signal_ns": isa.STAMP_SIGNAL}
         rec = {"sm": [], "opcode": [], "label": [], **{k: [] for k in stamps}}
         for s, lst in enumerate(self.schedule.per_sm):
             for j, i in enumerate(lst):

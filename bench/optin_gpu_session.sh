@@ -57,7 +57,7 @@
 # 18: the stack's epilogue (the twenty-ninth-session timeline, H100: gate/up 2.5 us and down 2.0 us
 #    of each tile after its chunks): the signal's stamp (epi -> sig) and the last stage's refill
 #    deferred (SDK_REFILL_DEFER=signal / begin) against none, fp8 and bf16 L=8 I=2048 at batch 1,
-#    each with its timeline, then none / begin again without; `18 tests` adds the megakernel GPU
+#    each with its timeline, then the three again without; `18 tests` adds the megakernel GPU
 #    tests under begin.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
@@ -190,9 +190,10 @@ if [ "${1:-1}" = 18 ]; then   # issue 3: where the stack's epilogue goes; the la
     BENCH_S_megakernel_signal=70 BENCH_ARGS_megakernel_signal="$S" BENCH_ENV_megakernel_signal="SDK_REFILL_DEFER=signal" \
     BENCH_S_megakernel_begin=70 BENCH_ARGS_megakernel_begin="$S" BENCH_ENV_megakernel_begin="SDK_REFILL_DEFER=begin" \
     BENCH_S_megakernel_again=50 BENCH_ARGS_megakernel_again="--no-timeline $S" \
+    BENCH_S_megakernel_signal2=50 BENCH_ARGS_megakernel_signal2="--no-timeline $S" BENCH_ENV_megakernel_signal2="SDK_REFILL_DEFER=signal" \
     BENCH_S_megakernel_begin2=50 BENCH_ARGS_megakernel_begin2="--no-timeline $S" BENCH_ENV_megakernel_begin2="SDK_REFILL_DEFER=begin" \
     DEVICE_ALL_S=${P18_S:-330} bash bench/device_all.sh bench:megakernel bench:megakernel@signal bench:megakernel@begin \
-    bench:megakernel@again bench:megakernel@begin2
+    bench:megakernel@again bench:megakernel@signal2 bench:megakernel@begin2
   [ "${2:-}" = tests ] && SDK_REFILL_DEFER=begin GPU_TESTS="tests/gpu/test_megakernel_gpu.py" TESTS_S=200 \
     OUT="$OUT/tests" DEVICE_ALL_S=210 bash bench/device_all.sh tests
   exit

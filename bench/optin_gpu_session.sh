@@ -57,11 +57,8 @@
 # 18: the stack's epilogue (the twenty-ninth-session timeline, H100: gate/up 2.5 us and down 2.0 us
 #    of each tile after its chunks): the signal's stamp (epi -> sig) and the last stage's refill
 #    deferred (SDK_REFILL_DEFER=signal / begin) against none, fp8 and bf16 L=8 I=2048 at batch 1,
-#    each with its timeline, then the three again without; and the chunks as bulk copies on
-#    per-stage mbarriers (GemvConfig.bulk, the thirty-first session: one warp issues them, the
-#    consumer warps never stall issuing copies) the same way. `18 tests` first runs the bulk
-#    stack's GPU test (fp8 B=1 / 8, bf16 B=1 / 64, two steps), then after the benches the
-#    megakernel GPU tests under begin.
+#    each with its timeline, then the three again without; `18 tests` adds the megakernel GPU
+#    tests under begin.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -189,18 +186,14 @@ fi
 if [ "${1:-1}" = 18 ]; then   # issue 3: where the stack's epilogue goes; the last refill deferred
   L8="'intermediate': 2048, 'layers': 8"; F8="$L8, 'weight_dtype': 'fp8_e4m3'"
   S="--parts stack --stack-cases \"[{$F8}, {$L8}]\""
-  SB="--parts stack --stack-cases \"[{$F8, 'bulk': True}, {$L8, 'bulk': True}]\""
-  [ "${2:-}" = tests ] && GPU_TESTS="tests/gpu/test_megakernel_gpu.py::test_mlp_stack_bulk_copies" TESTS_S=120 \
-    OUT="$OUT/tests_bulk" DEVICE_ALL_S=130 bash bench/device_all.sh tests
   BENCH_S_megakernel=70 BENCH_ARGS_megakernel="$S" \
-    BENCH_S_megakernel_bulk=70 BENCH_ARGS_megakernel_bulk="$SB" BENCH_S_megakernel_bulk2=50 BENCH_ARGS_megakernel_bulk2="--no-timeline $SB" \
     BENCH_S_megakernel_signal=70 BENCH_ARGS_megakernel_signal="$S" BENCH_ENV_megakernel_signal="SDK_REFILL_DEFER=signal" \
     BENCH_S_megakernel_begin=70 BENCH_ARGS_megakernel_begin="$S" BENCH_ENV_megakernel_begin="SDK_REFILL_DEFER=begin" \
     BENCH_S_megakernel_again=50 BENCH_ARGS_megakernel_again="--no-timeline $S" \
     BENCH_S_megakernel_signal2=50 BENCH_ARGS_megakernel_signal2="--no-timeline $S" BENCH_ENV_megakernel_signal2="SDK_REFILL_DEFER=signal" \
     BENCH_S_megakernel_begin2=50 BENCH_ARGS_megakernel_begin2="--no-timeline $S" BENCH_ENV_megakernel_begin2="SDK_REFILL_DEFER=begin" \
-    DEVICE_ALL_S=${P18_S:-400} bash bench/device_all.sh bench:megakernel bench:megakernel@bulk bench:megakernel@signal \
-    bench:megakernel@begin bench:megakernel@again bench:megakernel@bulk2 bench:megakernel@signal2 bench:megakernel@begin2
+    DEVICE_ALL_S=${P18_S:-330} bash bench/device_all.sh bench:megakernel bench:megakernel@signal bench:megakernel@begin \
+    bench:megakernel@again bench:megakernel@signal2 bench:megakernel@begin2
   [ "${2:-}" = tests ] && SDK_REFILL_DEFER=begin GPU_TESTS="tests/gpu/test_megakernel_gpu.py" TESTS_S=200 \
     OUT="$OUT/tests" DEVICE_ALL_S=210 bash bench/device_all.sh tests
   exit

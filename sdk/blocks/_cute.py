@@ -338,8 +338,7 @@ def block_sum_multi(values, scratch: cute.Tensor, op: cutlass.Constexpr = "sum")
 
 @cute.jit
 def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
-                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce, stamp=None, deferred=None,
-                bars=None):
+                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce, stamp=None, deferred=None):
     """Run one tile of a streaming block. Consumer chunk number cseq (over the CTA's whole
     stream) sits in stage cseq % stages; after a chunk is consumed its stage is refilled with
     chunk cseq + stages of the stream (`produce`, which may belong to a later instruction).
@@ -353,9 +352,7 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     `deferred` (None: every chunk's stage refilled right after it): the tile's last refill is left
     to the caller, and an Int32 that is 1 when the previous tile left its own here - issued after
     begin, so the activations' loads do not queue behind those copies (the kernel's
-    REFILL_DEFER). `bars`: the smem address of the ring's per-stage mbarriers, whose fill k of a
-    stage completes phase k; a block whose chunks come as bulk copies (`faces.issue_bulk`) waits
-    for its chunk's phase there."""
+    REFILL_DEFER)."""
     st = faces.begin(ptrs, t, sx, scratch, fresh)
     if cutlass.const_expr(stamp is not None):
         stamp("begun")
@@ -365,8 +362,6 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     for ch in cutlass.range(nch, unroll=1):
         faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
         cute.arch.cp_async_wait_group(stages - 1)
-        if cutlass.const_expr(faces.issue_bulk is not None):
-            mbar_wait_bounded(bars + (cseq % stages) * 8, (cseq // stages) % 2)
         cute.arch.sync_threads()
         faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
         cute.arch.sync_threads()
@@ -380,24 +375,6 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
         stamp("chunks")
     faces.end(ptrs, t, st, scratch)
     return cseq, p0, p1, p2
-
-
-MBAR_MAX_TRIES = 1 << 22              # bounded mbarrier waits (each try_wait blocks up to a HW window)
-
-
-@cute.jit
-def mbar_wait_bounded(addr: Int32, phase: Int32):
-    """Wait for the mbarrier's phase `phase` (parity) to complete; bounded: traps (a launch error
-    the host sees) instead of hanging if the bytes never arrive."""
-    done = Int32(0)
-    tries = Int32(0)
-    while done == 0:
-        done = cute.arch.inline_ptx(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; selp.u32 {$w0}, 1, 0, p; }",
-            write_only_types=[Int32], read_only_args=[addr, phase])
-        tries = tries + 1
-        if tries > MBAR_MAX_TRIES:
-            cute.arch.inline_ptx("trap;")
 
 
 @cute.jit
@@ -614,10 +591,6 @@ def standalone(block, arch: str | None = None, num_ctas: int | None = None, max_
 
 def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
     faces = block.device_stream()
-    if faces.issue_bulk is not None:
-        from ..errors import UnsupportedConfigError
-        raise UnsupportedConfigError(f"standalone {type(block).__name__}: bulk-copied chunks run in the megakernel only "
-                                     f"(its ring's per-stage mbarriers)")
     nops = len(block.operands())
     ntiles = block.num_tiles()
     nch = block.stream_chunks()

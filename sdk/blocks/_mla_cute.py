@@ -24,8 +24,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu import warp as cwarp
 
-from ._cute import (DTYPE_MAP, TileSmem, e4m3x4_to_f16x2x2, f32_to_f16x2_splat, gmem_tensor, mbar_wait_bounded,
-                    mul_f16x2, smem_tensor)
+from ._cute import DTYPE_MAP, TileSmem, e4m3x4_to_f16x2x2, f32_to_f16x2_splat, gmem_tensor, mul_f16x2, smem_tensor
 from .base import NUM_THREADS
 
 NUM_WARPS = NUM_THREADS // 32
@@ -84,6 +83,7 @@ def quad_sum(v: Float32) -> Float32:
 DEQUANT_BATCH = 6
 
 
+MBAR_MAX_TRIES = 1 << 22              # bounded mbarrier waits (each try_wait blocks up to a HW window)
 
 
 @cute.jit
@@ -108,6 +108,21 @@ def bulk_copies_g2s(bar: Int32, dst0: Int32, src0: Int64, n0: cutlass.Constexpr,
     for dst, src, n in ((dst0, src0, n0), (dst1, src1, n1)):
         cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
                              "[{$r0}], [{$r1}], {$r2}, [{$r3}];", read_only_args=[dst, src, Int32(n), bar])
+
+
+@cute.jit
+def mbar_wait(addr: Int32, phase: Int32):
+    """Wait for the mbarrier's phase `phase` (parity) to complete; bounded: traps (a launch error
+    the host sees) instead of hanging if the bytes never arrive."""
+    done = Int32(0)
+    tries = Int32(0)
+    while done == 0:
+        done = cute.arch.inline_ptx(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; selp.u32 {$w0}, 1, 0, p; }",
+            write_only_types=[Int32], read_only_args=[addr, phase])
+        tries = tries + 1
+        if tries > MBAR_MAX_TRIES:
+            cute.arch.inline_ptx("trap;")
 
 
 @cute.jit
@@ -616,7 +631,7 @@ def build_mla_decode_tile(block):
             it = ci - c_lo
             st = it % ST
             if cutlass.const_expr(BULK):
-                mbar_wait_bounded(bar_base + st * 8, (it // ST) % 2)    # the stage's (it // ST)-th fill
+                mbar_wait(bar_base + st * 8, (it // ST) % 2)    # the stage's (it // ST)-th fill
             else:
                 cute.arch.cp_async_wait_group(ST - 2)
             cute.arch.sync_threads()            # chunk ci landed; every warp is done with ci - 1

@@ -158,9 +158,6 @@ class StreamFaces:
     prep: Any
     consume: Any
     end: Any
-    # (ptrs, t, ch, stage_addr, bar): the chunk as bulk copies completing on the stage's mbarrier
-    # `bar` instead of `issue`'s cp.async (the megakernel waits for it per chunk); None: none
-    issue_bulk: Any = None
 
 
 @dataclass(frozen=True)

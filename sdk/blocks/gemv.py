@@ -93,11 +93,6 @@ class GemvConfig:
                                          # "hfma2_alu" (opt-in): hfma2 with the e4m3 -> f16 step
                                          # in integer ops, no F2FP (H100, weights hot in the L2:
                                          # 25% slower; stack L=8 I=2048 69.0 vs 70.7%)
-    bulk: bool = False                   # opt-in, megakernel only: a chunk's weight rows (and fp8
-                                         # scale runs) as cp.async.bulk copies issued by one warp,
-                                         # completing on the stage's mbarrier, not ~9 cp.async by
-                                         # every producer thread (which stall the consumer warps
-                                         # while the memory system is busy)
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
@@ -371,8 +366,6 @@ class GemvBlock(Block):
                 self.unsupported(f"gemv fp8_decode=wgmma: m={c.m} tokens (at most {WGMMA_MAX_M}; from "
                                  f"{MMA_MIN_M} the mma.sync path)")
             # the wgmma's N = nw x rows_per_tile <= 2 x 128 (rows_per_tile divides the scale block)
-        if c.bulk and self.wgmma:
-            self.unsupported("gemv bulk: not with fp8_decode=wgmma (its stage is core matrices, not rows)")
         if c.mma and c.weight_dtype == "fp32":
             self.unsupported("gemv: the MMA path takes bf16 or fp8 weights, not fp32")
         if self.use_mma and not self._mma_chunk_ok(kc):
@@ -699,45 +692,6 @@ class GemvBlock(Block):
                             blk = (t * R + R - 1) // SB
                         if (p >= 0) & (p < SU):
                             cute.copy(satom, mS[blk, ch * SU + p, None], sS[i, rb, p, None])
-
-        BULK_ROW = KC * (16 // E)               # bytes of a weight row's chunk
-        BULK_BYTES = nw * R * BULK_ROW + (nw * SRB * SU * 16 if fp8 else 0)
-
-        @cute.jit
-        def issue_bulk(ptrs, t: Int32, ch: Int32, stage_addr, bar):
-            """GemvConfig.bulk: the first producer warp copies the chunk's rows (one bulk copy
-            each: a row's chunk is contiguous in global memory) and fp8 scale runs into the stage,
-            completing on its mbarrier `bar` (lane 0 sets the expected bytes first)."""
-            p = producer_slot()
-            if (p >= 0) & (p < 32):
-                # the stage's last reads (generic proxy, ordered by the consumer's barrier) before
-                # the async proxy's writes
-                cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
-                if p == 0:
-                    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
-                                         read_only_args=[bar, Int32(BULK_BYTES)])
-                cute.arch.sync_warp()
-                for i in cutlass.range_constexpr(nw):
-                    for j in cutlass.range_constexpr(-(-R // 32)):
-                        prow = p + 32 * j
-                        if prow < R:
-                            src = ptrs[i_w[i]] + (Int64(t * R + prow) * Int64(K) + Int64(ch * KC)) * Int64(16 // E)
-                            dst = stage_addr + ((i * R + prow) * PITCH) * 16
-                            cute.arch.inline_ptx(
-                                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                                "[{$r0}], [{$r1}], {$r2}, [{$r3}];", read_only_args=[dst, src, Int32(BULK_ROW), bar])
-                if cutlass.const_expr(fp8):
-                    for i in cutlass.range_constexpr(nw):
-                        for rb in cutlass.range_constexpr(SRB):
-                            if p == 31 - (i * SRB + rb):
-                                blk = (t * R) // SB
-                                if cutlass.const_expr(rb == 1):
-                                    blk = (t * R + R - 1) // SB
-                                src = ptrs[i_s[i]] + (Int64(blk) * Int64(K // 512) + Int64(ch * SU)) * Int64(16)
-                                dst = stage_addr + 16 * WU + ((i * SRB + rb) * SU) * 16
-                                cute.arch.inline_ptx(
-                                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                                    "[{$r0}], [{$r1}], {$r2}, [{$r3}];", read_only_args=[dst, src, Int32(SU * 16), bar])
 
         @cute.jit
         def begin(ptrs, t: Int32, sx, scratch, fresh: Int32):
@@ -1306,7 +1260,5 @@ class GemvBlock(Block):
         if wg:
             return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_wgmma, end=end_wgmma)
         if mma:
-            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma, end=end_mma,
-                               issue_bulk=issue_bulk if c.bulk else None)
-        return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_hfma2 if hfma2 else consume, end=end,
-                           issue_bulk=issue_bulk if c.bulk else None)
+            return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_mma, end=end_mma)
+        return StreamFaces(issue=issue, begin=begin, prep=prep, consume=consume_hfma2 if hfma2 else consume, end=end)

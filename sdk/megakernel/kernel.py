@@ -58,9 +58,8 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..blocks._cute import (bounded_wait, gmem_tensor, mbar_wait_bounded, scratch_region, smem_tensor, stream_tile,
-                            timing_stamp)
-from ..blocks.base import NUM_THREADS, PRODUCER_FIRST, ring_geometry
+from ..blocks._cute import bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile, timing_stamp
+from ..blocks.base import NUM_THREADS, ring_geometry
 from . import isa
 from .program import records_geometry
 
@@ -90,8 +89,6 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
     HALF = LR // 2
     NT = NUM_THREADS
     mutable = pdl and any(b.stream_data_mutable() for b in blocks if b.stream_chunks())
-    # a block whose chunks come as bulk copies: the ring gets per-stage mbarriers (GemvConfig.bulk)
-    BULK = any(f is not None and f.issue_bulk is not None for f in faces)
 
     @cute.jit
     def chunks_of(op: Int32) -> Int32:
@@ -140,13 +137,9 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
         return i
 
     @cute.jit
-    def produce(sW, sP, mIw, mOps, sm: Int32, hi: Int32, n: Int32, ring_base, bars, pi: Int32, pc: Int32,
-                ps: Int32):
+    def produce(sW, sP, mIw, mOps, sm: Int32, hi: Int32, n: Int32, ring_base, pi: Int32, pc: Int32, ps: Int32):
         """Issue chunk pc of instruction pi (the producer position) into stage ps % P, advance.
-        Always commits one cp.async group (empty once the stream is exhausted). With bulk-copying
-        blocks (BULK) every call also completes one phase of the stage's mbarrier `bars` + 8 (ps %
-        P): the bulk copies' bytes, or one plain arrival for a cp.async chunk or none at all."""
-        arrive = Int32(1)
+        Always commits one cp.async group (empty once the stream is exhausted)."""
         if pi < n:
             op = word(sW, mIw, sm, hi, pi, isa.OPCODE)
             t = word(sW, mIw, sm, hi, pi, isa.TILE)
@@ -157,20 +150,11 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
             for k in cutlass.range_constexpr(len(blocks)):
                 if cutlass.const_expr(nch[k] > 0):
                     if op == k:
-                        ptrs = [pointer(sP, mOps, base, hi, pi, j) for j in range(nops[k])]
-                        if cutlass.const_expr(faces[k].issue_bulk is not None):
-                            faces[k].issue_bulk(ptrs, t, pc, addr, bars + (ps % P) * 8)
-                            arrive = Int32(0)
-                        else:
-                            faces[k].issue(ptrs, t, pc, addr)
+                        faces[k].issue([pointer(sP, mOps, base, hi, pi, j) for j in range(nops[k])], t, pc, addr)
             pc = pc + 1
             if pc >= chunks_of(op):
                 pc = Int32(0)
                 pi = next_streaming(sW, mIw, sm, hi, n, pi + 1)
-        if cutlass.const_expr(BULK):
-            tid, _, _ = cute.arch.thread_idx()
-            if (arrive != 0) & (tid == PRODUCER_FIRST):
-                cute.arch.inline_ptx("mbarrier.arrive.shared::cta.b64 _, [{$r0}];", read_only_args=[bars + (ps % P) * 8])
         cute.arch.cp_async_commit_group()
         return pi, pc, ps + 1
 
@@ -245,28 +229,19 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
         load_records(pI, mOps, sm, Int32(0), hi, sW, sP, LR)
         ring_base = Int32(0)
         sx = Int32(0)
-        bars = Int32(0)                         # the ring's per-stage mbarriers (BULK only)
         pi, pc, ps, cseq = Int32(0), Int32(0), Int32(0), Int32(0)
         if cutlass.const_expr(P > 0):
             ring = smem.allocate_tensor(cutlass.Int8, cute.make_layout(P * stage_bytes), byte_alignment=128)
             xs = smem.allocate_tensor(cutlass.Int8, cute.make_layout(xbytes), byte_alignment=128)
             ring_base = ring.iterator.toint()
             sx = xs.iterator.toint()
-            if cutlass.const_expr(BULK):
-                mbars = smem.allocate_tensor(Int64, cute.make_layout(P), byte_alignment=8)
-                bars = mbars.iterator.toint()
-                if tid == 0:
-                    for s in cutlass.range_constexpr(P):
-                        cute.arch.inline_ptx("mbarrier.init.shared::cta.b64 [{$r0}], 1;", read_only_args=[bars + 8 * s])
-                    cute.arch.mbarrier_init_fence()
-                cute.arch.sync_threads()
             # fill the ring before anything waits: these are the first instructions' weights - but
             # after the PDL wait when a block streams data the previous launch writes (a state)
             if cutlass.const_expr(mutable):
                 cute.arch.griddepcontrol_wait()
             pi = next_streaming(sW, mIw, sm, hi, n, Int32(0))
             for _ in cutlass.range_constexpr(P):
-                pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, bars, pi, pc, ps)
+                pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, pi, pc, ps)
 
         # Everything above reads only what the host wrote before the launch (records, operand
         # table) and weights; from here on counters, the error word and activations, which the
@@ -330,7 +305,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                         if cutlass.const_expr(nch[k] == 0):
                             if cutlass.const_expr(REFILL_DEFER == "begin"):
                                 if deferred != 0:
-                                    pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, bars, pi, pc, ps)
+                                    pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, pi, pc, ps)
                                     deferred = Int32(0)
                             tiles[k](ptrs, t, scratch)
                         else:
@@ -338,9 +313,9 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                             cseq, pi, pc, ps = stream_tile(
                                 faces[k], nch[k], P, stage_bytes, ptrs, t, ring_base, sx, scratch, fresh,
                                 cseq, pi, pc, ps,
-                                lambda a, b, c: produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, bars, a, b, c),
+                                lambda a, b, c: produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, a, b, c),
                                 (lambda what: timing_stamp(mTim, sm, i, STAMP_OF[what])) if timing else None,
-                                None if REFILL_DEFER == "none" else deferred, bars)
+                                None if REFILL_DEFER == "none" else deferred)
                             staged = base
                             if cutlass.const_expr(REFILL_DEFER != "none"):
                                 deferred = Int32(1)
@@ -357,17 +332,11 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                     # after the release: the barrier holds the refill until thread 0's fence is done
                     if deferred != 0:
                         cute.arch.sync_threads()
-                        pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, bars, pi, pc, ps)
+                        pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, pi, pc, ps)
                         deferred = Int32(0)
             i = i + 1
         if cutlass.const_expr(P > 0):
             cute.arch.cp_async_wait_group(0)
-        if cutlass.const_expr(BULK):
-            # no bulk copy may land in this CTA's smem after it leaves: wait for every fill issued
-            # and not consumed (an early exit, or the stream's tail of empty fills)
-            for d in cutlass.range_constexpr(P):
-                if cseq + d < ps:
-                    mbar_wait_bounded(bars + ((cseq + d) % P) * 8, ((cseq + d) // P) % 2)
         cute.arch.sync_threads()
         if tid == 0:
             cute.arch.atomic_add(cbase, Int32(1), sem="release", scope="gpu")

@@ -53,7 +53,6 @@ class MLPStackConfig:
     down_mma: bool | None = None        # ... of the down GEMVs
     gateup_chunk_k: int = 0             # GemvConfig.chunk_k of the gate/up GEMVs (0 = the widest
     down_chunk_k: int = 0               # that fits the ring's stage: gemv.fill_stage); ... of down
-    bulk: bool = False                  # GemvConfig.bulk of both GEMVs (opt-in: bulk-copied chunks)
 
     @property
     def norm_fused(self) -> bool:
@@ -103,13 +102,12 @@ def build_program(cfg: MLPStackConfig) -> Program:
     def gateup_config(first):
         return gemv_config(GemvConfig(n=i, k=d, m=m, weight_dtype=wd, swiglu=True, swiglu_limit=cfg.swiglu_limit,
                                       norm=fused, norm_eps=cfg.eps, fp8_decode=cfg.fp8_decode, mma=cfg.gateup_mma,
-                                      bulk=cfg.bulk, x_dtype=("bf16" if first else "fp32") if fused else "bf16"),
+                                      x_dtype=("bf16" if first else "fp32") if fused else "bf16"),
                            cfg.gateup_rows, cfg.num_sms)
 
     def down_config(first):
         return gemv_config(GemvConfig(n=d, k=i, m=m, weight_dtype=wd, out_dtype="fp32", fp8_decode=cfg.fp8_decode,
-                                      mma=cfg.down_mma, residual="bf16" if first else "fp32", bulk=cfg.bulk),
-                           cfg.down_rows, cfg.num_sms)
+                                      mma=cfg.down_mma, residual="bf16" if first else "fp32"), cfg.down_rows, cfg.num_sms)
 
     def gateup_down(first):
         return fit_chunks([gateup_config(first), down_config(first)], [cfg.gateup_chunk_k, cfg.down_chunk_k])

@@ -144,16 +144,6 @@ def test_mlp_stack_fp8_alu_decode(batch):
     _check_stack_steps(cfg, seed=13, steps=2)
 
 
-@pytest.mark.parametrize("wd,batch", [("fp8_e4m3", 1), ("fp8_e4m3", 8), ("bf16", 1), ("bf16", 64)])
-def test_mlp_stack_bulk_copies(wd, batch):
-    """The one-launch stack with its chunks as bulk copies on the ring's per-stage mbarriers
-    (GemvConfig.bulk, opt-in), two steps: every fill's phase met in order across layers and steps."""
-    need_gpu()
-    from sdk.megakernel.mlp_stack import MLPStackConfig
-    cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype=wd, bulk=True)
-    _check_stack_steps(cfg, seed=17, steps=2)
-
-
 @pytest.mark.parametrize("batch", [1, 2, 4])
 def test_mlp_stack_fp8_wgmma(batch):
     """The one-launch fp8 stack with every GEMV on warpgroup MMAs (fp8_decode="wgmma")."""

@@ -50,10 +50,10 @@
 #    them), then the fp8 GEMV 7168x2048 alone and the fp8 stack L=8 I=2048 with 56-row (down)
 #    tiles (128 SMs) against the default cut, interleaved, twice; and the fp8 consumer's own
 #    rate: 7168 x 2048 / 4096 with the weights hot in the L2 (the time's slope), hfma2_alu too.
-# 17: what bounds the fp8 stack (written in the twenty-ninth and thirtieth sessions, not yet run):
-#    the stack's batch-1 timeline (fp8, bf16 L=8 I=2048) and the dependency wait's error word read
-#    on every poll (SDK_WAIT_ERROR_EVERY=1) against every 8th, interleaved; then Nsight Compute on
-#    the fp8 stack and an L2-hot fp8 GEMV (bench/ncu_fp8_consumer.sh; NCU_CASES picks cases).
+# 17: what bounds the fp8 stack (run on an H100 in the thirty-first session:
+#    bench/results/h100/megakernel_v31_phases.json): the stack's batch-1 timeline (fp8, bf16 L=8
+#    I=2048) twice; then Nsight Compute on the fp8 stack and an L2-hot fp8 GEMV
+#    (bench/ncu_fp8_consumer.sh; NCU_CASES picks cases). (Its poll A/B is done: removed.)
 # 18: the stack's epilogue (the twenty-ninth-session timeline, H100: gate/up 2.5 us and down 2.0 us
 #    of each tile after its chunks): the signal's stamp (epi -> sig) and the last stage's refill
 #    deferred (SDK_REFILL_DEFER=signal / begin) against none, fp8 and bf16 L=8 I=2048 at batch 1,
@@ -198,17 +198,11 @@ if [ "${1:-1}" = 18 ]; then   # issue 3: where the stack's epilogue goes; the la
     OUT="$OUT/tests" DEVICE_ALL_S=210 bash bench/device_all.sh tests
   exit
 fi
-if [ "${1:-1}" = 17 ]; then   # issue 3: what bounds the fp8 consumer; the wait's poll period
+if [ "${1:-1}" = 17 ]; then   # issue 3: what bounds the fp8 consumer
   L8="'intermediate': 2048, 'layers': 8"; F8="$L8, 'weight_dtype': 'fp8_e4m3'"
   S="--parts stack --stack-cases \"[{$F8}, {$L8}]\""
-  # the first case's timeline (batch 1): where each layer's boundary time goes; then the error
-  # word read on every poll (SDK_WAIT_ERROR_EVERY=1, the old form) against every 8th, interleaved
-  BENCH_S_megakernel=90 BENCH_ARGS_megakernel="$S" \
-    BENCH_S_megakernel_err1=75 BENCH_ARGS_megakernel_err1="--no-timeline $S" BENCH_ENV_megakernel_err1="SDK_WAIT_ERROR_EVERY=1" \
-    BENCH_S_megakernel_again=75 BENCH_ARGS_megakernel_again="--no-timeline $S" \
-    BENCH_S_megakernel_err1b=75 BENCH_ARGS_megakernel_err1b="--no-timeline $S" BENCH_ENV_megakernel_err1b="SDK_WAIT_ERROR_EVERY=1" \
-    DEVICE_ALL_S=${P17_S:-330} bash bench/device_all.sh bench:megakernel bench:megakernel@err1 bench:megakernel@again \
-    bench:megakernel@err1b
+  BENCH_S_megakernel=90 BENCH_ARGS_megakernel="$S" BENCH_S_megakernel_again=75 BENCH_ARGS_megakernel_again="$S" \
+    DEVICE_ALL_S=${P17_S:-180} bash bench/device_all.sh bench:megakernel bench:megakernel@again
   [ "${2:-}" = bench ] || NCU_CASES=${NCU_CASES:-"stack gateup"} OUT="$OUT/ncu" bash bench/ncu_fp8_consumer.sh
   exit
 fi

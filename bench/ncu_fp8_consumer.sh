@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Which pipe or stall bounds the fp8 GEMV's CUDA-core consumer (run on an H100 in the thirty-first
 # session for "stack gateup": bench/results/h100/megakernel_v31_phases.json's ncu summary).
-# Nsight Compute on standalone fp8 GEMVs whose weights stay in the L2 (bench/profile_block.py launches one a few times on the same weights):
-# the stack's gate/up shape (32 rows x 1024-column chunks, K = 7168) with the F2FP decode and the
+# Nsight Compute on standalone fp8 GEMVs whose weights stay in the L2 (bench/profile_block.py
+# launches one a few times on the same weights): the stack's gate/up shape (32 rows x 1024-column chunks, K = 7168) with the F2FP decode and the
 # integer one (hfma2_alu), the down shape (56 rows, K = 4096), bf16, and the whole one-launch fp8
 # stack L=8 I=2048 (its weights from the HBM: the consumer's stalls in their real setting). Writes
 # $OUT/ncu_<case>.txt; NCU_CASES="gateup down" runs those alone.

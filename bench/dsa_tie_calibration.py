@@ -28,7 +28,7 @@ def main(seeds: list[int]) -> None:
     def record(self, what, layer, row, values, scale, lost, won, tie):      # instead of asserting
         if what == "dsa":
             top = values.abs().max().item()          # DSA: the values are the scores
-            gap = max(abs(values[i] - values[j]).item() for i in lost for j in won)
+            gap = pc.swap_gap(values, lost, won)
             pairs.append((gap / max(scale.abs().max().item(), 1e-30), gap / max(top, 1e-30)))
 
     class Patch:                                      # monkeypatch's setattr, for the whole run

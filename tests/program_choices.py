@@ -10,9 +10,9 @@ difference:
   within DSA_TIE of the row's largest pool magnitude. A pool score is a head-weighted sum of ReLU'd
   dot products with cancellations, so its rounding noise follows the size of its terms, not of the
   score: the magnitude is the same sum with every term at its largest (|head weight| x |q_h| |k|,
-  `pool_scores`). Calibrated on the PyVM (bench/dsa_tie_calibration.py: GLM-5.3 small at batch 8,
-  36 steps, 42 seeds, 524 swapped pool pairs): the gap reached 0.0047 of the magnitude (p99 0.0026) but 0.28 of the top
-  score (p99 0.13; the old bound, 0.2 of the top score, failed 2 of 53 seeds there, and the GPU
+  `pool_scores`). Calibrated on the PyVM (bench/dsa_tie_calibration.py: GLM-5.3 small at batch
+  8, 36 steps, 42 seeds, 524 swapped pool pairs): the gap reached 0.0047 of the magnitude (p99
+  0.0026) but 0.28 of the top score (p99 0.13; the old bound, 0.2 of the top score, failed 2 of 53 seeds there, and the GPU
   once: a gap of 0.035 under a top score below 0.18) - a row's top score may even be 0. A wrong
   pool shows as a gap of the order of the top score: a median 0.036 of the magnitude, 3.6x the
   bound; where a row's top score is itself within the noise, any pick is a tie;
@@ -90,7 +90,7 @@ class ProgramChoices:
         """Every swapped pair's gap within `tie` x the row's top `scale` (DSA: the pools'
         magnitudes; MoE: the router scores)."""
         top = scale.abs().max().item()
-        gap = max(abs(values[i] - values[j]).item() for i in lost for j in won)
+        gap = swap_gap(values, lost, won)
         assert gap < tie * top, (
             f"{what} layer {layer} row {row}: the program chose {sorted(won)} over {sorted(lost)}, "
             f"values {[round(v, 4) for v in values.tolist()]}: a gap of {gap:.3g}, not a near-tie")
@@ -106,6 +106,11 @@ class ProgramChoices:
     def summary(self) -> str:
         return f"near-tie picks taken from the program ({len(self.forced)}): " + " ".join(
             f"{w}:l{l}/b{b}:{g:.3f}" for w, l, b, g in self.forced)
+
+
+def swap_gap(values, lost, won) -> float:
+    """The largest difference between a value the program dropped and one it chose instead."""
+    return max(abs(values[i] - values[j]).item() for i in lost for j in won)
 
 
 def pool_scores(indexer, x, q_resid, cache, step):

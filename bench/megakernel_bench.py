@@ -181,7 +181,8 @@ def _stack_name(cfg) -> str:
             + ("" if cfg.fuse_norm is None else f" fuse_norm={cfg.fuse_norm}")
             + (f" rows={cfg.gateup_rows}/{cfg.down_rows}" if cfg.gateup_rows or cfg.down_rows else "")
             + (f" {cfg.fp8_decode}-decode" if cfg.fp8_decode != "hfma2" else "")
-            + (f" chunk_k={cfg.gateup_chunk_k}/{cfg.down_chunk_k}" if cfg.gateup_chunk_k or cfg.down_chunk_k else ""))
+            + (f" chunk_k={cfg.gateup_chunk_k}/{cfg.down_chunk_k}" if cfg.gateup_chunk_k or cfg.down_chunk_k else "")
+            + (" warp_ring" if cfg.warp_ring else ""))
 
 
 def bench_stack(cfg, copy_bw, timeline_path=None, pdl=False):

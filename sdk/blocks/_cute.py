@@ -26,7 +26,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from .allreduce import ERR_PEER_TIMEOUT
-from .base import NUM_THREADS, PRODUCER_FIRST, SCRATCH_WORDS, coresident_stages, ring_geometry
+from .base import NUM_THREADS, PRODUCER_FIRST, SCRATCH_WORDS, coresident_stages, ring_geometry, ring_mode
 from .formats import E2M1_STEPS
 
 DTYPE_MAP = {
@@ -338,7 +338,8 @@ def block_sum_multi(values, scratch: cute.Tensor, op: cutlass.Constexpr = "sum")
 
 @cute.jit
 def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
-                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce, stamp=None, deferred=None):
+                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce, stamp=None, deferred=None,
+                sliced: cutlass.Constexpr = False):
     """Run one tile of a streaming block. Consumer chunk number cseq (over the CTA's whole
     stream) sits in stage cseq % stages; after a chunk is consumed its stage is refilled with
     chunk cseq + stages of the stream (`produce`, which may belong to a later instruction).
@@ -352,7 +353,10 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     `deferred` (None: every chunk's stage refilled right after it): the tile's last refill is left
     to the caller, and an Int32 that is 1 when the previous tile left its own here - issued after
     begin, so the activations' loads do not queue behind those copies (the kernel's
-    REFILL_DEFER)."""
+    REFILL_DEFER). `sliced` (base.ring_mode: every streaming block lays its chunks out in warp
+    slices): each warp reads only what its own lanes copied, so after the first chunk (whose CTA
+    barrier publishes the activations begin / prep staged) a chunk's wait and its stage's
+    refill need only warp barriers."""
     st = faces.begin(ptrs, t, sx, scratch, fresh)
     if cutlass.const_expr(stamp is not None):
         stamp("begun")
@@ -362,9 +366,17 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     for ch in cutlass.range(nch, unroll=1):
         faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
         cute.arch.cp_async_wait_group(stages - 1)
-        cute.arch.sync_threads()
-        faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
-        cute.arch.sync_threads()
+        if cutlass.const_expr(sliced):
+            if ch == 0:
+                cute.arch.sync_threads()
+            else:
+                cute.arch.sync_warp()
+            faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes + warp_slice(stage_bytes), st, sx)
+            cute.arch.sync_warp()
+        else:
+            cute.arch.sync_threads()
+            faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
+            cute.arch.sync_threads()
         if cutlass.const_expr(deferred is None):
             p0, p1, p2 = produce(p0, p1, p2)
         else:
@@ -375,6 +387,13 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
         stamp("chunks")
     faces.end(ptrs, t, st, scratch)
     return cseq, p0, p1, p2
+
+
+@cute.jit
+def warp_slice(stage_bytes: cutlass.Constexpr):
+    """This warp's slice offset in a stage of a warp-sliced ring (base.ring_mode)."""
+    tid, _, _ = cute.arch.thread_idx()
+    return (tid // 32) * (stage_bytes // (NUM_THREADS // 32))
 
 
 @cute.jit
@@ -600,11 +619,15 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
         max_stages = coresident_stages([block])
     stage_bytes, P, xbytes = ring_geometry([block], max_stages)
     mutable = block.stream_data_mutable()     # e.g. a state the previous launch updates in place
+    sliced = ring_mode([block])
 
     @cute.jit
     def produce(ptrs, bid, mine, ring_base, pi, pc, ps):
         if pi < mine:
-            faces.issue(ptrs, bid + G * pi, pc, ring_base + (ps % P) * stage_bytes)
+            addr = ring_base + (ps % P) * stage_bytes
+            if cutlass.const_expr(sliced):
+                addr = addr + warp_slice(stage_bytes)
+            faces.issue(ptrs, bid + G * pi, pc, addr)
             pc = pc + 1
             if pc == nch:
                 pc = Int32(0)
@@ -640,7 +663,7 @@ def _standalone_stream(block, arch, num_ctas, max_stages, pdl):
             cseq, pi, pc, ps = stream_tile(
                 faces, nch, P, stage_bytes, ptrs, bid + G * j, ring_base, sx, scratch,
                 Int32(cutlass.select_(j == 0, 1, 0)), cseq, pi, pc, ps,
-                lambda a, b, c: produce(ptrs, bid, mine, ring_base, a, b, c))
+                lambda a, b, c: produce(ptrs, bid, mine, ring_base, a, b, c), sliced=sliced)
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit

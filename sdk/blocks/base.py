@@ -107,6 +107,21 @@ def ring_geometry(blocks, max_stages: int | None = None, reserved: int = 0) -> t
                                      f"{beside}; need 2 (fewer pipeline stages in those blocks)")
     return stage, stages, xbytes
 
+def ring_mode(blocks) -> bool:
+    """True when every streaming block of a kernel uses warp slices (`Block.warp_ring`): each
+    warp then copies and reads only its own slice of every stage, whatever op a chunk belongs
+    to, so a chunk needs a CTA barrier only at a tile's first chunk (the staged activations)
+    and the stage's refill none. A ring shared with a block laid out by rows across warps
+    would put one warp's copies over another warp's reads: refused."""
+    stream = [b for b in blocks if b.stream_chunks() > 0]
+    sliced = [b.warp_ring() for b in stream]
+    if any(sliced) and not all(sliced):
+        names = sorted({type(b).__name__ for b, s in zip(stream, sliced) if not s})
+        raise UnsupportedConfigError(f"smem ring: warp-sliced chunks (warp_ring) beside blocks that "
+                                     f"stream without them ({', '.join(names)}): all or none")
+    return bool(stream) and all(sliced)
+
+
 def plain_smem_bytes(blocks) -> int:
     """Shared memory of the plain-tile arena that follows `scratch` (_cute.TileSmem): the largest
     own_smem_bytes() of the blocks - a CTA runs one tile at a time, so every plain tile's
@@ -275,6 +290,13 @@ class Block:
 
     def chunk_bytes(self) -> int:
         return 0
+
+    def warp_ring(self) -> bool:
+        """The block lays each chunk out in 8 warp slices (warp w's copies and reads only in
+        stage bytes [w S, (w + 1) S), S = stage / 8; its faces get the slice's address): the
+        kernels then order a chunk's copies and reads with warp barriers, not CTA barriers
+        (see `ring_mode`)."""
+        return False
 
     def own_smem_bytes(self) -> int:
         """Shared memory the block's plain device tile allocates for itself - from the arena after

@@ -93,6 +93,11 @@ class GemvConfig:
                                          # "hfma2_alu" (opt-in): hfma2 with the e4m3 -> f16 step
                                          # in integer ops, no F2FP (H100, weights hot in the L2:
                                          # 25% slower; stack L=8 I=2048 69.0 vs 70.7%)
+    warp_ring: bool = False              # chunks in 8 warp slices (Block.warp_ring): warp w copies
+                                         # the rows it reads (w, w + 8, ...), so a chunk needs warp
+                                         # barriers, not the CTA's two; CUDA-core consumers with the
+                                         # whole x staged once per tile; every streaming block of
+                                         # the kernel must take it (base.ring_mode)
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes
@@ -370,6 +375,14 @@ class GemvBlock(Block):
             self.unsupported("gemv: the MMA path takes bf16 or fp8 weights, not fp32")
         if self.use_mma and not self._mma_chunk_ok(kc):
             self.unsupported(f"gemv MMA: chunk_k={kc} must be a multiple of 128 (and <= 1024 for fp8)")
+        if c.warp_ring:
+            if self.use_mma or self.wgmma:
+                self.unsupported("gemv warp_ring: the CUDA-core consumers only (each warp reads its own "
+                                 "rows; the MMA paths split K across warps)")
+            if self.x_block != c.k or c.groups > 1:
+                self.unsupported(f"gemv warp_ring: the whole x staged once per tile (m={c.m} x k={c.k} "
+                                 f"must fit {X_SMEM_MAX} B of smem; no groups): x re-staged between "
+                                 f"chunks needs the CTA barriers")
 
     def operand_specs(self):
         c = self.config
@@ -423,8 +436,19 @@ class GemvBlock(Block):
         return 2 if straddles(self.config, self.config.rows_per_tile) else 1
 
     def chunk_bytes(self) -> int:
+        if self.config.warp_ring:
+            return (NUM_THREADS // 32) * self.slice_bytes()
         return 16 * (self.nw * self.config.rows_per_tile * self.pitch_units
                      + self.nw * self.scale_units * self.scale_rows)
+
+    def slice_bytes(self) -> int:
+        """warp_ring: one warp's share of a chunk - its rows' units, unpadded (a warp's 16-byte
+        reads of one row are 512 contiguous bytes), then its own copy of the fp8 scales."""
+        rw = self.config.rows_per_tile // (NUM_THREADS // 32)
+        return 16 * (self.nw * rw * (self.chunk_k // self.elems_per_load) + self.nw * self.scale_units * self.scale_rows)
+
+    def warp_ring(self) -> bool:
+        return self.config.warp_ring
 
     def x_smem_bytes(self) -> int:
         # hfma2: the staged block's per-token scales (fp32) follow it; wgmma: 16 bytes of them,
@@ -548,6 +572,14 @@ class GemvBlock(Block):
         KCU = KC // E                           # 16-byte weight units per row per chunk
         PITCH = self.pitch_units
         WU = nw * R * PITCH                     # weight units in a stage
+        WR = c.warp_ring                        # warp slices: the faces get this warp's slice
+        WSL = nw * RW * KCU                     # warp_ring: weight units in a slice
+        S_OFF = 16 * (WSL if WR else WU)        # fp8: the scales' offset in a stage (a slice)
+
+        def srow(warp, rr):
+            """The stage row of this warp's rr-th row: its slice's rr-th (warp_ring), or the
+            stage's warp + 8 rr."""
+            return rr if WR else warp + NWARP * rr
         SU = self.scale_units
         SRB = self.scale_rows                   # fp8: the scale blocks a tile's rows touch (1 or 2)
         KX = self.x_block
@@ -649,7 +681,23 @@ class GemvBlock(Block):
             sW8 = smem_tensor(stage_addr, wdt, (nw * R // 8, KCU, 8, E))     # wgmma: core matrices
             for i in cutlass.range_constexpr(nw):
                 mW = gmem_tensor(ptrs[i_w[i]], wdt, (N, K // E, E), 16)
-                if cutlass.const_expr(wg):
+                if cutlass.const_expr(WR):
+                    # warp w copies the units its lanes read (rows w, w + 8, ..., lane l units l,
+                    # l + 32, ...) into its slice; lane 1 of warp 0 also copies lane 0's: thread 0
+                    # releases the signals, and keeps no cp.async in flight (module docstring of
+                    # sdk/blocks/base.py)
+                    tid, _, _ = cute.arch.thread_idx()
+                    lane = tid % 32
+                    warp = tid // 32
+                    sWs = smem_tensor(stage_addr, wdt, (nw, RW, KCU, E))
+                    for b in cutlass.range_constexpr(RW):
+                        row = t * R + warp + NWARP * b
+                        for a in cutlass.range_constexpr(KCU // 32):
+                            if tid != 0:
+                                cute.copy(atom, mW[row, ch * KCU + lane + 32 * a, None], sWs[i, b, lane + 32 * a, None])
+                            if tid == 1:
+                                cute.copy(atom, mW[row, ch * KCU + 32 * a, None], sWs[i, b, 32 * a, None])
+                elif cutlass.const_expr(wg):
                     for j in cutlass.range_constexpr(-(-(R * KCU) // NP)):
                         u = p + NP * j
                         if (p >= 0) & (u < R * KCU):
@@ -681,7 +729,10 @@ class GemvBlock(Block):
             if cutlass.const_expr(fp8):
                 satom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                             Float32, num_bits_per_copy=128)
-                sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SRB, SU, 4))
+                sS = smem_tensor(stage_addr + S_OFF, Float32, (nw, SRB, SU, 4))
+                q = p                           # the scale unit this thread copies, if < SU
+                if cutlass.const_expr(WR):
+                    q = cute.arch.lane_idx() - 1    # every warp its own copy, by lanes 1 .. SU
                 for i in cutlass.range_constexpr(nw):
                     mS = gmem_tensor(ptrs[i_s[i]], Float32, (N // SB, K // 512, 4), 16)
                     for rb in cutlass.range_constexpr(SRB):
@@ -690,8 +741,8 @@ class GemvBlock(Block):
                         blk = (t * R) // SB
                         if cutlass.const_expr(rb == 1):
                             blk = (t * R + R - 1) // SB
-                        if (p >= 0) & (p < SU):
-                            cute.copy(satom, mS[blk, ch * SU + p, None], sS[i, rb, p, None])
+                        if (q >= 0) & (q < SU):
+                            cute.copy(satom, mS[blk, ch * SU + q, None], sS[i, rb, q, None])
 
         @cute.jit
         def begin(ptrs, t: Int32, sx, scratch, fresh: Int32):
@@ -976,7 +1027,7 @@ class GemvBlock(Block):
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
             warp = tid // 32
-            sWw = smem_tensor(stage_addr, Int32, (nw, R, PITCH, 4))       # 4 words = 16 e4m3
+            sWw = smem_tensor(stage_addr, Int32, (nw, RW, KCU, 4) if WR else (nw, R, PITCH, 4))   # 16 e4m3
             sXw = smem_tensor(sx, Int32, (M, KX // 8, 4))                  # 4 words = 8 f16 of x
             sInv = smem_tensor(sx + XBYTES, Float32, (M,))                 # per-token x scales, inverted
             xo = (ch % CPX) * (KC // 8)
@@ -994,7 +1045,7 @@ class GemvBlock(Block):
                 rw = cute.make_rmem_tensor((4,), Int32)
                 for i in cutlass.range_constexpr(nw):
                     for rr in cutlass.range_constexpr(RW):
-                        rw.store(sWw[i, warp + NWARP * rr, cu, None].load())
+                        rw.store(sWw[i, srow(warp, rr), cu, None].load())
                         for wi in cutlass.range_constexpr(4):
                             if cutlass.const_expr(alu):
                                 lo, hi = e4m3x4_to_f16x2x2_shifted(rw[wi])
@@ -1002,7 +1053,7 @@ class GemvBlock(Block):
                                 lo, hi = e4m3x4_to_f16x2x2(rw[wi])
                             wp[i][rr][2 * wi] = lo
                             wp[i][rr][2 * wi + 1] = hi
-                sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SRB, SU * 4))
+                sS = smem_tensor(stage_addr + S_OFF, Float32, (nw, SRB, SU * 4))
                 for i in cutlass.range_constexpr(nw):
                     if cutlass.const_expr(SRB > 1):
                         for rr in cutlass.range_constexpr(RW):
@@ -1031,7 +1082,7 @@ class GemvBlock(Block):
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
             warp = tid // 32
-            sW = smem_tensor(stage_addr, wdt, (nw, R, PITCH, E))
+            sW = smem_tensor(stage_addr, wdt, (nw, RW, KCU, E) if WR else (nw, R, PITCH, E))
             sX = smem_tensor(sx, BFloat16, (M, KX // XE, XE))
             xo = (ch % CPX) * (KC // XE)
             wr = cute.make_rmem_tensor((nw, RW, E), Float32)
@@ -1042,13 +1093,13 @@ class GemvBlock(Block):
                 for i in cutlass.range_constexpr(nw):
                     for rr in cutlass.range_constexpr(RW):
                         if cutlass.const_expr(int_fp8):
-                            sWw = smem_tensor(stage_addr, Int32, (nw, R, PITCH, 4))
+                            sWw = smem_tensor(stage_addr, Int32, (nw, RW, KCU, 4) if WR else (nw, R, PITCH, 4))
                             for wi in cutlass.range_constexpr(4):
-                                fp8_word_to_f32(sWw[i, warp + NWARP * rr, cu, wi], wr, i, rr, 4 * wi)
+                                fp8_word_to_f32(sWw[i, srow(warp, rr), cu, wi], wr, i, rr, 4 * wi)
                         else:
-                            wr[i, rr, None].store(sW[i, warp + NWARP * rr, cu, None].load().to(Float32))
+                            wr[i, rr, None].store(sW[i, srow(warp, rr), cu, None].load().to(Float32))
                 if cutlass.const_expr(fp8):
-                    sS = smem_tensor(stage_addr + 16 * WU, Float32, (nw, SU * 4))
+                    sS = smem_tensor(stage_addr + S_OFF, Float32, (nw, SU * 4))
                     for i in cutlass.range_constexpr(nw):
                         sc[i] = sS[i, cu // (SB // E)]
                         if cutlass.const_expr(int_fp8):

@@ -58,8 +58,9 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..blocks._cute import bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile, timing_stamp
-from ..blocks.base import NUM_THREADS, ring_geometry
+from ..blocks._cute import (bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile, timing_stamp,
+                            warp_slice)
+from ..blocks.base import NUM_THREADS, ring_geometry, ring_mode
 from . import isa
 from .program import records_geometry
 
@@ -83,6 +84,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
     S, L, W = num_sms, max_len, isa.WORDS
     NOPS, rec_bytes, WIN = records_geometry(blocks, max_len, records_window)
     stage_bytes, P, xbytes = ring_geometry(blocks, reserved=rec_bytes)
+    sliced = ring_mode(blocks)
     # record slots in smem: every record of the list (WIN 0), or a window of WIN slots that the
     # list streams through, half a window at a time (record r in slot r % WIN)
     LR = WIN or L
@@ -147,6 +149,8 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
             if cutlass.const_expr(WIN):
                 base = word(sW, mIw, sm, hi, pi, isa.OPERANDS)
             addr = ring_base + (ps % P) * stage_bytes
+            if cutlass.const_expr(sliced):
+                addr = addr + warp_slice(stage_bytes)
             for k in cutlass.range_constexpr(len(blocks)):
                 if cutlass.const_expr(nch[k] > 0):
                     if op == k:
@@ -315,7 +319,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                                 cseq, pi, pc, ps,
                                 lambda a, b, c: produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, a, b, c),
                                 (lambda what: timing_stamp(mTim, sm, i, STAMP_OF[what])) if timing else None,
-                                None if REFILL_DEFER == "none" else deferred)
+                                None if REFILL_DEFER == "none" else deferred, sliced)
                             staged = base
                             if cutlass.const_expr(REFILL_DEFER != "none"):
                                 deferred = Int32(1)

@@ -53,6 +53,8 @@ class MLPStackConfig:
     down_mma: bool | None = None        # ... of the down GEMVs
     gateup_chunk_k: int = 0             # GemvConfig.chunk_k of the gate/up GEMVs (0 = the widest
     down_chunk_k: int = 0               # that fits the ring's stage: gemv.fill_stage); ... of down
+    warp_ring: bool = False             # GemvConfig.warp_ring of every GEMV (CUDA-core consumers,
+                                        # the whole x staged: batch <= 4 at hidden 7168)
 
     @property
     def norm_fused(self) -> bool:
@@ -102,12 +104,14 @@ def build_program(cfg: MLPStackConfig) -> Program:
     def gateup_config(first):
         return gemv_config(GemvConfig(n=i, k=d, m=m, weight_dtype=wd, swiglu=True, swiglu_limit=cfg.swiglu_limit,
                                       norm=fused, norm_eps=cfg.eps, fp8_decode=cfg.fp8_decode, mma=cfg.gateup_mma,
-                                      x_dtype=("bf16" if first else "fp32") if fused else "bf16"),
+                                      x_dtype=("bf16" if first else "fp32") if fused else "bf16",
+                                      warp_ring=cfg.warp_ring),
                            cfg.gateup_rows, cfg.num_sms)
 
     def down_config(first):
         return gemv_config(GemvConfig(n=d, k=i, m=m, weight_dtype=wd, out_dtype="fp32", fp8_decode=cfg.fp8_decode,
-                                      mma=cfg.down_mma, residual="bf16" if first else "fp32"), cfg.down_rows, cfg.num_sms)
+                                      mma=cfg.down_mma, residual="bf16" if first else "fp32", warp_ring=cfg.warp_ring),
+                           cfg.down_rows, cfg.num_sms)
 
     def gateup_down(first):
         return fit_chunks([gateup_config(first), down_config(first)], [cfg.gateup_chunk_k, cfg.down_chunk_k])

@@ -154,6 +154,35 @@ def test_mlp_stack_fp8_wgmma(batch):
     _check_stack_steps(cfg, seed=11, steps=2)
 
 
+@pytest.mark.parametrize("m,wd,rows,swiglu,norm", [(1, "fp8_e4m3", 16, True, False), (2, "fp8_e4m3", 56, False, False),
+                                                    (1, "fp8_e4m3", 16, True, True), (4, "bf16", 16, True, True),
+                                                    (1, "bf16", 56, False, False)])
+def test_gemv_warp_ring(m, wd, rows, swiglu, norm):
+    """The warp-sliced ring (GemvConfig.warp_ring: each warp copies the units it reads, warp
+    barriers per chunk): the persistent GEMV with more tiles than SMs, straddling fp8 tiles
+    (56 rows) and the fused norm among the cases."""
+    need_gpu()
+    from sdk.blocks.gemv import GemvBlock, GemvConfig
+    n = 48 * rows if rows == 56 else 4096
+    block = GemvBlock(GemvConfig(n=n, k=2048, m=m, weight_dtype=wd, swiglu=swiglu, norm=norm, rows_per_tile=rows,
+                                 warp_ring=True))
+    t = gemv_inputs(block, 700 + rows + m)
+    run_standalone(block, t)
+    assert rel_err(t["y"], block.reference(**t)["y"]) <= BF16_TOL
+
+
+@pytest.mark.parametrize("batch,wd,down_rows", [(1, "fp8_e4m3", 0), (2, "fp8_e4m3", 0), (4, "fp8_e4m3", 0),
+                                                (1, "fp8_e4m3", 56), (1, "bf16", 0), (2, "bf16", 0)])
+def test_mlp_stack_warp_ring(batch, wd, down_rows):
+    """The one-launch stack on the warp-sliced ring: gate/up and down chunks share every stage's
+    warp slices, so a refill needs no CTA barrier whichever op it belongs to."""
+    need_gpu()
+    from sdk.megakernel.mlp_stack import MLPStackConfig
+    cfg = MLPStackConfig(hidden=7168, intermediate=2048, layers=4, batch=batch, weight_dtype=wd,
+                         down_rows=down_rows, warp_ring=True)
+    _check_stack_steps(cfg, seed=29 + batch, steps=3)
+
+
 @pytest.mark.parametrize("m", [1, 2, 8])
 @pytest.mark.parametrize("wd", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("xdt,residual", [("fp32", "fp32"), ("bf16", "bf16")])

@@ -47,6 +47,11 @@ tile has staged its activations (or before the next plain tile), so the signal, 
 polls and the staging loads do not queue behind 32 KB of copies on their way from the HBM. The
 copies' count per chunk is unchanged: each refill is still issued before the next chunk's wait.
 
+A warp-sliced ring (base.ring_mode: every streaming block's `warp_ring()`): warp w copies and
+reads only stage bytes [w S, (w + 1) S), S = stage / 8, whatever op a chunk belongs to, so a
+chunk's wait and its stage's refill need warp barriers; the CTA barrier stays at each tile's
+first chunk (the activations its begin / prep staged) and around the signal.
+
 Supported: any list of blocks following the contract in `sdk/blocks/base.py`.
 """
 from __future__ import annotations

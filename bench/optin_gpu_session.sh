@@ -62,10 +62,10 @@
 # 19: the warp-sliced ring (GemvConfig.warp_ring, the thirty-second session): each warp copies the
 #    weight units its lanes read into its own slice of every stage, so a chunk waits on warp
 #    barriers instead of two CTA barriers (Nsight, H100: 30% of the stack's stalls at CTA
-#    barriers). Its GPU tests (`19 bench` skips them), then the fp8 / bf16 stacks L=8 I=2048
-#    (B=1 twice, fp8 B=2) and fp8 L=4 I=18432 with and without it, interleaved; the fp8 GEMVs
-#    7168 x 2048 / 4096 hot in the L2 (the consumer's own rate: the slope), cold, the gate/up
-#    shape hot, and 18432 x 7168.
+#    barriers). The fp8 / bf16 stacks L=8 I=2048 (B=1 twice, fp8 B=2) and fp8 L=4 I=18432 with
+#    and without it, interleaved; the fp8 GEMVs 7168 x 2048 / 4096 hot in the L2 (the consumer's
+#    own rate: the slope), cold, the gate/up shape hot, and 18432 x 7168; then its GPU tests
+#    (`19 bench` skips them).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -191,8 +191,6 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
 fi
 
 if [ "${1:-1}" = 19 ]; then   # issue 3: the warp-sliced ring (warp barriers a chunk) against the CTA's two
-  [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_megakernel_gpu.py -k warp_ring" TESTS_S=170 OUT="$OUT/tests" \
-    DEVICE_ALL_S=180 bash bench/device_all.sh tests
   L8="'intermediate': 2048, 'layers': 8"; F8="$L8, 'weight_dtype': 'fp8_e4m3'"; W="'warp_ring': True"
   F4="'intermediate': 18432, 'layers': 4, 'weight_dtype': 'fp8_e4m3'"
   S="[{$F8, $W}, {$F8}, {$L8, $W}, {$L8}, {$F8, $W}, {$F8}, {$L8, $W}, {$L8}, {$F8, 'batch': 2, $W}, {$F8, 'batch': 2}"
@@ -205,6 +203,8 @@ if [ "${1:-1}" = 19 ]; then   # issue 3: the warp-sliced ring (warp barriers a c
   G="$G, (18432, 7168, 1, 'fp8_e4m3', None, True, {$W}), (18432, 7168, 1, 'fp8_e4m3', None, True)]"
   BENCH_S_megakernel=${P19_BENCH_S:-300} BENCH_ARGS_megakernel="--no-timeline --parts gemv,stack --gemv-cases \"$G\" --stack-cases \"$S\"" \
     DEVICE_ALL_S=${P19_S:-310} bash bench/device_all.sh bench:megakernel
+  [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_megakernel_gpu.py -k warp_ring" TESTS_S=170 OUT="$OUT/tests" \
+    DEVICE_ALL_S=180 bash bench/device_all.sh tests
   exit
 fi
 if [ "${1:-1}" = 18 ]; then   # issue 3: where the stack's epilogue goes; the last refill deferred

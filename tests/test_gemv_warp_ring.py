@@ -53,3 +53,12 @@ def test_warp_ring_compiles(arch):
         prog = build_program(MLPStackConfig(intermediate=2048, layers=2, weight_dtype=wd, warp_ring=True))
         assert ring_mode(prog.opcodes.blocks)
         compile_megakernel(prog.opcodes.blocks, 132, schedule(prog, 132).max_len, arch=arch)
+
+
+def test_stack_warp_ring_auto():
+    """MLPStackConfig.warp_ring=None: sliced wherever every GEMV can be (CUDA cores, whole x)."""
+    from sdk.megakernel.mlp_stack import MLPStackConfig, build_program
+    for batch, want in ((1, True), (4, True), (8, False), (64, False)):
+        prog = build_program(MLPStackConfig(intermediate=2048, layers=1, batch=batch, weight_dtype="fp8_e4m3",
+                                            warp_ring=None))
+        assert ring_mode(prog.opcodes.blocks) is want, batch

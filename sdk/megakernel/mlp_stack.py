@@ -24,12 +24,14 @@ weights the way the DeepSeek/Kimi checkpoints are: scale = amax / 448 per block)
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..blocks.gemv import GemvBlock, GemvConfig, balanced_config, fill_stage
 from ..blocks.rmsnorm import RMSNormBlock, RMSNormConfig
+from ..errors import UnsupportedConfigError
 from .program import Program
 
 FP8_MAX = 448.0
@@ -53,8 +55,9 @@ class MLPStackConfig:
     down_mma: bool | None = None        # ... of the down GEMVs
     gateup_chunk_k: int = 0             # GemvConfig.chunk_k of the gate/up GEMVs (0 = the widest
     down_chunk_k: int = 0               # that fits the ring's stage: gemv.fill_stage); ... of down
-    warp_ring: bool = False             # GemvConfig.warp_ring of every GEMV (CUDA-core consumers,
-                                        # the whole x staged: batch <= 4 at hidden 7168)
+    warp_ring: bool | None = False      # GemvConfig.warp_ring of every GEMV (CUDA-core consumers,
+                                        # the whole x staged: batch <= 4 at hidden 7168); None:
+                                        # wherever every GEMV of the stack can take it
 
     @property
     def norm_fused(self) -> bool:
@@ -101,16 +104,26 @@ def build_program(cfg: MLPStackConfig) -> Program:
     prog.buffer("out", (m, d), "bf16", "output")
     fp8 = wd == "fp8_e4m3"
 
+    def sliced(gc: GemvConfig) -> bool:
+        """The stack's warp_ring, or (None) whether `gc` (with it) could take it."""
+        if cfg.warp_ring is not None:
+            return cfg.warp_ring
+        try:
+            GemvBlock(gemv_config(dataclasses.replace(gc, warp_ring=True), 8, cfg.num_sms))
+        except UnsupportedConfigError:
+            return False
+        return True
+
     def gateup_config(first):
         return gemv_config(GemvConfig(n=i, k=d, m=m, weight_dtype=wd, swiglu=True, swiglu_limit=cfg.swiglu_limit,
                                       norm=fused, norm_eps=cfg.eps, fp8_decode=cfg.fp8_decode, mma=cfg.gateup_mma,
                                       x_dtype=("bf16" if first else "fp32") if fused else "bf16",
-                                      warp_ring=cfg.warp_ring),
+                                      warp_ring=ring),
                            cfg.gateup_rows, cfg.num_sms)
 
     def down_config(first):
         return gemv_config(GemvConfig(n=d, k=i, m=m, weight_dtype=wd, out_dtype="fp32", fp8_decode=cfg.fp8_decode,
-                                      mma=cfg.down_mma, residual="bf16" if first else "fp32", warp_ring=cfg.warp_ring),
+                                      mma=cfg.down_mma, residual="bf16" if first else "fp32", warp_ring=ring),
                            cfg.down_rows, cfg.num_sms)
 
     def gateup_down(first):
@@ -120,6 +133,9 @@ def build_program(cfg: MLPStackConfig) -> Program:
         return RMSNormBlock(RMSNormConfig(d=d, m=m, eps=cfg.eps, residual_in=False,
                                           src_dtype="bf16" if first else "fp32", write_resid=False))
 
+    probe = [GemvConfig(n=i, k=d, m=m, weight_dtype=wd, swiglu=True, fp8_decode=cfg.fp8_decode, mma=cfg.gateup_mma),
+             GemvConfig(n=d, k=i, m=m, weight_dtype=wd, fp8_decode=cfg.fp8_decode, mma=cfg.down_mma)]
+    ring = all(sliced(gc) for gc in probe)
     prev = None
     for l in range(cfg.layers):
         nn, gn, un, dn = _names(l)

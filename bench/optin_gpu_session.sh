@@ -195,12 +195,15 @@ if [ "${1:-1}" = 19 ]; then   # issue 3: the warp-sliced ring (warp barriers a c
   F4="'intermediate': 18432, 'layers': 4, 'weight_dtype': 'fp8_e4m3'"
   S="[{$F8, $W}, {$F8}, {$L8, $W}, {$L8}, {$F8, $W}, {$F8}, {$L8, $W}, {$L8}, {$F8, 'batch': 2, $W}, {$F8, 'batch': 2}"
   S="$S, {$F4, $W}, {$F4}]"
+  # P19_QUICK=1 (a short call): the B=1 stacks twice and the L2-hot fp8 GEMVs alone
+  [ "${P19_QUICK:-0}" = 1 ] && S="[{$F8, $W}, {$F8}, {$L8, $W}, {$L8}, {$F8, $W}, {$F8}, {$L8, $W}, {$L8}]"
   G8="7168, 2048, 1, 'fp8_e4m3', None, True"; H="7168, 4096, 1, 'fp8_e4m3', None, True"
   Q="4096, 7168, 1, 'fp8_e4m3', None, True"    # the stack's gate/up chunks: 32 rows x 1024 columns
   HOT="'rows_per_tile': 56, 'l2_hot': True"
   G="[($G8, {$HOT, $W}), ($G8, {$HOT}), ($H, {$HOT, $W}), ($H, {$HOT}), ($G8, {'rows_per_tile': 56, $W}), ($G8, {'rows_per_tile': 56})"
   G="$G, ($Q, {'rows_per_tile': 32, 'chunk_k': 1024, 'l2_hot': True, $W}), ($Q, {'rows_per_tile': 32, 'chunk_k': 1024, 'l2_hot': True})"
   G="$G, (18432, 7168, 1, 'fp8_e4m3', None, True, {$W}), (18432, 7168, 1, 'fp8_e4m3', None, True)]"
+  [ "${P19_QUICK:-0}" = 1 ] && G="[($G8, {$HOT, $W}), ($G8, {$HOT}), ($H, {$HOT, $W}), ($H, {$HOT})]"
   BENCH_S_megakernel=${P19_BENCH_S:-300} BENCH_ARGS_megakernel="--no-timeline --parts gemv,stack --gemv-cases \"$G\" --stack-cases \"$S\"" \
     DEVICE_ALL_S=${P19_S:-310} bash bench/device_all.sh bench:megakernel
   [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_megakernel_gpu.py -k warp_ring" TESTS_S=170 OUT="$OUT/tests" \

@@ -375,14 +375,19 @@ class GemvBlock(Block):
             self.unsupported("gemv: the MMA path takes bf16 or fp8 weights, not fp32")
         if self.use_mma and not self._mma_chunk_ok(kc):
             self.unsupported(f"gemv MMA: chunk_k={kc} must be a multiple of 128 (and <= 1024 for fp8)")
-        if c.warp_ring:
-            if self.use_mma or self.wgmma:
-                self.unsupported("gemv warp_ring: the CUDA-core consumers only (each warp reads its own "
-                                 "rows; the MMA paths split K across warps)")
-            if self.x_block != c.k or c.groups > 1:
-                self.unsupported(f"gemv warp_ring: the whole x staged once per tile (m={c.m} x k={c.k} "
-                                 f"must fit {X_SMEM_MAX} B of smem; no groups): x re-staged between "
-                                 f"chunks needs the CTA barriers")
+        if c.warp_ring and self.warp_ring_refusal():
+            self.unsupported(self.warp_ring_refusal())
+
+    def warp_ring_refusal(self) -> str | None:
+        """Why this GEMV cannot lay its chunks out in warp slices (GemvConfig.warp_ring), or None."""
+        c = self.config
+        if self.use_mma or self.wgmma:
+            return ("gemv warp_ring: the CUDA-core consumers only (each warp reads its own rows; the "
+                    "MMA paths split K across warps)")
+        if self.x_block != c.k or c.groups > 1:
+            return (f"gemv warp_ring: the whole x staged once per tile (m={c.m} x k={c.k} must fit "
+                    f"{X_SMEM_MAX} B of smem; no groups): x re-staged between chunks needs the CTA barriers")
+        return None
 
     def operand_specs(self):
         c = self.config

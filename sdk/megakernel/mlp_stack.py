@@ -24,14 +24,12 @@ weights the way the DeepSeek/Kimi checkpoints are: scale = amax / 448 per block)
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..blocks.gemv import GemvBlock, GemvConfig, balanced_config, fill_stage
 from ..blocks.rmsnorm import RMSNormBlock, RMSNormConfig
-from ..errors import UnsupportedConfigError
 from .program import Program
 
 FP8_MAX = 448.0
@@ -104,38 +102,31 @@ def build_program(cfg: MLPStackConfig) -> Program:
     prog.buffer("out", (m, d), "bf16", "output")
     fp8 = wd == "fp8_e4m3"
 
-    def sliced(gc: GemvConfig) -> bool:
-        """The stack's warp_ring, or (None) whether `gc` (with it) could take it."""
-        if cfg.warp_ring is not None:
-            return cfg.warp_ring
-        try:
-            GemvBlock(gemv_config(dataclasses.replace(gc, warp_ring=True), 8, cfg.num_sms))
-        except UnsupportedConfigError:
-            return False
-        return True
-
-    def gateup_config(first):
+    def gateup_config(first, ring):
         return gemv_config(GemvConfig(n=i, k=d, m=m, weight_dtype=wd, swiglu=True, swiglu_limit=cfg.swiglu_limit,
                                       norm=fused, norm_eps=cfg.eps, fp8_decode=cfg.fp8_decode, mma=cfg.gateup_mma,
                                       x_dtype=("bf16" if first else "fp32") if fused else "bf16",
                                       warp_ring=ring),
                            cfg.gateup_rows, cfg.num_sms)
 
-    def down_config(first):
+    def down_config(first, ring):
         return gemv_config(GemvConfig(n=d, k=i, m=m, weight_dtype=wd, out_dtype="fp32", fp8_decode=cfg.fp8_decode,
                                       mma=cfg.down_mma, residual="bf16" if first else "fp32", warp_ring=ring),
                            cfg.down_rows, cfg.num_sms)
 
     def gateup_down(first):
-        return fit_chunks([gateup_config(first), down_config(first)], [cfg.gateup_chunk_k, cfg.down_chunk_k])
+        return fit_chunks([gateup_config(first, ring), down_config(first, ring)], [cfg.gateup_chunk_k, cfg.down_chunk_k])
 
     def norm(first):
         return RMSNormBlock(RMSNormConfig(d=d, m=m, eps=cfg.eps, residual_in=False,
                                           src_dtype="bf16" if first else "fp32", write_resid=False))
 
-    probe = [GemvConfig(n=i, k=d, m=m, weight_dtype=wd, swiglu=True, fp8_decode=cfg.fp8_decode, mma=cfg.gateup_mma),
-             GemvConfig(n=d, k=i, m=m, weight_dtype=wd, fp8_decode=cfg.fp8_decode, mma=cfg.down_mma)]
-    ring = all(sliced(gc) for gc in probe)
+    # warp_ring None: sliced wherever every GEMV of the stack can be (the layers' GEMVs differ in
+    # dtypes only, which the slicing does not depend on)
+    ring = cfg.warp_ring
+    if ring is None:
+        ring = all(GemvBlock(gc).warp_ring_refusal() is None for gc in (gateup_config(True, False),
+                                                                       down_config(True, False)))
     prev = None
     for l in range(cfg.layers):
         nn, gn, un, dn = _names(l)

@@ -338,8 +338,8 @@ def block_sum_multi(values, scratch: cute.Tensor, op: cutlass.Constexpr = "sum")
 
 @cute.jit
 def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
-                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce, stamp=None, deferred=None,
-                sliced: cutlass.Constexpr = False):
+                ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce, stamp=None,
+                defer: cutlass.Constexpr = 0, sliced: cutlass.Constexpr = False):
     """Run one tile of a streaming block. Consumer chunk number cseq (over the CTA's whole
     stream) sits in stage cseq % stages; after a chunk is consumed its stage is refilled with
     chunk cseq + stages of the stream (`produce`, which may belong to a later instruction).
@@ -350,19 +350,15 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     state p0, p1, p2). (Refilling a stage one chunk later, behind the next chunk's barrier - one
     barrier a chunk - measured slower on the H200: docs/megakernel.md.) `stamp` (the megakernel's
     timing record, None without it): stamp("begun") after begin, stamp("chunks") before end.
-    `deferred` (None: every chunk's stage refilled right after it): the tile's last refill is left
-    to the caller, and an Int32 that is 1 when the previous tile left its own here - issued after
-    begin, so the activations' loads do not queue behind those copies (the kernel's
-    REFILL_DEFER). `sliced` (base.ring_mode: every streaming block lays its chunks out in warp
-    slices): each warp reads only what its own lanes copied, so after the first chunk (whose CTA
-    barrier publishes the activations begin / prep staged) a chunk's wait and its stage's
-    refill need only warp barriers."""
+    `defer` (0: every chunk's stage refilled right after it): the refills of the tile's last
+    `defer` chunks are left to the caller, which issues them after the tile's signal (the kernel's
+    REFILL_DEFER: the release then waits behind none of those copies). `sliced` (base.ring_mode:
+    every streaming block lays its chunks out in warp slices): each warp reads only what its own
+    lanes copied, so after the first chunk (whose CTA barrier publishes the activations begin /
+    prep staged) a chunk's wait and its stage's refill need only warp barriers."""
     st = faces.begin(ptrs, t, sx, scratch, fresh)
     if cutlass.const_expr(stamp is not None):
         stamp("begun")
-    if cutlass.const_expr(deferred is not None):
-        if deferred != 0:
-            p0, p1, p2 = produce(p0, p1, p2)
     for ch in cutlass.range(nch, unroll=1):
         faces.prep(ptrs, t, ch, st, sx, scratch, fresh)
         cute.arch.cp_async_wait_group(stages - 1)
@@ -377,10 +373,10 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
             cute.arch.sync_threads()
             faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
             cute.arch.sync_threads()
-        if cutlass.const_expr(deferred is None):
+        if cutlass.const_expr(defer == 0):
             p0, p1, p2 = produce(p0, p1, p2)
         else:
-            if ch < nch - 1:
+            if ch < nch - defer:
                 p0, p1, p2 = produce(p0, p1, p2)
         cseq = cseq + 1
     if cutlass.const_expr(stamp is not None):

@@ -40,12 +40,12 @@ of hanging. Optional timing record: globaltimer when every instruction's waits b
 are met (its start), when a streaming tile's activations are staged and its chunks consumed,
 before its signal and at its end: int64 [num_sms, max_len, isa.TIMING_STAMPS].
 
-The refill of a streaming tile's last stage (REFILL_DEFER, env SDK_REFILL_DEFER; an A/B until
-measured): "none" issues it right after the chunk, like every other; "signal" after the tile's
-signal (its release waits for no copy of this tile's refill); "begin" after the next streaming
-tile has staged its activations (or before the next plain tile), so the signal, the next wait's
-polls and the staging loads do not queue behind 32 KB of copies on their way from the HBM. The
-copies' count per chunk is unchanged: each refill is still issued before the next chunk's wait.
+The refills of a streaming tile's last REFILL_DEFER stages (env SDK_REFILL_DEFER, default 1) are
+issued after the tile's signal, not right after their chunks: the signal's release then waits for
+none of those copies on their way from the HBM (an H100, 2026-12-07: the fp8 stack L=8 I=2048
+161.0-161.6 -> 152.2-152.3 us, bf16 267.6 -> 258.0 us; bench/results/h100/megakernel_v33_refill.json).
+0 refills every stage right after its chunk. The copies' count per chunk is unchanged: each
+deferred refill is still issued before the next chunk's wait.
 
 A warp-sliced ring (base.ring_mode: every streaming block's `warp_ring()`): warp w copies and
 reads only stage bytes [w S, (w + 1) S), S = stage / 8, whatever op a chunk belongs to, so a
@@ -69,9 +69,14 @@ from ..blocks.base import NUM_THREADS, ring_geometry, ring_mode
 from . import isa
 from .program import records_geometry
 
-REFILL_DEFER = os.environ.get("SDK_REFILL_DEFER", "none")
-if REFILL_DEFER not in ("none", "signal", "begin"):
-    raise ValueError(f"SDK_REFILL_DEFER={REFILL_DEFER!r}: none, signal or begin")
+def _refill_defer() -> int:
+    v = os.environ.get("SDK_REFILL_DEFER", "1")
+    if not v.isdigit() or int(v) > 8:
+        raise ValueError(f"SDK_REFILL_DEFER={v!r}: the number of a tile's last refills issued after its signal, 0..8")
+    return int(v)
+
+
+REFILL_DEFER = _refill_defer()
 
 OPTAB_EXTENT = 1 << 24        # static extent of the operand table view (never bounds-checked)
 STAMP_OF = {"begun": isa.STAMP_BEGUN, "chunks": isa.STAMP_CHUNKS}     # stream_tile's timing stamps
@@ -266,7 +271,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
         ok = Int32(1)
         last_c, last_t = Int32(-1), Int32(0)    # thread 0: a wait already met on this CTA
         staged = Int32(-1)                      # operand base of the last streaming tile
-        deferred = Int32(0)                     # 1: the last streaming tile's last refill is due
+        deferred = Int32(0)                     # refills the last streaming tile left until its signal
         while i < n and ok != 0:
             if cutlass.const_expr(WIN):
                 # the window's first half is done with (the consumer is past it, the producer at
@@ -312,10 +317,6 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                     if op == k:
                         ptrs = [sP[r, j] for j in range(nops[k])]
                         if cutlass.const_expr(nch[k] == 0):
-                            if cutlass.const_expr(REFILL_DEFER == "begin"):
-                                if deferred != 0:
-                                    pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, pi, pc, ps)
-                                    deferred = Int32(0)
                             tiles[k](ptrs, t, scratch)
                         else:
                             fresh = Int32(cutlass.select_(base == staged, 0, 1))
@@ -324,10 +325,10 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                                 cseq, pi, pc, ps,
                                 lambda a, b, c: produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, a, b, c),
                                 (lambda what: timing_stamp(mTim, sm, i, STAMP_OF[what])) if timing else None,
-                                None if REFILL_DEFER == "none" else deferred, sliced)
+                                min(REFILL_DEFER, nch[k]), sliced)
                             staged = base
-                            if cutlass.const_expr(REFILL_DEFER != "none"):
-                                deferred = Int32(1)
+                            if cutlass.const_expr(REFILL_DEFER > 0):
+                                deferred = Int32(min(REFILL_DEFER, nch[k]))
                 cute.arch.sync_threads()
                 if tid == 0:
                     sig = sW[r, isa.SIGNAL]
@@ -337,11 +338,13 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                         cute.arch.atomic_add(cbase + sig, Int32(1), sem="release", scope="gpu")
                     if cutlass.const_expr(timing):
                         mTim[sm, i, isa.STAMP_END] = cute.arch.globaltimer()
-                if cutlass.const_expr(REFILL_DEFER == "signal"):
-                    # after the release: the barrier holds the refill until thread 0's fence is done
+                if cutlass.const_expr(REFILL_DEFER > 0):
+                    # after the release: the barrier holds the refills until thread 0's fence is done
                     if deferred != 0:
                         cute.arch.sync_threads()
-                        pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, pi, pc, ps)
+                        for j in cutlass.range_constexpr(REFILL_DEFER):
+                            if j < deferred:
+                                pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, pi, pc, ps)
                         deferred = Int32(0)
             i = i + 1
         if cutlass.const_expr(P > 0):

@@ -339,7 +339,7 @@ def block_sum_multi(values, scratch: cute.Tensor, op: cutlass.Constexpr = "sum")
 @cute.jit
 def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr,
                 ptrs, t, ring_base, sx, scratch, fresh, cseq, p0, p1, p2, produce, stamp=None,
-                defer: cutlass.Constexpr = 0, sliced: cutlass.Constexpr = False):
+                defer_last: cutlass.Constexpr = False, sliced: cutlass.Constexpr = False):
     """Run one tile of a streaming block. Consumer chunk number cseq (over the CTA's whole
     stream) sits in stage cseq % stages; after a chunk is consumed its stage is refilled with
     chunk cseq + stages of the stream (`produce`, which may belong to a later instruction).
@@ -350,10 +350,10 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     state p0, p1, p2). (Refilling a stage one chunk later, behind the next chunk's barrier - one
     barrier a chunk - measured slower on the H200: docs/megakernel.md.) `stamp` (the megakernel's
     timing record, None without it): stamp("begun") after begin, stamp("chunks") before end.
-    `defer` (0: every chunk's stage refilled right after it): the refills of the tile's last
-    `defer` chunks are left to the caller, which issues them after the tile's signal (the kernel's
-    REFILL_DEFER: the release then waits behind none of those copies). `sliced` (base.ring_mode:
-    every streaming block lays its chunks out in warp slices): each warp reads only what its own
+    `defer_last`: the refill of the tile's last chunk is left to the caller, which issues it after
+    the tile's signal (the kernel's REFILL_DEFER: the release then waits behind none of its
+    copies; only the last - the wait for a chunk counts on the previous chunk's refill).
+    `sliced` (base.ring_mode: every streaming block lays its chunks out in warp slices): each warp reads only what its own
     lanes copied, so after the first chunk (whose CTA barrier publishes the activations begin /
     prep staged) a chunk's wait and its stage's refill need only warp barriers."""
     st = faces.begin(ptrs, t, sx, scratch, fresh)
@@ -373,10 +373,10 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
             cute.arch.sync_threads()
             faces.consume(ptrs, t, ch, ring_base + (cseq % stages) * stage_bytes, st, sx)
             cute.arch.sync_threads()
-        if cutlass.const_expr(defer == 0):
+        if cutlass.const_expr(not defer_last):
             p0, p1, p2 = produce(p0, p1, p2)
         else:
-            if ch < nch - defer:
+            if ch < nch - 1:
                 p0, p1, p2 = produce(p0, p1, p2)
         cseq = cseq + 1
     if cutlass.const_expr(stamp is not None):

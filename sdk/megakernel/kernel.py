@@ -40,12 +40,14 @@ of hanging. Optional timing record: globaltimer when every instruction's waits b
 are met (its start), when a streaming tile's activations are staged and its chunks consumed,
 before its signal and at its end: int64 [num_sms, max_len, isa.TIMING_STAMPS].
 
-The refills of a streaming tile's last REFILL_DEFER stages (env SDK_REFILL_DEFER, default 1) are
-issued after the tile's signal, not right after their chunks: the signal's release then waits for
-none of those copies on their way from the HBM (an H100, 2026-12-07: the fp8 stack L=8 I=2048
-161.0-161.6 -> 152.2-152.3 us, bf16 267.6 -> 258.0 us; bench/results/h100/megakernel_v33_refill.json).
-0 refills every stage right after its chunk. The copies' count per chunk is unchanged: each
-deferred refill is still issued before the next chunk's wait.
+The refill of a streaming tile's last stage is issued after the tile's signal (REFILL_DEFER, env
+SDK_REFILL_DEFER=0 to refill it right after its chunk like every other): the signal's release then
+waits for none of this tile's refills on their way from the HBM. Measured on an H100 (2026-12-07,
+bench/results/h100/megakernel_v33_refill.json): fp8 stack L=8 I=2048 161.5-161.7 -> 152.0-153.2
+us, bf16 266.0-268.2 -> 257.9-258.6 us, fp8 I=18432 575.6 -> 555.1 us, fp8 batch 8 244.1 -> 238.6
+us. Only the last: the wait for chunk c counts on chunk c - 1's refill being committed
+(wait_group(stages - 1)), so leaving two refills would let the tile's last chunk be read before it
+lands (tried: bf16 errors 1.5e-2 / 3.2e-2 with two / three, and no faster).
 
 A warp-sliced ring (base.ring_mode: every streaming block's `warp_ring()`): warp w copies and
 reads only stage bytes [w S, (w + 1) S), S = stage / 8, whatever op a chunk belongs to, so a
@@ -69,11 +71,11 @@ from ..blocks.base import NUM_THREADS, ring_geometry, ring_mode
 from . import isa
 from .program import records_geometry
 
-def _refill_defer() -> int:
+def _refill_defer() -> bool:
     v = os.environ.get("SDK_REFILL_DEFER", "1")
-    if not v.isdigit() or int(v) > 8:
-        raise ValueError(f"SDK_REFILL_DEFER={v!r}: the number of a tile's last refills issued after its signal, 0..8")
-    return int(v)
+    if v not in ("0", "1"):
+        raise ValueError(f"SDK_REFILL_DEFER={v!r}: 1 (a tile's last refill after its signal) or 0")
+    return v == "1"
 
 
 REFILL_DEFER = _refill_defer()
@@ -271,7 +273,7 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
         ok = Int32(1)
         last_c, last_t = Int32(-1), Int32(0)    # thread 0: a wait already met on this CTA
         staged = Int32(-1)                      # operand base of the last streaming tile
-        deferred = Int32(0)                     # refills the last streaming tile left until its signal
+        deferred = Int32(0)                     # 1: the last streaming tile's last refill is due
         while i < n and ok != 0:
             if cutlass.const_expr(WIN):
                 # the window's first half is done with (the consumer is past it, the producer at
@@ -325,10 +327,10 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                                 cseq, pi, pc, ps,
                                 lambda a, b, c: produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, a, b, c),
                                 (lambda what: timing_stamp(mTim, sm, i, STAMP_OF[what])) if timing else None,
-                                min(REFILL_DEFER, nch[k]), sliced)
+                                REFILL_DEFER, sliced)
                             staged = base
-                            if cutlass.const_expr(REFILL_DEFER > 0):
-                                deferred = Int32(min(REFILL_DEFER, nch[k]))
+                            if cutlass.const_expr(REFILL_DEFER):
+                                deferred = Int32(1)
                 cute.arch.sync_threads()
                 if tid == 0:
                     sig = sW[r, isa.SIGNAL]
@@ -338,13 +340,11 @@ def build(blocks, num_sms: int, max_len: int, timing: bool, pdl: bool = False, r
                         cute.arch.atomic_add(cbase + sig, Int32(1), sem="release", scope="gpu")
                     if cutlass.const_expr(timing):
                         mTim[sm, i, isa.STAMP_END] = cute.arch.globaltimer()
-                if cutlass.const_expr(REFILL_DEFER > 0):
-                    # after the release: the barrier holds the refills until thread 0's fence is done
+                if cutlass.const_expr(REFILL_DEFER):
+                    # after the release: the barrier holds the refill until thread 0's fence is done
                     if deferred != 0:
                         cute.arch.sync_threads()
-                        for j in cutlass.range_constexpr(REFILL_DEFER):
-                            if j < deferred:
-                                pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, pi, pc, ps)
+                        pi, pc, ps = produce(sW, sP, mIw, mOps, sm, hi, n, ring_base, pi, pc, ps)
                         deferred = Int32(0)
             i = i + 1
         if cutlass.const_expr(P > 0):

@@ -97,7 +97,8 @@ class GemvConfig:
                                          # the rows it reads (w, w + 8, ...), so a chunk needs warp
                                          # barriers, not the CTA's two; CUDA-core consumers with the
                                          # whole x staged once per tile; every streaming block of
-                                         # the kernel must take it (base.ring_mode)
+                                         # the kernel must take it (base.ring_mode). H100: the lone
+                                         # fp8 GEMV 5-18% faster, the stack not (docs/megakernel.md)
 
 
 TILE_OVERHEAD_BYTES = 32 * 1024     # a tile's fixed cost (wait, prologue, epilogue, signal) in bytes

@@ -71,6 +71,11 @@
 #    stacks L=8 I=2048 at batch 1 (timeline at 1), at fp8 batch 8 and I=18432, the warp-sliced
 #    ring under it, 0 / 1 again; then the megakernel GPU tests (`20 bench` skips them). (Run on an
 #    H100 with 2 / 3 deferred refills too - racy, removed: bench/results/h100/megakernel_v33_refill.json.)
+# 21: the thirty-third session's H100 findings on an H200 in one call (exits at once elsewhere):
+#    the stacks (fp8 / bf16 L=8 I=2048, fp8 I=18432, batch 1) under the default against
+#    SDK_REFILL_DEFER=0; the warp-sliced ring on the fp8 stack and the L2-hot fp8 GEMVs (on the
+#    H200 the CUDA-core consumer's ~30 GB/s an SM is under the bandwidth share, ~36: the ring's
+#    faster consumer may pay there though it did not on the H100); then part 13's MLA cases.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -195,6 +200,25 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
   exit
 fi
 
+if [ "${1:-1}" = 21 ]; then   # issues 3 and 5 on an H200: the refill after the signal, the warp ring
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200: nothing run"; exit 0; }
+  L8="'intermediate': 2048, 'layers': 8"; F8="$L8, 'weight_dtype': 'fp8_e4m3'"; W="'warp_ring': True"
+  F4="'intermediate': 18432, 'layers': 4, 'weight_dtype': 'fp8_e4m3'"
+  S="--parts stack --stack-cases \"[{$F8}, {$L8}, {$F4}]\""
+  G8="7168, 2048, 1, 'fp8_e4m3', None, True"; H="7168, 4096, 1, 'fp8_e4m3', None, True"
+  HOT="'rows_per_tile': 56, 'l2_hot': True"
+  WR="--no-timeline --parts gemv,stack --stack-cases \"[{$F8, $W}, {$F8}, {$F8, $W}, {$F8}]\""
+  WR="$WR --gemv-cases \"[($G8, {$HOT, $W}), ($G8, {$HOT}), ($H, {$HOT, $W}), ($H, {$HOT})]\""
+  BENCH_S_megakernel_d0=60 BENCH_ARGS_megakernel_d0="--no-timeline $S" BENCH_ENV_megakernel_d0="SDK_REFILL_DEFER=0" \
+    BENCH_S_megakernel=70 BENCH_ARGS_megakernel="$S" \
+    BENCH_S_megakernel_w=80 BENCH_ARGS_megakernel_w="$WR" \
+    BENCH_S_megakernel_d0b=60 BENCH_ARGS_megakernel_d0b="--no-timeline $S" BENCH_ENV_megakernel_d0b="SDK_REFILL_DEFER=0" \
+    BENCH_S_megakernel_d1b=60 BENCH_ARGS_megakernel_d1b="--no-timeline $S" \
+    OUT="$OUT/stack" DEVICE_ALL_S=${P21_S:-340} bash bench/device_all.sh bench:megakernel@d0 bench:megakernel \
+    bench:megakernel@w bench:megakernel@d0b bench:megakernel@d1b
+  [ "${2:-}" = stack ] || bash "$0" 13
+  exit
+fi
 if [ "${1:-1}" = 20 ]; then   # issue 3: how many of a tile's last refills go after its signal
   L8="'intermediate': 2048, 'layers': 8"; F8="$L8, 'weight_dtype': 'fp8_e4m3'"; W="'warp_ring': True"
   F4="'intermediate': 18432, 'layers': 4, 'weight_dtype': 'fp8_e4m3'"

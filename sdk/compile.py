@@ -11,8 +11,11 @@ mma="wgmma" through the DSL's warpgroup atoms) are compiled for sm_90a alone
     from sdk.compile import compile_check
     report = compile_check(["sm_90a", "sm_100a", "sm_103a"])   # {arch: {case: seconds | "error: ..."}}
 
-CPU cost (measured on the 2-core CI machine): ~12 s wall per arch, ~40 s wall and ~26 s user CPU
-for the three archs (7 block cases + 2 megakernels each).
+CPU cost (the 2-core CI machine, 2026-12-07): ~17 min an arch, most of it the larger programs
+(`program_cases`: sublayers, decoder layers, whole models, TP rank programs). The tests compile
+the blocks and the MLP stacks for all three archs and each program for sm_90a and sm_100a as its
+own test (sm_103a takes sm_100a's code path in every tile; `megakernel compile-check` compiles
+the programs for every arch it is given).
 """
 from __future__ import annotations
 
@@ -105,56 +108,81 @@ def hopper_megakernel_cases():
 
 
 def hopper_program_cases():
-    """(name, program) of megakernels with Hopper-only tiles: compiled for sm_90a alone."""
-    from .megakernel.mla_attention import MLAAttentionConfig, build_program
-    cfg = MLAAttentionConfig(heads=12, batch=1, num_pages=2048, max_seq_len=131072, decode_mma="wgmma")
-    return [("megakernel MLA attention program with the wgmma decode tile (Kimi K3 TP8, B=1 128K)",
-             build_program(cfg))]
+    """(name, build) of megakernels with Hopper-only tiles, compiled for sm_90a alone; build()
+    returns the program."""
+    def mla_wgmma():
+        from .megakernel.mla_attention import MLAAttentionConfig, build_program
+        return build_program(MLAAttentionConfig(heads=12, batch=1, num_pages=2048, max_seq_len=131072,
+                                                decode_mma="wgmma"))
+    return [("megakernel MLA attention program with the wgmma decode tile (Kimi K3 TP8, B=1 128K)", mla_wgmma)]
 
 
-def sublayer_megakernel_cases():
-    """(name, program) of attention sublayers: a megakernel whose plain tiles (decode, compressor,
-    prologue) allocate the arena beside the weight ring, compiled for every arch."""
+def _dsv4_sublayer(which: str):
     from .megakernel.dsv4_layer import DSV4LayerConfig, build_program
     tp8 = dict(heads=8, hidden=5120, q_rank=1024, o_rank=1024, window=128, max_seq_len=16384)
-    hca = DSV4LayerConfig(mode="hca", ratio=128, **tp8)
-    # CSA with V4.1's serving formats: fp8 ring records, fp4 entries, mxfp4 indexer keys
-    csa = DSV4LayerConfig(mode="csa", ratio=4, batch=8, window_dtype="fp8_e4m3", comp_dtype="fp4_e2m1",
-                          index_dtype="mxfp4", **tp8)
+    if which == "hca":
+        return build_program(DSV4LayerConfig(mode="hca", ratio=128, **tp8))
+    if which == "csa":      # V4.1's serving formats: fp8 ring records, fp4 entries, mxfp4 indexer keys
+        return build_program(DSV4LayerConfig(mode="csa", ratio=4, batch=8, window_dtype="fp8_e4m3",
+                                             comp_dtype="fp4_e2m1", index_dtype="mxfp4", **tp8))
     # HCA as V4.1 runs it: its lagged mHC residual around it, queries without the head norm, fp8 / fp4 caches
-    v41 = DSV4LayerConfig(mode="hca", ratio=128, mhc="v41", q_head_norm=False, window_dtype="fp8_e4m3",
-                          comp_dtype="fp4_e2m1", **tp8)
+    v41 = build_program(DSV4LayerConfig(mode="hca", ratio=128, mhc="v41", q_head_norm=False, window_dtype="fp8_e4m3",
+                                        comp_dtype="fp4_e2m1", **tp8))
+    if which == "v41":
+        return v41
     # the whole V4.1 decoder layer in one launch: that sublayer joined with the MoE layer (EP8 shard)
     from .megakernel import moe_layer
     from .megakernel.mhc_layer import join
-    layer = join(build_program(v41), moe_layer.build_program(
-        moe_layer.preset("deepseek_v41_flash", 1, expert_dtype="mxfp4", mhc="v41")))
-    return [("megakernel dsv4 hca sublayer (V4.1 TP8, 16K)", build_program(hca)),
-            ("megakernel dsv4 csa sublayer, V4.1 cache formats (TP8, 16K, B=8)", build_program(csa)),
-            ("megakernel dsv4 hca sublayer in V4.1's lagged mHC, V4.1 formats (TP8, 16K)", build_program(v41)),
-            ("megakernel V4.1 decoder layer: that sublayer + the MoE (EP8 shard), one launch", layer),
-            ("megakernel V4.1 whole model (small_v41: 4 layers, embedding to logits), B=8", _small_model("deepseek_v41_flash", "small_v41")),
+    return join(v41, moe_layer.build_program(moe_layer.preset("deepseek_v41_flash", 1, expert_dtype="mxfp4",
+                                                               mhc="v41")))
+
+
+def sublayer_megakernel_cases():
+    """(name, build) of the attention sublayers, decoder layers and whole-model programs: megakernels
+    whose plain tiles (decode, compressor, prologue) allocate the arena beside the weight ring;
+    build() returns the program (built only when compiled: the list is cheap)."""
+    return [("megakernel dsv4 hca sublayer (V4.1 TP8, 16K)", lambda: _dsv4_sublayer("hca")),
+            ("megakernel dsv4 csa sublayer, V4.1 cache formats (TP8, 16K, B=8)", lambda: _dsv4_sublayer("csa")),
+            ("megakernel dsv4 hca sublayer in V4.1's lagged mHC, V4.1 formats (TP8, 16K)", lambda: _dsv4_sublayer("v41")),
+            ("megakernel V4.1 decoder layer: that sublayer + the MoE (EP8 shard), one launch",
+             lambda: _dsv4_sublayer("layer")),
+            ("megakernel V4.1 whole model (small_v41: 4 layers, embedding to logits), B=8",
+             lambda: _small_model("deepseek_v41_flash", "small_v41")),
             ("megakernel Kimi K3 decoder layer: KDA (TP8) + latent MoE (EP16 shard), in place, one launch",
-             _k3_layer()),
+             _k3_layer),
             ("megakernel GLM-5.3 decoder layer: DSA (TP8, 32K) + MoE (EP8 shard), each in its mHC site, one launch",
-             _glm_layer()),
+             _glm_layer),
             ("megakernel Kimi K3 whole model (small: KDA, MLA, dense, latent MoE; embedding to logits), B=8",
-             _small_k3_model()),
+             _small_k3_model),
             ("megakernel GLM-5.3 whole model (small: KDA, DSA, shared DSA, dense, MoE, mHC; embedding to logits), "
-             "B=8", _small_model("glm_53")),
+             "B=8", lambda: _small_model("glm_53")),
             ("megakernel Kimi K3 TP8 rank program (its first 4 layers at full width: KDA / MLA heads, dense, latent "
              "MoE with the K-sharded up, the all-reduces and gathers; the vocabulary-parallel head), B=1",
-             _tp8_program("kimi_k3")),
+             lambda: _tp8_program("kimi_k3")),
             ("megakernel GLM-5.3 TP8 rank program (its first 4 layers at full width: KDA / DSA heads, dense, MoE, "
-             "each post-mix the all-reduce's mHC epilogue; the vocabulary-parallel head), B=1", _tp8_program("glm_53")),
+             "each post-mix the all-reduce's mHC epilogue; the vocabulary-parallel head), B=1",
+             lambda: _tp8_program("glm_53")),
             ("megakernel DeepSeek-V4.1 TP8 rank program (its first 4 layers at full width: HCA x3 + CSA, 8 query "
              "heads and one o_a group a rank, hash-routed then learned MoE; lagged mHC epilogues), B=1",
-             _tp8_program("deepseek_v41_flash", "full_v41")),
+             lambda: _tp8_program("deepseek_v41_flash", "full_v41")),
             ("megakernel DeepSeek-V4.1 TP8 rank program at batch 64 (its first 4 layers; 166 instructions on one "
              "SM: the records stream through a window of smem slots)",
-             _tp8_program("deepseek_v41_flash", "full_v41", batch=64)),
+             lambda: _tp8_program("deepseek_v41_flash", "full_v41", batch=64)),
             ("megakernel DeepSeek-V4.1-Flash TP4 rank program (two o_a groups a rank: one grouped o_a GEMV), B=8",
-             _tp8_program("deepseek_v41_flash", "full_v41", batch=8, ranks=4))]
+             lambda: _tp8_program("deepseek_v41_flash", "full_v41", batch=8, ranks=4))]
+
+
+def program_cases(arch: str):
+    """(name, build) of the programs compile_check compiles for `arch`."""
+    return sublayer_megakernel_cases() + (hopper_program_cases() if arch == "sm_90a" else [])
+
+
+def compile_program(build, arch: str, num_sms: int = 132) -> None:
+    """Compile the megakernel of the program build() returns, with the timing record, for `arch`."""
+    from .megakernel.kernel import compile_megakernel
+    from .schedule import schedule
+    prog = build()
+    compile_megakernel(prog.opcodes.blocks, num_sms, schedule(prog, num_sms).max_len, timing=True, arch=arch)
 
 
 def _k3_layer():
@@ -209,13 +237,12 @@ def time_case(res: dict, name: str, build) -> None:
         res[name] = f"error: {type(exc).__name__}: {exc}"
 
 
-def compile_check(archs=ARCHS, num_sms: int = 132) -> dict:
-    """Compile every block case and the megakernel cases for each arch; never raises for a
-    failed case (its entry says "error: ..."). Needs nvidia-cutlass-dsl, no GPU."""
+def compile_check(archs=ARCHS, num_sms: int = 132, program_archs=None) -> dict:
+    """Compile every block case and the MLP-stack megakernels for each arch, and the larger
+    programs (`program_cases`) for the archs in `program_archs` (default: all of `archs`); never
+    raises for a failed case (its entry says "error: ..."). Needs nvidia-cutlass-dsl, no GPU."""
     from .blocks._cute import standalone
-    from .megakernel.kernel import compile_megakernel
     from .megakernel.mlp_stack import build_program
-    from .schedule import schedule
     report: dict = {}
     for arch in archs:
         res = report.setdefault(arch, {})
@@ -223,14 +250,11 @@ def compile_check(archs=ARCHS, num_sms: int = 132) -> dict:
         for block in block_cases() + (hopper_block_cases() if hopper else []):
             time_case(res, f"{block.name} {block.config}", lambda: standalone(block, arch))
         for cfg in megakernel_cases() + (hopper_megakernel_cases() if hopper else []):
-            def build(cfg=cfg):
-                prog = build_program(cfg)
-                sched = schedule(prog, num_sms)
-                compile_megakernel(prog.opcodes.blocks, num_sms, sched.max_len, timing=True, arch=arch)
-            time_case(res, f"megakernel mlp_stack {cfg}", build)
-        for name, prog in sublayer_megakernel_cases() + (hopper_program_cases() if hopper else []):
-            time_case(res, name, lambda prog=prog: compile_megakernel(
-                prog.opcodes.blocks, num_sms, schedule(prog, num_sms).max_len, timing=True, arch=arch))
+            time_case(res, f"megakernel mlp_stack {cfg}", lambda cfg=cfg: compile_program(lambda: build_program(cfg),
+                                                                                          arch, num_sms))
+        if program_archs is None or arch in program_archs:
+            for name, build in program_cases(arch):
+                time_case(res, name, lambda build=build: compile_program(build, arch, num_sms))
     return report
 
 

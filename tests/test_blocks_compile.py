@@ -1,36 +1,29 @@
-"""Compile every block and the megakernel for sm_90a, sm_100a and sm_103a with no GPU."""
+"""Compile every block and the MLP-stack megakernel for sm_90a, sm_100a and sm_103a, and each larger
+program (sublayers, decoder layers, whole models, TP rank programs) for sm_90a and sm_100a, with no
+GPU. Each program is its own test, so `pytest -n 2` spreads them over the CI machine's cores (the
+three archs' programs in one test each took ~17 min a test). sm_103a takes sm_100a's code path in
+every tile; `megakernel compile-check` compiles the programs for every arch it is given."""
 import pytest
 
-from sdk.compile import ARCHS, compile_check, failures
+from sdk.compile import ARCHS, compile_check, compile_program, failures, program_cases
+
+PROGRAM_ARCHS = ("sm_90a", "sm_100a")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compile_all_blocks_and_megakernel(arch):
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
-    report = compile_check([arch])
+    report = compile_check([arch], program_archs=())
     assert not failures(report), "\n".join(failures(report))
     assert len(report[arch]) >= 9          # 7 block cases + 2 megakernel cases were compiled
+    assert not set(report[arch]) & {name for name, _ in program_cases(arch)}   # the programs: below
 
 
-def test_import_sdk_without_cutlass():
-    """`import sdk`, the blocks' torch faces and the PyVM never import CuTe DSL."""
-    import subprocess
-    import sys
-    code = ("import sys; sys.modules['cutlass'] = None; import sdk, sdk.blocks, sdk.schedule, "
-            "sdk.megakernel.pyvm, sdk.megakernel.mlp_stack, sdk.compile; "
-            "from sdk.megakernel.mlp_stack import MLPStackConfig, build_program; "
-            "build_program(MLPStackConfig(hidden=1024, intermediate=512, layers=1)); print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
-
-
-
-def test_gemv_ring_rows_compile():
-    """GemvBlock's ring copies by rows (producer warp w rows w, w + 7, ...): bf16 and fp8 (with its
-    scales), 16 rows over the 7 producer warps (some a row short), one and two weights."""
+@pytest.mark.parametrize("arch,index", [(arch, i) for arch in PROGRAM_ARCHS for i in range(len(program_cases(arch)))])
+def test_compile_program(arch, index):
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
-    from sdk.blocks import gemv
-    from sdk.blocks._cute import standalone
-    for wd, k, swiglu in (("bf16", 3072, True), ("fp8_e4m3", 5120, True), ("fp8_e4m3", 5120, False)):
-        standalone(gemv.GemvBlock(gemv.GemvConfig(n=1024, k=k, weight_dtype=wd, swiglu=swiglu, rows_per_tile=16)),
-                   "sm_90a")
+    name, build = program_cases(arch)[index]
+    try:
+        compile_program(build, arch)
+    except Exception as exc:
+        pytest.fail(f"{arch}: {name}: {type(exc).__name__}: {exc}")

@@ -353,9 +353,10 @@ def stream_tile(faces, nch: cutlass.Constexpr, stages: cutlass.Constexpr, stage_
     `defer_last`: the refill of the tile's last chunk is left to the caller, which issues it after
     the tile's signal (the kernel's REFILL_DEFER: the release then waits behind none of its
     copies; only the last - the wait for a chunk counts on the previous chunk's refill).
-    `sliced` (base.ring_mode: every streaming block lays its chunks out in warp slices): each warp reads only what its own
-    lanes copied, so after the first chunk (whose CTA barrier publishes the activations begin /
-    prep staged) a chunk's wait and its stage's refill need only warp barriers."""
+    `sliced` (base.ring_mode: every streaming block lays its chunks out in warp slices): each warp
+    reads only what its own lanes copied, so after the first chunk (whose CTA barrier publishes
+    the activations begin / prep staged) a chunk's wait and its stage's refill need only warp
+    barriers."""
     st = faces.begin(ptrs, t, sx, scratch, fresh)
     if cutlass.const_expr(stamp is not None):
         stamp("begun")

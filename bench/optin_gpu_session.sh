@@ -76,6 +76,11 @@
 #    SDK_REFILL_DEFER=0; the warp-sliced ring on the fp8 stack and the L2-hot fp8 GEMVs (on the
 #    H200 the CUDA-core consumer's ~30 GB/s an SM is under the bandwidth share, ~36: the ring's
 #    faster consumer may pay there though it did not on the H100); then part 13's MLA cases.
+# 22: issue 4, the MoE layer's weight ring filled (MoELayerConfig.fill_ring, gemv.fill_ring, the
+#    thirty-fourth session): Kimi K3's batch-1 router / latent.down / shared gate-up chunks 16.6 ->
+#    33 KB in the same 4 stages. The MoE GPU tests on the real shards (`22 bench` skips them), then
+#    K3 batch 1 (MXFP4, bf16) with and without it, interleaved, twice, the first with its
+#    timeline, and with the plain expert tiles (expert_smem_stages=0: 6 stages beside them).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -197,6 +202,18 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
     BENCH_S_moe=45 BENCH_ARGS_moe="$M" BENCH_S_moe_units=45 BENCH_ARGS_moe_units="$M" BENCH_ENV_moe_units="SDK_GEMV_ISSUE=units" \
     DEVICE_ALL_S=${P15_S:-350} bash bench/device_all.sh bench:megakernel bench:megakernel@units bench:megakernel@again \
     bench:megakernel@units2 bench:moe bench:moe@units
+  exit
+fi
+
+if [ "${1:-1}" = 22 ]; then   # issue 4: the MoE layer's ring filled, against its old chunks
+  [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_moe_gpu.py::test_moe_layer_real_shard_one_launch tests/gpu/test_moe_gpu.py::test_kimi_k3_latent_shard_one_launch \
+    tests/gpu/test_moe_gpu.py::test_moe_layer_expert_smem_stages tests/gpu/test_moe_gpu.py::test_moe_layer_tensor_core_experts" \
+    TESTS_S=200 OUT="$OUT/tests" DEVICE_ALL_S=210 bash bench/device_all.sh tests
+  C="--cases kimi_k3:1:mxfp4,kimi_k3:1:bf16"
+  BENCH_S_moe=75 BENCH_ARGS_moe="$C" BENCH_S_moe_f0=60 BENCH_ARGS_moe_f0="--no-timeline $C --set fill_ring=0" \
+    BENCH_S_moe_f1=60 BENCH_ARGS_moe_f1="--no-timeline $C" BENCH_S_moe_f0b=60 BENCH_ARGS_moe_f0b="--no-timeline $C --set fill_ring=0" \
+    BENCH_S_moe_s0=60 BENCH_ARGS_moe_s0="--no-timeline --cases kimi_k3:1:mxfp4 --set expert_smem_stages=0" \
+    DEVICE_ALL_S=${P22_S:-330} bash bench/device_all.sh bench:moe bench:moe@f0 bench:moe@f1 bench:moe@f0b bench:moe@s0
   exit
 fi
 

@@ -80,7 +80,9 @@
 #    thirty-fourth session): Kimi K3's batch-1 router / latent.down / shared gate-up chunks 16.6 ->
 #    33 KB in the same 4 stages. The MoE GPU tests on the real shards (`22 bench` skips them), then
 #    K3 batch 1 (MXFP4, bf16) with and without it, interleaved, twice, the first with its
-#    timeline, and with the plain expert tiles (expert_smem_stages=0: 6 stages beside them).
+#    timeline, and with the plain expert tiles (expert_smem_stages=0: 6 stages beside them); then
+#    the schedule orders phase / critical / backfill on V4.1-Flash batch 1 / 8, K3 batch 8, GLM-5.3
+#    batch 1 (`22 fill` stops before them; `22 bench` skips the tests).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -214,6 +216,12 @@ if [ "${1:-1}" = 22 ]; then   # issue 4: the MoE layer's ring filled, against it
     BENCH_S_moe_f1=60 BENCH_ARGS_moe_f1="--no-timeline $C" BENCH_S_moe_f0b=60 BENCH_ARGS_moe_f0b="--no-timeline $C --set fill_ring=0" \
     BENCH_S_moe_s0=60 BENCH_ARGS_moe_s0="--no-timeline --cases kimi_k3:1:mxfp4 --set expert_smem_stages=0" \
     DEVICE_ALL_S=${P22_S:-330} bash bench/device_all.sh bench:moe bench:moe@f0 bench:moe@f1 bench:moe@f0b bench:moe@s0
+  [ "${2:-}" = fill ] && exit
+  # the placement orders on one routing each (schedule order "auto" picks by the cost model's
+  # estimate: critical for V4.1-Flash, backfill for K3 batch 8, phase for GLM-5.3)
+  BENCH_S_moe_order=150 BENCH_ARGS_moe_order="--no-timeline --order phase,critical,backfill \
+    --cases deepseek_v41_flash:1:mxfp4,deepseek_v41_flash:8:mxfp4,kimi_k3:8:mxfp4,glm_53:1:mxfp4" \
+    DEVICE_ALL_S=160 bash bench/device_all.sh bench:moe@order
   exit
 fi
 

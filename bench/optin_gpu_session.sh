@@ -78,11 +78,15 @@
 #    faster consumer may pay there though it did not on the H100); then part 13's MLA cases.
 # 22: issue 4, the MoE layer's weight ring filled (MoELayerConfig.fill_ring, gemv.fill_ring, the
 #    thirty-fourth session): Kimi K3's batch-1 router / latent.down / shared gate-up chunks 16.6 ->
-#    33 KB in the same 4 stages. The MoE GPU tests on the real shards (`22 bench` skips them), then
-#    K3 batch 1 (MXFP4, bf16) with and without it, interleaved, twice, the first with its
-#    timeline, and with the plain expert tiles (expert_smem_stages=0: 6 stages beside them); then
-#    the schedule orders phase / critical / backfill on V4.1-Flash batch 1 / 8, K3 batch 8, GLM-5.3
-#    batch 1 (`22 fill` stops before them; `22 bench` skips the tests).
+#    33 KB in the same 4 stages - K3 batch 1 (MXFP4, bf16) with and without it, interleaved,
+#    twice, the first with its timeline, and with the plain expert tiles (expert_smem_stages=0: 6
+#    stages beside them); then (`22 fill` stops before) the GEMV weights' copies evict-first in
+#    the L2 (SDK_WEIGHT_EVICT_FIRST=1) against the default on the fp8 / bf16 stacks L=8 I=2048
+#    and the MoE K3 / V4.1 batch 1 (the timeline's first tile of an op on an SM runs ~2 us longer
+#    than its second: code and activations fetched cold?).
+# 23: part 22's GPU tests - the MoE layer on the real shards, the megakernel tests under
+#    SDK_WEIGHT_EVICT_FIRST=1 - then the schedule orders phase / critical / backfill on V4.1-Flash
+#    batch 1 / 8, K3 batch 8, GLM-5.3 batch 1 (order "auto" picks the least estimated span).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -207,16 +211,30 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
   exit
 fi
 
-if [ "${1:-1}" = 22 ]; then   # issue 4: the MoE layer's ring filled, against its old chunks
-  [ "${2:-}" = bench ] || GPU_TESTS="tests/gpu/test_moe_gpu.py::test_moe_layer_real_shard_one_launch tests/gpu/test_moe_gpu.py::test_kimi_k3_latent_shard_one_launch \
-    tests/gpu/test_moe_gpu.py::test_moe_layer_expert_smem_stages tests/gpu/test_moe_gpu.py::test_moe_layer_tensor_core_experts" \
-    TESTS_S=200 OUT="$OUT/tests" DEVICE_ALL_S=210 bash bench/device_all.sh tests
+if [ "${1:-1}" = 22 ]; then   # issue 4 / 3: the MoE layer's ring filled; the weights evict-first in the L2
   C="--cases kimi_k3:1:mxfp4,kimi_k3:1:bf16"
-  BENCH_S_moe=75 BENCH_ARGS_moe="$C" BENCH_S_moe_f0=60 BENCH_ARGS_moe_f0="--no-timeline $C --set fill_ring=0" \
-    BENCH_S_moe_f1=60 BENCH_ARGS_moe_f1="--no-timeline $C" BENCH_S_moe_f0b=60 BENCH_ARGS_moe_f0b="--no-timeline $C --set fill_ring=0" \
-    BENCH_S_moe_s0=60 BENCH_ARGS_moe_s0="--no-timeline --cases kimi_k3:1:mxfp4 --set expert_smem_stages=0" \
-    DEVICE_ALL_S=${P22_S:-330} bash bench/device_all.sh bench:moe bench:moe@f0 bench:moe@f1 bench:moe@f0b bench:moe@s0
+  BENCH_S_moe=75 BENCH_ARGS_moe="$C" BENCH_S_moe_f0=55 BENCH_ARGS_moe_f0="--no-timeline $C --set fill_ring=0" \
+    BENCH_S_moe_f1=55 BENCH_ARGS_moe_f1="--no-timeline $C" BENCH_S_moe_f0b=55 BENCH_ARGS_moe_f0b="--no-timeline $C --set fill_ring=0" \
+    BENCH_S_moe_s0=45 BENCH_ARGS_moe_s0="--no-timeline --cases kimi_k3:1:mxfp4 --set expert_smem_stages=0" \
+    DEVICE_ALL_S=${P22_S:-300} bash bench/device_all.sh bench:moe bench:moe@f0 bench:moe@f1 bench:moe@f0b bench:moe@s0
   [ "${2:-}" = fill ] && exit
+  L8="'intermediate': 2048, 'layers': 8"; F8="$L8, 'weight_dtype': 'fp8_e4m3'"
+  S="--parts stack --stack-cases \"[{$F8}, {$L8}]\""; M="--no-timeline --cases kimi_k3:1:mxfp4,deepseek_v41_flash:1:mxfp4"
+  BENCH_S_megakernel_e1=65 BENCH_ARGS_megakernel_e1="$S" BENCH_ENV_megakernel_e1="SDK_WEIGHT_EVICT_FIRST=1" \
+    BENCH_S_megakernel_e0=55 BENCH_ARGS_megakernel_e0="--no-timeline $S" \
+    BENCH_S_moe_e1=50 BENCH_ARGS_moe_e1="$M" BENCH_ENV_moe_e1="SDK_WEIGHT_EVICT_FIRST=1" \
+    BENCH_S_moe_e0=50 BENCH_ARGS_moe_e0="$M" \
+    DEVICE_ALL_S=${P22E_S:-230} bash bench/device_all.sh bench:megakernel@e1 bench:megakernel@e0 bench:moe@e1 bench:moe@e0
+  exit
+fi
+
+if [ "${1:-1}" = 23 ]; then   # ... their GPU tests, and the schedule orders
+  T=tests/gpu/test_moe_gpu.py::
+  GPU_TESTS="${T}test_moe_layer_real_shard_one_launch ${T}test_kimi_k3_latent_shard_one_launch \
+    ${T}test_moe_layer_expert_smem_stages ${T}test_moe_layer_tensor_core_experts" \
+    TESTS_S=170 OUT="$OUT/tests" DEVICE_ALL_S=180 bash bench/device_all.sh tests
+  SDK_WEIGHT_EVICT_FIRST=1 GPU_TESTS="tests/gpu/test_megakernel_gpu.py" TESTS_S=170 OUT="$OUT/tests_evict" \
+    DEVICE_ALL_S=180 bash bench/device_all.sh tests
   # the placement orders on one routing each (schedule order "auto" picks by the cost model's
   # estimate: critical for V4.1-Flash, backfill for K3 batch 8, phase for GLM-5.3)
   BENCH_S_moe_order=150 BENCH_ARGS_moe_order="--no-timeline --order phase,critical,backfill \

@@ -478,6 +478,23 @@ def write_hit_list(count: Int32, mHits, scratch):
 
 
 @cute.jit
+def l2_evict_first_policy() -> Int64:
+    """An L2 cache policy (createpolicy) that marks every line it touches evict-first: for data
+    read once per decode step (a layer's weights), so that it leaves the L2 before what the next
+    instructions reuse - activations, counters, instruction records, the kernel's code."""
+    return cute.arch.inline_ptx("createpolicy.fractional.L2::evict_first.b64 {$w0}, 1.0;",
+                                write_only_types=[Int64])
+
+
+@cute.jit
+def cp_async_16_hinted(dst: Int32, src: Int64, policy: Int64):
+    """cp.async.cg of one 16-byte unit global -> shared under an L2 cache `policy`; committed and
+    waited for with the caller's cp.async groups like cute.copy's."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global.L2::cache_hint [{$r0}], [{$r1}], 16, {$r2};",
+                         read_only_args=[dst, src, policy])
+
+
+@cute.jit
 def producer_slot():
     """(index among the ring's producer threads, or -1 for warp 0, which issues no copies)."""
     tid, _, _ = cute.arch.thread_idx()

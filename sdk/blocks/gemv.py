@@ -39,6 +39,7 @@ docs/megakernel.md ("The GEMV consumer").
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,18 @@ import torch
 from ..reference.common import swiglu as swiglu_ref
 from ..errors import UnsupportedConfigError
 from .base import NUM_THREADS, PRODUCER_THREADS, STATS_OFFSET, Block, Cost, OperandSpec, StreamFaces
+
+def _weight_evict_first() -> bool:
+    v = os.environ.get("SDK_WEIGHT_EVICT_FIRST", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"SDK_WEIGHT_EVICT_FIRST={v!r}: 1 (the ring's weight copies evict-first in the L2) or 0")
+    return v == "1"
+
+
+# The CUDA-core GEMV's weight copies (rows by producer warps) under an evict-first L2 policy: read
+# once a step, they then leave the L2 before the activations, counters, records and code the next
+# instructions reuse. Opt-in (SDK_WEIGHT_EVICT_FIRST=1) until measured: bench/optin_gpu_session.sh 22.
+WEIGHT_EVICT_FIRST = _weight_evict_first()
 
 CHUNK_TARGET_BYTES = 16 * 1024      # weight bytes per ring stage
 CHUNK_MAX_BYTES = 32 * 1024         # ... at most, for tiles too tall for the target
@@ -617,9 +630,9 @@ class GemvBlock(Block):
 
         from cutlass import Int64
 
-        from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, e4m3_piece, e4m3x4_to_f16x2x2,
-                            e4m3x4_to_f16x2x2_shifted, f32_bits,
-                            fence_proxy_async_smem, gmem_tensor, mma_m16n8k16, mul_f16x2, producer_slot,
+        from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, cp_async_16_hinted, e4m3_piece,
+                            e4m3x4_to_f16x2x2, e4m3x4_to_f16x2x2_shifted, f32_bits, fence_proxy_async_smem,
+                            l2_evict_first_policy, gmem_tensor, mma_m16n8k16, mul_f16x2, producer_slot,
                             smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
 
         c = self.config
@@ -732,9 +745,13 @@ class GemvBlock(Block):
         DESC_B_HI = ((128 >> 4) << 16) | (((KCU * 128) >> 4) << 32)   # SBO: the next 8 weight rows
         RED_OFF = XBYTES + 16                   # wgmma: the warpgroups' sums, after the x scales
 
+        EVICT_FIRST = WEIGHT_EVICT_FIRST and not WR and not wg
+
         @cute.jit
         def issue(ptrs, t: Int32, ch: Int32, stage_addr):
             p = producer_slot()
+            if cutlass.const_expr(EVICT_FIRST):
+                policy = l2_evict_first_policy()
             atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                        wdt, num_bits_per_copy=128)
             sW = smem_tensor(stage_addr, wdt, (nw, R, PITCH, E))
@@ -784,8 +801,14 @@ class GemvBlock(Block):
                         prow = pw + NPW * b
                         if (p >= 0) & (prow < R):
                             for a in cutlass.range_constexpr(KCU // 32):
-                                cute.copy(atom, mW[t * R + prow, ch * KCU + pl + 32 * a, None],
-                                          sW[i, prow, pl + 32 * a, None])
+                                if cutlass.const_expr(EVICT_FIRST):
+                                    # the same copy by address, its L2 lines marked evict-first
+                                    dst = stage_addr + ((i * R + prow) * PITCH + pl + 32 * a) * 16
+                                    src = ptrs[i_w[i]] + (Int64(t * R + prow) * (K // E) + ch * KCU + pl + 32 * a) * 16
+                                    cp_async_16_hinted(dst, src, policy)
+                                else:
+                                    cute.copy(atom, mW[t * R + prow, ch * KCU + pl + 32 * a, None],
+                                              sW[i, prow, pl + 32 * a, None])
             if cutlass.const_expr(fp8):
                 satom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                             Float32, num_bits_per_copy=128)

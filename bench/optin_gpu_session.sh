@@ -228,6 +228,21 @@ if [ "${1:-1}" = 22 ]; then   # issue 4 / 3: the MoE layer's ring filled; the we
   exit
 fi
 
+if [ "${1:-1}" = 24 ]; then   # the evict-first A/B again (no timelines), its megakernel tests, the orders
+  L8="'intermediate': 2048, 'layers': 8"; F8="$L8, 'weight_dtype': 'fp8_e4m3'"
+  S="--no-timeline --parts stack --stack-cases \"[{$F8}, {$L8}]\""
+  BENCH_ARGS_megakernel_a0="$S" BENCH_ARGS_megakernel_a1="$S" BENCH_ENV_megakernel_a1="SDK_WEIGHT_EVICT_FIRST=1" \
+    BENCH_ARGS_megakernel_b0="$S" BENCH_ARGS_megakernel_b1="$S" BENCH_ENV_megakernel_b1="SDK_WEIGHT_EVICT_FIRST=1" \
+    BENCH_S_megakernel_a0=50 BENCH_S_megakernel_a1=50 BENCH_S_megakernel_b0=50 BENCH_S_megakernel_b1=50 \
+    DEVICE_ALL_S=210 bash bench/device_all.sh bench:megakernel@a0 bench:megakernel@a1 bench:megakernel@b0 bench:megakernel@b1
+  SDK_WEIGHT_EVICT_FIRST=1 GPU_TESTS="tests/gpu/test_megakernel_gpu.py" TESTS_S=150 OUT="$OUT/tests_evict" \
+    DEVICE_ALL_S=160 bash bench/device_all.sh tests
+  BENCH_S_moe_order=150 BENCH_ARGS_moe_order="--no-timeline --order phase,critical,backfill \
+    --cases deepseek_v41_flash:1:mxfp4,deepseek_v41_flash:8:mxfp4,kimi_k3:8:mxfp4,glm_53:1:mxfp4" \
+    OUT="$OUT/order" DEVICE_ALL_S=160 bash bench/device_all.sh bench:moe@order
+  exit
+fi
+
 if [ "${1:-1}" = 23 ]; then   # ... their GPU tests, and the schedule orders
   T=tests/gpu/test_moe_gpu.py::
   GPU_TESTS="${T}test_moe_layer_real_shard_one_launch ${T}test_kimi_k3_latent_shard_one_launch \

@@ -76,17 +76,12 @@
 #    SDK_REFILL_DEFER=0; the warp-sliced ring on the fp8 stack and the L2-hot fp8 GEMVs (on the
 #    H200 the CUDA-core consumer's ~30 GB/s an SM is under the bandwidth share, ~36: the ring's
 #    faster consumer may pay there though it did not on the H100); then part 13's MLA cases.
-# 22: issue 4, the MoE layer's weight ring filled (MoELayerConfig.fill_ring, gemv.fill_ring, the
-#    thirty-fourth session): Kimi K3's batch-1 router / latent.down / shared gate-up chunks 16.6 ->
-#    33 KB in the same 4 stages - K3 batch 1 (MXFP4, bf16) with and without it, interleaved,
-#    twice, the first with its timeline, and with the plain expert tiles (expert_smem_stages=0: 6
-#    stages beside them); then (`22 fill` stops before) the GEMV weights' copies evict-first in
-#    the L2 (SDK_WEIGHT_EVICT_FIRST=1) against the default on the fp8 / bf16 stacks L=8 I=2048
-#    and the MoE K3 / V4.1 batch 1 (the timeline's first tile of an op on an SM runs ~2 us longer
-#    than its second: code and activations fetched cold?).
-# 23: part 22's GPU tests - the MoE layer on the real shards, the megakernel tests under
-#    SDK_WEIGHT_EVICT_FIRST=1 - then the schedule orders phase / critical / backfill on V4.1-Flash
-#    batch 1 / 8, K3 batch 8, GLM-5.3 batch 1 (order "auto" picks the least estimated span).
+# 22: the GEMV weights' ring copies evict-first in the L2 (gemv.WEIGHT_EVICT_FIRST, the default
+#    since the thirty-fourth session after three interleaved H100 pairs) against plain copies
+#    (SDK_WEIGHT_EVICT_FIRST=0): the fp8 / bf16 stacks L=8 I=2048 and fp8 I=18432 twice each way,
+#    then the MoE Kimi K3 / V4.1-Flash batch 1. (The thirty-fourth session's parts 22-24 - the MoE
+#    ring filled to 33 KB chunks, the schedule order "auto", evict-first on an H100 - ran; the
+#    first two were not faster and were removed: bench/NOTES.md.)
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -211,50 +206,16 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
   exit
 fi
 
-if [ "${1:-1}" = 22 ]; then   # issue 4 / 3: the MoE layer's ring filled; the weights evict-first in the L2
-  C="--cases kimi_k3:1:mxfp4,kimi_k3:1:bf16"
-  BENCH_S_moe=75 BENCH_ARGS_moe="$C" BENCH_S_moe_f0=55 BENCH_ARGS_moe_f0="--no-timeline $C --set fill_ring=0" \
-    BENCH_S_moe_f1=55 BENCH_ARGS_moe_f1="--no-timeline $C" BENCH_S_moe_f0b=55 BENCH_ARGS_moe_f0b="--no-timeline $C --set fill_ring=0" \
-    BENCH_S_moe_s0=45 BENCH_ARGS_moe_s0="--no-timeline --cases kimi_k3:1:mxfp4 --set expert_smem_stages=0" \
-    DEVICE_ALL_S=${P22_S:-300} bash bench/device_all.sh bench:moe bench:moe@f0 bench:moe@f1 bench:moe@f0b bench:moe@s0
-  [ "${2:-}" = fill ] && exit
+if [ "${1:-1}" = 22 ]; then   # the weights evict-first in the L2 (the default) against plain copies
   L8="'intermediate': 2048, 'layers': 8"; F8="$L8, 'weight_dtype': 'fp8_e4m3'"
-  S="--parts stack --stack-cases \"[{$F8}, {$L8}]\""; M="--no-timeline --cases kimi_k3:1:mxfp4,deepseek_v41_flash:1:mxfp4"
-  BENCH_S_megakernel_e1=65 BENCH_ARGS_megakernel_e1="$S" BENCH_ENV_megakernel_e1="SDK_WEIGHT_EVICT_FIRST=1" \
-    BENCH_S_megakernel_e0=55 BENCH_ARGS_megakernel_e0="--no-timeline $S" \
-    BENCH_S_moe_e1=50 BENCH_ARGS_moe_e1="$M" BENCH_ENV_moe_e1="SDK_WEIGHT_EVICT_FIRST=1" \
-    BENCH_S_moe_e0=50 BENCH_ARGS_moe_e0="$M" \
-    DEVICE_ALL_S=${P22E_S:-230} bash bench/device_all.sh bench:megakernel@e1 bench:megakernel@e0 bench:moe@e1 bench:moe@e0
-  exit
-fi
-
-if [ "${1:-1}" = 24 ]; then   # the evict-first A/B again (no timelines), its megakernel tests, the orders
-  L8="'intermediate': 2048, 'layers': 8"; F8="$L8, 'weight_dtype': 'fp8_e4m3'"
-  S="--no-timeline --parts stack --stack-cases \"[{$F8}, {$L8}]\""
-  BENCH_ARGS_megakernel_a0="$S" BENCH_ARGS_megakernel_a1="$S" BENCH_ENV_megakernel_a1="SDK_WEIGHT_EVICT_FIRST=1" \
-    BENCH_ARGS_megakernel_b0="$S" BENCH_ARGS_megakernel_b1="$S" BENCH_ENV_megakernel_b1="SDK_WEIGHT_EVICT_FIRST=1" \
-    BENCH_S_megakernel_a0=50 BENCH_S_megakernel_a1=50 BENCH_S_megakernel_b0=50 BENCH_S_megakernel_b1=50 \
-    DEVICE_ALL_S=210 bash bench/device_all.sh bench:megakernel@a0 bench:megakernel@a1 bench:megakernel@b0 bench:megakernel@b1
-  SDK_WEIGHT_EVICT_FIRST=1 GPU_TESTS="tests/gpu/test_megakernel_gpu.py" TESTS_S=150 OUT="$OUT/tests_evict" \
-    DEVICE_ALL_S=160 bash bench/device_all.sh tests
-  BENCH_S_moe_order=150 BENCH_ARGS_moe_order="--no-timeline --order phase,critical,backfill \
-    --cases deepseek_v41_flash:1:mxfp4,deepseek_v41_flash:8:mxfp4,kimi_k3:8:mxfp4,glm_53:1:mxfp4" \
-    OUT="$OUT/order" DEVICE_ALL_S=160 bash bench/device_all.sh bench:moe@order
-  exit
-fi
-
-if [ "${1:-1}" = 23 ]; then   # ... their GPU tests, and the schedule orders
-  T=tests/gpu/test_moe_gpu.py::
-  GPU_TESTS="${T}test_moe_layer_real_shard_one_launch ${T}test_kimi_k3_latent_shard_one_launch \
-    ${T}test_moe_layer_expert_smem_stages ${T}test_moe_layer_tensor_core_experts" \
-    TESTS_S=170 OUT="$OUT/tests" DEVICE_ALL_S=180 bash bench/device_all.sh tests
-  SDK_WEIGHT_EVICT_FIRST=1 GPU_TESTS="tests/gpu/test_megakernel_gpu.py" TESTS_S=170 OUT="$OUT/tests_evict" \
-    DEVICE_ALL_S=180 bash bench/device_all.sh tests
-  # the placement orders on one routing each (schedule order "auto" picks by the cost model's
-  # estimate: critical for V4.1-Flash, backfill for K3 batch 8, phase for GLM-5.3)
-  BENCH_S_moe_order=150 BENCH_ARGS_moe_order="--no-timeline --order phase,critical,backfill \
-    --cases deepseek_v41_flash:1:mxfp4,deepseek_v41_flash:8:mxfp4,kimi_k3:8:mxfp4,glm_53:1:mxfp4" \
-    DEVICE_ALL_S=160 bash bench/device_all.sh bench:moe@order
+  F4="'intermediate': 18432, 'layers': 4, 'weight_dtype': 'fp8_e4m3'"
+  S="--no-timeline --parts stack --stack-cases \"[{$F8}, {$L8}, {$F4}]\""; M="--no-timeline --cases kimi_k3:1:mxfp4,deepseek_v41_flash:1:mxfp4"
+  BENCH_ARGS_megakernel_a0="$S" BENCH_ENV_megakernel_a0="SDK_WEIGHT_EVICT_FIRST=0" BENCH_ARGS_megakernel_a1="$S" \
+    BENCH_ARGS_megakernel_b0="$S" BENCH_ENV_megakernel_b0="SDK_WEIGHT_EVICT_FIRST=0" BENCH_ARGS_megakernel_b1="$S" \
+    BENCH_S_megakernel_a0=60 BENCH_S_megakernel_a1=60 BENCH_S_megakernel_b0=60 BENCH_S_megakernel_b1=60 \
+    BENCH_S_moe_a0=45 BENCH_ARGS_moe_a0="$M" BENCH_ENV_moe_a0="SDK_WEIGHT_EVICT_FIRST=0" BENCH_S_moe_a1=45 BENCH_ARGS_moe_a1="$M" \
+    DEVICE_ALL_S=${P22_S:-340} bash bench/device_all.sh bench:megakernel@a0 bench:megakernel@a1 bench:megakernel@b0 \
+    bench:megakernel@b1 bench:moe@a0 bench:moe@a1
   exit
 fi
 

@@ -51,7 +51,6 @@ def instruction_ns(block, num_sms: int, bandwidth_gbs: float = COPY_BW_GBS) -> f
 
 
 ORDERS = ("phase", "critical", "backfill")
-AUTO = "auto"             # schedule(): every order of ORDERS, the least estimated span kept
 
 
 def op_order(program, num_sms: int, hop_ns: float = HOP_NS, bandwidth_gbs: float = COPY_BW_GBS,
@@ -101,14 +100,7 @@ def schedule(program, num_sms: int, *, hop_ns: float = HOP_NS, bandwidth_gbs: fl
     Measured on the H200 (Kimi K3 latent MoE, bench/results/h200/moe_bench_v9_order.json): phase
     80.5 / 229.0 us at batch 1 / 8, backfill 87.0 / 218.5 - "phase" stays the default.
     cost_ns(block) -> ns replaces the byte-based `instruction_ns` (bench/schedule_sim.py: measured
-    tile times). order "auto": each of ORDERS, the placement with the least estimated span (ties:
-    the earlier order) - the estimate ranked the orders as the GPU did on the MoE layers (Kimi K3
-    batch 1 phase, batch 8 backfill, measured on the H200; DeepSeek-V4.1-Flash batch 1 critical,
-    its H100 timeline replayed by bench/schedule_sim.py: 57.9-60.8 vs 66.0-68.4 us)."""
-    if order == AUTO:
-        scheds = [schedule(program, num_sms, hop_ns=hop_ns, bandwidth_gbs=bandwidth_gbs, order=o, cost_ns=cost_ns)
-                  for o in ORDERS]
-        return min(scheds, key=lambda s: s.est_ns)
+    tile times)."""
     if order not in ORDERS:
         raise ValueError(f"schedule order {order!r}: one of {ORDERS}")
     backfill = order == "backfill"

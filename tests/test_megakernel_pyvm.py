@@ -238,23 +238,6 @@ def test_backfill_order_is_topological(model, batch):
     assert sch.est_ns <= schedule(prog, 132, order="critical").est_ns + 1.0
 
 
-@pytest.mark.parametrize("model,batch,want", [("kimi_k3", 1, "phase"), ("kimi_k3", 8, "backfill"),
-                                              ("deepseek_v41_flash", 1, "critical"), ("glm_53", 1, "phase")])
-def test_auto_order_keeps_the_least_estimated_span(model, batch, want):
-    """schedule(order="auto") is the placement of the order whose estimated span is least (ties:
-    the earlier of ORDERS), and it validates; on the MoE layers it picks the order the GPU
-    (Kimi K3: H200 A/B) or a replay of the GPU's tile times (V4.1-Flash batch 1) found faster."""
-    from sdk.megakernel.moe_layer import build_program, preset
-    from sdk.schedule import ORDERS, schedule, validate
-    prog = build_program(preset(model, batch, expert_dtype="mxfp4"))
-    spans = {o: schedule(prog, 132, order=o).est_ns for o in ORDERS}
-    auto = schedule(prog, 132, order="auto")
-    assert auto.est_ns == min(spans.values())
-    assert min(spans, key=lambda o: (spans[o], ORDERS.index(o))) == want
-    assert auto.per_sm == schedule(prog, 132, order=want).per_sm
-    validate(prog, auto.per_sm)
-
-
 @pytest.mark.parametrize("order", ["phase", "critical", "backfill"])
 def test_schedule_estimate_is_a_simulation_of_its_costs(order):
     """bench/schedule_sim.simulate replaying a placement with the cost model's own tile times gives

@@ -177,38 +177,12 @@ def test_op_rows_set_one_gemv_each():
     b = blocks(MoELayerConfig(**CASES["latent_op_rows"]))
     rows = {k: b[k].config.rows_per_tile for k in ("shared_gateup", "shared_down", "latent_down", "latent_up")}
     assert rows == {"shared_gateup": 16, "shared_down": 32, "latent_down": 16, "latent_up": 64}
-    plain = dict(expert_dtype="mxfp4", expert_smem_stages=0,        # no staged expert slots beside the ring,
-                 fill_ring=False)                                   # the default chunks
+    plain = dict(expert_dtype="mxfp4", expert_smem_stages=0)        # no staged expert slots beside the ring
     k3 = build_program(preset("kimi_k3", 1, op_rows=(("shared_down", 32), ("latent_up", 32)), **plain))
     assert ring_geometry(k3.opcodes.blocks)[:2] == (16896, 12)
     assert ring_geometry(build_program(preset("kimi_k3", 1, **plain)).opcodes.blocks)[:2] == (29568, 7)
     with pytest.raises(UnsupportedConfigError, match="unknown op"):
         blocks(MoELayerConfig(**dict(CASES["latent_op_rows"], op_rows=(("router", 8),))))
-
-
-def test_fill_ring_widens_the_small_chunks_where_the_ring_keeps_its_stages():
-    """Kimi K3's batch-1 layer (staged experts beside the ring): the router, latent.down and
-    shared gate/up chunks (16.6-16.9 KB) widen to ~33 KB and the ring keeps its 4 stages, so
-    their bytes in flight double and no op's fall; batch 8 (tensor-core GEMVs beside the fp32
-    router) and DeepSeek-V4.1-Flash batch 1 (its 25 KB stages would drop to 3) stay as they were."""
-    from sdk.blocks.base import ring_geometry
-    from sdk.megakernel.moe_layer import preset
-
-    def geometry(cfg):
-        prog = build_program(cfg)
-        stage, n, _ = ring_geometry(prog.opcodes.blocks)
-        return stage, n, {op.label: prog.instructions[op.instructions[0]].block.chunk_bytes() for op in prog.ops
-                          if prog.instructions[op.instructions[0]].block.stream_chunks()}
-
-    old = geometry(preset("kimi_k3", 1, expert_dtype="mxfp4", fill_ring=False))
-    new = geometry(preset("kimi_k3", 1, expert_dtype="mxfp4"))
-    assert old[:2] == (29568, 4) and new[:2] == (33280, 4)
-    for label in ("router.logits", "latent.down", "shared.gateup"):
-        assert old[2][label] < 17 * 1024 and new[2][label] >= 2 * old[2][label] - 512, label
-    assert all(new[1] * new[2][k] >= old[1] * old[2][k] for k in old[2])
-    for model, batch in (("kimi_k3", 8), ("deepseek_v41_flash", 1)):
-        assert geometry(preset(model, batch, expert_dtype="mxfp4")) == \
-            geometry(preset(model, batch, expert_dtype="mxfp4", fill_ring=False)), (model, batch)
 
 
 def test_pyvm_order_independent_bitwise():

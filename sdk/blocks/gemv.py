@@ -49,7 +49,7 @@ from ..errors import UnsupportedConfigError
 from .base import NUM_THREADS, PRODUCER_THREADS, STATS_OFFSET, Block, Cost, OperandSpec, StreamFaces
 
 def _weight_evict_first() -> bool:
-    v = os.environ.get("SDK_WEIGHT_EVICT_FIRST", "0")
+    v = os.environ.get("SDK_WEIGHT_EVICT_FIRST", "1")
     if v not in ("0", "1"):
         raise ValueError(f"SDK_WEIGHT_EVICT_FIRST={v!r}: 1 (the ring's weight copies evict-first in the L2) or 0")
     return v == "1"
@@ -57,7 +57,10 @@ def _weight_evict_first() -> bool:
 
 # The CUDA-core GEMV's weight copies (rows by producer warps) under an evict-first L2 policy: read
 # once a step, they then leave the L2 before the activations, counters, records and code the next
-# instructions reuse. Opt-in (SDK_WEIGHT_EVICT_FIRST=1) until measured: bench/optin_gpu_session.sh 22.
+# instructions reuse. The default since the thirty-fourth session (SDK_WEIGHT_EVICT_FIRST=0: plain
+# copies). H100, interleaved, three pairs (bench/results/h100/megakernel_v34_evict_first.json):
+# one-launch stack L=8 I=2048 fp8 152.0-152.5 vs 155.8-156.0 us (76.5-76.8% vs 74.8-75.0% of
+# copy), bf16 263.2-264.4 vs 266.8-267.7; MoE Kimi K3 batch 1 78.9 vs 80.0, V4.1-Flash 66.9 vs 67.0.
 WEIGHT_EVICT_FIRST = _weight_evict_first()
 
 CHUNK_TARGET_BYTES = 16 * 1024      # weight bytes per ring stage
@@ -182,60 +185,6 @@ def fill_stage(config: GemvConfig, stage_bytes: int) -> GemvConfig:
         if cand.chunk_bytes() <= stage_bytes:
             return cand.config
     return best.config
-
-
-RING_FULL_BYTES = 128 * 1024     # fill_ring: weight bytes in flight per SM past which a stream gains
-                                 # nothing (H200: ~32 GB/s an SM x ~4 us of loaded latency)
-
-
-def fill_ring(blocks: dict, reserved: int = 0) -> dict:
-    """`blocks` (one program's, by name) with its CUDA-core GEMVs' chunks widened where the ring
-    then keeps more of their bytes in flight. Every stage is as large as the largest chunk of any
-    streaming block (`ring_geometry`), so a GEMV with smaller chunks leaves part of each stage
-    empty: Kimi K3's MoE layer at batch 1 streams its router, latent.down and shared gate/up
-    (99 MB, 16.6 KB chunks) through 4 stages of 29.6 KB (set by the 56-row latent.up) - 66 KB in
-    flight an SM, and the timeline shows them at ~18 GB/s an SM (H100: 23 is its share). Each
-    candidate stage - every legal chunk size of those GEMVs from the current stage up - has each
-    GEMV take the widest chunk that fits it (`fill_stage`) and the ring as many stages as then
-    fit beside `reserved` (records) and the program's other shared memory; the candidate with the
-    least sum over the streaming ops of bytes / min(stages x chunk, RING_FULL_BYTES) wins (ties:
-    the current chunks). K3 batch 1: 33 KB stages, still 4 of them - 133 KB in flight for those
-    three. Tensor-core tiles and explicit chunk_k keep theirs (fill_stage)."""
-    import dataclasses
-
-    from .base import ring_geometry
-    names = [k for k, b in blocks.items() if isinstance(b, GemvBlock) and b.stream_chunks() > 0
-             and not b.config.chunk_k and not b.use_mma and not b.wgmma and not b.config.warp_ring]
-    if not names:
-        return blocks
-
-    def estimate(cand: dict):
-        try:
-            _, n, _ = ring_geometry(list(cand.values()), reserved=reserved)
-        except UnsupportedConfigError:
-            return None
-        return sum(b.num_tiles() * b.cost().bytes / min(n * b.chunk_bytes(), RING_FULL_BYTES)
-                   for b in cand.values() if b.stream_chunks() > 0)
-
-    current = max(b.chunk_bytes() for b in blocks.values() if b.stream_chunks() > 0)
-    sizes = set()
-    for k in names:
-        for kc in (256, 512, 1024, 2048, 4096):
-            try:
-                size = GemvBlock(dataclasses.replace(blocks[k].config, chunk_k=kc)).chunk_bytes()
-            except UnsupportedConfigError:
-                continue
-            if size > current:
-                sizes.add(size)
-    best, best_est = blocks, estimate(blocks)
-    for size in sorted(sizes):
-        cand = dict(blocks)
-        for k in names:
-            cand[k] = GemvBlock(fill_stage(blocks[k].config, size))
-        est = estimate(cand)
-        if est is not None and (best_est is None or est < best_est * (1 - 1e-9)):
-            best, best_est = cand, est
-    return best
 
 
 STANDALONE_BALANCE_MAX = 1.05       # standalone_rows: the busiest SM's tiles / the mean, at most

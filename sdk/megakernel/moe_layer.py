@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from ..blocks.experts import (ExpertsBlock, ExpertsConfig, balanced_rows, dequant_experts, quantize_fp8_experts,
                               quantize_mxfp4)
-from ..blocks.gemv import MMA_MIN_M, GemvConfig, fill_ring
+from ..blocks.gemv import MMA_MIN_M, GemvConfig
 from ..blocks.router import RouterSelectBlock, RouterSelectConfig
 from ..errors import UnsupportedConfigError
 from ..reference.common import swiglu
@@ -116,9 +116,6 @@ class MoELayerConfig(MHCSiteFields):
     router_gather: bool = True           # partial_out: the router's rows sharded and the logits gathered
                                          # (False: every rank reads the whole router - one collective
                                          # fewer, E / N times the router's bytes)
-    fill_ring: bool = True               # the CUDA-core GEMVs' chunks widened where the weight ring then
-                                         # keeps more bytes in flight (gemv.fill_ring; moe_bench
-                                         # --set fill_ring=0 for the old chunks)
 
     @property
     def site(self):
@@ -206,9 +203,6 @@ PRESETS = {
 
 def preset(model: str, batch: int = 1, **overrides) -> MoELayerConfig:
     return replace(MoELayerConfig(**PRESETS[model]), batch=batch, **overrides)
-
-
-RING_RECORDS_BYTES = 2048       # fill_ring's allowance for the layer's instruction records (512-896 B)
 
 
 ROWS_OPS = ("shared_gateup", "shared_down", "latent_down", "latent_up")     # MoELayerConfig.op_rows
@@ -304,7 +298,7 @@ def blocks(cfg: MoELayerConfig) -> dict:
                                         shared_rows["shared_down"], cfg.num_sms)
     if cfg.site:
         out.update(cfg.site.blocks())
-    return fill_ring(out, RING_RECORDS_BYTES) if cfg.fill_ring else out
+    return out
 
 
 def _expert_buffers(prog, name, shape, fmt):

@@ -196,3 +196,16 @@ def test_standalone_whole_k_chunk_at_batch_1():
     assert GemvBlock(GemvConfig(n=7168, k=2048, m=4)).chunk_k == 1024
     assert GemvBlock(GemvConfig(n=7168, k=2048, m=1, chunk_k=1024)).chunk_k == 1024
     assert GemvBlock(GemvConfig(n=18432, k=7168, m=1)).chunk_k == 1024
+
+
+def test_env_switch_reads_zero_or_one_and_names_anything_else(monkeypatch):
+    """The kernel-wide switches (SDK_REFILL_DEFER, SDK_WEIGHT_EVICT_FIRST) take 0 or 1; a typo is
+    refused with the variable's name, not read as either."""
+    from sdk.blocks.base import env_switch
+    monkeypatch.delenv("SDK_TEST_SWITCH", raising=False)
+    assert env_switch("SDK_TEST_SWITCH", "1", "on") is True
+    monkeypatch.setenv("SDK_TEST_SWITCH", "0")
+    assert env_switch("SDK_TEST_SWITCH", "1", "on") is False
+    monkeypatch.setenv("SDK_TEST_SWITCH", "yes")
+    with pytest.raises(ValueError, match="SDK_TEST_SWITCH='yes'"):
+        env_switch("SDK_TEST_SWITCH", "1", "on")

@@ -54,6 +54,7 @@ work without `nvidia-cutlass-dsl`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -82,6 +83,15 @@ INDEX_LIMIT = 2 ** 31 - 1
 # Threads that issue the weight ring's cp.async copies: all but warp 0 (see the module docstring).
 PRODUCER_FIRST = 32
 PRODUCER_THREADS = NUM_THREADS - PRODUCER_FIRST
+
+
+def env_switch(name: str, default: str, meaning: str) -> bool:
+    """A kernel-wide 0 / 1 choice read from the environment at import (it is compiled in): True
+    for "1" (`meaning`), False for "0"; anything else is refused by name."""
+    v = os.environ.get(name, default)
+    if v not in ("0", "1"):
+        raise ValueError(f"{name}={v!r}: 1 ({meaning}) or 0")
+    return v == "1"
 
 
 def ring_geometry(blocks, max_stages: int | None = None, reserved: int = 0) -> tuple[int, int, int]:

@@ -39,21 +39,13 @@ docs/megakernel.md ("The GEMV consumer").
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ..reference.common import swiglu as swiglu_ref
 from ..errors import UnsupportedConfigError
-from .base import NUM_THREADS, PRODUCER_THREADS, STATS_OFFSET, Block, Cost, OperandSpec, StreamFaces
-
-def _weight_evict_first() -> bool:
-    v = os.environ.get("SDK_WEIGHT_EVICT_FIRST", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"SDK_WEIGHT_EVICT_FIRST={v!r}: 1 (the ring's weight copies evict-first in the L2) or 0")
-    return v == "1"
-
+from .base import NUM_THREADS, PRODUCER_THREADS, STATS_OFFSET, Block, Cost, OperandSpec, StreamFaces, env_switch
 
 # The CUDA-core GEMV's weight copies (rows by producer warps) under an evict-first L2 policy: read
 # once a step, they then leave the L2 before the activations, counters, records and code the next
@@ -61,7 +53,7 @@ def _weight_evict_first() -> bool:
 # copies). H100, interleaved, three pairs (bench/results/h100/megakernel_v34_evict_first.json):
 # one-launch stack L=8 I=2048 fp8 152.0-152.5 vs 155.8-156.0 us (76.5-76.8% vs 74.8-75.0% of
 # copy), bf16 263.2-264.4 vs 266.8-267.7; MoE Kimi K3 batch 1 78.9 vs 80.0, V4.1-Flash 66.9 vs 67.0.
-WEIGHT_EVICT_FIRST = _weight_evict_first()
+WEIGHT_EVICT_FIRST = env_switch("SDK_WEIGHT_EVICT_FIRST", "1", "the ring's weight copies evict-first in the L2")
 
 CHUNK_TARGET_BYTES = 16 * 1024      # weight bytes per ring stage
 CHUNK_MAX_BYTES = 32 * 1024         # ... at most, for tiles too tall for the target

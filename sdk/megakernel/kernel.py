@@ -58,8 +58,6 @@ Supported: any list of blocks following the contract in `sdk/blocks/base.py`.
 """
 from __future__ import annotations
 
-import os
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
@@ -67,18 +65,11 @@ from cutlass.memory import SmemAllocator
 
 from ..blocks._cute import (bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile, timing_stamp,
                             warp_slice)
-from ..blocks.base import NUM_THREADS, ring_geometry, ring_mode
+from ..blocks.base import NUM_THREADS, env_switch, ring_geometry, ring_mode
 from . import isa
 from .program import records_geometry
 
-def _refill_defer() -> bool:
-    v = os.environ.get("SDK_REFILL_DEFER", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"SDK_REFILL_DEFER={v!r}: 1 (a tile's last refill after its signal) or 0")
-    return v == "1"
-
-
-REFILL_DEFER = _refill_defer()
+REFILL_DEFER = env_switch("SDK_REFILL_DEFER", "1", "a tile's last refill after its signal")
 
 OPTAB_EXTENT = 1 << 24        # static extent of the operand table view (never bounds-checked)
 STAMP_OF = {"begun": isa.STAMP_BEGUN, "chunks": isa.STAMP_CHUNKS}     # stream_tile's timing stamps

@@ -66,6 +66,7 @@ from cutlass.memory import SmemAllocator
 from ..blocks._cute import (bounded_wait, gmem_tensor, scratch_region, smem_tensor, stream_tile, timing_stamp,
                             warp_slice)
 from ..blocks.base import NUM_THREADS, env_switch, ring_geometry, ring_mode
+from ..blocks.gemv import WEIGHT_EVICT_FIRST
 from . import isa
 from .program import records_geometry
 
@@ -362,7 +363,9 @@ def compile_megakernel(blocks, num_sms: int, max_len: int, timing: bool = False,
                        pdl: bool = False, records_window: int | None = None):
     """Compiled megakernel `fn(pI, pN, pC, pE, pT, pTim, timeout_ns, stream)`, cached in-process on
     (block static configs, num_sms, max_len, timing, arch, pdl, the records' window)."""
-    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, records_window, REFILL_DEFER)
+    # the kernel-wide switches are compiled in: part of the key
+    key = (tuple(b.key() for b in blocks), num_sms, max_len, timing, arch, pdl, records_window, REFILL_DEFER,
+           WEIGHT_EVICT_FIRST)
     if key not in _cache:
         import cuda.bindings.driver as cuda
         host = build(blocks, num_sms, max_len, timing, pdl, records_window)

@@ -82,6 +82,10 @@
 #    then the MoE Kimi K3 / V4.1-Flash batch 1. (The thirty-fourth session's parts 22-24 - the MoE
 #    ring filled to 33 KB chunks, the schedule order "auto", evict-first on an H100 - ran; the
 #    first two were not faster and were removed: bench/NOTES.md.)
+# 25: the batch-1 MoE expert tile alone (issue 4; bench/experts_bench.py): V4.1-Flash down / gate-up
+#    with one hit expert - the op's config, smem_stages 0 / 4, 16 rows a tile, the tensor-core
+#    tile - hot and cold in the L2, GLM-5.3 / Kimi K3 gate-up base and 4 deep; then Nsight
+#    Compute's stalls on the V4.1 tiles (ncu_experts_*: details, SASS regions by bench.ncu_source).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -203,6 +207,24 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
     BENCH_S_moe=45 BENCH_ARGS_moe="$M" BENCH_S_moe_units=45 BENCH_ARGS_moe_units="$M" BENCH_ENV_moe_units="SDK_GEMV_ISSUE=units" \
     DEVICE_ALL_S=${P15_S:-350} bash bench/device_all.sh bench:megakernel bench:megakernel@units bench:megakernel@again \
     bench:megakernel@units2 bench:moe bench:moe@units
+  exit
+fi
+
+if [ "${1:-1}" = 25 ]; then   # issue 4: the batch-1 expert tile alone - which knob moves its ~12 us a hit
+  V="base;smem_stages=0;smem_stages=4;rows_per_tile=16;smem_stages=0,mma=1"
+  BENCH_S_experts=150 BENCH_ARGS_experts="--cases deepseek_v41_flash:down:1,deepseek_v41_flash:gateup:1 --variants '$V'" \
+    BENCH_S_experts_glm=90 BENCH_ARGS_experts_glm="--cases glm_53:gateup:1,kimi_k3:gateup:1 --variants 'base;smem_stages=4'" \
+    DEVICE_ALL_S=250 bash bench/device_all.sh bench:experts bench:experts@glm
+  # where the V4.1 down tile's warps stall (ncu flushes the caches before the profiled launch)
+  for st in down gateup; do
+    timeout 90 ncu --clock-control none --kernel-name regex:cutlass --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SourceCounters -o "$OUT/ncu_experts_$st" \
+      python -m bench.profile_block experts deepseek_v41_flash $st 1 > "$OUT/ncu_experts_$st.log" 2>&1
+    ncu -i "$OUT/ncu_experts_$st.ncu-rep" --page details > "$OUT/ncu_experts_$st.txt" 2>&1
+    ncu -i "$OUT/ncu_experts_$st.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/ncu_experts_${st}_sass.csv.gz"
+    python -m bench.ncu_source "$OUT/ncu_experts_${st}_sass.csv.gz" --top 25 > "$OUT/ncu_experts_${st}_regions.txt" 2>&1
+    rm -f "$OUT/ncu_experts_$st.ncu-rep"
+  done
   exit
 fi
 

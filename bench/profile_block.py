@@ -20,6 +20,7 @@ check and time the same configurations). MLA decode: bench/profile_mla.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -77,35 +78,15 @@ def compress_table(ratio: int, batch: int, ov: dict):
 
 
 def experts_table(model: str, stage: str, hits: int, ov: dict, device="cuda"):
-    import dataclasses
+    from sdk.blocks.experts import ExpertsBlock
 
-    from sdk.blocks.base import DTYPES
-    from sdk.blocks.experts import ExpertsBlock, quantize_mxfp4
-    from sdk.megakernel.moe_layer import build_program, preset
-    prog = build_program(preset(model, 1, expert_dtype="mxfp4"))
-    blk = next(op.block for op in prog.ops if op.label == f"experts.{stage}")
-    blk = ExpertsBlock(dataclasses.replace(blk.config, **ov))
-    c, g = blk.config, torch.Generator(device=device).manual_seed(hits)
-    specs = {s.name: s for s in blk.operand_specs()}
-    N, K, L = blk.n_rows, blk.k_dim, c.num_local
-    hit = torch.randperm(L, device=device, generator=g)[:hits].sort().values.int()
-    i32 = dict(dtype=torch.int32, device=device)
-    # only the hit experts' weights are read: the others stay zero (a full random shard is GBs)
-    w, sc = torch.zeros(specs["w"].shape, **i32), torch.zeros(specs["w_scale"].shape, **i32)
-    for e in hit.tolist():
-        w[e], sc[e] = quantize_mxfp4(torch.randn(N, K, device=device, generator=g) * K ** -0.5)
-    t = {"w": w, "w_scale": sc, "counts": torch.zeros(L, **i32), "tok": torch.zeros(L, 1, **i32),
-         "slot": torch.zeros(L, 1, **i32),
-         "hits": torch.cat([torch.tensor([hits], **i32), hit, torch.zeros(L - hits, **i32)])}
-    t["counts"][hit.long()] = 1
-    t["slot"][hit.long(), 0] = torch.arange(hits, **i32)        # the token's assignments 0 .. hits-1
-    for name, spec in specs.items():                              # the activations, random; outputs empty
-        if name not in t and not spec.optional:
-            v = torch.randn(*spec.shape, device=device, generator=g)
-            t[name] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device) if spec.output \
-                else (v.abs() if name == "topk_w" else v).to(DTYPES[spec.dtype])
-    ptrs = [t[n].data_ptr() if n in t else 0 for n in blk.operands()]
-    return blk, torch.tensor(ptrs, dtype=torch.int64, device=device), t
+    from bench.experts_bench import expert_op, operands
+    base = expert_op(model, stage)
+    blk = ExpertsBlock(dataclasses.replace(base.config, **ov))
+    shared, (routing,) = operands(base, hits, seed=hits, device=device, routings=1)
+    t = routing | shared
+    return blk, torch.tensor([t[n].data_ptr() if n in t else 0 for n in blk.operands()], dtype=torch.int64,
+                             device=device), t
 
 
 def run_stack(intermediate: int, layers: int, wd: str, ov: dict):

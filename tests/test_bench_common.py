@@ -142,6 +142,28 @@ def test_profile_block_experts_table_routes_one_token_to_the_asked_hits():
     assert not torch.allclose(blk.reference(**one)["out"].float(), out)
 
 
+def test_experts_bench_routings_rotate_over_the_local_experts():
+    """bench/experts_bench.py's cold timing: routing r sends the token to experts r, r + 1, ...
+    (mod the local count), every one of them with its own random weights, and the block's
+    reference for a routing is the weighted sum of those experts' rows plus the shared input."""
+    import torch
+
+    from bench.experts_bench import operands
+    from sdk.blocks.experts import ExpertsBlock, ExpertsConfig, dequant_mxfp4
+    blk = ExpertsBlock(ExpertsConfig(stage="down", hidden=256, intermediate=128, num_local=4, top_k=2,
+                                     weight_dtype="mxfp4", rows_per_tile=8, shared=True))
+    shared, tables = operands(blk, 2, device="cpu")
+    assert [t["hits"][1:3].tolist() for t in tables] == [[0, 1], [1, 2], [2, 3], [0, 3]]
+    assert all(shared["w"][e].abs().sum() > 0 for e in range(4))
+    t = tables[3] | shared
+    want = shared["shared"].float().clone()
+    for j, e in enumerate((0, 3)):      # assignment j of the token: expert e, act row j, weight topk_w[j]
+        w = dequant_mxfp4(shared["w"][e], shared["w_scale"][e])
+        want += shared["topk_w"].reshape(-1)[j] * (shared["act"][j].float() @ w.T)
+    got = blk.reference(**t)["out"].float()
+    assert torch.allclose(got, want, rtol=1e-2, atol=1e-2) and want.abs().mean() > 0.1
+
+
 def test_ncu_source_cuts_the_table_at_barriers(tmp_path):
     """bench/ncu_source.py: an ncu source table (SASS rows with their stall samples) summed
     between barriers - the regions' samples, reasons and opcodes, and the top instructions."""

@@ -7,7 +7,8 @@ tile per CTA, as many CTAs as the op has tiles - with ExpertsConfig overrides pe
 Why: in the MoE layer's batch-1 timelines an expert tile takes ~11-13 us for ONE hit expert
 whatever its bytes (V4.1-Flash gate/up 130 KB, down 49 KB a tile: ~0.5-1.2 TB/s over the GPU,
 the down tiles running alone on it). The variants say which knob moves it: the staged items'
-depth (smem_stages), rows per tile (more, smaller tiles), the tensor-core tile (mma=1).
+depth (smem_stages), packed f16 FMAs (mxfp4_decode=hfma2: ~25% fewer instructions an item),
+the tensor-core tile (mma=1).
 
 Two timings per variant, each the median per launch of a CUDA graph of launches:
   hot:  the same hit expert every launch (its weights stay in the L2);
@@ -23,7 +24,7 @@ import time
 import torch
 
 DEFAULT_CASES = "deepseek_v41_flash:down:1,deepseek_v41_flash:gateup:1,glm_53:gateup:1,kimi_k3:gateup:1"
-DEFAULT_VARIANTS = "base;smem_stages=0;smem_stages=4;rows_per_tile=16;smem_stages=0,mma=1"
+DEFAULT_VARIANTS = "base;mxfp4_decode=hfma2;smem_stages=0;smem_stages=4;smem_stages=0,mma=1"
 
 
 def expert_op(model: str, stage: str):

@@ -82,9 +82,10 @@
 #    then the MoE Kimi K3 / V4.1-Flash batch 1. (The thirty-fourth session's parts 22-24 - the MoE
 #    ring filled to 33 KB chunks, the schedule order "auto", evict-first on an H100 - ran; the
 #    first two were not faster and were removed: bench/NOTES.md.)
-# 25: the batch-1 MoE expert tile alone (issue 4; bench/experts_bench.py): V4.1-Flash down / gate-up
-#    with one hit expert - the op's config, smem_stages 0 / 4, 16 rows a tile, the tensor-core
-#    tile - hot and cold in the L2, GLM-5.3 / Kimi K3 gate-up base and 4 deep; then Nsight
+# 25: the batch-1 MoE expert tile (issue 4): alone (bench/experts_bench.py; V4.1-Flash down /
+#    gate-up with one hit expert - the op's config, mxfp4_decode="hfma2", smem_stages 0 / 4, the
+#    tensor-core tile - hot and cold in the L2; GLM-5.3 / Kimi K3 gate-up base and hfma2), then
+#    the MoE layers at batch 1 with and without hfma2 (timelines, twice interleaved), then Nsight
 #    Compute's stalls on the V4.1 tiles (ncu_experts_*: details, SASS regions by bench.ncu_source).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
@@ -211,13 +212,16 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
 fi
 
 if [ "${1:-1}" = 25 ]; then   # issue 4: the batch-1 expert tile alone - which knob moves its ~12 us a hit
-  V="base;smem_stages=0;smem_stages=4;rows_per_tile=16;smem_stages=0,mma=1"
-  BENCH_S_experts=150 BENCH_ARGS_experts="--cases deepseek_v41_flash:down:1,deepseek_v41_flash:gateup:1 --variants '$V'" \
-    BENCH_S_experts_glm=90 BENCH_ARGS_experts_glm="--cases glm_53:gateup:1,kimi_k3:gateup:1 --variants 'base;smem_stages=4'" \
-    DEVICE_ALL_S=250 bash bench/device_all.sh bench:experts bench:experts@glm
-  # where the V4.1 down tile's warps stall (ncu flushes the caches before the profiled launch)
+  V="base;mxfp4_decode=hfma2;smem_stages=0;smem_stages=4;smem_stages=0,mma=1"
+  M="--cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; H="--set expert_mxfp4_decode=hfma2"
+  BENCH_S_experts=130 BENCH_ARGS_experts="--cases deepseek_v41_flash:down:1,deepseek_v41_flash:gateup:1 --variants '$V'" \
+    BENCH_S_experts_glm=70 BENCH_ARGS_experts_glm="--cases glm_53:gateup:1,kimi_k3:gateup:1 --variants 'base;mxfp4_decode=hfma2'" \
+    BENCH_S_moe_h0=60 BENCH_ARGS_moe_h0="$M" BENCH_S_moe_h1=60 BENCH_ARGS_moe_h1="$M $H" \
+    BENCH_S_moe_h0b=40 BENCH_ARGS_moe_h0b="--no-timeline $M" BENCH_S_moe_h1b=40 BENCH_ARGS_moe_h1b="--no-timeline $M $H" \
+    DEVICE_ALL_S=410 bash bench/device_all.sh bench:experts bench:experts@glm bench:moe@h0 bench:moe@h1 bench:moe@h0b bench:moe@h1b
+  # where the V4.1 tiles' warps stall (ncu flushes the caches before the profiled launch)
   for st in down gateup; do
-    timeout 90 ncu --clock-control none --kernel-name regex:cutlass --launch-skip 2 --launch-count 1 \
+    timeout 70 ncu --clock-control none --kernel-name regex:cutlass --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SourceCounters -o "$OUT/ncu_experts_$st" \
       python -m bench.profile_block experts deepseek_v41_flash $st 1 > "$OUT/ncu_experts_$st.log" 2>&1
     ncu -i "$OUT/ncu_experts_$st.ncu-rep" --page details > "$OUT/ncu_experts_$st.txt" 2>&1

@@ -521,6 +521,56 @@ def test_experts_tile_mma_arithmetic_matches_dequantised_reference(spread):
     assert rel < 2e-3, rel
 
 
+def _hfma2_arithmetic(packed: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T for MXFP4 rows computed the way ExpertsBlock's CUDA-core tile with
+    mxfp4_decode="hfma2" does: per 32-column scale group (one 16-byte load), 16 f16 pairs (e2m1 *
+    2^-14; pair 4q + p = elements 8q + p, 8q + p + 4) times x's same elements * 2^HFMA2_X_EXP as
+    f16 (satfinite),
+    in two chains (even / odd pairs) of packed FMAs each rounding to f16 once per op; the chains'
+    halves widened and added in fp32, (lo0 + hi0) + (lo1 + hi1), then scaled by 2^(s - 127 + 14)."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    codes_b = packed.contiguous().view(torch.uint8)
+    codes = torch.stack([codes_b & 15, codes_b >> 4], dim=-1).flatten(-2).long()      # [n, k]
+    w16 = (E2M1_VALUES[codes] * 2.0 ** -14).to(torch.float16).double()               # exact
+    from sdk.blocks.experts import HFMA2_X_EXP
+    xh = (x.float() * 2.0 ** HFMA2_X_EXP).clamp(-65504, 65504).to(torch.float16).double()    # satfinite
+    G = k // 32
+    order = torch.tensor([8 * q + p + 4 * h for q in range(4) for p in range(4) for h in range(2)])
+    wp = w16.view(n, G, 32)[:, :, order].view(1, n, G, 16, 2)       # [1, n, G, pair, half]
+    xp = xh.view(-1, G, 32)[:, :, order].view(-1, 1, G, 16, 2)      # [m, 1, G, pair, half]
+    f16 = lambda t: t.to(torch.float16).double()                    # one rounding
+    chains = []
+    for c in range(2):
+        a = f16(wp[..., c, :] * xp[..., c, :])
+        for j in range(1, 8):
+            a = f16(wp[..., 2 * j + c, :] * xp[..., 2 * j + c, :] + a)
+        chains.append(a.float())
+    s8 = scales.contiguous().view(torch.uint8).float()                                # [n, G]
+    part = (chains[0][..., 0] + chains[0][..., 1]) + (chains[1][..., 0] + chains[1][..., 1])     # [m, n, G]
+    return (part * torch.exp2(s8 - 127 + 14 - HFMA2_X_EXP)[None]).sum(-1)
+
+
+@pytest.mark.parametrize("spread,xscale,bound", [(0, 1.0, 2e-3), (20, 1.0, 2e-3), (0, 1000.0, 2e-3),
+                                                 (0, 1e-2, 2e-3), (0, 1e-3, 1.5e-2)])
+def test_experts_hfma2_arithmetic_matches_dequantised_reference(spread, xscale, bound):
+    """mxfp4_decode="hfma2"'s arithmetic (f16 products and chains, fp32 widening and scales)
+    against x @ dequant(W)^T: large x (RMS 1000, |x| < 4096: no clamp, a chain's half < 192 in
+    units of the decode's 2^-14), small x (RMS 0.01 / 0.001: f16 subnormal products - the
+    documented ~1e-3 / ~1e-2), row scale groups 2^20 apart."""
+    g = torch.Generator().manual_seed(12)
+    n, k, m = 40, 1024, 3
+    w = torch.randn(n, k, generator=g) * 0.02
+    if spread:
+        w = w * torch.exp2(torch.randint(-spread, 1, (n, k // 32), generator=g).float()).repeat_interleave(32, 1)
+    packed, scales = quantize_mxfp4(w)
+    x = (torch.randn(m, k, generator=g) * xscale).to(torch.bfloat16)
+    ref = x.float() @ dequant_mxfp4(packed, scales).T
+    got = _hfma2_arithmetic(packed, scales, x)
+    assert torch.isfinite(got).all()
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < bound, rel
+
+
 @pytest.mark.parametrize("experts,k,m,scoring,groups,want", [(896, 16, 1, "sigmoid", 1, 8), (288, 8, 3, "sigmoid", 1, 2),
                                                             (384, 6, 2, "sqrtsoftplus", 1, 4), (896, 16, 5, "sigmoid", 1, 1),
                                                             (384, 6, 1, "softmax", 1, 1), (256, 8, 1, "sigmoid", 8, 1)])

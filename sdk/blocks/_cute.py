@@ -165,6 +165,44 @@ def mul_f16x2(a: Int32, b: Int32) -> Int32:
 
 
 @cute.jit
+def fma_f16x2(a: Int32, b: Int32, c: Int32) -> Int32:
+    """a * b + c on f16 pairs (one HFMA2)."""
+    return cute.arch.inline_ptx("fma.rn.f16x2 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[Int32],
+                                read_only_args=[a, b, c])
+
+
+@cute.jit
+def f16x2_sum_f32(v: Int32) -> Float32:
+    """The two f16 halves of v, widened and added in fp32."""
+    lo, hi = cute.arch.inline_ptx(
+        "{ .reg .b16 l, h; mov.b32 {l, h}, {$r0}; cvt.f32.f16 {$w0}, l; cvt.f32.f16 {$w1}, h; }",
+        write_only_types=[Float32, Float32], read_only_args=[v])
+    return lo + hi
+
+
+@cute.jit
+def bf16x8_to_f16_pairs(w0: Int32, w1: Int32, w2: Int32, w3: Int32, x_exp: cutlass.Constexpr):
+    """Eight bf16 (four words; word k holds elements 2k, 2k + 1) times 2^x_exp -> four f16x2
+    words, pair p = elements (p, p + 4) - e2m1_pair's order: word p // 2 and word p // 2 + 2,
+    half p % 2. A bf16 half widens to fp32 by placement (low: << 16, high: & 0xFFFF0000) with
+    x_exp added to its exponent field in the same integer op (a zero or bf16-subnormal input
+    becomes ~2^(x_exp - 127), which rounds to f16 zero), then each two round to f16 together,
+    clamped to +-65504 (satfinite)."""
+    bias = x_exp << 23
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 a, b; .reg .f32 fa, fb; "
+        f"mad.lo.u32 a, {{$r0}}, 65536, {bias}; mad.lo.u32 b, {{$r2}}, 65536, {bias}; mov.b32 fa, a; mov.b32 fb, b; "
+        "cvt.rn.satfinite.f16x2.f32 {$w0}, fb, fa; "
+        f"and.b32 a, {{$r0}}, 0xFFFF0000; and.b32 b, {{$r2}}, 0xFFFF0000; add.u32 a, a, {bias}; add.u32 b, b, {bias}; "
+        "mov.b32 fa, a; mov.b32 fb, b; cvt.rn.satfinite.f16x2.f32 {$w1}, fb, fa; "
+        f"mad.lo.u32 a, {{$r1}}, 65536, {bias}; mad.lo.u32 b, {{$r3}}, 65536, {bias}; mov.b32 fa, a; mov.b32 fb, b; "
+        "cvt.rn.satfinite.f16x2.f32 {$w2}, fb, fa; "
+        f"and.b32 a, {{$r1}}, 0xFFFF0000; and.b32 b, {{$r3}}, 0xFFFF0000; add.u32 a, a, {bias}; add.u32 b, b, {bias}; "
+        "mov.b32 fa, a; mov.b32 fb, b; cvt.rn.satfinite.f16x2.f32 {$w3}, fb, fa; }",
+        write_only_types=[Int32, Int32, Int32, Int32], read_only_args=[w0, w1, w2, w3])
+
+
+@cute.jit
 def f16x2_to_f32(bits: Int32):
     """The two f16 halves of an f16x2 word as fp32 (low half first; exact)."""
     return cute.arch.inline_ptx(
@@ -184,8 +222,12 @@ def e2m1_pair(word: Int32, p: cutlass.Constexpr) -> Int32:
     """Nibbles p and p+4 of `word` (eight e2m1 codes) as an fp16 pair (low half: nibble p):
     exponent + mantissa bits at 9..11, sign at 15 - an fp16 with those bits is the e2m1 value *
     2^-14, exactly (integer ops only: sm_90 has no e2m1 conversion)."""
-    wp = word >> (4 * p)
-    return ((wp & 0x00070007) << 9) | ((wp & 0x00080008) << 12)
+    # the word shifted straight to each field (not first by 4p, then to the field): 4 integer ops a
+    # pair, 3 for p = 3 (SASS: 5 / 4 the other way). >> keeps the sign, but only bits 9..11,
+    # 25..27 of `mant` and 15, 31 of `sign` are kept
+    mant = word << (9 - 4 * p) if 4 * p <= 9 else word >> (4 * p - 9)
+    sign = word << (12 - 4 * p) if p < 3 else word
+    return (mant & 0x0E000E00) | (sign & Int32(-0x7FFF8000))       # -0x7FFF8000: the bits 0x80008000
 
 
 @cute.jit

@@ -60,6 +60,8 @@ from .gemv import MMA_MIN_M            # MXFP4 expert tiles on the tensor cores 
 FORMATS = ("bf16", "fp8_e4m3", "mxfp4")
 ELEMS_PER_LOAD = {"bf16": 8, "fp8_e4m3": 16, "mxfp4": 32}
 GROUPS = (1, 2, 4, 8)       # token-group variants
+MXFP4_DECODES = ("f32", "hfma2")     # ExpertsConfig.mxfp4_decode
+HFMA2_X_EXP = 4                      # mxfp4_decode="hfma2": x enters the f16 products times 2^4
 MAX_LOADS_IN_FLIGHT = 16    # 16-byte weight loads per lane per step (64 registers)
 MAX_GROUP_LOADS = 8         # ... x tokens, in the 2..8-token variants: each token adds x values and
                             # partial sums; above this ptxas spilled KBs per thread (local ptxas -v)
@@ -100,6 +102,9 @@ class ExpertsConfig:
                                          # weight rows and scales into its own shared-memory slots with
                                          # cp.async, smem_stages - 1 items ahead of the one it computes
                                          # (0: loads straight into registers); opt-in, written 2026-12-05
+    mxfp4_decode: str = "f32"            # CUDA-core MXFP4: "f32" (each e2m1 pair widened to fp32, fp32
+                                         # FMAs) | "hfma2" (packed f16 FMAs on the decoded pairs, x as f16;
+                                         # see make_group); opt-in, written 2026-12-07
     expected_hits: float = 1.0           # hit local experts per step: for cost() only
     # expert parallelism (sdk/blocks/ep.py): the experts of an owner rank read the rows that the
     # N ranks dispatched to it. rows: rows of x (gateup) and columns of tok/slot (0 = m); act
@@ -242,6 +247,8 @@ class ExpertsBlock(Block):
             self.unsupported(f"experts: rows={c.rows} > 64 needs scatter (the per-token combine holds 64 tokens)")
         if c.scatter and (c.stage != "down" or c.shared):
             self.unsupported("experts: scatter is a down-stage mode without a shared-expert input")
+        if c.mxfp4_decode not in MXFP4_DECODES:
+            self.unsupported(f"experts: mxfp4_decode {c.mxfp4_decode!r} (supported: {MXFP4_DECODES})")
         if c.smem_stages:
             if not 2 <= c.smem_stages <= 8:
                 self.unsupported(f"experts: smem_stages={c.smem_stages} (supported: 0, or 2..8 items per warp)")
@@ -388,7 +395,8 @@ class ExpertsBlock(Block):
 
         from cutlass.cute.nvgpu import cpasync
 
-        from ._cute import (DTYPE_MAP, TileSmem, bits_to_f32, e2m1_pair, f16x2_to_f32, gmem_tensor, mma_m16n8k16,
+        from ._cute import (DTYPE_MAP, TileSmem, bf16x8_to_f16_pairs, bits_to_f32, e2m1_pair, f16x2_sum_f32,
+                            f16x2_to_f32, fma_f16x2, gmem_tensor, mma_m16n8k16,
                             mul_f16x2, smem_tensor, swiglu_act)
 
         c = self.config
@@ -476,6 +484,36 @@ class ExpertsBlock(Block):
                 return out
             return [w[8 * q + e] for e in range(8)]
 
+        # mxfp4_decode="hfma2": a 16-byte load is 32 e2m1 weights, one scale group. Its 16 decoded
+        # f16 pairs (e2m1_pair: pair 4q + p = elements 8q + p, 8q + p + 4, each the value * 2^-14,
+        # exact) multiply x's same elements times 2^HFMA2_X_EXP as f16 pairs, in two chains of 8
+        # packed FMAs; the chains' halves are widened, added in fp32 and scaled there by the
+        # group's 2^(s - 127) * 2^14 * 2^-HFMA2_X_EXP. Ranges: x * 2^4 clamps at f16's 65504
+        # (satfinite), so |x| up to 4096 is exact; a product is then < 6 * 2^-14 * 65504 < 24 and
+        # a chain's half < 192 - no overflow. Products below 2^-14 are f16 subnormals (2^-25
+        # absolute rounding): x of RMS 0.01 still sums within ~1e-3 relative, RMS 0.001 ~1e-2
+        # (tests/test_moe_blocks.py, the arithmetic emulated). SASS, V4.1-Flash batch-1 gate/up
+        # item (2 rows x 5120): 1225 instructions against the "f32" path's 1630 (the e2m1 decode
+        # ~1.5 a weight either way; f32 widens each weight and FFMAs it, hfma2 one HFMA2 a pair).
+        HFMA2 = fmt == "mxfp4" and c.mxfp4_decode == "hfma2"
+
+        def hfma2_load(raw, scl, u, ch, mX, xr_list, acc, G):
+            """Load u of a step: its weights (raw[i][u], every weight row i) times G tokens' x,
+            into acc (traced inline: u, G and the lists are Python values)."""
+            pairs = [[e2m1_pair(rr[u][q], p) for q in range(4) for p in range(4)] for rr in raw]
+            for g in range(G):
+                xp = []                         # mX: x as int32 words here (4 a 16-byte unit)
+                for q in range(4):
+                    xw = mX[xr_list[g], ch * 4 + q, None].load()
+                    xp += list(bf16x8_to_f16_pairs(xw[0], xw[1], xw[2], xw[3], HFMA2_X_EXP))
+                for i in range(nw):
+                    a0 = mul_f16x2(pairs[i][0], xp[0])
+                    a1 = mul_f16x2(pairs[i][1], xp[1])
+                    for k in range(1, 8):
+                        a0 = fma_f16x2(pairs[i][2 * k], xp[2 * k], a0)
+                        a1 = fma_f16x2(pairs[i][2 * k + 1], xp[2 * k + 1], a1)
+                    acc[i, g] = acc[i, g] + (scl[i][u] * 2.0 ** -HFMA2_X_EXP) * (f16x2_sum_f32(a0) + f16x2_sum_f32(a1))
+
         def make_group(G, staged=False):
             """Dot products of one output row's weight rows (nw: gate and up, or down) with G
             input rows, for one warp. Per step: every weight load (U_G per weight row per lane)
@@ -510,22 +548,25 @@ class ExpertsBlock(Block):
                         scl = [[Float32(cutlass.select_(ch_l[u] < nch, sr[u], Float32(0.0))) for u in range(UG)]
                                for sr in scl]
                     for u in cutlass.range_constexpr(UG):
-                        w = [unpack(rr[u]) for rr in raw]
-                        part = [[Float32(0.0) for _ in range(G)] for _ in range(nw)]
-                        for q in cutlass.range_constexpr(EPL // 8):
-                            xs = [mX[xr_list[g], ch_c[u] * (EPL // 8) + q, None].load().to(Float32)
-                                  for g in range(G)]
+                        if cutlass.const_expr(HFMA2):
+                            hfma2_load(raw, scl, u, ch_c[u], mX, xr_list, acc, G)
+                        else:
+                            w = [unpack(rr[u]) for rr in raw]
+                            part = [[Float32(0.0) for _ in range(G)] for _ in range(nw)]
+                            for q in cutlass.range_constexpr(EPL // 8):
+                                xs = [mX[xr_list[g], ch_c[u] * (EPL // 8) + q, None].load().to(Float32)
+                                      for g in range(G)]
+                                for i in cutlass.range_constexpr(nw):
+                                    w8 = weights8(w[i], q)
+                                    for g in cutlass.range_constexpr(G):
+                                        for e in cutlass.range_constexpr(8):
+                                            part[i][g] = part[i][g] + w8[e] * xs[g][e]
                             for i in cutlass.range_constexpr(nw):
-                                w8 = weights8(w[i], q)
                                 for g in cutlass.range_constexpr(G):
-                                    for e in cutlass.range_constexpr(8):
-                                        part[i][g] = part[i][g] + w8[e] * xs[g][e]
-                        for i in cutlass.range_constexpr(nw):
-                            for g in cutlass.range_constexpr(G):
-                                if cutlass.const_expr(fmt == "bf16" and not ragged):
-                                    acc[i, g] = acc[i, g] + part[i][g]
-                                else:
-                                    acc[i, g] = acc[i, g] + scl[i][u] * part[i][g]
+                                    if cutlass.const_expr(fmt == "bf16" and not ragged):
+                                        acc[i, g] = acc[i, g] + part[i][g]
+                                    else:
+                                        acc[i, g] = acc[i, g] + scl[i][u] * part[i][g]
 
             return group
 
@@ -624,11 +665,12 @@ class ExpertsBlock(Block):
             mHits = gmem_tensor(ptrs[P_HITS], Int32, (L + 1,), 4)
             mTok = gmem_tensor(ptrs[P_TOK], Int32, (L, M), 4)
             mSlot = gmem_tensor(ptrs[P_SLOT], Int32, (L, M), 4)
+            mX = gmem_tensor(ptrs[6], cutlass.BFloat16, (xrows, K // 8, 8), 16)
+            if cutlass.const_expr(HFMA2):
+                mX = gmem_tensor(ptrs[6], Int32, (xrows, K // 8, 4), 16)     # hfma2_load's words
             if cutlass.const_expr(gateup):
-                mX = gmem_tensor(ptrs[6], cutlass.BFloat16, (xrows, K // 8, 8), 16)
                 mAct = gmem_tensor(ptrs[7], cutlass.BFloat16, (M * KT, I), 2)
             else:
-                mX = gmem_tensor(ptrs[6], cutlass.BFloat16, (xrows, K // 8, 8), 16)
                 mTw = gmem_tensor(ptrs[7], Float32, (M * KT,), 4)
                 mOut = gmem_tensor(ptrs[9], odt, (M * KT if scatter else M, D), 4 if c.out_dtype == "fp32" else 2)
             n_hit = mHits[0]
@@ -642,9 +684,18 @@ class ExpertsBlock(Block):
             xr = cute.make_rmem_tensor((GMAX,), Int32)       # input rows of the group
             sl = cute.make_rmem_tensor((GMAX,), Int32)       # their assignment slots
             osum = cute.make_rmem_tensor((2,), Float32)      # down: this lane's tokens lane, lane+32
+            shv = cute.make_rmem_tensor((2,), Float32)      # down: the shared experts' sums of the row
             for r in cutlass.range(warp, R, NW, unroll=1):
                 row = t * R + r
                 osum.fill(0.0)
+                if cutlass.const_expr(not gateup and not scatter and has_shared):
+                    # loaded as the row starts, used after its hit experts: the L2 round trip (the
+                    # shared GEMV wrote them from other SMs) overlaps the row's work instead of
+                    # following it - one per row, ~5 a V4.1 batch-1 down tile
+                    mSh = gmem_tensor(ptrs[8], Float32, (M, D), 4)
+                    for half in cutlass.range_constexpr(2):
+                        if lane + 32 * half < M:
+                            shv[half] = mSh[lane + 32 * half, row]
                 for h in cutlass.range(n_hit, unroll=1):
                     le = mHits[1 + h]
                     if cutlass.const_expr(STAGED):
@@ -708,8 +759,7 @@ class ExpertsBlock(Block):
                         if m_out < M:
                             v = osum[half]
                             if cutlass.const_expr(has_shared):
-                                mSh = gmem_tensor(ptrs[8], Float32, (M, D), 4)
-                                v = v + mSh[m_out, row]
+                                v = v + shv[half]
                             mOut[m_out, row] = v.to(odt)
             if cutlass.const_expr(STAGED):
                 cute.arch.cp_async_wait_group(0)       # no group of this tile outlives it (the ring counts its own)

@@ -572,8 +572,8 @@ class GemvBlock(Block):
         from cutlass import Int64
 
         from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, cp_async_16_hinted, e4m3_piece,
-                            e4m3x4_to_f16x2x2, e4m3x4_to_f16x2x2_shifted, f32_bits, fence_proxy_async_smem,
-                            gmem_tensor, l2_evict_first_policy, mma_m16n8k16, mul_f16x2, producer_slot,
+                            e4m3x4_to_f16x2x2, e4m3x4_to_f16x2x2_shifted, f16x2_sum_f32, f32_bits,
+                            fence_proxy_async_smem, fma_f16x2, gmem_tensor, l2_evict_first_policy, mma_m16n8k16, mul_f16x2, producer_slot,
                             smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
 
         c = self.config
@@ -1031,19 +1031,6 @@ class GemvBlock(Block):
                 pair = ((v & 0x007F007F) << 4) | ((v & 0x00800080) << 8)     # bf16 x2: bytes half, half+2
                 wr[i, rr, e0 + half] = bits_to_f32(pair << 16)
                 wr[i, rr, e0 + half + 2] = bits_to_f32(pair & -65536)
-
-        @cute.jit
-        def fma_f16x2(a: Int32, b: Int32, c_: Int32) -> Int32:
-            return cute.arch.inline_ptx("fma.rn.f16x2 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[Int32],
-                                        read_only_args=[a, b, c_])
-
-        @cute.jit
-        def f16x2_sum_f32(v: Int32) -> Float32:
-            """The two f16 halves of v, widened and added in fp32."""
-            lo, hi = cute.arch.inline_ptx(
-                "{ .reg .b16 l, h; mov.b32 {l, h}, {$r0}; cvt.f32.f16 {$w0}, l; cvt.f32.f16 {$w1}, h; }",
-                write_only_types=[Float32, Float32], read_only_args=[v])
-            return lo + hi
 
         @cute.jit
         def consume_hfma2(ptrs, t: Int32, ch: Int32, stage_addr, state, sx):

@@ -84,17 +84,18 @@ def bench_variant(model: str, stage: str, hits: int, overrides: dict, state: dic
     tables = [torch.tensor([(r | shared)[n].data_ptr() if n in (r | shared) else 0 for n in blk.operands()],
                            dtype=torch.int64, device="cuda") for r in routings]
     fn = standalone(blk)
-    stream = cu_stream()
     out_name = "act" if stage == "gateup" else "out"
     shared[out_name].fill_(float("nan"))   # poisoned: a row the tile misses shows in the error
-    fn(tables[0].data_ptr(), stream)
+    fn(tables[0].data_ptr(), cu_stream())
     torch.cuda.synchronize()
     ref = blk.reference(**{k: v.cpu() for k, v in (routings[0] | shared).items()})[out_name].float()
     got = shared[out_name].float().cpu()
     rows = ref[:1] if stage == "down" else ref[:hits]      # the written rows: the token / its assignments
     err = ((got[:rows.shape[0]] - rows).norm() / rows.norm()).item()
-    hot = graph_time_us([lambda: fn(tables[0].data_ptr(), stream)] * 20)
-    cold = graph_time_us([lambda t=t: fn(t.data_ptr(), stream) for t in tables])
+    # cu_stream() at each call: under capture it is the capturing stream (a stream taken before
+    # would launch outside the graph - an empty graph, timed as ~0.2 us a launch)
+    hot = graph_time_us([lambda: fn(tables[0].data_ptr(), cu_stream())] * 20)
+    cold = graph_time_us([lambda t=t: fn(t.data_ptr(), cu_stream()) for t in tables])
     hit_bytes = hits * blk.expert_weight_bytes()
     return {"case": f"{model} {stage} hits={hits}", "variant": ",".join(f"{k}={v}" for k, v in overrides.items()) or "base",
             "tiles": blk.num_tiles(), "rows_per_tile": blk.config.rows_per_tile, "smem_stages": blk.config.smem_stages,

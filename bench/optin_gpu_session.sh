@@ -87,6 +87,11 @@
 #    tensor-core tile - hot and cold in the L2; GLM-5.3 / Kimi K3 gate-up base and hfma2), then
 #    the MoE layers at batch 1 with and without hfma2 (timelines, twice interleaved), then Nsight
 #    Compute's stalls on the V4.1 tiles (ncu_experts_*: details, SASS regions by bench.ncu_source).
+# 26: the batch-1 expert tile (ExpertsConfig.batch1_tile, tile_b1: hit-major items, the hit list in
+#    lane registers, x and the routing weight loaded once a hit - Nsight Compute on the general
+#    tile (part 25) put ~40% of its stalls on per-item L2 round trips): its GPU tests and the MoE
+#    layer's at batch 1 / the staged depths, then the V4.1 expert tiles alone and the MoE layers at
+#    batch 1 against the general tile (expert_batch1_tile=0), interleaved, and with hfma2.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -208,6 +213,20 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
     BENCH_S_moe=45 BENCH_ARGS_moe="$M" BENCH_S_moe_units=45 BENCH_ARGS_moe_units="$M" BENCH_ENV_moe_units="SDK_GEMV_ISSUE=units" \
     DEVICE_ALL_S=${P15_S:-350} bash bench/device_all.sh bench:megakernel bench:megakernel@units bench:megakernel@again \
     bench:megakernel@units2 bench:moe bench:moe@units
+  exit
+fi
+
+if [ "${1:-1}" = 26 ]; then   # issue 4: the batch-1 expert tile (tile_b1) - its tests, then against the general tile
+  GPU_TESTS="tests/gpu/test_moe_gpu.py::test_experts_batch1_tile_equals_reference \
+    tests/gpu/test_moe_gpu.py::test_moe_layer_expert_smem_stages tests/gpu/test_moe_gpu.py::test_moe_layer_real_shard_one_launch \
+    tests/gpu/test_moe_gpu.py::test_moe_layer_latent_situ_equals_moe_reference" TESTS_S=170 OUT="$OUT/tests" \
+    DEVICE_ALL_S=180 bash bench/device_all.sh tests
+  M="--cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; G="--set expert_batch1_tile=0"
+  BENCH_S_experts=50 BENCH_ARGS_experts="--cases deepseek_v41_flash:down:1,deepseek_v41_flash:gateup:1 --variants 'base;batch1_tile=0;mxfp4_decode=hfma2'" \
+    BENCH_S_moe_b1=55 BENCH_ARGS_moe_b1="$M" BENCH_S_moe_g=55 BENCH_ARGS_moe_g="$M $G" \
+    BENCH_S_moe_b1b=38 BENCH_ARGS_moe_b1b="--no-timeline $M" BENCH_S_moe_gb=38 BENCH_ARGS_moe_gb="--no-timeline $M $G" \
+    BENCH_S_moe_h=38 BENCH_ARGS_moe_h="--no-timeline $M --set expert_mxfp4_decode=hfma2" \
+    DEVICE_ALL_S=${P26_S:-290} bash bench/device_all.sh bench:experts bench:moe@b1 bench:moe@g bench:moe@b1b bench:moe@gb bench:moe@h
   exit
 fi
 

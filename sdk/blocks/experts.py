@@ -102,6 +102,8 @@ class ExpertsConfig:
                                          # weight rows and scales into its own shared-memory slots with
                                          # cp.async, smem_stages - 1 items ahead of the one it computes
                                          # (0: loads straight into registers); opt-in, written 2026-12-05
+    batch1_tile: bool = True             # staged items at m = 1: tile_b1 (hit-major items, x / routing
+                                         # loaded per hit); False: the general tile (A/B)
     mxfp4_decode: str = "f32"            # CUDA-core MXFP4: "f32" (each e2m1 pair widened to fp32, fp32
                                          # FMAs) | "hfma2" (packed f16 FMAs on the decoded pairs, x as f16;
                                          # see make_group); opt-in, written 2026-12-07
@@ -497,15 +499,13 @@ class ExpertsBlock(Block):
         # ~1.5 a weight either way; f32 widens each weight and FFMAs it, hfma2 one HFMA2 a pair).
         HFMA2 = fmt == "mxfp4" and c.mxfp4_decode == "hfma2"
 
-        def hfma2_load(raw, scl, u, ch, mX, xr_list, acc, G):
-            """Load u of a step: its weights (raw[i][u], every weight row i) times G tokens' x,
-            into acc (traced inline: u, G and the lists are Python values)."""
+        def hfma2_load(raw, scl, u, xps, acc, G):
+            """Load u of a step: its weights (raw[i][u], every weight row i) times G tokens' x
+            (xps[g]: the unit's 16 f16 pairs), into acc (traced inline: u, G and the lists are
+            Python values)."""
             pairs = [[e2m1_pair(rr[u][q], p) for q in range(4) for p in range(4)] for rr in raw]
             for g in range(G):
-                xp = []                         # mX: x as int32 words here (4 a 16-byte unit)
-                for q in range(4):
-                    xw = mX[xr_list[g], ch * 4 + q, None].load()
-                    xp += list(bf16x8_to_f16_pairs(xw[0], xw[1], xw[2], xw[3], HFMA2_X_EXP))
+                xp = xps[g]
                 for i in range(nw):
                     a0 = mul_f16x2(pairs[i][0], xp[0])
                     a1 = mul_f16x2(pairs[i][1], xp[1])
@@ -514,7 +514,16 @@ class ExpertsBlock(Block):
                         a1 = fma_f16x2(pairs[i][2 * k + 1], xp[2 * k + 1], a1)
                     acc[i, g] = acc[i, g] + (scl[i][u] * 2.0 ** -HFMA2_X_EXP) * (f16x2_sum_f32(a0) + f16x2_sum_f32(a1))
 
-        def make_group(G, staged=False):
+        def x_pairs(mXw, xr, ch):
+            """hfma2's 16 f16 pairs of x row xr's 16-byte units ch * 4 .. ch * 4 + 3 (mXw: x as
+            int32 words, 4 a unit)."""
+            xp = []
+            for q in range(4):
+                xw = mXw[xr, ch * 4 + q, None].load()
+                xp += list(bf16x8_to_f16_pairs(xw[0], xw[1], xw[2], xw[3], HFMA2_X_EXP))
+            return xp
+
+        def make_group(G, staged=False, xcached=False):
             """Dot products of one output row's weight rows (nw: gate and up, or down) with G
             input rows, for one warp. Per step: every weight load (U_G per weight row per lane)
             and its scale first, so they are in flight together; then per 8 weights one x load per
@@ -526,7 +535,8 @@ class ExpertsBlock(Block):
             instead - smem_stages, weight row i at index i of mW / mS.) A step past the row's end
             (the last one when 32 * U_G does not divide the row) re-loads the row's last chunk and
             weighs it 0, so its loads stay unconditional (hoisted with the others) instead of a
-            branch per load."""
+            branch per load. xcached (tile_b1, G = 1, one step): mX is the warp's x cache -
+            load_x_cache's registers - instead of x in global memory."""
             UG = U if G == 1 else max(1, min(U, MAX_GROUP_LOADS // (nw * G)))
             steps = -(-nch // (32 * UG))
             ragged = nch % (32 * UG) != 0
@@ -549,13 +559,20 @@ class ExpertsBlock(Block):
                                for sr in scl]
                     for u in cutlass.range_constexpr(UG):
                         if cutlass.const_expr(HFMA2):
-                            hfma2_load(raw, scl, u, ch_c[u], mX, xr_list, acc, G)
+                            if cutlass.const_expr(xcached):
+                                xps = [[mX[16 * u + k] for k in range(16)]]
+                            else:
+                                xps = [x_pairs(mX, xr_list[g], ch_c[u]) for g in range(G)]
+                            hfma2_load(raw, scl, u, xps, acc, G)
                         else:
                             w = [unpack(rr[u]) for rr in raw]
                             part = [[Float32(0.0) for _ in range(G)] for _ in range(nw)]
                             for q in cutlass.range_constexpr(EPL // 8):
-                                xs = [mX[xr_list[g], ch_c[u] * (EPL // 8) + q, None].load().to(Float32)
-                                      for g in range(G)]
+                                if cutlass.const_expr(xcached):
+                                    xs = [mX[(EPL // 8) * u + q, None].load().to(Float32)]
+                                else:
+                                    xs = [mX[xr_list[g], ch_c[u] * (EPL // 8) + q, None].load().to(Float32)
+                                          for g in range(G)]
                                 for i in cutlass.range_constexpr(nw):
                                     w8 = weights8(w[i], q)
                                     for g in cutlass.range_constexpr(G):
@@ -629,32 +646,36 @@ class ExpertsBlock(Block):
         @cute.jit
         def issue_item(ptrs, t, jj, n_items, n_hit, warp, lane, mHits, base):
             """Copy item jj (if it exists) into slot jj % DS; commits one cp.async group either way."""
-            g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Int32,
-                                      num_bits_per_copy=128)
-            g2s4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
             if jj < n_items:
                 rr = jj // n_hit
                 le = Int64(mHits[1 + jj - rr * n_hit])
-                row = Int64(t * R + warp + NW * rr)
-                a = base + (jj % DS) * ITEM
-                wbase, sbase = expert_bases(ptrs, le)
-                for i in cutlass.range_constexpr(nw):
-                    n = row + Int64(i * I)
-                    for k in cutlass.range_constexpr(-(-nch // 32)):
-                        ch = lane + 32 * k
-                        if ch < nch:
-                            cute.copy(g2s, gmem_tensor(wbase + (n * Int64(nch) + Int64(ch)) * Int64(16), Int32, (4,), 16),
-                                      smem_tensor(a + (i * nch + ch) * 16, Int32, (4,)))
-                    if cutlass.const_expr(SW > 0):
-                        srow = n // Int64(128) if fmt == "fp8_e4m3" else n    # fp8: the 128-row block's scales
-                        for k in cutlass.range_constexpr(-(-SW // 32)):
-                            w = lane + 32 * k
-                            if w < SW:
-                                dst = cute.make_ptr(Int32, a + nw * nch * 16 + (i * SWP + w) * 4, cute.AddressSpace.smem,
-                                                    assumed_align=4)
-                                cute.copy(g2s4, gmem_tensor(sbase + (srow * Int64(SW) + Int64(w)) * Int64(4), Int32, (1,), 4),
-                                          cute.make_tensor(dst, cute.make_layout(1)))
+                copy_item(ptrs, le, Int64(t * R + warp + NW * rr), base + (jj % DS) * ITEM, lane)
             cute.arch.cp_async_commit_group()
+
+        @cute.jit
+        def copy_item(ptrs, le, row, a, lane):
+            """cp.async weight row `row` of local expert le (gate and up: and row + I), with its scale
+            words, into the slot at smem address a (this lane's chunks)."""
+            g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Int32,
+                                      num_bits_per_copy=128)
+            g2s4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
+            wbase, sbase = expert_bases(ptrs, le)
+            for i in cutlass.range_constexpr(nw):
+                n = row + Int64(i * I)
+                for k in cutlass.range_constexpr(-(-nch // 32)):
+                    ch = lane + 32 * k
+                    if ch < nch:
+                        cute.copy(g2s, gmem_tensor(wbase + (n * Int64(nch) + Int64(ch)) * Int64(16), Int32, (4,), 16),
+                                  smem_tensor(a + (i * nch + ch) * 16, Int32, (4,)))
+                if cutlass.const_expr(SW > 0):
+                    srow = n // Int64(128) if fmt == "fp8_e4m3" else n    # fp8: the 128-row block's scales
+                    for k in cutlass.range_constexpr(-(-SW // 32)):
+                        w = lane + 32 * k
+                        if w < SW:
+                            dst = cute.make_ptr(Int32, a + nw * nch * 16 + (i * SWP + w) * 4, cute.AddressSpace.smem,
+                                                assumed_align=4)
+                            cute.copy(g2s4, gmem_tensor(sbase + (srow * Int64(SW) + Int64(w)) * Int64(4), Int32, (1,), 4),
+                                      cute.make_tensor(dst, cute.make_layout(1)))
 
         @cute.jit
         def tile(ptrs, t: Int32, scratch):
@@ -763,6 +784,132 @@ class ExpertsBlock(Block):
                             mOut[m_out, row] = v.to(odt)
             if cutlass.const_expr(STAGED):
                 cute.arch.cp_async_wait_group(0)       # no group of this tile outlives it (the ring counts its own)
+
+        # -- the batch-1 tile (tile_b1): one token (m = 1, no EP rows), staged items, a row's K in
+        # one step of the 1-token group. The general tile's warp loads per item, each a dependent
+        # L2 round trip (Nsight Compute, V4.1-Flash batch-1 down tile: ~300 cycles each at ~5000
+        # an item, ~40% of the stall samples): the hit's local expert (for the next item's copy),
+        # its count, its slot, x's units, the routing weight. Here the warp takes its items hit-
+        # major - item j = (hit j // RWN, its row j % RWN) - and loads per TILE the hit list (lane
+        # k holds hits 1 + k, 33 + k, ..: the next copy's expert is a shuffle), per HIT the slot,
+        # the routing weight and x's units of this lane (registers: load_x_cache), per ITEM only
+        # its staged weights. The down stage's sums of a row over the hits are kept in `scratch`
+        # (one word a (warp, row)); the shared experts' sums are loaded as the tile starts.
+        RWN = R // NW                               # the warp's rows
+        HL = -(-L // 32)                            # hit-list registers a lane
+        UG1 = U
+        B1 = c.batch1_tile and STAGED and M == 1 and not scatter and nch <= 32 * UG1
+        XC_WORDS = 16 * UG1 if HFMA2 else 0          # hfma2: the cache holds x's f16 pairs
+
+        @cute.jit
+        def hit_of(hl, h):
+            """Local expert of hit h < 32 * HL from the lane-held list; every lane must call it."""
+            le = cute.arch.shuffle_sync(hl[0], h % 32)
+            for k in cutlass.range_constexpr(1, HL):
+                v = cute.arch.shuffle_sync(hl[k], h % 32)
+                le = Int32(cutlass.select_(h >= 32 * k, v, le))
+            return le
+
+        @cute.jit
+        def issue_b1(ptrs, t, jj, n_items, warp, lane, hl, base):
+            """Copy item jj = (hit jj // RWN, row jj % RWN of the warp), if it exists, into slot jj % DS;
+            commits one cp.async group either way."""
+            h = jj // RWN
+            le = hit_of(hl, Int32(cutlass.select_(jj < n_items, h, 0)))
+            if jj < n_items:
+                copy_item(ptrs, Int64(le), Int64(t * R + warp + NW * (jj - h * RWN)), base + (jj % DS) * ITEM, lane)
+            cute.arch.cp_async_commit_group()
+
+        @cute.jit
+        def load_x_cache(mXg, xr, xc):
+            """This lane's units of x row xr (its chunks lane + 32 u, clamped past the row's end as
+            the group's): bf16 values [UG1 * EPL / 8, 8], or hfma2's f16 pairs [16 * UG1]."""
+            lane = cute.arch.lane_idx()
+            for u in cutlass.range_constexpr(UG1):
+                ch = lane + 32 * u
+                if cutlass.const_expr(nch % (32 * UG1) != 0):
+                    ch = Int32(cutlass.select_(ch < nch, ch, nch - 1))
+                if cutlass.const_expr(HFMA2):
+                    xp = x_pairs(mXg, xr, ch)
+                    for k in cutlass.range_constexpr(16):
+                        xc[16 * u + k] = xp[k]
+                else:
+                    for q in cutlass.range_constexpr(EPL // 8):
+                        xc[(EPL // 8) * u + q, None].store(mXg[xr, ch * (EPL // 8) + q, None].load())
+
+        f1c = make_group(1, True, xcached=True) if B1 else None
+
+        @cute.jit
+        def tile_b1(ptrs, t: Int32, scratch):
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            warp = tid // 32
+            mHits = gmem_tensor(ptrs[P_HITS], Int32, (L + 1,), 4)
+            mSlot = gmem_tensor(ptrs[P_SLOT], Int32, (L, 1), 4)
+            mXg = gmem_tensor(ptrs[6], cutlass.BFloat16, (xrows, K // 8, 8), 16)
+            if cutlass.const_expr(HFMA2):
+                mXg = gmem_tensor(ptrs[6], Int32, (xrows, K // 8, 4), 16)
+            n_hit = mHits[0]
+            hl = cute.make_rmem_tensor((HL,), Int32)
+            for k in cutlass.range_constexpr(HL):
+                hl[k] = 0
+                if 32 * k + lane < L:
+                    hl[k] = mHits[1 + 32 * k + lane]       # entries past n_hit: read, never used
+            slots = TileSmem(scratch, OWN).allocate_tensor(Int32, cute.make_layout(OWN // 4), 16)
+            sbase = slots.iterator.toint() + warp * (DS * ITEM)
+            n_items = RWN * n_hit
+            for jj in cutlass.range_constexpr(DS - 1):
+                issue_b1(ptrs, t, Int32(jj), n_items, warp, lane, hl, sbase)
+            shv = cute.make_rmem_tensor((RWN,), Float32)
+            if cutlass.const_expr(gateup):
+                mAct = gmem_tensor(ptrs[7], cutlass.BFloat16, (KT, I), 2)
+            else:
+                mTw = gmem_tensor(ptrs[7], Float32, (KT,), 4)
+                mOut = gmem_tensor(ptrs[9], odt, (1, D), 4 if c.out_dtype == "fp32" else 2)
+                for ri in cutlass.range_constexpr(RWN):
+                    shv[ri] = 0.0
+                    if cutlass.const_expr(has_shared):
+                        mSh = gmem_tensor(ptrs[8], Float32, (1, D), 4)
+                        shv[ri] = mSh[0, t * R + warp + NW * ri]
+                    if lane == 0:
+                        scratch[warp * RWN + ri] = 0.0
+            if cutlass.const_expr(HFMA2):
+                xc = cute.make_rmem_tensor((XC_WORDS,), Int32)
+            else:
+                xc = cute.make_rmem_tensor((UG1 * (EPL // 8), 8), cutlass.BFloat16)
+            if cutlass.const_expr(gateup):
+                load_x_cache(mXg, Int32(0), xc)            # the token's x: every hit's input
+            acc = cute.make_rmem_tensor((nw, 1), Float32)
+            for h in cutlass.range(n_hit, unroll=1):
+                le = hit_of(hl, h)
+                slot = mSlot[le, 0]
+                tw = Float32(0.0)
+                if cutlass.const_expr(not gateup):
+                    tw = mTw[slot]
+                    load_x_cache(mXg, slot, xc)            # the assignment's act row
+                for ri in cutlass.range(RWN, unroll=1):
+                    j = h * RWN + ri
+                    issue_b1(ptrs, t, j + (DS - 1), n_items, warp, lane, hl, sbase)
+                    cute.arch.cp_async_wait_group(DS - 1)     # item j has landed (this lane's copies)
+                    cute.arch.sync_warp()                     # ... and every lane's
+                    mW, mS = slot_views(sbase, j % DS)
+                    row = t * R + warp + NW * ri
+                    acc.fill(0.0)
+                    f1c(mW, mS, xc, row, [Int32(0)], acc)
+                    v = cute.arch.warp_reduction_sum(acc[0, 0])
+                    if cutlass.const_expr(gateup):
+                        v = swiglu_act(v, cute.arch.warp_reduction_sum(acc[1, 0]), limit, act, betas)
+                        if lane == 0:
+                            mAct[slot, row] = v.to(cutlass.BFloat16)
+                    else:
+                        if lane == 0:
+                            scratch[warp * RWN + ri] = scratch[warp * RWN + ri] + v * tw
+                    cute.arch.sync_warp()          # every lane is done with the slot: it is refilled next
+            if cutlass.const_expr(not gateup):
+                for ri in cutlass.range_constexpr(RWN):
+                    if lane == 0:
+                        mOut[0, t * R + warp + NW * ri] = (scratch[warp * RWN + ri] + shv[ri]).to(odt)
+            cute.arch.cp_async_wait_group(0)       # no group of this tile outlives it (the ring counts its own)
 
         # -- the tensor-core tile (use_mma, MXFP4) ----------------------------------------------
         # Warp mma.sync m16n8k16 (f16 in, fp32 accumulate), swap-AB: weight rows are the MMA's M
@@ -936,4 +1083,4 @@ class ExpertsBlock(Block):
 
         if self.use_mma:
             return tile_mma
-        return tile
+        return tile_b1 if B1 else tile

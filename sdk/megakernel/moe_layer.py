@@ -104,6 +104,7 @@ class MoELayerConfig(MHCSiteFields):
                                          # (ExpertsConfig.smem_stages; 0: loads straight to registers);
                                          # None: auto_smem_stages (MXFP4: 2 below MMA_MIN_M tokens where it fits)
     expert_mxfp4_decode: str = "f32"     # CUDA-core MXFP4 expert tiles' math (ExpertsConfig.mxfp4_decode)
+    expert_batch1_tile: bool = True      # ExpertsConfig.batch1_tile
     shared_rows: int = 0                 # ... of the shared expert's GEMVs (and the latent ones)
     op_rows: tuple = ()                  # per-op rows overriding shared_rows: (("shared_down", 32),
                                          # ...) over shared_gateup / shared_down / latent_down /
@@ -262,6 +263,7 @@ def blocks(cfg: MoELayerConfig) -> dict:
                                              rows_per_tile=er["gateup"],
                                              mma=cfg.expert_mma, smem_stages=cfg.expert_smem_stages,
                                              mxfp4_decode=cfg.expert_mxfp4_decode,
+                                             batch1_tile=bool(cfg.expert_batch1_tile),
                                              weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
         "down": ExpertsBlock(ExpertsConfig(stage="down", hidden=h, intermediate=cfg.intermediate,
                                            num_local=L, top_k=cfg.top_k, m=m, weight_dtype=cfg.expert_dtype,
@@ -270,6 +272,7 @@ def blocks(cfg: MoELayerConfig) -> dict:
                                            out_dtype="fp32" if cfg.latent else "bf16", rows_per_tile=er["down"],
                                            mma=cfg.expert_mma, smem_stages=cfg.expert_smem_stages,
                                            mxfp4_decode=cfg.expert_mxfp4_decode,
+                                           batch1_tile=bool(cfg.expert_batch1_tile),
                                            weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
     }
     rows = dict(cfg.op_rows)

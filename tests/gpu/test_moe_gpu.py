@@ -343,3 +343,47 @@ def test_moe_layer_in_mhc_one_launch(model, batch, mhc):
         for name, tol in (("coef", 1e-4), ("part_next", 2 * BF16_TOL)):
             e = rel_err(rt.tensors[name], want[name])
             assert e <= tol, f"seed {seed}, launch {launch}: {name} rel err {e:.3e}"
+
+
+@pytest.mark.parametrize("decode", ["f32", "hfma2"])
+@pytest.mark.parametrize("model,stage", [("deepseek_v41_flash", "down"), ("deepseek_v41_flash", "gateup"),
+                                         ("glm_53", "down"), ("glm_53", "gateup"), ("kimi_k3", "down"),
+                                         ("kimi_k3", "gateup")])
+def test_experts_batch1_tile_equals_reference(model, stage, decode):
+    """The batch-1 expert tile (tile_b1: items hit-major, the hit list in lane registers, x and the
+    routing weight loaded per hit) of each model's MoE layer, standalone, one token routed to 3,
+    then 1, then 0 local experts (wrapping round the local range) - the written rows equal the
+    block's fp32 reference: to fp32 summation order for decode "f32", within the hfma2 arithmetic's
+    ~2e-3 for "hfma2"; poisoned outputs, so a row the tile misses fails."""
+    need_gpu()
+    import dataclasses
+
+    from bench.experts_bench import expert_op, operands
+    from sdk.blocks.experts import ExpertsBlock
+    base = expert_op(model, stage)
+    blk = ExpertsBlock(dataclasses.replace(base.config, mxfp4_decode=decode))
+    assert blk.config.m == 1 and blk.config.smem_stages >= 2 and not blk.use_mma     # tile_b1's case
+    out = "act" if stage == "gateup" else "out"
+    shared, tables = operands(blk, 3, seed=5, routings=blk.config.num_local)
+    for hits, routing in ((3, tables[-1]), (1, None), (0, None)):
+        if routing is None:                    # fewer hits: the same routing, its list cut short
+            routing = {k: v.clone() for k, v in tables[-1].items()}
+            kept = routing["hits"][1:1 + hits].long()
+            routing["counts"].zero_()
+            routing["counts"][kept] = 1
+            routing["hits"][0] = hits
+        t = routing | shared
+        t[out].fill_(float("nan"))
+        run_standalone(blk, t)
+        ref = blk.reference(**{k: v.cpu() for k, v in t.items()})[out].float()
+        if stage == "gateup":                  # the written rows: the assignments of the hits
+            slots = routing["slot"][routing["hits"][1:1 + hits].long(), 0].long().cpu()
+            got, want = t[out].float().cpu()[slots], ref[slots]
+        else:
+            got, want = t[out].float().cpu(), ref
+        assert torch.isfinite(got).all(), f"{hits} hits: rows left unwritten"
+        if hits:
+            err = rel_err(got, want)
+            assert err <= (2e-4 if decode == "f32" else 5e-3), f"{hits} hits: relative error {err:.2e}"
+        else:
+            assert torch.equal(got, want)          # down: the shared experts' sums alone

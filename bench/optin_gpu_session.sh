@@ -221,6 +221,7 @@ if [ "${1:-1}" = 26 ]; then   # issue 4: the batch-1 expert tile (tile_b1) - its
     tests/gpu/test_moe_gpu.py::test_moe_layer_expert_smem_stages tests/gpu/test_moe_gpu.py::test_moe_layer_real_shard_one_launch \
     tests/gpu/test_moe_gpu.py::test_moe_layer_latent_situ_equals_moe_reference" TESTS_S=170 OUT="$OUT/tests" \
     DEVICE_ALL_S=180 bash bench/device_all.sh tests
+  [ "${2:-}" = tests ] && exit             # `26 tests`: the tests alone
   M="--cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; G="--set expert_batch1_tile=0"
   BENCH_S_experts=50 BENCH_ARGS_experts="--cases deepseek_v41_flash:down:1,deepseek_v41_flash:gateup:1 --variants 'base;batch1_tile=0;mxfp4_decode=hfma2'" \
     BENCH_S_moe_b1=55 BENCH_ARGS_moe_b1="$M" BENCH_S_moe_g=55 BENCH_ARGS_moe_g="$M $G" \

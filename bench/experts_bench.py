@@ -34,11 +34,12 @@ def expert_op(model: str, stage: str):
     return next(op.block for op in prog.ops if op.label == f"experts.{stage}")
 
 
-def operands(blk, hits: int, seed: int = 0, device="cuda", routings: int | None = None) -> tuple[dict, list[dict]]:
+def operands(blk, hits: int, seed: int = 0, device="cuda", routings: int | None = None,
+             first: int = 0) -> tuple[dict, list[dict]]:
     """(shared operands: MXFP4 weights, x / act, outputs; per routing r = 0 .. routings - 1 (default:
-    every local expert): hits / counts / tok / slot sending the token to the `hits` experts r, r + 1,
-    ... (mod num_local)). Only the experts some routing hits get random weights, the others stay
-    zero (a whole random shard is GBs: profile_block's one routing fills only its own)."""
+    every local expert): hits / counts / tok / slot sending the token to the `hits` experts first +
+    r, first + r + 1, ... (mod num_local)). Only the experts some routing hits get random weights,
+    the others stay zero (a whole random shard is GBs: profile_block's one routing fills only its own)."""
     from sdk.blocks.base import DTYPES
     from sdk.blocks.experts import quantize_mxfp4
     c, g = blk.config, torch.Generator(device=device).manual_seed(seed)
@@ -47,7 +48,7 @@ def operands(blk, hits: int, seed: int = 0, device="cuda", routings: int | None 
     routings = L if routings is None else routings
     i32 = dict(dtype=torch.int32, device=device)
     w, sc = torch.zeros(specs["w"].shape, **i32), torch.zeros(specs["w_scale"].shape, **i32)
-    for e in sorted({(r + j) % L for r in range(routings) for j in range(hits)}):
+    for e in sorted({(first + r + j) % L for r in range(routings) for j in range(hits)}):
         w[e], sc[e] = quantize_mxfp4(torch.randn(N, K, device=device, generator=g) * K ** -0.5)
     shared = {"w": w, "w_scale": sc}
     for name, spec in specs.items():       # activations random; outputs empty
@@ -60,7 +61,7 @@ def operands(blk, hits: int, seed: int = 0, device="cuda", routings: int | None 
             shared[name] = (v.abs() if name == "topk_w" else v).to(DTYPES[spec.dtype])
     tables = []
     for r in range(routings):
-        hit = torch.tensor(sorted((r + j) % L for j in range(hits)), **i32)
+        hit = torch.tensor(sorted((first + r + j) % L for j in range(hits)), **i32)
         t = {"counts": torch.zeros(L, **i32), "tok": torch.zeros(L, specs["tok"].shape[1], **i32),
              "slot": torch.zeros(L, specs["slot"].shape[1], **i32),
              "hits": torch.cat([torch.tensor([hits], **i32), hit, torch.zeros(L - hits, **i32)])}

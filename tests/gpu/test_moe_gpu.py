@@ -351,8 +351,8 @@ def test_moe_layer_in_mhc_one_launch(model, batch, mhc):
                                          ("kimi_k3", "gateup")])
 def test_experts_batch1_tile_equals_reference(model, stage, decode):
     """The batch-1 expert tile (tile_b1: items hit-major, the hit list in lane registers, x and the
-    routing weight loaded per hit) of each model's MoE layer, standalone, one token routed to 3,
-    then 1, then 0 local experts (wrapping round the local range) - the written rows equal the
+    routing weight loaded per hit) of each model's MoE layer, standalone, one token routed to 3
+    local experts (the last two and the first), then 1, then 0 - the written rows equal the
     block's fp32 reference: to fp32 summation order for decode "f32", within the hfma2 arithmetic's
     ~2e-3 for "hfma2"; poisoned outputs, so a row the tile misses fails."""
     need_gpu()
@@ -364,10 +364,11 @@ def test_experts_batch1_tile_equals_reference(model, stage, decode):
     blk = ExpertsBlock(dataclasses.replace(base.config, mxfp4_decode=decode))
     assert blk.config.m == 1 and blk.config.smem_stages >= 2 and not blk.use_mma     # tile_b1's case
     out = "act" if stage == "gateup" else "out"
-    shared, tables = operands(blk, 3, seed=5, routings=blk.config.num_local)
-    for hits, routing in ((3, tables[-1]), (1, None), (0, None)):
+    L = blk.config.num_local                   # experts L-2, L-1, 0: the last ones' 64-bit offsets, a wrap
+    shared, (three,) = operands(blk, 3, seed=5, routings=1, first=L - 2)
+    for hits, routing in ((3, three), (1, None), (0, None)):
         if routing is None:                    # fewer hits: the same routing, its list cut short
-            routing = {k: v.clone() for k, v in tables[-1].items()}
+            routing = {k: v.clone() for k, v in three.items()}
             kept = routing["hits"][1:1 + hits].long()
             routing["counts"].zero_()
             routing["counts"][kept] = 1

@@ -503,19 +503,24 @@ def _tile_mma_arithmetic(packed: torch.Tensor, scales: torch.Tensor, x: torch.Te
     return y
 
 
+def _mxfp4_rows_case(seed: int, n: int, spread: int, xscale: float = 1.0, k: int = 1024, m: int = 3):
+    """(packed, scales, x, x @ dequant(W)^T) for n random MXFP4 rows of k; spread > 0 gives each
+    row's scale groups exponents up to 2^spread apart; x of RMS xscale, bf16."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    if spread:
+        w = w * torch.exp2(torch.randint(-spread, 1, (n, k // 32), generator=g).float()).repeat_interleave(32, 1)
+    packed, scales = quantize_mxfp4(w)
+    x = (torch.randn(m, k, generator=g) * xscale).to(torch.bfloat16)
+    return packed, scales, x, x.float() @ dequant_mxfp4(packed, scales).T
+
+
 @pytest.mark.parametrize("spread", [0, 20])
 def test_experts_tile_mma_arithmetic_matches_dequantised_reference(spread):
     """The tensor-core expert tile's arithmetic (decode pairs, relative group scales in f16, fp32
     MMA sums) against x @ dequant(W)^T; spread > 0 gives each row's scale groups exponents up to
     2^spread apart (the flush of groups > 2^14 below the row's largest must stay negligible)."""
-    g = torch.Generator().manual_seed(11)
-    n, k, m = 48, 1024, 3
-    w = torch.randn(n, k, generator=g) * 0.02
-    if spread:
-        w = w * torch.exp2(torch.randint(-spread, 1, (n, k // 32), generator=g).float()).repeat_interleave(32, 1)
-    packed, scales = quantize_mxfp4(w)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    ref = x.float() @ dequant_mxfp4(packed, scales).T
+    packed, scales, x, ref = _mxfp4_rows_case(11, 48, spread)
     got = _tile_mma_arithmetic(packed, scales, x)
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 2e-3, rel
@@ -557,14 +562,7 @@ def test_experts_hfma2_arithmetic_matches_dequantised_reference(spread, xscale, 
     against x @ dequant(W)^T: large x (RMS 1000, |x| < 4096: no clamp, a chain's half < 192 in
     units of the decode's 2^-14), small x (RMS 0.01 / 0.001: f16 subnormal products - the
     documented ~1e-3 / ~1e-2), row scale groups 2^20 apart."""
-    g = torch.Generator().manual_seed(12)
-    n, k, m = 40, 1024, 3
-    w = torch.randn(n, k, generator=g) * 0.02
-    if spread:
-        w = w * torch.exp2(torch.randint(-spread, 1, (n, k // 32), generator=g).float()).repeat_interleave(32, 1)
-    packed, scales = quantize_mxfp4(w)
-    x = (torch.randn(m, k, generator=g) * xscale).to(torch.bfloat16)
-    ref = x.float() @ dequant_mxfp4(packed, scales).T
+    packed, scales, x, ref = _mxfp4_rows_case(12, 40, spread, xscale)
     got = _hfma2_arithmetic(packed, scales, x)
     assert torch.isfinite(got).all()
     rel = ((got - ref).norm() / ref.norm()).item()

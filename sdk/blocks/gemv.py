@@ -573,8 +573,8 @@ class GemvBlock(Block):
 
         from ._cute import (DTYPE_MAP, bits_to_f32, block_sum_multi, cp_async_16_hinted, e4m3_piece,
                             e4m3x4_to_f16x2x2, e4m3x4_to_f16x2x2_shifted, f16x2_sum_f32, f32_bits,
-                            fence_proxy_async_smem, fma_f16x2, gmem_tensor, l2_evict_first_policy, mma_m16n8k16, mul_f16x2, producer_slot,
-                            smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
+                            fence_proxy_async_smem, fma_f16x2, gmem_tensor, l2_evict_first_policy, mma_m16n8k16,
+                            mul_f16x2, producer_slot, smem_tensor, swiglu_act, tree_sum, wgmma_fp8_sync)
 
         c = self.config
         NT, NWARP = NUM_THREADS, NUM_THREADS // 32

@@ -386,5 +386,7 @@ def test_experts_batch1_tile_equals_reference(model, stage, decode):
         if hits:
             err = rel_err(got, want)
             assert err <= (2e-4 if decode == "f32" else 5e-3), f"{hits} hits: relative error {err:.2e}"
+        elif stage == "down":
+            assert torch.equal(got, want)          # the shared experts' sums alone
         else:
-            assert torch.equal(got, want)          # down: the shared experts' sums alone
+            assert torch.isnan(t[out]).all()       # no hit: the tile writes no act row

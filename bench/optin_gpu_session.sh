@@ -92,6 +92,11 @@
 #    tile (part 25) put ~40% of its stalls on per-item L2 round trips): its GPU tests and the MoE
 #    layer's at batch 1 / the staged depths, then the V4.1 expert tiles alone and the MoE layers at
 #    batch 1 against the general tile (expert_batch1_tile=0), interleaved, and with hfma2.
+# 27: the thirty-fifth session's open items (issue 4, batch 1): tile_b1's GPU test (3 / 1 / 0 hits,
+#    every model, f32 and hfma2) and the MoE real-shard test; then the MoE layers at batch 1 by
+#    default against mxfp4_decode="hfma2", interleaved twice; V4.1-Flash's shared gate/up in 32-row
+#    tiles (72, so they fit the 84 SMs the router leaves) and the critical placement order, with
+#    timelines.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -213,6 +218,21 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
     BENCH_S_moe=45 BENCH_ARGS_moe="$M" BENCH_S_moe_units=45 BENCH_ARGS_moe_units="$M" BENCH_ENV_moe_units="SDK_GEMV_ISSUE=units" \
     DEVICE_ALL_S=${P15_S:-350} bash bench/device_all.sh bench:megakernel bench:megakernel@units bench:megakernel@again \
     bench:megakernel@units2 bench:moe bench:moe@units
+  exit
+fi
+
+if [ "${1:-1}" = 27 ]; then   # issue 4: tile_b1's tests, hfma2 twice against the default, V4.1's placement
+  GPU_TESTS="tests/gpu/test_moe_gpu.py::test_experts_batch1_tile_equals_reference \
+    tests/gpu/test_moe_gpu.py::test_moe_layer_real_shard_one_launch" TESTS_S=170 OUT="$OUT/tests" \
+    DEVICE_ALL_S=180 bash bench/device_all.sh tests
+  [ "${2:-}" = tests ] && exit
+  M="--no-timeline --cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; H="--set expert_mxfp4_decode=hfma2"
+  V="--cases deepseek_v41_flash:1:mxfp4"
+  BENCH_S_moe_a=38 BENCH_ARGS_moe_a="$M" BENCH_S_moe_h=38 BENCH_ARGS_moe_h="$M $H" \
+    BENCH_S_moe_a2=38 BENCH_ARGS_moe_a2="$M" BENCH_S_moe_h2=38 BENCH_ARGS_moe_h2="$M $H" \
+    BENCH_S_moe_r32=40 BENCH_ARGS_moe_r32="$V --set shared_gateup_rows=32 --order phase,critical" \
+    BENCH_S_moe_crit=40 BENCH_ARGS_moe_crit="$V --order phase,critical" \
+    DEVICE_ALL_S=${P27_S:-380} bash bench/device_all.sh bench:moe@a bench:moe@h bench:moe@a2 bench:moe@h2 bench:moe@r32 bench:moe@crit
   exit
 fi
 

@@ -95,8 +95,8 @@
 # 27: the thirty-fifth session's open items (issue 4, batch 1): tile_b1's GPU test (3 / 1 / 0 hits,
 #    every model, f32 and hfma2) and the MoE real-shard test; then the MoE layers at batch 1 by
 #    default against mxfp4_decode="hfma2", interleaved twice; V4.1-Flash's shared gate/up in 32-row
-#    tiles (72, so they fit the 84 SMs the router leaves) and the critical placement order, with
-#    timelines.
+#    tiles (72, so they fit the 84 SMs the router leaves) and in 16-row tiles (144), each in the phase
+#    and the critical placement order, with timelines.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -223,16 +223,18 @@ fi
 
 if [ "${1:-1}" = 27 ]; then   # issue 4: tile_b1's tests, hfma2 twice against the default, V4.1's placement
   GPU_TESTS="tests/gpu/test_moe_gpu.py::test_experts_batch1_tile_equals_reference \
-    tests/gpu/test_moe_gpu.py::test_moe_layer_real_shard_one_launch" TESTS_S=170 OUT="$OUT/tests" \
-    DEVICE_ALL_S=180 bash bench/device_all.sh tests
+    tests/gpu/test_moe_gpu.py::test_moe_layer_real_shard_one_launch" TESTS_S=160 OUT="$OUT/tests" \
+    DEVICE_ALL_S=170 bash bench/device_all.sh tests
   [ "${2:-}" = tests ] && exit
   M="--no-timeline --cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; H="--set expert_mxfp4_decode=hfma2"
   V="--cases deepseek_v41_flash:1:mxfp4"
   BENCH_S_moe_a=38 BENCH_ARGS_moe_a="$M" BENCH_S_moe_h=38 BENCH_ARGS_moe_h="$M $H" \
     BENCH_S_moe_a2=38 BENCH_ARGS_moe_a2="$M" BENCH_S_moe_h2=38 BENCH_ARGS_moe_h2="$M $H" \
     BENCH_S_moe_r32=40 BENCH_ARGS_moe_r32="$V --set shared_gateup_rows=32 --order phase,critical" \
+    BENCH_S_moe_r16=40 BENCH_ARGS_moe_r16="$V --set shared_gateup_rows=16 --order phase,critical" \
     BENCH_S_moe_crit=40 BENCH_ARGS_moe_crit="$V --order phase,critical" \
-    DEVICE_ALL_S=${P27_S:-380} bash bench/device_all.sh bench:moe@a bench:moe@h bench:moe@a2 bench:moe@h2 bench:moe@r32 bench:moe@crit
+    DEVICE_ALL_S=${P27_S:-395} bash bench/device_all.sh bench:moe@a bench:moe@h bench:moe@a2 bench:moe@h2 bench:moe@r32 \
+    bench:moe@r16 bench:moe@crit
   exit
 fi
 

@@ -97,6 +97,10 @@
 #    default against mxfp4_decode="hfma2", interleaved twice; V4.1-Flash's shared gate/up in 32-row
 #    tiles (72, so they fit the 84 SMs the router leaves) and in 16-row tiles (144), each in the phase
 #    and the critical placement order, with timelines.
+# 28: the tensor-core expert tile with each warp's K steps of a group loaded at once
+#    (ExpertsConfig.mma_steps=0, auto: 2-3 steps; 1 = each step's loads just before its MMAs, the
+#    default): its GPU test and the tensor-core tests (`28 bench` skips them), then the MoE layers
+#    at batch 8 (and 64) both ways, interleaved twice.
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -218,6 +222,22 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
     BENCH_S_moe=45 BENCH_ARGS_moe="$M" BENCH_S_moe_units=45 BENCH_ARGS_moe_units="$M" BENCH_ENV_moe_units="SDK_GEMV_ISSUE=units" \
     DEVICE_ALL_S=${P15_S:-350} bash bench/device_all.sh bench:megakernel bench:megakernel@units bench:megakernel@again \
     bench:megakernel@units2 bench:moe bench:moe@units
+  exit
+fi
+
+if [ "${1:-1}" = 28 ]; then   # issue 4 at batch 8: tile_mma's K steps in flight
+  if [ "${2:-}" != bench ]; then
+    GPU_TESTS="tests/gpu/test_moe_gpu.py::test_moe_layer_tensor_core_steps_in_flight \
+      tests/gpu/test_moe_gpu.py::test_moe_layer_tensor_core_experts" TESTS_S=200 OUT="$OUT/tests" \
+      DEVICE_ALL_S=210 bash bench/device_all.sh tests
+  fi
+  M="--no-timeline --cases deepseek_v41_flash:8:mxfp4,glm_53:8:mxfp4,kimi_k3:8:mxfp4"; S="--set expert_mma_steps=0"
+  BENCH_S_moe_s1=45 BENCH_ARGS_moe_s1="$M" BENCH_S_moe_s0=45 BENCH_ARGS_moe_s0="$M $S" \
+    BENCH_S_moe_s1b=45 BENCH_ARGS_moe_s1b="$M" BENCH_S_moe_s0b=45 BENCH_ARGS_moe_s0b="$M $S" \
+    BENCH_S_moe_t0=50 BENCH_ARGS_moe_t0="--cases deepseek_v41_flash:8:mxfp4,kimi_k3:64:mxfp4 $S" \
+    BENCH_S_moe_t1=50 BENCH_ARGS_moe_t1="--cases deepseek_v41_flash:8:mxfp4,kimi_k3:64:mxfp4" \
+    DEVICE_ALL_S=${P28_S:-330} bash bench/device_all.sh bench:moe@s1 bench:moe@s0 bench:moe@s1b bench:moe@s0b \
+    bench:moe@t0 bench:moe@t1
   exit
 fi
 

@@ -101,6 +101,9 @@
 #    (ExpertsConfig.mma_steps=0, auto: 2-3 steps; 1 = each step's loads just before its MMAs, the
 #    default): its GPU test and the tensor-core tests (`28 bench` skips them), then the MoE layers
 #    at batch 8 (and 64) both ways, interleaved twice.
+# 29: parts 27 and 28 in one call (when the device budget allows one): tile_mma's K steps test and
+#    tile_b1's test, then interleaved pairs - batch 1 default / hfma2, batch 8 mma_steps 1 / auto -
+#    and V4.1-Flash batch 1 with its shared gate/up in 16- and 32-row tiles (timelines).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -222,6 +225,24 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
     BENCH_S_moe=45 BENCH_ARGS_moe="$M" BENCH_S_moe_units=45 BENCH_ARGS_moe_units="$M" BENCH_ENV_moe_units="SDK_GEMV_ISSUE=units" \
     DEVICE_ALL_S=${P15_S:-350} bash bench/device_all.sh bench:megakernel bench:megakernel@units bench:megakernel@again \
     bench:megakernel@units2 bench:moe bench:moe@units
+  exit
+fi
+
+if [ "${1:-1}" = 29 ]; then   # issue 4: parts 27 and 28 in one call
+  GPU_TESTS="tests/gpu/test_moe_gpu.py::test_experts_batch1_tile_equals_reference \
+    tests/gpu/test_moe_gpu.py::test_moe_layer_tensor_core_steps_in_flight" TESTS_S=170 OUT="$OUT/tests" \
+    DEVICE_ALL_S=180 bash bench/device_all.sh tests
+  M1="--no-timeline --cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; H="--set expert_mxfp4_decode=hfma2"
+  M8="--no-timeline --cases deepseek_v41_flash:8:mxfp4,glm_53:8:mxfp4,kimi_k3:8:mxfp4"; S="--set expert_mma_steps=0"
+  V="--cases deepseek_v41_flash:1:mxfp4"
+  BENCH_S_moe_a=38 BENCH_ARGS_moe_a="$M1" BENCH_S_moe_h=38 BENCH_ARGS_moe_h="$M1 $H" \
+    BENCH_S_moe_s1=45 BENCH_ARGS_moe_s1="$M8" BENCH_S_moe_s0=45 BENCH_ARGS_moe_s0="$M8 $S" \
+    BENCH_S_moe_r16=28 BENCH_ARGS_moe_r16="$V --set shared_gateup_rows=16" \
+    BENCH_S_moe_r32=28 BENCH_ARGS_moe_r32="$V --set shared_gateup_rows=32" \
+    BENCH_S_moe_a2=38 BENCH_ARGS_moe_a2="$M1" BENCH_S_moe_h2=38 BENCH_ARGS_moe_h2="$M1 $H" \
+    BENCH_S_moe_s1b=45 BENCH_ARGS_moe_s1b="$M8" BENCH_S_moe_s0b=45 BENCH_ARGS_moe_s0b="$M8 $S" \
+    DEVICE_ALL_S=${P29_S:-385} bash bench/device_all.sh bench:moe@a bench:moe@h bench:moe@s1 bench:moe@s0 \
+    bench:moe@r16 bench:moe@r32 bench:moe@a2 bench:moe@h2 bench:moe@s1b bench:moe@s0b
   exit
 fi
 

@@ -230,8 +230,8 @@ fi
 
 if [ "${1:-1}" = 29 ]; then   # issue 4: parts 27 and 28 in one call
   GPU_TESTS="tests/gpu/test_moe_gpu.py::test_experts_batch1_tile_equals_reference \
-    tests/gpu/test_moe_gpu.py::test_moe_layer_tensor_core_steps_in_flight" TESTS_S=170 OUT="$OUT/tests" \
-    DEVICE_ALL_S=180 bash bench/device_all.sh tests
+    tests/gpu/test_moe_gpu.py::test_moe_layer_tensor_core_steps_in_flight" TESTS_S=${P29_T:-150} OUT="$OUT/tests" \
+    DEVICE_ALL_S=$(( ${P29_T:-150} + 10 )) bash bench/device_all.sh tests
   M1="--no-timeline --cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; H="--set expert_mxfp4_decode=hfma2"
   M8="--no-timeline --cases deepseek_v41_flash:8:mxfp4,glm_53:8:mxfp4,kimi_k3:8:mxfp4"; S="--set expert_mma_steps=0"
   V="--cases deepseek_v41_flash:1:mxfp4"
@@ -241,7 +241,7 @@ if [ "${1:-1}" = 29 ]; then   # issue 4: parts 27 and 28 in one call
     BENCH_S_moe_r32=28 BENCH_ARGS_moe_r32="$V --set shared_gateup_rows=32" \
     BENCH_S_moe_a2=38 BENCH_ARGS_moe_a2="$M1" BENCH_S_moe_h2=38 BENCH_ARGS_moe_h2="$M1 $H" \
     BENCH_S_moe_s1b=45 BENCH_ARGS_moe_s1b="$M8" BENCH_S_moe_s0b=45 BENCH_ARGS_moe_s0b="$M8 $S" \
-    DEVICE_ALL_S=${P29_S:-370} bash bench/device_all.sh bench:moe@a bench:moe@h bench:moe@s1 bench:moe@s0 \
+    DEVICE_ALL_S=${P29_S:-300} bash bench/device_all.sh bench:moe@a bench:moe@h bench:moe@s1 bench:moe@s0 \
     bench:moe@r16 bench:moe@r32 bench:moe@a2 bench:moe@h2 bench:moe@s1b bench:moe@s0b
   exit
 fi

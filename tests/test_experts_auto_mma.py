@@ -63,21 +63,3 @@ def test_expert_parallel_rows_follow_the_layer_batch():
               scatter=True)
     assert not ExpertsBlock(ExpertsConfig(**kw, m=1, rows=8)).use_mma
     assert ExpertsBlock(ExpertsConfig(**kw, m=8, rows=64)).use_mma
-
-
-@pytest.mark.parametrize("model,stage,steps", [("deepseek_v41_flash", "gateup", 2), ("deepseek_v41_flash", "down", 2),
-                                               ("glm_53", "gateup", 3), ("glm_53", "down", 2),
-                                               ("kimi_k3", "gateup", 2), ("kimi_k3", "down", 3)])
-def test_tensor_core_steps_in_flight(model, stage, steps):
-    """tile_mma's K steps loaded before any is computed (ExpertsConfig.mma_steps): 1 by default (each
-    step's loads just before its MMAs); auto (0) takes the warp's steps of a group up to what
-    MMA_STEP_REGS registers hold - V4.1-Flash's gate/up (24 rows = 2 m-tiles, gate and up: 56 registers
-    a step) 2 of its 5; GLM-5.3's (16 rows: 36) 3 of 4; a down tile of 40 rows (3 m-tiles: 46) 2."""
-    cfg = preset(model, 8, expert_dtype="mxfp4")
-    assert blocks(cfg)[stage].mma_steps_in_flight == 1
-    b = blocks(preset(model, 8, expert_dtype="mxfp4", expert_mma_steps=0))[stage]
-    assert b.use_mma and b.config.mma_steps == 0
-    assert b.mma_steps_in_flight == steps
-    assert b.mma_steps_in_flight <= -(-(b.k_dim // 128) // 8)          # never more than the warp's steps
-    with pytest.raises(UnsupportedConfigError, match="mma_steps"):
-        blocks(preset(model, 8, expert_dtype="mxfp4", expert_mma_steps=9))

@@ -65,7 +65,6 @@ HFMA2_X_EXP = 4                      # mxfp4_decode="hfma2": x enters the f16 pr
 MAX_LOADS_IN_FLIGHT = 16    # 16-byte weight loads per lane per step (64 registers)
 MAX_GROUP_LOADS = 8         # ... x tokens, in the 2..8-token variants: each token adds x values and
                             # partial sums; above this ptxas spilled KBs per thread (local ptxas -v)
-MMA_STEP_REGS = 128        # tile_mma: registers a thread may hold for the loads of the steps in flight
 MMA_RED_WORDS = 512         # tile_mma's cross-warp sums live in the tile's scratch (before STATS_OFFSET)
 SMEM_STAGES_MAX_BYTES = 192 * 1024   # ExpertsConfig.smem_stages: the warps' item slots at most (the
                                      # megakernel's weight ring needs the rest of the shared memory)
@@ -108,9 +107,6 @@ class ExpertsConfig:
     mxfp4_decode: str = "f32"            # CUDA-core MXFP4: "f32" (each e2m1 pair widened to fp32, fp32
                                          # FMAs) | "hfma2" (packed f16 FMAs on the decoded pairs, x as f16;
                                          # see make_group); opt-in, written 2026-12-07
-    mma_steps: int = 1                   # tile_mma: K steps a warp loads before it computes them (1: each
-                                         # step's loads just before its MMAs); 0 = auto (mma_steps_in_flight);
-                                         # opt-in, written 2026-12-07 (unmeasured)
     expected_hits: float = 1.0           # hit local experts per step: for cost() only
     # expert parallelism (sdk/blocks/ep.py): the experts of an owner rank read the rows that the
     # N ranks dispatched to it. rows: rows of x (gateup) and columns of tok/slot (0 = m); act
@@ -221,21 +217,6 @@ class ExpertsBlock(Block):
         """tile_mma's cross-warp sums: [weight][8 tokens][rows padded to m16 tiles] fp32."""
         return self.nw * 8 * 16 * -(-self.config.rows_per_tile // 16)
 
-    @property
-    def mma_steps_in_flight(self) -> int:
-        """tile_mma: the K steps (128 columns each) whose loads a warp issues before it computes
-        any of them - the warp's steps of an (expert, 8-token group), at most what MMA_STEP_REGS
-        hold (a step: nw x 2 x m-tiles 16-byte weight loads + their scale words + x's 4 words).
-        One step at a time leaves a memory round trip per step on the path (K / 128 / 8 of them
-        a group: 5 for V4.1-Flash's gate/up)."""
-        c = self.config
-        if c.mma_steps:
-            return c.mma_steps
-        mt = -(-c.rows_per_tile // 16)
-        per_step = self.nw * 2 * mt * 5 + 16
-        per_warp = -(-(self.k_dim // 128) // (NUM_THREADS // 32))
-        return max(1, min(per_warp, MMA_STEP_REGS // per_step))
-
     def check(self):
         c = self.config
         if c.stage not in ("gateup", "down"):
@@ -283,8 +264,6 @@ class ExpertsBlock(Block):
         if self.use_mma:
             if c.weight_dtype != "mxfp4":
                 self.unsupported(f"experts mma: weight dtype {c.weight_dtype!r} (the tensor-core tile takes mxfp4)")
-            if not 0 <= c.mma_steps <= 8:
-                self.unsupported(f"experts mma: mma_steps={c.mma_steps} (supported: 0 = auto, 1..8)")
             if self.mma_red_words > MMA_RED_WORDS:
                 self.unsupported(f"experts mma: {self.config.rows_per_tile} rows x {self.nw} weights x 8 tokens "
                                  f"exceed the {MMA_RED_WORDS}-word cross-warp sum in scratch")
@@ -953,7 +932,11 @@ class ExpertsBlock(Block):
         STEPS = K // 128
         RW_ = R // NW                               # down epilogue: rows per warp
         RED = self.mma_red_words
-        SU = self.mma_steps_in_flight
+
+        @cute.jit
+        def f32x2_to_f16x2(lo: Float32, hi: Float32) -> Int32:
+            return cute.arch.inline_ptx("cvt.rn.f16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
+                                        read_only_args=[hi, lo])
 
         @cute.jit
         def decode_pairs(raw, factor: Int32):
@@ -974,42 +957,6 @@ class ExpertsBlock(Block):
                     scratch[tid + NUM_THREADS * j] = Float32(0.0)
             cute.arch.sync_threads()
 
-        def mma_x_pairs(xws, use):
-            """B of a step: x's 32 columns of the thread's token as 16 f16 pairs (pair p of a unit =
-            elements p, p + 4, as decode_pairs' weights), zero where `use` is false (no token, or a
-            step past K). Plain Python."""
-            xp = []
-            for w in xws:
-                xp += list(bf16x8_to_f16_pairs(w[0], w[1], w[2], w[3], 0))
-            return [Int32(cutlass.select_(use, v, 0)) for v in xp]
-
-        def mma_step(raws, sws, xp, q, acc):
-            """One K step of tile_mma into acc: the weights' e2m1 chunks (raws) scaled to each row's
-            largest group of the step (sws), times x's f16 pairs xp, on mma.sync. Plain Python:
-            unrolled where tile_mma traces it."""
-            for i in range(nw):
-                for mt in range(MT):
-                    pairs, rowscale = [], []
-                    for h in range(2):
-                        sw = sws[i][2 * mt + h]
-                        e = [(sw >> (8 * b)) & 255 for b in range(4)]
-                        smax = Int32(cutlass.select_(e[0] > e[1], e[0], e[1]))
-                        smax = Int32(cutlass.select_(e[2] > smax, e[2], smax))
-                        smax = Int32(cutlass.select_(e[3] > smax, e[3], smax))
-                        eq = (sw >> (8 * q)) & 255
-                        d = eq - smax                                   # <= 0
-                        fb = Int32(cutlass.select_(d >= -14, (d + 15) << 10, 0))
-                        pairs.append(decode_pairs(raws[i][2 * mt + h], fb | (fb << 16)))
-                        # 2^(smax - 127) * 2^14: the e2m1 decode's bias
-                        rowscale.append(bits_to_f32((smax + 14) << 23))
-                    cf = [Float32(0.0)] * 4
-                    for m8 in range(8):
-                        k0 = 4 * (m8 // 2) + 2 * (m8 % 2)
-                        cf = list(mma_m16n8k16("f16", (pairs[0][k0], pairs[1][k0], pairs[0][k0 + 1],
-                                                       pairs[1][k0 + 1]), (xp[k0], xp[k0 + 1]), cf))
-                    for v in range(4):
-                        acc[i, mt, v] = acc[i, mt, v] + rowscale[v // 2] * cf[v]
-
         @cute.jit
         def tile_mma(ptrs, t: Int32, scratch):
             tid, _, _ = cute.arch.thread_idx()
@@ -1021,7 +968,7 @@ class ExpertsBlock(Block):
             mHits = gmem_tensor(ptrs[P_HITS], Int32, (L + 1,), 4)
             mTok = gmem_tensor(ptrs[P_TOK], Int32, (L, M), 4)
             mSlot = gmem_tensor(ptrs[P_SLOT], Int32, (L, M), 4)
-            mXw = gmem_tensor(ptrs[6], Int32, (xrows, K // 8, 4), 16)    # x's bf16 pairs as words
+            mX = gmem_tensor(ptrs[6], cutlass.BFloat16, (xrows, K // 8, 8), 16)
             if cutlass.const_expr(gateup):
                 mAct = gmem_tensor(ptrs[7], cutlass.BFloat16, (M * KT, I), 2)
             else:
@@ -1050,24 +997,40 @@ class ExpertsBlock(Block):
                         else:
                             xrow = mSlot[le, g0 + g]
                     acc.fill(0.0)
-                    for st0 in cutlass.range(warp, STEPS, NW * SU, unroll=1):
-                        # every load of the warp's SU steps first (weights, scale words, x's words),
-                        # unconditional: a step past K reloads step st0 and its x counts as zero
-                        loads = []
-                        for u in cutlass.range_constexpr(SU):
-                            st = st0 + NW * u
-                            ok = st < STEPS
-                            if cutlass.const_expr(u > 0):
-                                st = Int32(cutlass.select_(ok, st, st0))
-                            chunk = 4 * st + q
-                            raws = [[load_w(mW, t * R + frows[f] + i * I, chunk) for f in range(2 * MT)]
-                                    for i in range(nw)]
-                            sws = [[mS[t * R + frows[f] + i * I, st] for f in range(2 * MT)] for i in range(nw)]
-                            xws = [mXw[xrow, chunk * 4 + wi, None].load() for wi in range(4)]
-                            loads.append((raws, sws, xws, ok))
-                        for u in cutlass.range_constexpr(SU):
-                            raws, sws, xws, ok = loads[u]
-                            mma_step(raws, sws, mma_x_pairs(xws, has_tok & ok), q, acc)
+                    for st in cutlass.range(warp, STEPS, NW, unroll=1):
+                        chunk = 4 * st + q
+                        # every load of the step first: weights, scale words, x
+                        raws = [[load_w(mW, t * R + frows[f] + i * I, chunk) for f in range(2 * MT)]
+                                for i in range(nw)]
+                        sws = [[mS[t * R + frows[f] + i * I, st] for f in range(2 * MT)] for i in range(nw)]
+                        xv = cute.make_rmem_tensor((4, 8), Float32)
+                        xv.fill(0.0)
+                        if has_tok:
+                            for wi in cutlass.range_constexpr(4):
+                                xv[wi, None].store(mX[xrow, chunk * 4 + wi, None].load().to(Float32))
+                        xp = [f32x2_to_f16x2(xv[k // 4, k % 4], xv[k // 4, k % 4 + 4]) for k in range(16)]
+                        for i in cutlass.range_constexpr(nw):
+                            for mt in cutlass.range_constexpr(MT):
+                                pairs, rowscale = [], []
+                                for h in cutlass.range_constexpr(2):
+                                    sw = sws[i][2 * mt + h]
+                                    e = [(sw >> (8 * b)) & 255 for b in range(4)]
+                                    smax = Int32(cutlass.select_(e[0] > e[1], e[0], e[1]))
+                                    smax = Int32(cutlass.select_(e[2] > smax, e[2], smax))
+                                    smax = Int32(cutlass.select_(e[3] > smax, e[3], smax))
+                                    eq = (sw >> (8 * q)) & 255
+                                    d = eq - smax                                   # <= 0
+                                    fb = Int32(cutlass.select_(d >= -14, (d + 15) << 10, 0))
+                                    pairs.append(decode_pairs(raws[i][2 * mt + h], fb | (fb << 16)))
+                                    # 2^(smax - 127) * 2^14: the e2m1 decode's bias
+                                    rowscale.append(bits_to_f32((smax + 14) << 23))
+                                cf = [Float32(0.0)] * 4
+                                for m8 in cutlass.range_constexpr(8):
+                                    k0 = 4 * (m8 // 2) + 2 * (m8 % 2)
+                                    cf = list(mma_m16n8k16("f16", (pairs[0][k0], pairs[1][k0], pairs[0][k0 + 1],
+                                                                   pairs[1][k0 + 1]), (xp[k0], xp[k0 + 1]), cf))
+                                for v in cutlass.range_constexpr(4):
+                                    acc[i, mt, v] = acc[i, mt, v] + rowscale[v // 2] * cf[v]
                     # the warps' partial sums: [weight][token j][row]; c0, c1 = row g, tokens 2q,
                     # 2q+1; c2, c3 = row g+8
                     for i in cutlass.range_constexpr(nw):

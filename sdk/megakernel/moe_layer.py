@@ -105,7 +105,6 @@ class MoELayerConfig(MHCSiteFields):
                                          # None: auto_smem_stages (MXFP4: 2 below MMA_MIN_M tokens where it fits)
     expert_mxfp4_decode: str = "f32"     # CUDA-core MXFP4 expert tiles' math (ExpertsConfig.mxfp4_decode)
     expert_batch1_tile: bool = True      # ExpertsConfig.batch1_tile
-    expert_mma_steps: int = 1            # ExpertsConfig.mma_steps (tensor-core tile: K steps loaded at once; 0 = auto)
     shared_rows: int = 0                 # ... of the shared expert's GEMVs (and the latent ones)
     op_rows: tuple = ()                  # per-op rows overriding shared_rows: (("shared_down", 32),
                                          # ...) over shared_gateup / shared_down / latent_down /
@@ -263,7 +262,7 @@ def blocks(cfg: MoELayerConfig) -> dict:
                                              swiglu_limit=cfg.swiglu_limit, **cfg.act_fields(),
                                              rows_per_tile=er["gateup"],
                                              mma=cfg.expert_mma, smem_stages=cfg.expert_smem_stages,
-                                             mxfp4_decode=cfg.expert_mxfp4_decode, mma_steps=cfg.expert_mma_steps,
+                                             mxfp4_decode=cfg.expert_mxfp4_decode,
                                              batch1_tile=bool(cfg.expert_batch1_tile),
                                              weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
         "down": ExpertsBlock(ExpertsConfig(stage="down", hidden=h, intermediate=cfg.intermediate,
@@ -272,7 +271,7 @@ def blocks(cfg: MoELayerConfig) -> dict:
                                            shared=bool(cfg.shared_intermediate) and not cfg.latent,
                                            out_dtype="fp32" if cfg.latent else "bf16", rows_per_tile=er["down"],
                                            mma=cfg.expert_mma, smem_stages=cfg.expert_smem_stages,
-                                           mxfp4_decode=cfg.expert_mxfp4_decode, mma_steps=cfg.expert_mma_steps,
+                                           mxfp4_decode=cfg.expert_mxfp4_decode,
                                            batch1_tile=bool(cfg.expert_batch1_tile),
                                            weight_l1=cfg.expert_weight_l1, expected_hits=round(hits, 2))),
     }
@@ -726,8 +725,6 @@ def moe_block_cases() -> list:
         preset("glm_53", 64, expert_dtype="fp8_e4m3")
     b3, b4, bg = blocks(k3), blocks(v4), blocks(glm)
     bm = blocks(preset("kimi_k3", 8, expert_dtype="mxfp4", expert_mma=True))      # the tensor-core tile
-    # ... with the warp's K steps loaded ahead (mma_steps auto: 2 of V4.1-Flash's 5 gate/up steps)
-    bs = blocks(preset("deepseek_v41_flash", 8, expert_dtype="mxfp4", expert_mma=True, expert_mma_steps=0))
     # the staged CUDA-core tiles (opt-in): MXFP4 (GLM-5.3, Kimi K3's ragged latent rows), fp8, bf16
     bp = blocks(preset("glm_53", 1, expert_dtype="mxfp4", expert_smem_stages=3))
     bk = blocks(preset("kimi_k3", 1, expert_dtype="mxfp4", expert_smem_stages=3))
@@ -735,8 +732,8 @@ def moe_block_cases() -> list:
     # bf16 rows are 4x the bytes: the gate/up items of the real shapes do not fit (check() says so)
     bb = {"down": ExpertsBlock(replace(bp["down"].config, weight_dtype="bf16", smem_stages=2))}
     return [b3["logits"], b3["select"], b4["select"], b3["gateup"], b4["gateup"], b4["down"], bg["gateup"], bg["down"],
-            bm["gateup"], bm["down"], bs["gateup"], bs["down"], bp["gateup"], bp["down"], bk["gateup"], bk["down"],
-            bf["gateup"], bf["down"], bb["down"]] + situ_block_cases()
+            bm["gateup"], bm["down"], bp["gateup"], bp["down"], bk["gateup"], bk["down"], bf["gateup"], bf["down"],
+            bb["down"]] + situ_block_cases()
 
 
 def situ_block_cases() -> list:

@@ -39,8 +39,9 @@ for part in $PARTS; do
       DEFAULT_WORKERS=12; [ "${GB:-0}" -lt 100000 ] && DEFAULT_WORKERS=8
       WORKERS=1; python -c "import xdist" 2>/dev/null && WORKERS=${TEST_WORKERS:-$DEFAULT_WORKERS}
       TIMEOUT_FLAG=""; python -c "import pytest_timeout" 2>/dev/null && TIMEOUT_FLAG="--timeout ${TEST_TIMEOUT_S:-180}"
-      # SANITIZE=0: no compute-sanitizer beside the tests (it shares the GPU with them: part 29 of the
-      # thirty-sixth session finished 2 of 18 tests in 150 s beside it)
+      # SANITIZE=0: no compute-sanitizer beside the tests (it shares the GPU with them; part 29 of the
+      # thirty-sixth session finished 2 of 18 tests in 150 s beside it - whether it was the cause
+      # is what a run without it tells)
       if [ "${SANITIZE:-1}" = 0 ]; then echo "sanitizer skipped (SANITIZE=0)" > "$WORK/tests/sanitizer.log"
       elif command -v compute-sanitizer >/dev/null 2>&1; then
         ( for tool in memcheck racecheck; do

@@ -97,6 +97,12 @@
 #    critical placement order and the three layers at batch 8, with timelines (issue 4).
 # (28 / 29, the thirty-sixth session: tile_mma with 2-3 of a warp's K steps loaded at once - slower
 #    at batch 8 on an H100, removed - and parts 27 + 28 in one call; bench/results/h100/megakernel_v36_moe.json.)
+# 30: the batch-1 down tile's deeper ring (down_smem_stages: as deep as the gate/up slots' shared
+#    memory holds, 8 for V4.1-Flash / GLM-5.3, 4 for Kimi K3, was 2) and tile_b1's hit slots /
+#    routing weights in lane registers: tile_b1's GPU test alone and the staged layer test, then
+#    the down tiles alone against 2 deep, the MoE layers at batch 1 against
+#    expert_down_smem_stages=2 (interleaved, twice), and V4.1-Flash batch 1 in the three placement
+#    orders with timelines (issue 4).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -218,6 +224,20 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
     BENCH_S_moe=45 BENCH_ARGS_moe="$M" BENCH_S_moe_units=45 BENCH_ARGS_moe_units="$M" BENCH_ENV_moe_units="SDK_GEMV_ISSUE=units" \
     DEVICE_ALL_S=${P15_S:-350} bash bench/device_all.sh bench:megakernel bench:megakernel@units bench:megakernel@again \
     bench:megakernel@units2 bench:moe bench:moe@units
+  exit
+fi
+
+if [ "${1:-1}" = 30 ]; then   # issue 4: the down tile's deeper ring, the hits' slots in registers
+  GPU_TESTS="tests/gpu/test_moe_gpu.py::test_experts_batch1_tile_equals_reference \
+    tests/gpu/test_moe_gpu.py::test_moe_layer_expert_smem_stages" SANITIZE=0 TESTS_S=${P30_T:-170} OUT="$OUT/tests" \
+    DEVICE_ALL_S=$(( ${P30_T:-170} + 10 )) bash bench/device_all.sh tests
+  [ "${2:-}" = tests ] && exit
+  M1="--no-timeline --cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; D="--set expert_down_smem_stages=2"
+  BENCH_S_experts=50 BENCH_ARGS_experts="--cases deepseek_v41_flash:down:1,glm_53:down:1,kimi_k3:down:1 --variants 'base;smem_stages=2'" \
+    BENCH_S_moe_a=38 BENCH_ARGS_moe_a="$M1" BENCH_S_moe_d=38 BENCH_ARGS_moe_d="$M1 $D" \
+    BENCH_S_moe_o=50 BENCH_ARGS_moe_o="--cases deepseek_v41_flash:1:mxfp4 --order phase,critical,backfill" \
+    BENCH_S_moe_a2=38 BENCH_ARGS_moe_a2="$M1" BENCH_S_moe_d2=38 BENCH_ARGS_moe_d2="$M1 $D" \
+    DEVICE_ALL_S=${P30_S:-280} bash bench/device_all.sh bench:experts bench:moe@a bench:moe@d bench:moe@o bench:moe@a2 bench:moe@d2
   exit
 fi
 

@@ -803,11 +803,12 @@ class ExpertsBlock(Block):
 
         @cute.jit
         def hit_of(hl, h):
-            """Local expert of hit h < 32 * HL from the lane-held list; every lane must call it."""
+            """Entry h < 32 * HL of a lane-held list (entry 32 k + lane in hl[k]: the hits' local
+            experts, their slots, their routing weights); every lane must call it."""
             le = cute.arch.shuffle_sync(hl[0], h % 32)
             for k in cutlass.range_constexpr(1, HL):
                 v = cute.arch.shuffle_sync(hl[k], h % 32)
-                le = Int32(cutlass.select_(h >= 32 * k, v, le))
+                le = cutlass.select_(h >= 32 * k, v, le)
             return le
 
         @cute.jit
@@ -855,6 +856,16 @@ class ExpertsBlock(Block):
                 hl[k] = 0
                 if 32 * k + lane < L:
                     hl[k] = mHits[1 + 32 * k + lane]       # entries past n_hit: read, never used
+            # every hit's slot (and at down its routing weight) into lane registers too, beside the
+            # first items' copies: a hit's x / act row load then waits on no global load before it
+            # (it was a dependent round trip a hit: the slot, then the row)
+            sl = cute.make_rmem_tensor((HL,), Int32)
+            twl = cute.make_rmem_tensor((HL,), Float32)
+            for k in cutlass.range_constexpr(HL):
+                sl[k] = 0
+                twl[k] = 0.0
+                if 32 * k + lane < n_hit:
+                    sl[k] = mSlot[hl[k], 0]
             slots = TileSmem(scratch, OWN).allocate_tensor(Int32, cute.make_layout(OWN // 4), 16)
             sbase = slots.iterator.toint() + warp * (DS * ITEM)
             n_items = RWN * n_hit
@@ -865,6 +876,9 @@ class ExpertsBlock(Block):
                 mAct = gmem_tensor(ptrs[7], cutlass.BFloat16, (KT, I), 2)
             else:
                 mTw = gmem_tensor(ptrs[7], Float32, (KT,), 4)
+                for k in cutlass.range_constexpr(HL):
+                    if 32 * k + lane < n_hit:
+                        twl[k] = mTw[sl[k]]
                 mOut = gmem_tensor(ptrs[9], odt, (1, D), 4 if c.out_dtype == "fp32" else 2)
                 for ri in cutlass.range_constexpr(RWN):
                     shv[ri] = 0.0
@@ -881,11 +895,10 @@ class ExpertsBlock(Block):
                 load_x_cache(mXg, Int32(0), xc)            # the token's x: every hit's input
             acc = cute.make_rmem_tensor((nw, 1), Float32)
             for h in cutlass.range(n_hit, unroll=1):
-                le = hit_of(hl, h)
-                slot = mSlot[le, 0]
+                slot = hit_of(sl, h)
                 tw = Float32(0.0)
                 if cutlass.const_expr(not gateup):
-                    tw = mTw[slot]
+                    tw = hit_of(twl, h)
                     load_x_cache(mXg, slot, xc)            # the assignment's act row
                 for ri in cutlass.range(RWN, unroll=1):
                     j = h * RWN + ri

@@ -99,7 +99,9 @@
 #    at batch 8 on an H100, removed - and parts 27 + 28 in one call; bench/results/h100/megakernel_v36_moe.json.)
 # 30: the batch-1 down tile's deeper ring (down_smem_stages: as deep as the gate/up slots' shared
 #    memory holds, 8 for V4.1-Flash / GLM-5.3, 4 for Kimi K3, was 2) and tile_b1's hit slots /
-#    routing weights in lane registers: tile_b1's GPU test alone and the staged layer test, then
+#    routing weights in lane registers, the router select's weights from the logits it holds
+#    (registers / shared memory, not a second global read): tile_b1's GPU test alone, the staged
+#    layer test and the select's rule test, then
 #    the down tiles alone against 2 deep, the MoE layers at batch 1 against
 #    expert_down_smem_stages=2 (interleaved, twice), and V4.1-Flash batch 1 in the three placement
 #    orders with timelines (issue 4).
@@ -229,7 +231,8 @@ fi
 
 if [ "${1:-1}" = 30 ]; then   # issue 4: the down tile's deeper ring, the hits' slots in registers
   GPU_TESTS="tests/gpu/test_moe_gpu.py::test_experts_batch1_tile_equals_reference \
-    tests/gpu/test_moe_gpu.py::test_moe_layer_expert_smem_stages" SANITIZE=0 TESTS_S=${P30_T:-170} OUT="$OUT/tests" \
+    tests/gpu/test_moe_gpu.py::test_moe_layer_expert_smem_stages tests/gpu/test_moe_gpu.py::test_router_select_matches_rule" \
+    SANITIZE=0 TESTS_S=${P30_T:-170} OUT="$OUT/tests" \
     DEVICE_ALL_S=$(( ${P30_T:-170} + 10 )) bash bench/device_all.sh tests
   [ "${2:-}" = tests ] && exit
   M1="--no-timeline --cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; D="--set expert_down_smem_stages=2"

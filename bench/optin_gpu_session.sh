@@ -230,11 +230,27 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
 fi
 
 if [ "${1:-1}" = 30 ]; then   # issue 4: the down tile's deeper ring, the hits' slots in registers
-  GPU_TESTS="tests/gpu/test_moe_gpu.py::test_experts_batch1_tile_equals_reference \
-    tests/gpu/test_moe_gpu.py::test_moe_layer_expert_smem_stages tests/gpu/test_moe_gpu.py::test_router_select_matches_rule" \
-    SANITIZE=0 TESTS_S=${P30_T:-170} OUT="$OUT/tests" \
-    DEVICE_ALL_S=$(( ${P30_T:-170} + 10 )) bash bench/device_all.sh tests
+  case "${2:-}" in ncu|bench) ;; *)      # `30 bench` / `30 ncu`: without the tests
+    GPU_TESTS="tests/gpu/test_moe_gpu.py::test_experts_batch1_tile_equals_reference \
+      tests/gpu/test_moe_gpu.py::test_moe_layer_expert_smem_stages tests/gpu/test_moe_gpu.py::test_router_select_matches_rule" \
+      SANITIZE=0 TESTS_S=${P30_T:-170} OUT="$OUT/tests" \
+      DEVICE_ALL_S=$(( ${P30_T:-170} + 10 )) bash bench/device_all.sh tests ;;
+  esac
   [ "${2:-}" = tests ] && exit
+  if [ "${2:-}" = ncu ]; then   # `30 ncu`: where tile_b1's warps stall now (V4.1-Flash, one hit), packed in ncu.tgz
+    mkdir -p /tmp/ncu30
+    for st in down gateup; do
+      timeout 80 ncu --clock-control none --kernel-name regex:cutlass --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SourceCounters -o /tmp/ncu30/experts_$st \
+        python -m bench.profile_block experts deepseek_v41_flash $st 1 > /tmp/ncu30/experts_$st.log 2>&1
+      ncu -i /tmp/ncu30/experts_$st.ncu-rep --page details > /tmp/ncu30/experts_$st.txt 2>&1
+      ncu -i /tmp/ncu30/experts_$st.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > /tmp/ncu30/experts_${st}_sass.csv.gz
+      python -m bench.ncu_source /tmp/ncu30/experts_${st}_sass.csv.gz --top 25 > /tmp/ncu30/experts_${st}_regions.txt 2>&1
+      rm -f /tmp/ncu30/experts_$st.ncu-rep
+    done
+    tar czf "$OUT/ncu.tgz" -C /tmp ncu30
+    exit
+  fi
   M1="--no-timeline --cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; D="--set expert_down_smem_stages=2"
   BENCH_S_experts=50 BENCH_ARGS_experts="--cases deepseek_v41_flash:down:1,glm_53:down:1,kimi_k3:down:1 --variants 'base;smem_stages=2'" \
     BENCH_S_moe_a=38 BENCH_ARGS_moe_a="$M1" BENCH_S_moe_d=38 BENCH_ARGS_moe_d="$M1 $D" \

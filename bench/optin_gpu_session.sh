@@ -256,7 +256,8 @@ if [ "${1:-1}" = 30 ]; then   # issue 4: the down tile's deeper ring, the hits' 
     BENCH_S_moe_a=38 BENCH_ARGS_moe_a="$M1" BENCH_S_moe_d=38 BENCH_ARGS_moe_d="$M1 $D" \
     BENCH_S_moe_o=50 BENCH_ARGS_moe_o="--cases deepseek_v41_flash:1:mxfp4 --order phase,critical,backfill" \
     BENCH_S_moe_a2=38 BENCH_ARGS_moe_a2="$M1" BENCH_S_moe_d2=38 BENCH_ARGS_moe_d2="$M1 $D" \
-    DEVICE_ALL_S=${P30_S:-280} bash bench/device_all.sh bench:experts bench:moe@a bench:moe@d bench:moe@o bench:moe@a2 bench:moe@d2
+    DEVICE_ALL_S=${P30_S:-280} bash bench/device_all.sh bench:experts bench:moe@a bench:moe@d bench:moe@o \
+    $([ -n "${P30_LEAN:-}" ] || echo bench:moe@a2 bench:moe@d2)
   exit
 fi
 

@@ -97,14 +97,13 @@
 #    critical placement order and the three layers at batch 8, with timelines (issue 4).
 # (28 / 29, the thirty-sixth session: tile_mma with 2-3 of a warp's K steps loaded at once - slower
 #    at batch 8 on an H100, removed - and parts 27 + 28 in one call; bench/results/h100/megakernel_v36_moe.json.)
-# 30: the batch-1 down tile's deeper ring (down_smem_stages: as deep as the gate/up slots' shared
-#    memory holds, 8 for V4.1-Flash / GLM-5.3, 4 for Kimi K3, was 2) and tile_b1's hit slots /
-#    routing weights in lane registers, the router select's weights from the logits it holds
-#    (registers / shared memory, not a second global read): tile_b1's GPU test alone, the staged
-#    layer test and the select's rule test, then
-#    the down tiles alone against 2 deep, the MoE layers at batch 1 against
-#    expert_down_smem_stages=2 (interleaved, twice), and V4.1-Flash batch 1 in the three placement
-#    orders with timelines (issue 4).
+# 30: the batch-1 down tile's deeper ring (opt-in expert_down_smem_stages=-1: as deep as the
+#    gate/up slots' shared memory holds, 8 for V4.1-Flash / GLM-5.3, 4 for Kimi K3; default 2) and
+#    tile_b1's hit slots / routing weights in lane registers, the router select's weights from the
+#    logits a warp holds (not a second global read; a warp a token): tile_b1's GPU test alone, the
+#    staged layer test and the select's rule test, then the down tiles alone 2 / 4 / 8 deep, the
+#    MoE layers at batch 1 against expert_down_smem_stages=-1 (interleaved, twice; P30_LEAN=1:
+#    once), and V4.1-Flash batch 1 in the three placement orders with timelines (issue 4).
 # The tests' parts are packed into $OUT/tests/results.tgz, the benches' into $OUT/results.tgz.
 # A form that measures faster becomes the default (bench/NOTES.md says so); one that does not is removed.
 set -u
@@ -251,8 +250,8 @@ if [ "${1:-1}" = 30 ]; then   # issue 4: the down tile's deeper ring, the hits' 
     tar czf "$OUT/ncu.tgz" -C /tmp ncu30
     exit
   fi
-  M1="--no-timeline --cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; D="--set expert_down_smem_stages=2"
-  BENCH_S_experts=50 BENCH_ARGS_experts="--cases deepseek_v41_flash:down:1,glm_53:down:1,kimi_k3:down:1 --variants 'base;smem_stages=2'" \
+  M1="--no-timeline --cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; D="--set expert_down_smem_stages=-1"
+  BENCH_S_experts=50 BENCH_ARGS_experts="--cases deepseek_v41_flash:down:1,glm_53:down:1,kimi_k3:down:1 --variants 'base;smem_stages=4;smem_stages=8'" \
     BENCH_S_moe_a=38 BENCH_ARGS_moe_a="$M1" BENCH_S_moe_d=38 BENCH_ARGS_moe_d="$M1 $D" \
     BENCH_S_moe_o=50 BENCH_ARGS_moe_o="--cases deepseek_v41_flash:1:mxfp4 --order phase,critical,backfill" \
     BENCH_S_moe_a2=38 BENCH_ARGS_moe_a2="$M1" BENCH_S_moe_d2=38 BENCH_ARGS_moe_d2="$M1 $D" \

@@ -403,9 +403,9 @@ def test_expert_smem_stages_auto():
     """By default (expert_smem_stages None) the MXFP4 expert tiles are staged below 8 tokens
     (measured faster at batch 1 on the H200: GLM-5.3 / Kimi K3 / V4.1-Flash) where the weight ring
     keeps 3 stages; not from 8 tokens (the tensor-core tile), not fp8 (untimed), not bf16 (no fit).
-    gate/up 2 deep; down as deep as the gate/up slots' shared memory holds (at most 8): V4.1-Flash
-    and GLM-5.3 8 (their down items are a quarter of a gate/up item), Kimi K3 4 - the weight ring
-    the same as with down at 2."""
+    Both 2 deep; expert_down_smem_stages=-1 (opt-in): the down tile as deep as the gate/up slots'
+    shared memory holds (at most 8) - V4.1-Flash and GLM-5.3 8 (their down items are a quarter of
+    a gate/up item), Kimi K3 4 - the weight ring the same as with down at 2."""
     from sdk.blocks.base import ring_geometry
     from sdk.megakernel.moe_layer import auto_smem_stages, blocks, preset
 
@@ -413,13 +413,16 @@ def test_expert_smem_stages_auto():
         b = blocks(preset(model, batch, expert_dtype=fmt, **kw))
         return b["gateup"].config.smem_stages, b["down"].config.smem_stages
     for model, down in (("glm_53", 8), ("kimi_k3", 4), ("deepseek_v41_flash", 8)):
-        assert stages(model, 1, "mxfp4") == stages(model, 4, "mxfp4") == (2, down)
+        deep = dict(expert_down_smem_stages=-1)
+        assert stages(model, 1, "mxfp4") == stages(model, 4, "mxfp4") == (2, 2)
+        assert stages(model, 1, "mxfp4", **deep) == stages(model, 4, "mxfp4", **deep) == (2, down)
+        assert stages(model, 8, "mxfp4", **deep) == stages(model, 1, "fp8_e4m3", **deep) == (0, 0)
         assert stages(model, 8, "mxfp4") == stages(model, 1, "fp8_e4m3") == stages(model, 1, "bf16") == (0, 0)
-        assert stages(model, 1, "mxfp4", expert_down_smem_stages=2) == (2, 2)
-        b = blocks(preset(model, 1, expert_dtype="mxfp4"))
+        assert stages(model, 1, "mxfp4", expert_down_smem_stages=3) == (2, 3)
+        b = blocks(preset(model, 1, expert_dtype="mxfp4", **deep))
         assert b["down"].own_smem_bytes() <= b["gateup"].own_smem_bytes()
         ring = [ring_geometry(build_program(preset(model, 1, expert_dtype="mxfp4", **kw)).opcodes.blocks)
-                for kw in ({}, dict(expert_down_smem_stages=2))]
+                for kw in ({}, deep)]
         assert ring[0] == ring[1] and ring[0][1] >= 3
     assert auto_smem_stages(preset("glm_53", 1, expert_dtype="mxfp4", expert_mma=True)) == 0
 

@@ -154,11 +154,8 @@ class RouterSelectBlock(Block):
         return 1
 
     def own_smem_bytes(self) -> int:
-        """The local experts' token counts while the tile dispatches (int32 each); with several
-        warps a token (warps_per_token > 1: at most 4 tokens), the tokens' logits too (fp32), where
-        the merging warp finds its selected experts' logits."""
-        split = self.config.m * self.config.num_experts * 4 if self.warps_per_token > 1 else 0
-        return -(-4 * self.num_local // 16) * 16 + split
+        """The local experts' token counts while the tile dispatches (int32 each)."""
+        return -(-4 * self.num_local // 16) * 16
 
     @property
     def warps_per_token(self) -> int:
@@ -353,20 +350,19 @@ class RouterSelectBlock(Block):
             return v
 
         @cute.jit
-        def finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, sCnt, lane, mx, inv_sum, sc=None, sLg=None):
+        def finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, sCnt, lane, mx, inv_sum, sc=None):
             """Token m's selected experts (lane j < K: the j-th) -> weights, topk outputs, dispatch.
-            The selected experts' logits from the warp's registers (sc) or shared memory (sLg, the
-            split select's copy) - else read again from mLg."""
+            The selected experts' logits from the warp's registers (sc: a warp a token), else read
+            again from mLg (the split select: a copy of the token's logits in shared memory would
+            take a weight-ring stage from layers whose expert tiles stage nothing - Kimi K3 fp8 / bf16
+            experts at batch 1: 7 -> 6 stages)."""
             my_w = Float32(0.0)
             if cutlass.const_expr(sc is not None):
                 lg = logit_of(sc, my_e)
                 if lane < K:
                     my_w = score_of(lg, mx, inv_sum)
             elif lane < K:
-                if cutlass.const_expr(sLg is not None):
-                    my_w = score_of(sLg[m, my_e], mx, inv_sum)
-                else:
-                    my_w = score_of(mLg[m, my_e], mx, inv_sum)
+                my_w = score_of(mLg[m, my_e], mx, inv_sum)
             if cutlass.const_expr(renorm):
                 tot = cute.arch.warp_reduction_sum(my_w)
                 my_w = bf(my_w / bf(bf(tot) + Float32(1e-20)))
@@ -381,7 +377,7 @@ class RouterSelectBlock(Block):
                     mSlot[le, pos] = m * K + lane
 
         @cute.jit
-        def split_select(mLg, mB, mIds, mTw, mTok, mSlot, sCnt, sLg, lane, warp, scratch):
+        def split_select(mLg, mB, mIds, mTw, mTok, mSlot, sCnt, lane, warp, scratch):
             """WPT warps per token: warp q of token m takes the experts i * 32 + lane with i = q,
             q + WPT, ..; each finds its K best, writes them to scratch; after a barrier the token's
             first warp merges the WPT * K candidates (K rounds over NC per lane). Elementwise
@@ -396,9 +392,7 @@ class RouterSelectBlock(Block):
                     v[s] = Float32(NEG)
                     e[s] = Int32(E)
                     if i < NE:
-                        lg = mLg[m, i * 32 + lane]
-                        sLg[m, i * 32 + lane] = lg
-                        x = score_of(lg, Float32(0.0), Float32(1.0))
+                        x = score_of(mLg[m, i * 32 + lane], Float32(0.0), Float32(1.0))
                         if cutlass.const_expr(has_bias):
                             x = x + mB[i * 32 + lane]
                         v[s] = x
@@ -419,7 +413,7 @@ class RouterSelectBlock(Block):
                         cv[s] = scratch[2 * (m * WPT * K + cidx)]
                         ce[s] = Int32(scratch[2 * (m * WPT * K + cidx) + 1])
                 _, my_e = top_k_of_slots(cv, ce, NC, lane)
-                finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, sCnt, lane, Float32(0.0), Float32(1.0), sLg=sLg)
+                finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, sCnt, lane, Float32(0.0), Float32(1.0))
 
         @cute.jit
         def tile(ptrs, t: Int32, scratch):
@@ -436,8 +430,7 @@ class RouterSelectBlock(Block):
             # the counts live in shared memory while the tokens are dispatched (one tile does them
             # all): slot positions come from shared-memory atomics, not a global round trip each,
             # and the hit list from the same counts; global gets them once, at the end
-            arena = TileSmem(scratch, OWN)
-            sCnt = arena.allocate_tensor(Int32, cute.make_layout((L,)), byte_alignment=16)
+            sCnt = TileSmem(scratch, OWN).allocate_tensor(Int32, cute.make_layout((L,)), byte_alignment=16)
             # 1. this step's counts start at 0
             for le in cutlass.range(tid, L, NUM_THREADS):
                 sCnt[le] = Int32(0)
@@ -445,8 +438,7 @@ class RouterSelectBlock(Block):
             # 2. per token: scores, selection, weights, dispatch (one warp per token, or WPT)
             if cutlass.const_expr(WPT > 1):
                 mBs = gmem_tensor(ptrs[1], Float32, (E,), 4) if has_bias else None
-                sLg = arena.allocate_tensor(Float32, cute.make_layout((M, E), stride=(E, 1)), byte_alignment=16)
-                split_select(mLg, mBs, mIds, mTw, mTok, mSlot, sCnt, sLg, lane, warp, scratch)
+                split_select(mLg, mBs, mIds, mTw, mTok, mSlot, sCnt, lane, warp, scratch)
             else:
                 sc = cute.make_rmem_tensor((NE,), Float32)
                 ch = cute.make_rmem_tensor((NE,), Float32)

@@ -103,7 +103,8 @@ class MoELayerConfig(MHCSiteFields):
                                          # through cp.async into its own smem slots, this many deep
                                          # (ExpertsConfig.smem_stages; 0: loads straight to registers);
                                          # None: auto_smem_stages (MXFP4: 2 below MMA_MIN_M tokens where it fits)
-    expert_down_smem_stages: int | None = None   # ... of the down tile alone; None: down_smem_stages
+    expert_down_smem_stages: int | None = None   # ... of the down tile alone; None: the gate/up's;
+                                         # -1: down_smem_stages' arena-deep ring (opt-in, unmeasured)
     expert_mxfp4_decode: str = "f32"     # CUDA-core MXFP4 expert tiles' math (ExpertsConfig.mxfp4_decode)
     expert_batch1_tile: bool = True      # ExpertsConfig.batch1_tile
     shared_rows: int = 0                 # ... of the shared expert's GEMVs (and the latent ones)
@@ -237,17 +238,18 @@ DOWN_STAGES_MAX = 8              # ExpertsConfig.smem_stages' limit
 
 
 def down_smem_stages(cfg: MoELayerConfig, gateup: ExpertsBlock, down: ExpertsBlock) -> int:
-    """The down tile's smem_stages: cfg.expert_down_smem_stages, or (None) as many as fit the
+    """The down tile's smem_stages: the gate/up tile's (cfg.expert_down_smem_stages None), that
+    number, or (-1, opt-in until measured) as many as fit the
     shared memory the gate/up tile's slots already take - a CTA runs one tile at a time, so the
     plain tiles share one arena (base.plain_smem_bytes) and the deeper down ring costs the weight
     ring nothing. Why deeper: a down item is one short row (V4.1-Flash 1.2 KB against gate/up's
     5.4 KB), computed in ~0.4 us, and the batch-1 tile ran 5 of them a warp one DRAM round trip
     apart with 2 stages (the down tile alone, H100: 7.3 us for 49 KB)."""
-    if cfg.expert_down_smem_stages is not None:
-        return cfg.expert_down_smem_stages
     ds = down.config.smem_stages
-    if not ds:
-        return 0
+    if cfg.expert_down_smem_stages is None or not ds:
+        return ds
+    if cfg.expert_down_smem_stages >= 0:
+        return cfg.expert_down_smem_stages
     per_stage = down.own_smem_bytes() // ds
     return max(ds, min(DOWN_STAGES_MAX, gateup.own_smem_bytes() // per_stage))
 

@@ -229,6 +229,12 @@ if [ "${1:-1}" = 15 ]; then   # the GEMV ring's copies by rows against the old u
 fi
 
 if [ "${1:-1}" = 30 ]; then   # issue 4: the down tile's deeper ring, the hits' slots in registers
+  if [ "${2:-}" = one ]; then   # `30 one`: ONE tile_b1 case alone, its phases printed (-s), 240 s
+    timeout -s INT -k 15 ${P30_T:-240} python -m pytest -p no:cacheprovider -m gpu -x -s -v \
+      "tests/gpu/test_moe_gpu.py::test_experts_batch1_tile_equals_reference[deepseek_v41_flash-down-f32]" > "$OUT/one.log" 2>&1
+    echo "pytest rc=$?"; tail -30 "$OUT/one.log"
+    exit
+  fi
   case "${2:-}" in ncu|bench) ;; *)      # `30 bench` / `30 ncu`: without the tests
     GPU_TESTS="tests/gpu/test_moe_gpu.py::test_experts_batch1_tile_equals_reference \
       tests/gpu/test_moe_gpu.py::test_moe_layer_expert_smem_stages tests/gpu/test_moe_gpu.py::test_router_select_matches_rule" \

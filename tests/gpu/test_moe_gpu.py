@@ -357,15 +357,23 @@ def test_experts_batch1_tile_equals_reference(model, stage, decode):
     ~2e-3 for "hfma2"; poisoned outputs, so a row the tile misses fails."""
     need_gpu()
     import dataclasses
+    import time
 
     from bench.experts_bench import expert_op, operands
     from sdk.blocks.experts import ExpertsBlock
+    t0 = time.time()
+
+    def mark(what):        # where the time goes (the test has not finished inside 95-240 s on the device)
+        print(f"[{time.time() - t0:7.1f} s] {model} {stage} {decode}: {what}", flush=True)
     base = expert_op(model, stage)
     blk = ExpertsBlock(dataclasses.replace(base.config, mxfp4_decode=decode))
     assert blk.config.m == 1 and blk.config.smem_stages >= 2 and not blk.use_mma     # tile_b1's case
     out = "act" if stage == "gateup" else "out"
     L = blk.config.num_local                   # experts L-2, L-1, 0: the last ones' 64-bit offsets, a wrap
+    mark("block built")
     shared, (three,) = operands(blk, 3, seed=5, routings=1, first=L - 2)
+    torch.cuda.synchronize()
+    mark("operands on the GPU")
     for hits, routing in ((3, three), (1, None), (0, None)):
         if routing is None:                    # fewer hits: the same routing, its list cut short
             routing = {k: v.clone() for k, v in three.items()}
@@ -376,7 +384,9 @@ def test_experts_batch1_tile_equals_reference(model, stage, decode):
         t = routing | shared
         t[out].fill_(float("nan"))
         run_standalone(blk, t)
+        mark(f"{hits} hits: kernel compiled and run")
         ref = blk.reference(**{k: v.cpu() for k, v in t.items()})[out].float()
+        mark(f"{hits} hits: reference")
         if stage == "gateup":                  # the written rows: the assignments of the hits
             slots = routing["slot"][routing["hits"][1:1 + hits].long(), 0].long().cpu()
             got, want = t[out].float().cpu()[slots], ref[slots]

@@ -238,8 +238,9 @@ DOWN_STAGES_MAX = 8              # ExpertsConfig.smem_stages' limit
 
 
 def down_smem_stages(cfg: MoELayerConfig, gateup: ExpertsBlock, down: ExpertsBlock) -> int:
-    """The down tile's smem_stages: the gate/up tile's (cfg.expert_down_smem_stages None), that
-    number, or (-1, opt-in until measured) as many as fit the
+    """The down tile's smem_stages where the gate/up tile stages its items (else 0 too): the gate/up
+    tile's (cfg.expert_down_smem_stages None), that number, or (-1, opt-in until measured) as many
+    as fit the
     shared memory the gate/up tile's slots already take - a CTA runs one tile at a time, so the
     plain tiles share one arena (base.plain_smem_bytes) and the deeper down ring costs the weight
     ring nothing. Why deeper: a down item is one short row (V4.1-Flash 1.2 KB against gate/up's

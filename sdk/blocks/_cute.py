@@ -159,6 +159,16 @@ def e4m3x4_to_f16x2x2_shifted(word: Int32):
 
 
 @cute.jit
+def lane_list_get(regs, i, n: cutlass.Constexpr):
+    """Entry i of a warp-held list of up to 32 n values (entry 32 k + lane in regs[k] of that lane),
+    each lane its own i; every lane must call it (n shuffles)."""
+    v = cute.arch.shuffle_sync(regs[0], i % 32)
+    for k in cutlass.range_constexpr(1, n):
+        v = cutlass.select_(i >= 32 * k, cute.arch.shuffle_sync(regs[k], i % 32), v)
+    return v
+
+
+@cute.jit
 def mul_f16x2(a: Int32, b: Int32) -> Int32:
     return cute.arch.inline_ptx("mul.rn.f16x2 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
                                 read_only_args=[a, b])

@@ -398,6 +398,7 @@ class ExpertsBlock(Block):
         from cutlass.cute.nvgpu import cpasync
 
         from ._cute import (DTYPE_MAP, TileSmem, bf16x8_to_f16_pairs, bits_to_f32, e2m1_pair, f16x2_sum_f32,
+                            lane_list_get,
                             f16x2_to_f32, fma_f16x2, gmem_tensor, mma_m16n8k16,
                             mul_f16x2, smem_tensor, swiglu_act)
 
@@ -801,15 +802,9 @@ class ExpertsBlock(Block):
         B1 = c.batch1_tile and STAGED and M == 1 and not scatter and nch <= 32 * UG1
         XC_WORDS = 16 * UG1 if HFMA2 else 0          # hfma2: the cache holds x's f16 pairs
 
-        @cute.jit
         def hit_of(hl, h):
-            """Entry h < 32 * HL of a lane-held list (entry 32 k + lane in hl[k]: the hits' local
-            experts, their slots, their routing weights); every lane must call it."""
-            le = cute.arch.shuffle_sync(hl[0], h % 32)
-            for k in cutlass.range_constexpr(1, HL):
-                v = cute.arch.shuffle_sync(hl[k], h % 32)
-                le = cutlass.select_(h >= 32 * k, v, le)
-            return le
+            """Entry h of a lane-held hit list (the hits' local experts, slots, routing weights)."""
+            return lane_list_get(hl, h, HL)
 
         @cute.jit
         def issue_b1(ptrs, t, jj, n_items, warp, lane, hl, base):

@@ -224,7 +224,7 @@ class RouterSelectBlock(Block):
         import cutlass.cute as cute
         from cutlass import BFloat16, Float32, Int32
 
-        from ._cute import TileSmem, bits_to_f32, f32_bits, gmem_tensor, redux_u32, write_hit_list
+        from ._cute import TileSmem, bits_to_f32, f32_bits, gmem_tensor, lane_list_get, redux_u32, write_hit_list
 
         c = self.config
         E, M, K = c.num_experts, c.m, c.top_k
@@ -339,17 +339,6 @@ class RouterSelectBlock(Block):
             return my_v, my_e
 
         @cute.jit
-        def logit_of(sc, e):
-            """Logit e of the warp's token from the lanes' registers (sc[i] of lane l: logit 32 i + l),
-            for each lane its own e; every lane must call it. NE shuffles instead of a global load:
-            the load was a dependent round trip on the router's critical path (~1-2 us under the
-            layer's streaming, where the select takes 4.5-9 us against 3.3 alone)."""
-            v = Float32(0.0)
-            for i in cutlass.range_constexpr(NE):
-                v = sel_f(e // 32 == i, cute.arch.shuffle_sync(sc[i], e % 32), v)
-            return v
-
-        @cute.jit
         def finish(m, my_e, mLg, mIds, mTw, mTok, mSlot, sCnt, lane, mx, inv_sum, sc=None):
             """Token m's selected experts (lane j < K: the j-th) -> weights, topk outputs, dispatch.
             The selected experts' logits from the warp's registers (sc: a warp a token), else read
@@ -358,7 +347,9 @@ class RouterSelectBlock(Block):
             experts at batch 1: 7 -> 6 stages)."""
             my_w = Float32(0.0)
             if cutlass.const_expr(sc is not None):
-                lg = logit_of(sc, my_e)
+                # NE shuffles instead of a global load: that load was a dependent round trip on the
+                # router's critical path (the select takes 4.5-9 us inside the layer, 3.3 alone)
+                lg = lane_list_get(sc, my_e, NE)
                 if lane < K:
                     my_w = score_of(lg, mx, inv_sum)
             elif lane < K:

@@ -244,8 +244,9 @@ def down_smem_stages(cfg: MoELayerConfig, gateup: ExpertsBlock, down: ExpertsBlo
     shared memory the gate/up tile's slots already take - a CTA runs one tile at a time, so the
     plain tiles share one arena (base.plain_smem_bytes) and the deeper down ring costs the weight
     ring nothing. Why deeper: a down item is one short row (V4.1-Flash 1.2 KB against gate/up's
-    5.4 KB), computed in ~0.4 us, and the batch-1 tile ran 5 of them a warp one DRAM round trip
-    apart with 2 stages (the down tile alone, H100: 7.3 us for 49 KB)."""
+    5.4 KB), computed in ~0.4 us (estimated from its SASS), and 2 deep a warp's 5 items would run
+    about one memory round trip apart - our reading of the down tile's time alone (H100: 7.3 us
+    for 49 KB), not profiled."""
     ds = down.config.smem_stages
     if cfg.expert_down_smem_stages is None or not ds:
         return ds

@@ -110,6 +110,20 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+
+ncu_experts() {   # DIR PREFIX LIMIT_S: Nsight Compute's stalls on the V4.1-Flash expert tiles (one hit)
+  local st f
+  for st in down gateup; do
+    f="$1/$2$st"
+    timeout "$3" ncu --clock-control none --kernel-name regex:cutlass --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SourceCounters -o "$f" \
+      python -m bench.profile_block experts deepseek_v41_flash $st 1 > "$f.log" 2>&1
+    ncu -i "$f.ncu-rep" --page details > "$f.txt" 2>&1
+    ncu -i "$f.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip > "${f}_sass.csv.gz"
+    python -m bench.ncu_source "${f}_sass.csv.gz" --top 25 > "${f}_regions.txt" 2>&1
+    rm -f "$f.ncu-rep"
+  done
+}
 export GIT_COMMIT=${GIT_COMMIT:-unknown} DEVICE_ALL_S=${DEVICE_ALL_S:-575} TESTS_S=${TESTS_S:-540}
 
 if [ "${1:-1}" = 3 ]; then   # the whole models in one launch a step: their tests
@@ -243,17 +257,7 @@ if [ "${1:-1}" = 30 ]; then   # issue 4: the down tile's deeper ring, the hits' 
   esac
   [ "${2:-}" = tests ] && exit
   if [ "${2:-}" = ncu ]; then   # `30 ncu`: where tile_b1's warps stall now (V4.1-Flash, one hit), packed in ncu.tgz
-    mkdir -p /tmp/ncu30
-    for st in down gateup; do
-      timeout 80 ncu --clock-control none --kernel-name regex:cutlass --launch-skip 2 --launch-count 1 \
-        --section SpeedOfLight --section WarpStateStats --section SourceCounters -o /tmp/ncu30/experts_$st \
-        python -m bench.profile_block experts deepseek_v41_flash $st 1 > /tmp/ncu30/experts_$st.log 2>&1
-      ncu -i /tmp/ncu30/experts_$st.ncu-rep --page details > /tmp/ncu30/experts_$st.txt 2>&1
-      ncu -i /tmp/ncu30/experts_$st.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > /tmp/ncu30/experts_${st}_sass.csv.gz
-      python -m bench.ncu_source /tmp/ncu30/experts_${st}_sass.csv.gz --top 25 > /tmp/ncu30/experts_${st}_regions.txt 2>&1
-      rm -f /tmp/ncu30/experts_$st.ncu-rep
-    done
-    tar czf "$OUT/ncu.tgz" -C /tmp ncu30
+    mkdir -p /tmp/ncu30 && ncu_experts /tmp/ncu30 experts_ 80 && tar czf "$OUT/ncu.tgz" -C /tmp ncu30
     exit
   fi
   M1="--no-timeline --cases deepseek_v41_flash:1:mxfp4,glm_53:1:mxfp4,kimi_k3:1:mxfp4"; D="--set expert_down_smem_stages=-1"
@@ -300,15 +304,7 @@ if [ "${1:-1}" = 25 ]; then   # issue 4: the batch-1 expert tile alone - which k
     BENCH_S_moe_h0b=40 BENCH_ARGS_moe_h0b="--no-timeline $M" BENCH_S_moe_h1b=40 BENCH_ARGS_moe_h1b="--no-timeline $M $H" \
     DEVICE_ALL_S=410 bash bench/device_all.sh bench:experts bench:experts@glm bench:moe@h0 bench:moe@h1 bench:moe@h0b bench:moe@h1b
   # where the V4.1 tiles' warps stall (ncu flushes the caches before the profiled launch)
-  for st in down gateup; do
-    timeout 70 ncu --clock-control none --kernel-name regex:cutlass --launch-skip 2 --launch-count 1 \
-      --section SpeedOfLight --section WarpStateStats --section SourceCounters -o "$OUT/ncu_experts_$st" \
-      python -m bench.profile_block experts deepseek_v41_flash $st 1 > "$OUT/ncu_experts_$st.log" 2>&1
-    ncu -i "$OUT/ncu_experts_$st.ncu-rep" --page details > "$OUT/ncu_experts_$st.txt" 2>&1
-    ncu -i "$OUT/ncu_experts_$st.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/ncu_experts_${st}_sass.csv.gz"
-    python -m bench.ncu_source "$OUT/ncu_experts_${st}_sass.csv.gz" --top 25 > "$OUT/ncu_experts_${st}_regions.txt" 2>&1
-    rm -f "$OUT/ncu_experts_$st.ncu-rep"
-  done
+  ncu_experts "$OUT" ncu_experts_ 70
   exit
 fi
 
